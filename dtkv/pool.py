@@ -1,0 +1,194 @@
+"""``ShardedKVPool``: per-layer KV pools that store each logical page once, on its owner rank.
+
+One contiguous buffer per named layout, ``[num_layers, num_local_pages, *page_shape]``, holds this rank's
+pages for every layer (one region to register with a transfer engine). Hot paths use the plain local views
+(:meth:`ShardedKVPool.local`); API boundaries can wrap them as DTensors whose global shape is the logical
+pool (:meth:`ShardedKVPool.dtensor`). The page-table format is defined in :mod:`dtkv.page_table`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from dtkv._collectives import all_gather_rows, group_rank, group_size
+from dtkv._startup import check_agreement
+from dtkv.layouts import KVLayout
+from dtkv.ownership import PageOwnership
+
+__all__ = ["ShardedKVPool"]
+
+
+def _resolve_group(group: dist.ProcessGroup | DeviceMesh | None) -> tuple[dist.ProcessGroup | None, DeviceMesh | None]:
+    if group is None:
+        return None, None
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(f"group must be a 1-D DeviceMesh (the CP axis), got a mesh with ndim={group.ndim}")
+        return group.get_group(), group
+    return group, None
+
+
+class ShardedKVPool:
+    """KV pools of several layouts for ``num_layers`` layers, sharded by page ownership over a CP group.
+
+    Creating a pool is collective over ``group``: the ranks check that they agree on cp size, page size,
+    layout, page count and layer specs, and every rank raises the same
+    :class:`dtkv.ConfigMismatchError` if not.
+
+    Args:
+        layouts: name -> :class:`dtkv.KVLayout` (e.g. ``{"kv": MLAFp8Layout(), "index": IndexerFp8Layout()}``);
+            all must share one ``page_size``.
+        ownership: the page map; ``ownership.cp_size`` must equal the group size.
+        num_layers: layers stored (>= 1).
+        group: the CP process group or 1-D DeviceMesh; ``None`` for a single process (``cp_size`` 1).
+        device: where the local buffers live (default CPU).
+
+    Example:
+        >>> pool = ShardedKVPool({"kv": MLALatentLayout(page_size=4)}, PageOwnership(1, 8), num_layers=2)
+        >>> pool.local("kv", 0).shape
+        torch.Size([8, 4, 576])
+    """
+
+    def __init__(
+        self,
+        layouts: Mapping[str, KVLayout],
+        ownership: PageOwnership,
+        *,
+        num_layers: int,
+        group: dist.ProcessGroup | DeviceMesh | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if not isinstance(ownership, PageOwnership):
+            raise TypeError(f"ownership must be a PageOwnership, got {type(ownership).__name__}")
+        if not layouts:
+            raise ValueError("layouts must name at least one KVLayout, got an empty mapping")
+        for name, lay in layouts.items():
+            if not isinstance(lay, KVLayout):
+                raise TypeError(f"layouts[{name!r}] must be a KVLayout, got {type(lay).__name__}")
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(f"num_layers must be an int >= 1, got num_layers={num_layers!r}")
+        self.group, self._mesh = _resolve_group(group)
+        self.layouts = dict(layouts)
+        self.ownership = ownership
+        self.num_layers = num_layers
+        self.device = torch.device(device)
+        self.rank = group_rank(self.group)
+        world = group_size(self.group)
+        check_agreement(self.describe(), self.group, what="ShardedKVPool")
+        page_sizes = {lay.page_size for lay in self.layouts.values()}
+        if len(page_sizes) != 1:
+            raise ValueError(f"layouts must share one page_size, got {sorted(page_sizes)}")
+        if ownership.cp_size != world:
+            raise ValueError(
+                f"ownership.cp_size must equal the CP group size, got cp_size={ownership.cp_size}, group size={world}"
+            )
+        self.page_size = page_sizes.pop()
+        self.num_local_pages = ownership.num_local_pages(self.rank)
+        self._buffers = {
+            name: torch.zeros(
+                (num_layers, self.num_local_pages, *lay.page_shape), dtype=lay.dtype, device=self.device
+            )
+            for name, lay in self.layouts.items()
+        }
+
+    # ------------------------------------------------------------------------------------------ views
+    def describe(self) -> dict[str, object]:
+        """Everything the ranks must agree on (exchanged at startup)."""
+        return {
+            "cp_size": self.ownership.cp_size,
+            "num_pages": self.ownership.num_pages,
+            "layout": self.ownership.layout,
+            "num_layers": self.num_layers,
+            "device_type": self.device.type,
+            "layouts": {name: lay.describe() for name, lay in sorted(self.layouts.items())},
+        }
+
+    def buffer(self, name: str) -> torch.Tensor:
+        """All layers of one layout: ``[num_layers, num_local_pages, *page_shape]`` (contiguous)."""
+        self._check_name(name)
+        return self._buffers[name]
+
+    def local(self, name: str, layer: int) -> torch.Tensor:
+        """This rank's pages of one layer: ``[num_local_pages, *page_shape]``, local page order."""
+        self._check_layer(layer)
+        return self.buffer(name)[layer]
+
+    def dtensor(self, name: str, layer: int):
+        """The layer's pool as a DTensor of global shape ``[num_pages, *page_shape]``, placement ``[ownership]``.
+
+        For API boundaries and inspection; hot paths use :meth:`local` (in-graph mutation of a DTensor with a
+        custom placement does not compile).
+        """
+        from torch.distributed.tensor import DTensor
+
+        local = self.local(name, layer)
+        shape = (self.ownership.num_pages, *local.shape[1:])
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(local, self.mesh, [self.ownership], run_check=False, shape=shape, stride=stride)
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The CP DeviceMesh (built from the group on first use)."""
+        if self._mesh is None:
+            if self.group is None:
+                raise ValueError("dtensor() needs a process group; this pool was created with group=None")
+            self._mesh = DeviceMesh.from_group(self.group, self.device.type)
+        return self._mesh
+
+    # ------------------------------------------------------------------------------------------ sizes
+    def bytes_per_rank(self) -> int:
+        """Bytes of this rank's buffers (every layer, every layout)."""
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def replicated_bytes(self) -> int:
+        """Bytes one rank would hold if the logical pool were replicated."""
+        return self.num_layers * self.ownership.num_pages * sum(lay.page_bytes for lay in self.layouts.values())
+
+    # ------------------------------------------------------------------------------------------ gather
+    def gather_full(self, layer: int, name: str | None = None) -> dict[str, torch.Tensor] | torch.Tensor:
+        """Assemble the logical pool of ``layer`` on every rank (collective; debugging and tests).
+
+        Returns:
+            ``[num_pages, *page_shape]`` in logical page order, for ``name``; or a dict of them for every
+            layout when ``name`` is None.
+        """
+        names = sorted(self.layouts) if name is None else [name]
+        out = {n: gather_pages(self.local(n, layer), self.ownership, self.group) for n in names}
+        return out if name is None else out[name]
+
+    def _check_name(self, name: str) -> None:
+        if name not in self._buffers:
+            raise KeyError(f"name must be one of {sorted(self._buffers)}, got name={name!r}")
+
+    def _check_layer(self, layer: int) -> None:
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer must be an int in [0, {self.num_layers}), got layer={layer!r}")
+
+    def __repr__(self) -> str:
+        lays = ", ".join(f"{n}={type(lay).__name__}" for n, lay in sorted(self.layouts.items()))
+        return (
+            f"ShardedKVPool({lays}, {self.ownership!r}, num_layers={self.num_layers}, rank={self.rank}, "
+            f"num_local_pages={self.num_local_pages})"
+        )
+
+
+def gather_pages(local: torch.Tensor, ownership: PageOwnership, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """All-gather a local page pool ``[num_local_pages(rank), ...]`` into logical order ``[num_pages, ...]``.
+
+    Each rank pads to ``max_local_pages``; the owner-major result ``[cp, max_local, ...]`` is put into logical
+    order with a view (interleave: transpose) or a slice-and-cat (block).
+    """
+    cp = ownership.cp_size
+    if cp == 1:
+        return local.clone()
+    max_local = ownership.max_local_pages
+    padded = local.new_zeros((max_local, *local.shape[1:]))
+    padded[: local.shape[0]] = local
+    gathered = all_gather_rows(padded, group).view(cp, max_local, *local.shape[1:])
+    if ownership.layout == "interleave":
+        return gathered.transpose(0, 1).reshape(cp * max_local, *local.shape[1:])[: ownership.num_pages].clone()
+    return torch.cat([gathered[r, : ownership.num_local_pages(r)] for r in range(cp)], dim=0)

@@ -1,0 +1,105 @@
+"""A reusable pool of gloo ranks for multi-rank tests.
+
+``RankGroup(world_size)`` spawns ``world_size`` processes once, each joined to a gloo process group through a
+FileStore (no ports, so parallel runs never collide). ``group.run(fn, *args)`` pickles ``fn`` (an importable,
+module-level function) to every rank, calls ``fn(rank, world_size, *args)`` and returns the per-rank results,
+re-raising the first rank's exception with its remote traceback. A call that outlives ``timeout_s`` kills the
+group (the next ``run`` respawns it), so a broken collective fails the test instead of hanging CI.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["RankError", "RankGroup"]
+
+
+class RankError(RuntimeError):
+    """A rank raised; the message holds its traceback."""
+
+
+def _worker(rank: int, world: int, init_file: str, conn) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.FileStore(init_file, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        fn, args, kwargs = msg
+        try:
+            conn.send(("ok", fn(rank, world, *args, **kwargs)))
+        except BaseException as e:  # noqa: BLE001 - everything goes back to the test
+            conn.send(("err", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}", e))
+    dist.destroy_process_group()
+
+
+class RankGroup:
+    """``world_size`` long-lived gloo ranks; see the module docstring."""
+
+    def __init__(self, world_size: int, *, timeout_s: float = 120.0) -> None:
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self._procs: list[mp.Process] = []
+        self._conns: list[Any] = []
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        fd, init_file = tempfile.mkstemp(prefix="dtkv_store_")
+        os.close(fd)
+        os.unlink(init_file)
+        for r in range(self.world_size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_worker, args=(r, self.world_size, init_file, child), daemon=True)
+            p.start()
+            self._procs.append(p)
+            self._conns.append(parent)
+
+    def run(self, fn: Callable[..., Any], *args: Any, return_exceptions: bool = False, **kwargs: Any) -> list[Any]:
+        """Run ``fn(rank, world_size, *args, **kwargs)`` on every rank; per-rank results in rank order.
+
+        With ``return_exceptions=True`` a rank's exception object stands in its result instead of raising.
+        """
+        if not self._procs or not all(p.is_alive() for p in self._procs):
+            self.close()
+            self._start()
+        for c in self._conns:
+            c.send((fn, args, kwargs))
+        results: list[Any] = []
+        errors: list[str] = []
+        for r, c in enumerate(self._conns):
+            if not c.poll(self.timeout_s):
+                self.close()
+                raise TimeoutError(f"rank {r} did not answer within {self.timeout_s} s running {fn.__name__}")
+            status, *payload = c.recv()
+            if status == "ok":
+                results.append(payload[0])
+            else:
+                errors.append(payload[0])
+                results.append(payload[1])
+        if errors and not return_exceptions:
+            raise RankError("\n".join(errors))
+        return results
+
+    def close(self) -> None:
+        for c in self._conns:
+            try:
+                c.send(None)
+            except (OSError, BrokenPipeError):
+                pass
+        for p in self._procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+        self._procs, self._conns = [], []
