@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+# Triton kernels run on CPU tensors through the interpreter; the flag must be set before any kernel is defined.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests._multirank import RankGroup
 
