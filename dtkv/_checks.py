@@ -48,9 +48,7 @@ def check_tensor(
         for i, (got, want) in enumerate(zip(t.shape, shape)):
             if want is not None and got != want:
                 want_s = "[" + ", ".join("*" if w is None else str(w) for w in shape) + "]"
-                raise ValueError(
-                    f"{name} must have shape {want_s}, got {name}.shape={list(t.shape)} (dim {i})"
-                )
+                raise ValueError(f"{name} must have shape {want_s}, got {name}.shape={list(t.shape)} (dim {i})")
     if device is not None and torch.device(device).type != t.device.type:
         raise ValueError(f"{name} must be on {torch.device(device).type}, got {name}.device={t.device}")
     return t

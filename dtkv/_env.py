@@ -3,7 +3,7 @@
 | variable | values | default | effect |
 | --- | --- | --- | --- |
 | ``DTKV_DEBUG`` | 0/1 | 0 | synchronizing ownership checks in writes and materialization |
-| ``DTKV_BACKEND`` | auto/torch/triton | auto | default kernel backend of the ops (``auto``: Triton on CUDA, torch elsewhere) |
+| ``DTKV_BACKEND`` | auto/torch/triton | auto | default op backend (``auto``: Triton on CUDA, else torch) |
 | ``DTKV_LOGLEVEL`` | a ``logging`` level name | WARNING | level of the ``dtkv`` logger |
 | ``DTKV_TRANSFER_TIMEOUT_S`` | float seconds | 30 | bound on every wait of the Mooncake transfer path |
 

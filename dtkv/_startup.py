@@ -65,5 +65,7 @@ def check_agreement(config: dict[str, object], group: dist.ProcessGroup | None, 
         values = [f.get(key, "<missing>") for f in flat]
         if any(v != values[0] for v in values):
             per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
-            raise ConfigMismatchError(f"CP ranks disagree on the {what} configuration: field {key!r} differs ({per_rank})")
+            raise ConfigMismatchError(
+                f"CP ranks disagree on the {what} configuration: field {key!r} differs ({per_rank})"
+            )
     raise ConfigMismatchError(f"CP ranks disagree on the {what} configuration (digests differ)")

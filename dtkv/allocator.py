@@ -127,8 +127,7 @@ class PageAllocator:
         check_int("n", n, min_value=0)
         if n > self.num_free():
             raise AllocationError(
-                f"alloc_balanced(n={n}) needs {n} free pages, only {self.num_free()} are free; "
-                "nothing was allocated"
+                f"alloc_balanced(n={n}) needs {n} free pages, only {self.num_free()} are free; nothing was allocated"
             )
         cp = self.ownership.cp_size
         remaining = [len(h) for h in self._free]

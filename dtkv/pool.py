@@ -22,7 +22,9 @@ from dtkv.ownership import PageOwnership
 __all__ = ["ShardedKVPool"]
 
 
-def _resolve_group(group: dist.ProcessGroup | DeviceMesh | None) -> tuple[dist.ProcessGroup | None, DeviceMesh | None]:
+def _resolve_group(
+    group: dist.ProcessGroup | DeviceMesh | None,
+) -> tuple[dist.ProcessGroup | None, DeviceMesh | None]:
     if group is None:
         return None, None
     if isinstance(group, DeviceMesh):
@@ -89,9 +91,7 @@ class ShardedKVPool:
         self.page_size = page_sizes.pop()
         self.num_local_pages = ownership.num_local_pages(self.rank)
         self._buffers = {
-            name: torch.zeros(
-                (num_layers, self.num_local_pages, *lay.page_shape), dtype=lay.dtype, device=self.device
-            )
+            name: torch.zeros((num_layers, self.num_local_pages, *lay.page_shape), dtype=lay.dtype, device=self.device)
             for name, lay in self.layouts.items()
         }
 

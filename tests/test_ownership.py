@@ -1,0 +1,156 @@
+"""PageOwnership: the page map is a bijection, balanced, sentinel-preserving, and a well-behaved placement tag."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.testing._internal.common_utils import TestCase
+
+from dtkv import PageOwnership
+
+CPS = st.sampled_from([1, 2, 3, 4, 8])
+LAYOUTS = st.sampled_from(["interleave", "block"])
+PAGES = st.one_of(st.integers(1, 9), st.integers(10, 300))
+
+
+def _reference_owner_and_local(cp: int, num_pages: int, layout: str) -> list[tuple[int, int]]:
+    """Brute force: deal pages to ranks (interleave) or cut torch.chunk ranges (block)."""
+    if layout == "interleave":
+        table, counts = [], [0] * cp
+        for p in range(num_pages):
+            r = p % cp
+            table.append((r, counts[r]))
+            counts[r] += 1
+        return table
+    chunks = torch.arange(num_pages).chunk(cp)
+    table = [None] * num_pages
+    for r, chunk in enumerate(chunks):
+        for i, p in enumerate(chunk.tolist()):
+            table[p] = (r, i)
+    return table
+
+
+@settings(max_examples=60, deadline=None)
+@given(cp=CPS, num_pages=PAGES, layout=LAYOUTS)
+def test_map_matches_reference_and_is_a_bijection(cp, num_pages, layout):
+    own = PageOwnership(cp, num_pages, layout)
+    pages = torch.arange(num_pages)
+    owner, local = own.owner(pages), own.local_index(pages)
+    ref = _reference_owner_and_local(cp, num_pages, layout)
+    assert list(zip(owner.tolist(), local.tolist())) == ref
+    assert torch.equal(own.global_page(owner, local), pages)
+    # every (rank, local) slot below num_local_pages(rank) is hit exactly once
+    seen = set(zip(owner.tolist(), local.tolist()))
+    assert len(seen) == num_pages
+    assert sum(own.num_local_pages(r) for r in range(cp)) == num_pages
+    for r in range(cp):
+        n = own.num_local_pages(r)
+        assert {(rr, i) for rr, i in seen if rr == r} == {(r, i) for i in range(n)}
+        assert torch.equal(own.owner(own.local_pages(r)), torch.full((n,), r, dtype=torch.int64))
+    # scalar ints agree with tensors
+    p = num_pages - 1
+    assert (own.owner(p), own.local_index(p)) == ref[p]
+
+
+@settings(max_examples=40, deadline=None)
+@given(cp=CPS, num_pages=PAGES)
+def test_interleave_counts_differ_by_at_most_one(cp, num_pages):
+    own = PageOwnership(cp, num_pages, "interleave")
+    counts = [own.num_local_pages(r) for r in range(cp)]
+    assert max(counts) - min(counts) <= 1
+    assert own.max_local_pages == max(counts)
+
+
+@settings(max_examples=40, deadline=None)
+@given(cp=CPS, num_pages=PAGES, layout=LAYOUTS, dtype=st.sampled_from([torch.int32, torch.int64]))
+def test_sentinel_is_preserved(cp, num_pages, layout, dtype):
+    own = PageOwnership(cp, num_pages, layout)
+    pages = torch.tensor([-1, 0, num_pages - 1, -1], dtype=dtype)
+    for out in (
+        own.owner(pages),
+        own.local_index(pages),
+        own.global_page(own.owner(pages), own.local_index(pages)),
+    ):
+        assert out.dtype == dtype
+        assert out[0] == -1 and out[3] == -1
+    assert own.owner(-1) == -1 and own.local_index(-1) == -1 and own.global_page(0, -1) == -1
+
+
+def test_block_with_more_ranks_than_pages_has_empty_ranks():
+    own = PageOwnership(4, 5, "block")  # torch.chunk(5, 4) -> sizes [2, 2, 1]
+    assert [own.num_local_pages(r) for r in range(4)] == [2, 2, 1, 0]
+    assert own.local_pages(3).numel() == 0
+
+
+def test_methods_compile_without_graph_breaks():
+    from torch._dynamo.testing import CompileCounter
+
+    own = PageOwnership(3, 17, "interleave")
+    counter = CompileCounter()
+
+    @torch.compile(backend=counter, fullgraph=True)
+    def roundtrip(pages):
+        return own.global_page(own.owner(pages), own.local_index(pages))
+
+    pages = torch.tensor([-1, 0, 5, 16])
+    assert torch.equal(roundtrip(pages), pages)
+    assert counter.frame_count == 1
+
+
+def test_placement_tag_identity_and_pickling():
+    a = PageOwnership(4, 10)
+    assert a == PageOwnership(4, 10, "interleave") and hash(a) == hash(PageOwnership(4, 10))
+    assert a != PageOwnership(4, 10, "block") and a != PageOwnership(2, 10) and a != PageOwnership(4, 11)
+    assert len({a, PageOwnership(4, 10), PageOwnership(4, 10, "block")}) == 2
+    assert pickle.loads(pickle.dumps(a)) == a and copy.deepcopy(a) == a
+    assert not a.is_shard() and not a.is_replicate() and not a.is_partial()
+    with pytest.raises(AttributeError):
+        a.cp_size = 2
+
+
+def test_to_standard_matches_upstream_placements():
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    assert PageOwnership(4, 10, "block").to_standard() == Shard(0)
+    assert PageOwnership(4, 12).to_standard() == _StridedShard(0, split_factor=3)
+    with pytest.raises(ValueError, match="num_pages % cp_size == 0"):
+        PageOwnership(4, 10).to_standard()
+
+
+def test_check_pages_names_the_bad_value():
+    own = PageOwnership(2, 8)
+    own.check_pages("pages", torch.tensor([-1, 0, 7]))
+    with pytest.raises(ValueError, match="containing 8"):
+        own.check_pages("pages", torch.tensor([0, 8]))
+    with pytest.raises(ValueError, match="containing -1"):
+        own.check_pages("pages", torch.tensor([-1]), allow_padding=False)
+
+
+class TestPinnedText(TestCase):
+    def test_repr_and_str(self):
+        self.assertExpectedInline(
+            repr(PageOwnership(4, 10)), """PageOwnership(cp_size=4, num_pages=10, layout='interleave')"""
+        )
+        self.assertExpectedInline(str(PageOwnership(8, 64, "block")), """PO(b,8)""")
+
+    def test_errors(self):
+        with self.assertRaises(ValueError) as e:
+            PageOwnership(2, 10, "round_robin")
+        self.assertExpectedInline(
+            str(e.exception), """layout must be one of ('interleave', 'block'), got layout='round_robin'"""
+        )
+        with self.assertRaises(ValueError) as e:
+            PageOwnership(0, 10)
+        self.assertExpectedInline(str(e.exception), """cp_size must be >= 1, got cp_size=0""")
+        with self.assertRaises(TypeError) as e:
+            PageOwnership(2, 10.0)
+        self.assertExpectedInline(str(e.exception), """num_pages must be an int, got num_pages=10.0 (float)""")
+        with self.assertRaises(ValueError) as e:
+            PageOwnership(2, 10).num_local_pages(2)
+        self.assertExpectedInline(str(e.exception), """rank must be < cp_size=2, got rank=2""")

@@ -1,0 +1,162 @@
+"""ShardedKVPool: owned pages only, exact byte accounting, bit-exact gather, startup agreement checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.testing._internal.common_utils import TestCase
+
+from dtkv import (
+    ConfigMismatchError,
+    IndexerFp8Layout,
+    MLAFp8Layout,
+    MLALatentLayout,
+    PageOwnership,
+    ShardedKVPool,
+)
+
+PAGE = 4
+LAYOUTS = {
+    "kv": MLALatentLayout(page_size=PAGE, kv_lora_rank=24, rope_dim=8),
+    "kv8": MLAFp8Layout(page_size=PAGE, kv_lora_rank=32, rope_dim=8, quant_block=16),
+    "index": IndexerFp8Layout(page_size=PAGE, head_dim=16),
+}
+
+
+def _reference(name: str, layer: int, num_pages: int) -> torch.Tensor:
+    """The logical pool of one layer, from a generator seeded by (name, layer): identical on every rank."""
+    lay = LAYOUTS[name]
+    g = torch.Generator().manual_seed(1000 * layer + sorted(LAYOUTS).index(name))
+    if lay.dtype == torch.uint8:
+        return torch.randint(0, 256, (num_pages, *lay.page_shape), generator=g, dtype=torch.uint8)
+    return torch.randn((num_pages, *lay.page_shape), generator=g).to(lay.dtype)
+
+
+def _fill_and_gather(rank, world, num_pages, layout, num_layers):
+    import torch.distributed as dist
+
+    own = PageOwnership(world, num_pages, layout)
+    pool = ShardedKVPool(LAYOUTS, own, num_layers=num_layers, group=dist.group.WORLD)
+    mine = own.local_pages(rank)
+    for name in LAYOUTS:
+        for layer in range(num_layers):
+            pool.local(name, layer).copy_(_reference(name, layer, num_pages)[mine])
+    out = {"bytes": pool.bytes_per_rank(), "replicated": pool.replicated_bytes(), "equal": True}
+    for layer in range(num_layers):
+        full = pool.gather_full(layer)
+        for name in LAYOUTS:
+            ref = _reference(name, layer, num_pages)
+            # bit for bit: compare the raw bytes (NaN-safe, dtype-agnostic)
+            out["equal"] &= torch.equal(full[name].view(torch.uint8), ref.view(torch.uint8))
+    # the DTensor view has the logical global shape and this rank's pages locally
+    dt = pool.dtensor("kv", 0)
+    out["dt_shape"] = tuple(dt.shape)
+    out["dt_local_equal"] = torch.equal(dt.to_local(), pool.local("kv", 0))
+    if layout == "block":  # cross-check with the upstream placement it mirrors
+        from torch.distributed.tensor import DTensor
+
+        std = DTensor.from_local(
+            pool.local("kv", 0),
+            pool.mesh,
+            [own.to_standard()],
+            run_check=False,
+            shape=dt.shape,
+            stride=dt.stride(),
+        )
+        out["std_equal"] = torch.equal(std.full_tensor(), _reference("kv", 0, num_pages))
+    return out
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("layout", ["interleave", "block"])
+@pytest.mark.parametrize("num_pages", [1, 7, 13])
+def test_gather_full_is_bit_exact_and_bytes_are_one_cpth(ranks, num_pages, layout):
+    results = ranks.run(_fill_and_gather, num_pages, layout, 2)
+    world = len(results)
+    one_page_all_layers = 2 * sum(lay.page_bytes for lay in LAYOUTS.values())
+    assert sum(r["bytes"] for r in results) == results[0]["replicated"]
+    for r in results:
+        assert r["equal"] and r["dt_local_equal"] and r.get("std_equal", True)
+        assert r["dt_shape"] == (num_pages, PAGE, 32)
+        if layout == "interleave":  # each rank holds 1/cp of the logical pool, up to one page per layer
+            assert abs(r["bytes"] * world - r["replicated"]) <= world * one_page_all_layers
+
+
+def _mismatched(rank, world, field):
+    import torch.distributed as dist
+
+    num_pages, layouts, layout, num_layers = 12, dict(LAYOUTS), "interleave", 2
+    if rank == world - 1:
+        if field == "page_size":
+            layouts["index"] = IndexerFp8Layout(page_size=8, head_dim=16)
+        elif field == "num_pages":
+            num_pages = 16
+        elif field == "layout":
+            layout = "block"
+        elif field == "num_layers":
+            num_layers = 3
+    ShardedKVPool(layouts, PageOwnership(world, num_pages, layout), num_layers=num_layers, group=dist.group.WORLD)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("field", ["page_size", "num_pages", "layout", "num_layers"])
+def test_mismatched_config_raises_on_every_rank(ranks, field):
+    errors = ranks.run(_mismatched, field, return_exceptions=True)
+    assert all(isinstance(e, ConfigMismatchError) for e in errors), errors
+    assert len({str(e) for e in errors}) == 1  # the same message everywhere
+    assert field in str(errors[0])
+    if field == "num_pages" and len(errors) == 2:
+        assert str(errors[0]) == (
+            "CP ranks disagree on the ShardedKVPool configuration: field 'num_pages' differs (rank 0: 12, rank 1: 16)"
+        )
+
+
+def _wrong_cp(rank, world):
+    import torch.distributed as dist
+
+    ShardedKVPool(LAYOUTS, PageOwnership(world + 1, 12), num_layers=1, group=dist.group.WORLD)
+
+
+@pytest.mark.multirank
+def test_cp_size_must_match_group(ranks2):
+    errors = ranks2.run(_wrong_cp, return_exceptions=True)
+    assert all(isinstance(e, ValueError) and "cp_size must equal the CP group size" in str(e) for e in errors)
+
+
+def test_single_process_pool_views_and_sizes():
+    pool = ShardedKVPool(LAYOUTS, PageOwnership(1, 5), num_layers=3)
+    assert pool.buffer("index").shape == (3, 5, PAGE * 20)
+    assert pool.local("kv8", 2).shape == (5, PAGE, 32 + 4 * 2 + 16)
+    assert pool.local("kv", 1).data_ptr() == pool.buffer("kv")[1].data_ptr()
+    assert pool.bytes_per_rank() == pool.replicated_bytes() == 3 * 5 * sum(lay.page_bytes for lay in LAYOUTS.values())
+    assert IndexerFp8Layout().page_bytes == 8448 and MLAFp8Layout().row_bytes == 656
+
+
+class TestPoolErrors(TestCase):
+    def test_error_text(self):
+        pool = ShardedKVPool(LAYOUTS, PageOwnership(1, 5), num_layers=2)
+        with self.assertRaises(KeyError) as e:
+            pool.local("v", 0)
+        self.assertExpectedInline(str(e.exception), """"name must be one of ['index', 'kv', 'kv8'], got name='v'\"""")
+        with self.assertRaises(IndexError) as e:
+            pool.local("kv", 2)
+        self.assertExpectedInline(str(e.exception), """layer must be an int in [0, 2), got layer=2""")
+        with self.assertRaises(ValueError) as e:
+            ShardedKVPool(
+                {"a": MLALatentLayout(page_size=4), "b": IndexerFp8Layout(page_size=8)},
+                PageOwnership(1, 5),
+                num_layers=1,
+            )
+        self.assertExpectedInline(str(e.exception), """layouts must share one page_size, got [4, 8]""")
+        with self.assertRaises(ValueError) as e:
+            MLAFp8Layout(kv_lora_rank=100, quant_block=64)
+        self.assertExpectedInline(
+            str(e.exception),
+            """kv_lora_rank must be divisible by quant_block, got kv_lora_rank=100, quant_block=64""",
+        )
+        with self.assertRaises(ValueError) as e:
+            ShardedKVPool(LAYOUTS, PageOwnership(2, 5), num_layers=1)
+        self.assertExpectedInline(
+            str(e.exception),
+            """ownership.cp_size must equal the CP group size, got cp_size=2, group size=1""",
+        )
