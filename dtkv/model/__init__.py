@@ -1,0 +1,13 @@
+"""The tiny DSA reference model: MLA latent attention + top-k indexer over paged KV served by dtkv.
+
+Entry points: :class:`ModelConfig`, :class:`TinyDSA` (weights and per-layer math) and :class:`PrefillEngine`
+(chunked CP prefill and greedy decode in the ``single``/``replicated``/``sharded``/``sharded_direct`` modes).
+"""
+
+from __future__ import annotations
+
+from dtkv.model.config import KVDtype, ModelConfig
+from dtkv.model.engine import KVMode, PrefillEngine, Request, StepPlan
+from dtkv.model.model import TinyDSA
+
+__all__ = ["KVDtype", "KVMode", "ModelConfig", "PrefillEngine", "Request", "StepPlan", "TinyDSA"]

@@ -1,0 +1,390 @@
+"""Chunked CP prefill and greedy decode of the reference model over paged KV, in four KV modes.
+
+=================  ===========================================================================================
+mode               what each CP rank stores and how rows get there
+=================  ===========================================================================================
+``single``         one process, no CP: the whole pool, every row written locally (the numerical reference)
+``replicated``     CP, the baseline engines run today: every rank all-gathers the chunk's KV rows and stores
+                   the whole logical pool (``cp`` copies)
+``sharded``        CP, page-ownership-sharded pool: rows are all-gathered and each rank keeps only the pages it
+                   owns (owner-filtered write); attention reads a materialized full view
+``sharded_direct`` CP, sharded pool with compute-owner direct writes: pages are allocated on the rank that
+                   computes them (page-aligned split), each rank writes its own rows with no KV all-gather;
+                   only rows of pages it does not own (a request's partly filled first page, fallback requests)
+                   go through a small all-gather + owner-filtered write
+=================  ===========================================================================================
+
+All CP modes use the same split of tokens over ranks, so they run identical arithmetic and their outputs
+and stored KV bytes are bitwise equal; ``single`` differs only in float64 summation order (see
+:mod:`dtkv.model.model`). Each step has a host *plan* (:class:`StepPlan`: split, allocation, locations,
+materialization plan, remapped page tables) and a *run* (:meth:`PrefillEngine.forward`) that only moves
+tensors, so the run compiles with ``torch.compile(fullgraph=True)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from dtkv import _env, ops
+from dtkv._collectives import all_gather_rows, group_rank, group_size
+from dtkv.allocator import PageAllocator
+from dtkv.materialize import MaterializePlan, Materializer, check_view, gather_view, plan_materialize
+from dtkv.model.config import ModelConfig
+from dtkv.model.kvio import token_rows, write_rows
+from dtkv.model.model import TinyDSA
+from dtkv.ownership import PageOwnership
+from dtkv.pool import ShardedKVPool
+from dtkv.split import allocate_for_split, plan_cp_split
+
+__all__ = ["KVMode", "PrefillEngine", "Request", "StepPlan"]
+
+KVMode = Literal["single", "replicated", "sharded", "sharded_direct"]
+_MODES = ("single", "replicated", "sharded", "sharded_direct")
+
+
+@dataclass
+class Request:
+    """One sequence: its prompt, generated tokens and logical pages (identical on every rank)."""
+
+    rid: int
+    prompt: list[int]
+    pages: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    output: list[int] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class StepPlan:
+    """Host-side metadata of one step on one rank (plan phase); :meth:`PrefillEngine.forward` reads it."""
+
+    ids_local: torch.Tensor  # int64 [n_local] token ids of the local rows
+    pos_local: torch.Tensor  # int64 [n_local] absolute positions
+    locs_local: torch.Tensor  # int64 [n_local] logical token locations of the local rows
+    locs_gathered: torch.Tensor  # int64 [cp * max_local] locations of the rank-major gathered rows, -1 = padding
+    groups: tuple[tuple[int, int, int, int], ...]  # (request index, local row lo, hi, kv_len) attention groups
+    req_view_locs: tuple[torch.Tensor, ...]  # per request int64 [kv_len] rows of the view for positions 0..kv_len-1
+    direct_rows: torch.Tensor  # int64 local rows direct-written (sharded_direct)
+    handoff_rows: torch.Tensor  # int64 local rows sent through the filtered path (sharded_direct)
+    handoff_locs_gathered: torch.Tensor  # int64 [cp * max_handoff] their locations after the all-gather
+    max_handoff: int
+    page_aligned: bool
+    mat_plan: MaterializePlan | None
+    last_rows_gathered: torch.Tensor  # int64 [num_reqs] gathered row of each request's last token this step
+    max_local: int
+
+
+class PrefillEngine:
+    """Runs chunked prefill and greedy decode of :class:`TinyDSA` with KV in one of four modes (module table).
+
+    Every rank of ``group`` builds an engine with the same arguments and calls the same methods (SPMD).
+
+    Args:
+        cfg: model geometry.
+        mode: KV mode (module table).
+        split: CP split, ``"zigzag"`` (page-aligned when possible) or ``"round_robin"``.
+        group: the CP process group (ignored for ``single``).
+        num_pages: logical pages of the pool.
+        ownership_layout: page map of the sharded modes.
+        device: where pools and compute live.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        mode: KVMode,
+        split: Literal["zigzag", "round_robin"] = "zigzag",
+        group: dist.ProcessGroup | None = None,
+        num_pages: int,
+        ownership_layout: Literal["interleave", "block"] = "interleave",
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if mode not in _MODES:
+            raise ValueError(f"mode must be one of {_MODES}, got mode={mode!r}")
+        if split not in ("zigzag", "round_robin"):
+            raise ValueError(f"split must be 'zigzag' or 'round_robin', got split={split!r}")
+        if mode == "sharded_direct" and split != "zigzag":
+            raise ValueError(
+                "mode='sharded_direct' needs split='zigzag': round-robin never gives a page one compute owner"
+            )
+        self.cfg, self.mode, self.split_mode = cfg, mode, split
+        self.group = None if mode == "single" else group
+        self.cp = group_size(self.group)
+        self.rank = group_rank(self.group)
+        self.device = torch.device(device)
+        self.model = TinyDSA(cfg, self.device)
+        sharded = mode in ("sharded", "sharded_direct")
+        self.ownership = PageOwnership(self.cp if sharded else 1, num_pages, ownership_layout)
+        self.pool = ShardedKVPool(
+            cfg.layouts, self.ownership, num_layers=cfg.num_layers, group=self.group if sharded else None, device=device
+        )
+        # Allocation is SPMD over the logical pages; owner-aware for direct writes.
+        self.alloc_ownership = PageOwnership(self.cp, num_pages, ownership_layout)
+        self.allocator = PageAllocator(self.alloc_ownership if sharded else self.ownership)
+        self.requests: list[Request] = []
+        self.stats = {"steps": 0, "kv_rows_gathered": 0, "direct_rows": 0, "handoff_rows": 0, "scratch_bytes": 0}
+
+    # ------------------------------------------------------------------------------------------ requests
+    def add_request(self, prompt: Sequence[int]) -> Request:
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("prompt must hold at least one token id, got an empty prompt")
+        bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {self.cfg.vocab_size}), got {bad[0]}")
+        req = Request(rid=len(self.requests), prompt=ids)
+        self.requests.append(req)
+        return req
+
+    # ------------------------------------------------------------------------------------------ plan
+    def plan_step(self, reqs: Sequence[Request], extend_lens: Sequence[int]) -> StepPlan:
+        """Split, allocate pages and build every index the step's run needs (host; same on every rank)."""
+        ps = self.cfg.page_size
+        prefix = [r.num_computed for r in reqs]
+        split = plan_cp_split(prefix, list(extend_lens), cp_size=self.cp, page_size=ps, mode=self.split_mode)
+        self._allocate(reqs, extend_lens, split)
+        # natural-order ids and locations of the step's tokens
+        ids, locs = [], []
+        for r, n in zip(reqs, extend_lens):
+            pos = torch.arange(r.num_computed, r.num_computed + n)
+            pages = torch.tensor(r.pages, dtype=torch.int64)
+            ids.append(torch.tensor(r.tokens[r.num_computed : r.num_computed + n], dtype=torch.int64))
+            locs.append(pages[pos // ps] * ps + pos % ps)
+        ids_nat, locs_nat = torch.cat(ids), torch.cat(locs)
+        loc = split.local(self.rank)
+        tok = loc.token_index.cpu()
+        gi = split.gather_index.cpu()
+        locs_gathered = torch.where(gi >= 0, locs_nat[gi.clamp(min=0)], torch.full_like(gi, -1))
+        # attention groups: prev then next segment of each request, with their causal KV extents
+        groups, row = [], 0
+        for i in range(len(reqs)):
+            for n_q, kv_len in (
+                (loc.actual_seq_q_prev[i], loc.kv_len_prev[i]),
+                (loc.actual_seq_q_next[i], loc.kv_len_next[i]),
+            ):
+                if n_q:
+                    groups.append((i, row, row + n_q, kv_len))
+                row += n_q
+        # pages the step reads: history (before each prefix end, prefetchable) and current (written now)
+        need = [r.pages[: -(-(r.num_computed + n) // ps)] for r, n in zip(reqs, extend_lens)]
+        sharded = self.mode in ("sharded", "sharded_direct")
+        mat_plan = None
+        if sharded:
+            hist = [p for r, pages in zip(reqs, need) for p in pages[: r.num_computed // ps]]
+            cur = [p for r, pages in zip(reqs, need) for p in pages[r.num_computed // ps :]]
+            mat_plan = plan_materialize(hist, cur, self.ownership, self.rank, device=self.device)
+            page_map = mat_plan.page_map
+        req_view_locs = []
+        for r, n, pages in zip(reqs, extend_lens, need):
+            kv_len = r.num_computed + n
+            pg = torch.tensor(pages, dtype=torch.int64, device=self.device)
+            view_pages = ops.remap(pg, page_map) if sharded else pg
+            pos = torch.arange(kv_len, device=self.device)
+            req_view_locs.append(view_pages.to(torch.int64)[pos // ps] * ps + pos % ps)
+        # direct writes: rows whose page this rank owns, in page-aligned requests; the rest are handed off
+        direct_rows = handoff_rows = torch.zeros(0, dtype=torch.int64)
+        handoff_locs_gathered = torch.zeros(0, dtype=torch.int64)
+        max_handoff = 0
+        if self.mode == "sharded_direct":
+            handoff_per_rank = []
+            for r_ in range(self.cp):
+                lr = split.local(r_)
+                lt = lr.token_index.cpu()
+                req_of_row = lr.req_idx.cpu()
+                aligned_row = split.page_aligned[req_of_row]
+                owned = self.ownership.owner(locs_nat[lt] // ps) == r_
+                keep = aligned_row & owned
+                handoff_per_rank.append((torch.nonzero(~keep).flatten(), lt))
+                if r_ == self.rank:
+                    direct_rows = torch.nonzero(keep).flatten()
+                    handoff_rows = torch.nonzero(~keep).flatten()
+            max_handoff = max(int(h.numel()) for h, _ in handoff_per_rank)
+            hl = torch.full((self.cp, max_handoff), -1, dtype=torch.int64)
+            for r_, (h, lt) in enumerate(handoff_per_rank):
+                hl[r_, : h.numel()] = locs_nat[lt[h]]
+            handoff_locs_gathered = hl.flatten()
+        last_nat = torch.tensor(split.extend_indptr[1:], dtype=torch.int64) - 1
+        dev = self.device
+        return StepPlan(
+            ids_local=ids_nat[tok].to(dev),
+            pos_local=loc.positions.to(dev),
+            locs_local=locs_nat[tok].to(dev),
+            locs_gathered=locs_gathered.to(dev),
+            groups=tuple(groups),
+            req_view_locs=tuple(req_view_locs),
+            direct_rows=direct_rows.to(dev),
+            handoff_rows=handoff_rows.to(dev),
+            handoff_locs_gathered=handoff_locs_gathered.to(dev),
+            max_handoff=max_handoff,
+            page_aligned=split.all_page_aligned,
+            mat_plan=mat_plan,
+            last_rows_gathered=split.restore_index.cpu()[last_nat].to(dev),
+            max_local=split.max_local_tokens,
+        )
+
+    def _allocate(self, reqs: Sequence[Request], extend_lens: Sequence[int], split) -> None:
+        ps = self.cfg.page_size
+        if self.mode == "sharded_direct":
+            req_pages = [torch.tensor(r.pages, dtype=torch.int64) for r in reqs]
+            new_pages = allocate_for_split(self.allocator, split, req_pages)
+            for r, new in zip(reqs, new_pages):
+                r.pages.extend(int(p) for p in new)
+            return
+        for r, n in zip(reqs, extend_lens):
+            need = -(-(r.num_computed + n) // ps) - len(r.pages)
+            if need > 0:
+                r.pages.extend(self.allocator.alloc_balanced(need).tolist())
+
+    # ------------------------------------------------------------------------------------------ run
+    def _gather(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        """Rank-major all-gather of ``x`` padded to ``rows`` rows: ``[cp * rows, ...]`` (identity without CP)."""
+        if self.group is None:
+            return x
+        padded = x.new_zeros((rows, *x.shape[1:]))
+        padded[: x.shape[0]] = x
+        return all_gather_rows(padded, self.group)
+
+    def _write(self, name: str, layer: int, rows_local: torch.Tensor, plan: StepPlan) -> None:
+        lay = self.cfg.layouts[name]
+        pool = self.pool.local(name, layer)
+        if self.mode == "single":
+            write_rows(pool, lay, rows_local, plan.locs_local, self.ownership, 0)
+        elif self.mode in ("replicated", "sharded"):
+            gathered = self._gather(rows_local, plan.max_local)
+            write_rows(pool, lay, gathered, plan.locs_gathered, self.ownership, self.pool.rank)
+        else:
+            write_rows(
+                pool,
+                lay,
+                rows_local[plan.direct_rows],
+                plan.locs_local[plan.direct_rows],
+                self.ownership,
+                self.rank,
+                direct=True,
+                page_aligned=True,
+            )
+            if plan.max_handoff:
+                gathered = self._gather(rows_local[plan.handoff_rows], plan.max_handoff)
+                write_rows(pool, lay, gathered, plan.handoff_locs_gathered, self.ownership, self.rank)
+
+    def _views(self, layer: int, plan: StepPlan, mat: Materializer | None) -> dict[str, torch.Tensor]:
+        if plan.mat_plan is None:
+            return {n: self.pool.local(n, layer) for n in self.cfg.layouts}
+        if mat is not None:
+            mat.prefetch(layer + 1)  # next layer's history gather overlaps this layer's attention
+            return mat.view(layer)
+        views = {n: gather_view(self.pool.local(n, layer), plan.mat_plan, self.group) for n in sorted(self.cfg.layouts)}
+        if _env.debug_enabled():
+            check_view(self.pool, layer, plan.mat_plan, views)
+        return views
+
+    def forward(self, plan: StepPlan, *, prefetch: bool = False) -> torch.Tensor:
+        """The run phase of one step: embeds, writes KV, attends, and returns float64 logits ``[num_reqs, V]``.
+
+        Tensor work only (no host syncs, compiles with fullgraph). With ``prefetch`` the next layer's full view
+        is gathered while the current layer computes (eager only; results are identical).
+        """
+        model, cfg = self.model, self.cfg
+        h = model.embed_tokens(plan.ids_local)
+        mat = None
+        if prefetch and plan.mat_plan is not None:
+            mat = Materializer(self.pool, plan.mat_plan)
+            mat.prefetch(0)
+        for layer in range(cfg.num_layers):
+            q = model.project(layer, h, plan.pos_local)
+            self._write("kv", layer, q["kv"], plan)
+            self._write("index", layer, q["index_k"], plan)
+            views = self._views(layer, plan, mat)
+            keys = token_rows(views["kv"], cfg.kv_layout)
+            index_keys = token_rows(views["index"], cfg.index_layout)
+            attn = h.new_zeros((h.shape[0], cfg.num_heads * cfg.kv_lora_rank), dtype=torch.float64)
+            for req_i, lo, hi, kv_len in plan.groups:
+                rows = plan.req_view_locs[req_i][:kv_len]
+                qs = {k: v[lo:hi] for k, v in q.items() if k not in ("kv", "index_k")}
+                attn[lo:hi] = model.attend(qs, plan.pos_local[lo:hi], keys[rows], index_keys[rows])
+            h = model.finish_layer(layer, h, attn)
+        h_all = self._gather(h, plan.max_local)
+        return model.logits(h_all[plan.last_rows_gathered])
+
+    # ------------------------------------------------------------------------------------------ driver
+    def step(self, reqs: Sequence[Request], extend_lens: Sequence[int], *, prefetch: bool = False) -> torch.Tensor:
+        """Plan and run one step for ``reqs``; returns logits of each request's last token ``[len(reqs), V]``."""
+        plan = self.plan_step(reqs, extend_lens)
+        logits = self.forward(plan, prefetch=prefetch)
+        for r, n in zip(reqs, extend_lens):
+            r.num_computed += n
+        self.stats["steps"] += 1
+        if plan.mat_plan is not None:
+            per_page = sum(lay.page_bytes for lay in self.cfg.layouts.values())
+            scratch = plan.mat_plan.scratch_pages * per_page * (2 if prefetch else 1)
+            self.stats["scratch_bytes"] = max(self.stats["scratch_bytes"], scratch)
+        self.stats["direct_rows"] += int(plan.direct_rows.numel())
+        self.stats["handoff_rows"] += int(plan.handoff_rows.numel())
+        return logits
+
+    def prefill(self, chunk: int, *, prefetch: bool = False) -> list[int]:
+        """Chunked prefill of every request, ``chunk`` tokens per request per step; returns each first token."""
+        if chunk < 1:
+            raise ValueError(f"chunk must be >= 1, got chunk={chunk}")
+        first: dict[int, int] = {}
+        while True:
+            todo = [r for r in self.requests if r.num_computed < len(r.prompt)]
+            if not todo:
+                break
+            lens = [min(chunk, len(r.prompt) - r.num_computed) for r in todo]
+            logits = self.step(todo, lens, prefetch=prefetch)
+            for r, row in zip(todo, logits):
+                if r.num_computed == len(r.prompt):
+                    first[r.rid] = int(row.argmax())
+        for r in self.requests:
+            if r.rid in first and not r.output:
+                r.output.append(first[r.rid])
+        return [first[r.rid] for r in self.requests if r.rid in first]
+
+    def decode(self, steps: int) -> list[list[int]]:
+        """``steps`` greedy decode steps for every request (one query each, reading the paged KV)."""
+        for _ in range(steps):
+            reqs = [r for r in self.requests if r.output]
+            logits = self.step(reqs, [1] * len(reqs))
+            for r, row in zip(reqs, logits):
+                r.output.append(int(row.argmax()))
+        return [list(r.output) for r in self.requests]
+
+    # ------------------------------------------------------------------------------------------ inspection
+    def kv_bytes(self, rid: int) -> dict[str, torch.Tensor]:
+        """The stored bytes of request ``rid``'s computed tokens in token order (collective in sharded modes).
+
+        Returns:
+            name -> uint8 ``[num_layers, num_tokens, token_bytes]`` (indexer: K bytes then the scale bytes).
+        """
+        from dtkv.pool import gather_pages
+
+        r = self.requests[rid]
+        ps, n = self.cfg.page_size, r.num_computed
+        pages = torch.tensor(r.pages, dtype=torch.int64)
+        pos = torch.arange(n)
+        pg, off = pages[pos // ps], pos % ps
+        out = {}
+        for name, lay in sorted(self.cfg.layouts.items()):
+            per_layer = []
+            for layer in range(self.cfg.num_layers):
+                full = gather_pages(self.pool.local(name, layer), self.ownership, self.pool.group).cpu()
+                full = full.view(torch.uint8).reshape(full.shape[0], -1)
+                if name == "index":
+                    j = lay.head_dim
+                    k = full[:, : ps * j].reshape(-1, ps, j)[pg, off]
+                    s = full[:, ps * j :].reshape(-1, ps, 4)[pg, off]
+                    per_layer.append(torch.cat((k, s), dim=1))
+                else:
+                    per_layer.append(full.reshape(full.shape[0], ps, -1)[pg, off])
+            out[name] = torch.stack(per_layer)
+        return out

@@ -1,0 +1,153 @@
+"""The tiny DSA reference model: MLA latent attention over indexer-selected top-k history tokens.
+
+Shape legend: ``N`` tokens (rows), ``S`` key positions of one request, ``H`` attention heads, ``R`` latent dims
+(``kv_lora_rank``), ``E`` rope dims, ``I`` indexer heads, ``J`` indexer dims, ``D`` ``d_model``, ``V`` vocab.
+
+All arithmetic runs in float64 and is rounded to the stored dtype (bf16 KV rows, fp8 pages, float32 hidden
+state). Every op is row-wise or a per-request reduction, so a token's result does not depend on how the batch
+is cut across ranks except through float64 summation order (relative error ~1e-16, far below the float32 and
+bf16 rounding steps): this is what lets CP runs match the single-process run to the last bit in practice, and
+what the parity tests' tolerances rest on.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dtkv.model.config import ModelConfig
+
+__all__ = ["TinyDSA"]
+
+F64 = torch.float64
+
+
+def _rms_norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def _rope(x_NXE: torch.Tensor, pos_N: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding over the last dim (pairs ``(2i, 2i+1)``), absolute positions ``pos_N``."""
+    e = x_NXE.shape[-1]
+    if e == 0:
+        return x_NXE
+    inv = 1.0 / (10000.0 ** (torch.arange(0, e, 2, dtype=F64, device=x_NXE.device) / e))
+    ang = pos_N.to(F64)[:, None] * inv[None, :]  # [N, E/2]
+    while ang.dim() < x_NXE.dim():
+        ang = ang.unsqueeze(1)
+    cos, sin = torch.cos(ang), torch.sin(ang)
+    x0, x1 = x_NXE[..., 0::2], x_NXE[..., 1::2]
+    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+
+
+class TinyDSA:
+    """Deterministic seeded weights and the per-layer math of the reference model.
+
+    The model does not own a KV cache: :class:`dtkv.model.engine.PrefillEngine` moves rows between these
+    functions and the (sharded or replicated) pools.
+    """
+
+    def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu") -> None:
+        self.cfg = cfg
+        self.device = torch.device(device)
+        g = torch.Generator().manual_seed(cfg.seed)
+        d, h, r, e = cfg.d_model, cfg.num_heads, cfg.kv_lora_rank, cfg.rope_dim
+        i, j = cfg.index_heads, cfg.index_head_dim
+
+        def w(*shape: int, fan_in: int) -> torch.Tensor:
+            return (torch.randn(*shape, generator=g, dtype=F64) / math.sqrt(fan_in)).to(self.device)
+
+        self.embed = w(cfg.vocab_size, d, fan_in=1)
+        self.layers = []
+        for _ in range(cfg.num_layers):
+            self.layers.append(
+                {
+                    "q_nope": w(d, h * r, fan_in=d),
+                    "q_rope": w(d, h * e, fan_in=d),
+                    "dkv": w(d, r, fan_in=d),
+                    "kr": w(d, e, fan_in=d),
+                    "o": w(h * r, d, fan_in=h * r),
+                    "iq": w(d, i * j, fan_in=d),
+                    "ik": w(d, j, fan_in=d),
+                    "iw": w(d, i, fan_in=d),
+                    "up": w(d, 2 * d, fan_in=d),
+                    "down": w(2 * d, d, fan_in=2 * d),
+                }
+            )
+        self.lm_head = w(d, cfg.vocab_size, fan_in=d)
+
+    # ------------------------------------------------------------------------------------------ rows
+    def embed_tokens(self, ids_N: torch.Tensor) -> torch.Tensor:
+        """Token ids ``[N]`` -> hidden float32 ``[N, D]``."""
+        return self.embed[ids_N.to(self.device)].to(torch.float32)
+
+    def project(self, layer: int, h_ND: torch.Tensor, pos_N: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The rows one layer produces for its tokens.
+
+        Returns:
+            ``kv`` bf16 ``[N, R + E]`` (latent then roped key: the row the KV cache stores), ``index_k`` bf16
+            ``[N, J]``, and the float64 queries ``q_nope`` ``[N, H, R]``, ``q_rope`` ``[N, H, E]``,
+            ``iq`` ``[N, I, J]``, ``iw`` ``[N, I]``.
+        """
+        cfg, wl = self.cfg, self.layers[layer]
+        x = _rms_norm(h_ND.to(F64))
+        n = x.shape[0]
+        kv = torch.cat((x @ wl["dkv"], _rope(x @ wl["kr"], pos_N)), dim=-1).to(torch.bfloat16)
+        return {
+            "kv": kv,
+            "index_k": (x @ wl["ik"]).to(torch.bfloat16),
+            "q_nope": (x @ wl["q_nope"]).view(n, cfg.num_heads, cfg.kv_lora_rank),
+            "q_rope": _rope((x @ wl["q_rope"]).view(n, cfg.num_heads, cfg.rope_dim), pos_N),
+            "iq": (x @ wl["iq"]).view(n, cfg.index_heads, cfg.index_head_dim),
+            "iw": x @ wl["iw"],
+        }
+
+    def attend(
+        self,
+        q: dict[str, torch.Tensor],
+        pos_N: torch.Tensor,
+        keys_SC: torch.Tensor,
+        index_keys_SJ: torch.Tensor,
+    ) -> torch.Tensor:
+        """Sparse attention of ``N`` queries of one request over its first ``S`` key positions.
+
+        The indexer scores ``sum_i iw[n, i] * relu(iq[n, i] . k[s])`` for causal keys ``s <= pos[n]``, keeps the
+        top ``index_topk``, and attention runs over those latent rows only.
+
+        Args:
+            q: the query entries of :meth:`project`, sliced to the ``N`` rows.
+            pos_N: positions of the queries (int64).
+            keys_SC: float64 ``[S, R + E]`` stored rows of key positions ``0..S-1`` (dequantized).
+            index_keys_SJ: float64 ``[S, J]`` stored indexer keys (dequantized).
+
+        Returns:
+            float64 ``[N, H * R]``.
+        """
+        cfg = self.cfg
+        n, s = pos_N.shape[0], keys_SC.shape[0]
+        causal_NS = torch.arange(s, device=pos_N.device)[None, :] <= pos_N[:, None]
+        score_NS = (torch.relu(torch.einsum("nij,sj->nis", q["iq"], index_keys_SJ)) * q["iw"][:, :, None]).sum(1)
+        score_NS = score_NS.masked_fill(~causal_NS, float("-inf"))
+        k = min(cfg.index_topk, s)
+        top_val_NK, top_idx_NK = torch.topk(score_NS, k, dim=-1)
+        valid_NK = top_val_NK > float("-inf")
+        sel_NKC = keys_SC[top_idx_NK]  # [N, K, R + E]
+        latent_NKR, rope_NKE = sel_NKC[..., : cfg.kv_lora_rank], sel_NKC[..., cfg.kv_lora_rank :]
+        logits_NHK = torch.einsum("nhr,nkr->nhk", q["q_nope"], latent_NKR)
+        logits_NHK = logits_NHK + torch.einsum("nhe,nke->nhk", q["q_rope"], rope_NKE)
+        logits_NHK = logits_NHK / math.sqrt(cfg.kv_lora_rank + cfg.rope_dim)
+        logits_NHK = logits_NHK.masked_fill(~valid_NK[:, None, :], float("-inf"))
+        p_NHK = torch.softmax(logits_NHK, dim=-1)
+        return torch.einsum("nhk,nkr->nhr", p_NHK, latent_NKR).reshape(n, -1)
+
+    def finish_layer(self, layer: int, h_ND: torch.Tensor, attn_NX: torch.Tensor) -> torch.Tensor:
+        """Output projection, residual and MLP: the next hidden state (float32 ``[N, D]``)."""
+        wl = self.layers[layer]
+        h = h_ND.to(F64) + attn_NX @ wl["o"]
+        h = h + torch.nn.functional.silu(_rms_norm(h) @ wl["up"]) @ wl["down"]
+        return h.to(torch.float32)
+
+    def logits(self, h_ND: torch.Tensor) -> torch.Tensor:
+        """float32 hidden ``[N, D]`` -> float64 logits ``[N, V]``."""
+        return _rms_norm(h_ND.to(F64)) @ self.lm_head
