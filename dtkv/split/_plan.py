@@ -1,0 +1,448 @@
+"""Planning a CP split of a batch: :func:`plan_cp_split` -> :class:`CPSplit` and its per-rank :class:`LocalSplit`.
+
+The rules are stated once, in :mod:`dtkv.split`. Planning is host-side (plan phase) per-request math on
+``[num_reqs, 2cp+1]`` numpy arrays. Every per-token index is a run of affine pieces, one per (request,
+segment), so it is expanded with one ``repeat`` plus one add (no per-token Python loop), lazily, on the
+target device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+
+from dtkv._checks import check_int
+
+__all__ = ["CPSplit", "LocalSplit", "SplitMode", "plan_cp_split"]
+
+SplitMode = Literal["zigzag", "round_robin"]
+_MODES = ("zigzag", "round_robin")
+_ARANGE = np.arange(0, dtype=np.int64)
+
+
+def _arange(n: int) -> np.ndarray:
+    """Read-only ``arange(n)`` (int64) sliced from a cache that only grows."""
+    global _ARANGE
+    if n > _ARANGE.size:
+        a = np.arange(max(n, 2 * _ARANGE.size), dtype=np.int64)
+        a.flags.writeable = False
+        _ARANGE = a
+    return _ARANGE[:n]
+
+
+def _piecewise(shift: np.ndarray, lens: np.ndarray, total: int, device: torch.device, slope: int = 1) -> torch.Tensor:
+    """int64 ``[total]`` on ``device`` with ``out[k] = slope * k + shift[b]`` for every row ``k`` of block ``b``.
+
+    Block ``b`` spans ``lens[b]`` consecutive rows (``lens.sum() == total``). On CPU this is one numpy
+    ``repeat`` plus one add of a cached ``arange``; elsewhere the few per-block values are copied over and the
+    rows are expanded on the device (``repeat_interleave`` with ``output_size``: no host sync).
+    """
+    shift = shift.astype(np.int64, copy=False)
+    if device.type == "cpu":
+        out = np.repeat(shift, lens)
+        assert out.size == total, f"blocks cover {out.size} rows, expected {total}"
+        if slope:
+            out += _arange(total) if slope == 1 else slope * _arange(total)
+        return torch.from_numpy(out)
+    shift_t = torch.from_numpy(shift).to(device, non_blocking=True)
+    lens_t = torch.from_numpy(lens.astype(np.int64, copy=False)).to(device, non_blocking=True)
+    out = torch.repeat_interleave(shift_t, lens_t, output_size=total)
+    return out.add_(torch.arange(total, device=device, dtype=torch.int64).mul_(slope)) if slope else out
+
+
+def _indptr(lens: np.ndarray) -> np.ndarray:
+    out = np.zeros(lens.size + 1, dtype=np.int64)
+    np.cumsum(lens, out=out[1:])
+    return out
+
+
+def _as_lengths(name: str, values: object) -> np.ndarray:
+    """Per-request lengths as int64 numpy ``[num_reqs]``; raises naming ``name``, the value and the rule."""
+    if isinstance(values, torch.Tensor):
+        if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer tensor, got {name}.dtype={values.dtype}")
+        if values.dim() != 1:
+            raise ValueError(f"{name} must have 1 dim ([num_reqs]), got {name}.shape={list(values.shape)}")
+        arr = values.detach().cpu().numpy().astype(np.int64)
+    elif isinstance(values, (Sequence, np.ndarray)) and not isinstance(values, (str, bytes)):
+        arr = np.asarray(values)
+        if arr.size == 0:
+            arr = arr.astype(np.int64)
+        if arr.ndim != 1:
+            raise ValueError(f"{name} must be a flat sequence of ints ([num_reqs]), got shape {list(arr.shape)}")
+        if arr.dtype.kind not in "iu":
+            bad = next((v for v in arr.tolist() if isinstance(v, bool) or not isinstance(v, int)), arr.dtype)
+            raise TypeError(f"{name} must hold ints, got {bad!r} ({type(bad).__name__})")
+        arr = arr.astype(np.int64, copy=False)
+    else:
+        raise TypeError(f"{name} must be a sequence of ints or an integer tensor, got {type(values).__name__}")
+    neg = np.flatnonzero(arr < 0)
+    if neg.size:
+        i = int(neg[0])
+        raise ValueError(f"{name} must be >= 0, got {name}[{i}]={int(arr[i])}")
+    return arr
+
+
+def _zigzag_boundaries(
+    prefix: np.ndarray, extend: np.ndarray, cp: int, page_size: int, page_aligned: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """Extend-relative boundaries int64 ``[num_reqs, 2cp+1]`` and the aligned flags bool ``[num_reqs]``."""
+    num_segs = 2 * cp
+    j = np.arange(num_segs + 1, dtype=np.int64)
+    base, rem = np.divmod(extend, num_segs)
+    bounds = base[:, None] * j + np.minimum(j, rem[:, None])  # token-balanced
+    if not page_aligned:
+        return bounds, np.zeros(extend.size, dtype=bool)
+    first_page = prefix // page_size
+    end_page = -(-(prefix + extend) // page_size)
+    touched = np.where(extend > 0, end_page - first_page, 0)
+    aligned = touched >= num_segs
+    if aligned.any():
+        inner = j[1:num_segs]
+        nearest = (prefix[:, None] + bounds[:, 1:num_segs] + page_size // 2) // page_size  # ties go up
+        # In page units, boundary k must lie in [first_page + k, end_page - 2cp + k] (room for one page per
+        # segment); m - k is then clipped to [first_page, end_page - 2cp], and a running max keeps m strictly
+        # increasing by pushing a boundary right of its predecessor.
+        hi = np.maximum(end_page - num_segs, first_page)
+        shifted = np.clip(nearest - inner, first_page[:, None], hi[:, None])
+        np.maximum.accumulate(shifted, axis=1, out=shifted)
+        aligned_inner = (shifted + inner) * page_size - prefix[:, None]
+        bounds[:, 1:num_segs] = np.where(aligned[:, None], aligned_inner, bounds[:, 1:num_segs])
+    return bounds, aligned
+
+
+@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
+class LocalSplit:
+    """One rank's share of a :class:`CPSplit` (build with :meth:`CPSplit.local`; cached there).
+
+    Local order is request by request, each request's prev segment then its next segment. Host tuples have
+    one entry per request; tensors live on ``CPSplit.device``.
+    """
+
+    rank: int
+    """The CP rank this view describes."""
+    num_reqs: int
+    """Requests in the batch (every rank sees every request, possibly with zero local tokens)."""
+    num_tokens: int
+    """Tokens this rank computes (``cu_seqlens_q[-1]``)."""
+    actual_seq_q_prev: tuple[int, ...]
+    """Per request, tokens of the prev segment (zigzag: segment ``rank``; round_robin: every local token)."""
+    actual_seq_q_next: tuple[int, ...]
+    """Per request, tokens of the next segment (zigzag: segment ``2cp-1-rank``; round_robin: 0)."""
+    kv_len_prev: tuple[int, ...]
+    """Per request, causal KV extent of the prev segment: ``prefix_len + end of the segment`` (round_robin:
+    ``prefix_len + 1 + offset of the last local token``, or ``prefix_len`` with no local token)."""
+    kv_len_next: tuple[int, ...]
+    """Per request, causal KV extent of the next segment (round_robin: equal to ``kv_len_prev``)."""
+    token_index: torch.Tensor = field(repr=False)
+    """int64 ``[num_tokens]``: row of the natural-order batch tensor behind each local row."""
+    positions: torch.Tensor = field(repr=False)
+    """int64 ``[num_tokens]``: absolute position (``prefix_len + extend offset``) of each local row."""
+    req_idx: torch.Tensor = field(repr=False)
+    """int64 ``[num_tokens]``: request of each local row."""
+    cu_seqlens_q: torch.Tensor = field(repr=False)
+    """int32 ``[num_reqs + 1]``: local rows of request ``i`` are ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``."""
+    cu_seqlens_q_prev: torch.Tensor = field(repr=False)
+    """int32 ``[num_reqs + 1]``: indptr of the prev rows as concatenated by :func:`dtkv.split.split_prev_next`."""
+    cu_seqlens_q_next: torch.Tensor = field(repr=False)
+    """int32 ``[num_reqs + 1]``: indptr of the next rows as concatenated by :func:`dtkv.split.split_prev_next`."""
+    prev_index: torch.Tensor = field(repr=False)
+    """int64 ``[cu_seqlens_q_prev[-1]]``: local rows of the prev segments, request by request."""
+    next_index: torch.Tensor = field(repr=False)
+    """int64 ``[cu_seqlens_q_next[-1]]``: local rows of the next segments, request by request."""
+    actual_seq_q_prev_tensor: torch.Tensor = field(repr=False)
+    """int32 ``[num_reqs]`` twin of :attr:`actual_seq_q_prev`, for kernels."""
+    actual_seq_q_next_tensor: torch.Tensor = field(repr=False)
+    """int32 ``[num_reqs]`` twin of :attr:`actual_seq_q_next`."""
+    kv_len_prev_tensor: torch.Tensor = field(repr=False)
+    """int32 ``[num_reqs]`` twin of :attr:`kv_len_prev`."""
+    kv_len_next_tensor: torch.Tensor = field(repr=False)
+    """int32 ``[num_reqs]`` twin of :attr:`kv_len_next`."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Blocks:
+    """Host description of the per-token indices as runs ("blocks") of an affine map.
+
+    Rank ``r``'s local row ``q`` in block ``b`` holds natural row ``slope * q + shift[r, b]``, and ``req[b]`` is
+    the block's request: zigzag has two blocks a request (prev, next), round_robin one. Zigzag also records,
+    per segment in natural order, ``gathered row - natural row`` (``restore_shift``) and the length.
+    """
+
+    shift: np.ndarray  # int64 [cp, num_blocks]
+    lens: np.ndarray  # int64 [cp, num_blocks]
+    req: np.ndarray  # int64 [num_blocks]
+    slope: int
+    restore_shift: np.ndarray | None  # zigzag: int64 [num_reqs * 2cp]
+    restore_lens: np.ndarray | None  # zigzag: int64 [num_reqs * 2cp]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
+class CPSplit:
+    """Split metadata of one CP extend batch (plan phase; build with :func:`plan_cp_split`).
+
+    Host fields are Python ints/tuples or CPU tensors. The per-token index tensors (:attr:`restore_index`,
+    :attr:`gather_index`, and those of :meth:`local`) live on :attr:`device` and are built on first use, then
+    cached, so a rank pays only for what it reads. Instances compare by identity (they hold tensors).
+    """
+
+    cp_size: int
+    """Ranks in the CP group."""
+    page_size: int
+    """Tokens per KV page."""
+    mode: SplitMode
+    """``"zigzag"`` or ``"round_robin"``."""
+    num_reqs: int
+    """Requests in the batch."""
+    prefix_lens: tuple[int, ...]
+    """Per request, tokens already in the KV pool."""
+    extend_lens: tuple[int, ...]
+    """Per request, tokens computed in this step."""
+    extend_indptr: tuple[int, ...] = field(repr=False)
+    """``[num_reqs + 1]``: request ``i`` owns rows ``extend_indptr[i]:extend_indptr[i+1]`` of the natural batch."""
+    boundaries: torch.Tensor | None = field(repr=False)
+    """int64 CPU ``[num_reqs, 2cp+1]``: extend-relative segment boundaries (zigzag); None for round_robin."""
+    page_aligned: torch.Tensor = field(repr=False)
+    """bool CPU ``[num_reqs]``: the request was split on page edges, so each page it touches has one compute
+    owner. False for fallback requests, under ``page_aligned=False`` and for round_robin."""
+    all_page_aligned: bool
+    """Every request is page-aligned (False for an empty batch)."""
+    total_tokens: int
+    """Rows of the natural-order batch (sum of ``extend_lens``)."""
+    num_local_tokens: tuple[int, ...]
+    """Per rank, tokens it computes."""
+    max_local_tokens: int
+    """Padded per-rank all-gather size: ``max(num_local_tokens)``."""
+    device: torch.device = field(repr=False)
+    """Where the per-token index tensors live."""
+    _counts: np.ndarray = field(repr=False)  # int64 [num_reqs, cp]: local tokens per (request, rank)
+    _starts: np.ndarray = field(repr=False)  # int64 [num_reqs, cp]: first local row per (request, rank)
+    _blocks: _Blocks = field(repr=False)
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def num_segments(self) -> int:
+        """Zigzag segments per request: ``2 * cp_size``."""
+        return 2 * self.cp_size
+
+    @property
+    def segment_lens(self) -> torch.Tensor | None:
+        """int64 CPU ``[num_reqs, 2cp]``: token counts of the zigzag segments (None for round_robin)."""
+        return None if self.boundaries is None else self.boundaries.diff(dim=1)
+
+    @property
+    def restore_index(self) -> torch.Tensor:
+        """int64 ``[total_tokens]``: natural row ``t`` -> its row in the rank-major gathered tensor
+        ``[cp * max_local_tokens]``."""
+        if "restore" not in self._cache:
+            self._cache["restore"] = _build_restore(self)
+        return self._cache["restore"]
+
+    @property
+    def gather_index(self) -> torch.Tensor:
+        """int64 ``[cp * max_local_tokens]``: gathered row -> natural row, ``-1`` for padding (the inverse of
+        :attr:`restore_index`)."""
+        if "gather" not in self._cache:
+            self._cache["gather"] = _build_gather(self)
+        return self._cache["gather"]
+
+    def local(self, rank: int) -> LocalSplit:
+        """Rank ``rank``'s view (plan phase, cached): local lengths, indptrs and index tensors."""
+        check_int("rank", rank, min_value=0)
+        if rank >= self.cp_size:
+            raise ValueError(f"rank must be < cp_size={self.cp_size}, got rank={rank}")
+        key = ("local", rank)
+        if key not in self._cache:
+            self._cache[key] = _build_local(self, rank)
+        return self._cache[key]
+
+
+def _to(arr: np.ndarray, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(arr))
+    if t.dtype != dtype:
+        t = t.to(dtype)
+    return t if device.type == "cpu" else t.to(device)
+
+
+def _build_restore(split: CPSplit) -> torch.Tensor:
+    blocks = split._blocks
+    if blocks.restore_shift is not None:
+        return _piecewise(blocks.restore_shift, blocks.restore_lens, split.total_tokens, split.device)
+    gather, m = split.gather_index, split.max_local_tokens
+    restore = torch.empty(split.total_tokens, dtype=torch.int64, device=split.device)
+    for r, n in enumerate(split.num_local_tokens):
+        rows = torch.arange(r * m, r * m + n, dtype=torch.int64, device=split.device)
+        restore.index_copy_(0, gather[r * m : r * m + n], rows)
+    return restore
+
+
+def _build_gather(split: CPSplit) -> torch.Tensor:
+    b, cp, m = split._blocks, split.cp_size, split.max_local_tokens
+    totals = np.asarray(split.num_local_tokens, dtype=np.int64)
+    # gathered row k = r * m + q; one padding block closes each rank's part
+    shift = np.concatenate([b.shift - b.slope * m * np.arange(cp)[:, None], np.zeros((cp, 1), np.int64)], 1)
+    lens = np.concatenate([b.lens, (m - totals)[:, None]], axis=1)
+    out = _piecewise(shift.ravel(), lens.ravel(), cp * m, split.device, b.slope)
+    for r in range(cp):
+        out[r * m + int(totals[r]) : (r + 1) * m] = -1
+    return out
+
+
+def _build_local(split: CPSplit, rank: int) -> LocalSplit:
+    cp, num_reqs, dev, b = split.cp_size, split.num_reqs, split.device, split._blocks
+    prefix = np.asarray(split.prefix_lens, dtype=np.int64).reshape(num_reqs)
+    ext_start = np.asarray(split.extend_indptr[:-1], dtype=np.int64).reshape(num_reqs)
+    counts, starts = split._counts[:, rank], split._starts[:, rank]
+    if split.boundaries is not None:
+        bounds = split.boundaries.numpy()
+        prev = bounds[:, rank + 1] - bounds[:, rank]
+        nxt = bounds[:, 2 * cp - rank] - bounds[:, 2 * cp - 1 - rank]
+        kv_prev = prefix + bounds[:, rank + 1]
+        kv_next = prefix + bounds[:, 2 * cp - rank]
+    else:
+        prev, nxt = counts, np.zeros_like(counts)
+        kv_prev = kv_next = prefix + np.where(counts > 0, rank + cp * (counts - 1) + 1, 0)
+    n = int(split.num_local_tokens[rank])
+    shift, lens = b.shift[rank], b.lens[rank]
+    cu_prev, cu_next = _indptr(prev), _indptr(nxt)
+    return LocalSplit(
+        rank=rank,
+        num_reqs=num_reqs,
+        num_tokens=n,
+        actual_seq_q_prev=tuple(prev.tolist()),
+        actual_seq_q_next=tuple(nxt.tolist()),
+        kv_len_prev=tuple(kv_prev.tolist()),
+        kv_len_next=tuple(kv_next.tolist()),
+        token_index=_piecewise(shift, lens, n, dev, b.slope),
+        positions=_piecewise(shift + (prefix - ext_start)[b.req], lens, n, dev, b.slope),
+        req_idx=_piecewise(np.arange(num_reqs, dtype=np.int64), counts, n, dev, slope=0),
+        cu_seqlens_q=_to(_indptr(counts), dev, torch.int32),
+        cu_seqlens_q_prev=_to(cu_prev, dev, torch.int32),
+        cu_seqlens_q_next=_to(cu_next, dev, torch.int32),
+        prev_index=_piecewise(starts - cu_prev[:-1], prev, int(cu_prev[-1]), dev),
+        next_index=_piecewise(starts + prev - cu_next[:-1], nxt, int(cu_next[-1]), dev),
+        actual_seq_q_prev_tensor=_to(prev, dev, torch.int32),
+        actual_seq_q_next_tensor=_to(nxt, dev, torch.int32),
+        kv_len_prev_tensor=_to(kv_prev, dev, torch.int32),
+        kv_len_next_tensor=_to(kv_next, dev, torch.int32),
+    )
+
+
+def plan_cp_split(
+    prefix_lens: Sequence[int] | torch.Tensor,
+    extend_lens: Sequence[int] | torch.Tensor,
+    *,
+    cp_size: int,
+    page_size: int,
+    mode: SplitMode = "zigzag",
+    page_aligned: bool = True,
+    device: torch.device | str | None = None,
+) -> CPSplit:
+    """Split each request's extend across ``cp_size`` ranks (plan phase: host work, no device sync).
+
+    The rules (token-balanced and page-aligned zigzag, fallback, round_robin, ``extend_len == 0``) are stated
+    in :mod:`dtkv.split`.
+
+    Args:
+        prefix_lens: per request, tokens already in the KV pool: ints or an integer tensor ``[num_reqs]``.
+        extend_lens: per request, tokens computed now: same form and length; 0 is allowed (the request then
+            has no tokens and is not page-aligned).
+        cp_size: ranks of the CP group (>= 1).
+        page_size: tokens per KV page (>= 1).
+        mode: ``"zigzag"`` (2cp segments; rank r computes segments r and 2cp-1-r) or ``"round_robin"``
+            (extend token i -> rank i % cp; never page-aligned).
+        page_aligned: zigzag only: put the internal boundaries on page edges for requests touching >= 2cp
+            pages. Ignored by round_robin.
+        device: where the per-token index tensors are built (default CPU).
+
+    Returns:
+        A frozen :class:`CPSplit`.
+
+    Raises:
+        TypeError: non-integer lengths, ``cp_size``, ``page_size``, or a non-bool ``page_aligned``.
+        ValueError: negative lengths, ``cp_size``/``page_size`` < 1, lengths of different sizes, unknown mode.
+
+    Example:
+        >>> s = plan_cp_split([5], [23], cp_size=2, page_size=4)
+        >>> s.boundaries.tolist(), s.all_page_aligned
+        ([[0, 7, 11, 19, 23]], True)
+        >>> s.local(0).actual_seq_q_prev, s.local(0).actual_seq_q_next, s.local(0).kv_len_next
+        ((7,), (4,), (28,))
+    """
+    check_int("cp_size", cp_size, min_value=1)
+    check_int("page_size", page_size, min_value=1)
+    if mode not in _MODES:
+        raise ValueError(f"mode must be one of {_MODES}, got mode={mode!r}")
+    if not isinstance(page_aligned, bool):
+        raise TypeError(f"page_aligned must be a bool, got page_aligned={page_aligned!r}")
+    prefix = _as_lengths("prefix_lens", prefix_lens)
+    extend = _as_lengths("extend_lens", extend_lens)
+    if prefix.size != extend.size:
+        raise ValueError(
+            "prefix_lens and extend_lens must have one entry per request, got "
+            f"len(prefix_lens)={prefix.size} and len(extend_lens)={extend.size}"
+        )
+    cp, num_reqs = cp_size, int(extend.size)
+    ext_indptr = _indptr(extend)
+    ext_start = ext_indptr[:-1]
+    ranks = np.arange(cp, dtype=np.int64)
+
+    if mode == "zigzag":
+        num_segs = 2 * cp
+        bounds, aligned = _zigzag_boundaries(prefix, extend, cp, page_size, page_aligned)
+        seg = np.diff(bounds, axis=1)  # [num_reqs, 2cp]
+        prev, nxt = seg[:, :cp], seg[:, ::-1][:, :cp]  # rank r: segment r, then segment 2cp-1-r
+        counts = prev + nxt
+    else:
+        bounds, aligned = None, np.zeros(num_reqs, dtype=bool)
+        counts = (extend[:, None] - ranks + cp - 1) // cp  # offsets i < extend_len with i % cp == r
+    totals = counts.sum(axis=0)
+    max_local = int(totals.max()) if num_reqs else 0
+    starts = np.cumsum(counts, axis=0) - counts
+
+    if mode == "zigzag":
+        seg_start = ext_start[:, None] + bounds[:, :num_segs]  # natural row of each segment's first token
+        prev_shift = seg_start[:, :cp] - starts
+        next_shift = seg_start[:, ::-1][:, :cp] - starts - prev
+        seg_rank = np.concatenate([ranks, ranks[::-1]])
+        local_start = starts[:, seg_rank] + np.where(np.arange(num_segs) >= cp, prev[:, seg_rank], 0)
+        blocks = _Blocks(
+            shift=np.stack([prev_shift.T, next_shift.T], axis=2).reshape(cp, 2 * num_reqs),
+            lens=np.stack([prev.T, nxt.T], axis=2).reshape(cp, 2 * num_reqs),
+            req=np.repeat(np.arange(num_reqs, dtype=np.int64), 2),
+            slope=1,
+            restore_shift=(seg_rank * max_local + local_start - seg_start).ravel(),
+            restore_lens=seg.ravel(),
+        )
+    else:
+        blocks = _Blocks(
+            shift=(ext_start[:, None] + ranks - cp * starts).T,
+            lens=counts.T,
+            req=np.arange(num_reqs, dtype=np.int64),
+            slope=cp,
+            restore_shift=None,
+            restore_lens=None,
+        )
+    return CPSplit(
+        cp_size=cp,
+        page_size=page_size,
+        mode=mode,
+        num_reqs=num_reqs,
+        prefix_lens=tuple(prefix.tolist()),
+        extend_lens=tuple(extend.tolist()),
+        extend_indptr=tuple(ext_indptr.tolist()),
+        boundaries=None if bounds is None else torch.from_numpy(bounds),
+        page_aligned=torch.from_numpy(aligned),
+        all_page_aligned=bool(num_reqs) and bool(aligned.all()),
+        total_tokens=int(ext_indptr[-1]),
+        num_local_tokens=tuple(totals.tolist()),
+        max_local_tokens=max_local,
+        device=torch.device("cpu") if device is None else torch.device(device),
+        _counts=counts,
+        _starts=starts,
+        _blocks=blocks,
+    )
