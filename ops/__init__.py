@@ -1,8 +1,48 @@
 """dtkv.ops: registered ``torch.library`` custom ops (namespace ``dtkv``) with torch and Triton kernels.
 
-One op per module; each module holds the torch reference, the Triton kernel, the registration and the fake.
+One op per module; each module holds the torch reference, the Triton kernel, the registration, the fake and the
+DTensor sharding rule. Entry points (each takes ``backend="auto" | "torch" | "triton"``):
+
+- :func:`write_owned` -- owner-filtered write of a full chunk's rows (``dtkv::write_owned``).
+- :func:`direct_write` -- write this rank's own rows into its own pages (``dtkv::direct_write``).
+- :func:`quantize_write_mla_fp8`, :func:`quantize_write_indexer_fp8` -- fused fp8 quantize-and-write; references
+  :func:`quantize_mla_fp8`, :func:`dequantize_mla_fp8`, :func:`quantize_indexer_fp8`,
+  :func:`dequantize_indexer_pages`.
+- :func:`plan_pack` (plan) + :func:`pack_owned_pages` (run) -- owner-major all-gather send buffers
+  (``dtkv::pack_owned_pages``), with :func:`gathered_page_table`.
+- :func:`remap` -- logical indices to gathered-buffer coordinates (``dtkv::remap``).
+
+``backend="auto"`` runs Triton on CUDA tensors when Triton imports and torch otherwise (``DTKV_BACKEND`` and
+:func:`dtkv.default_backend` override it); ``"triton"`` on CPU tensors needs ``TRITON_INTERPRET=1`` at import.
 """
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from dtkv.ops._common import HAS_TRITON
+from dtkv.ops.direct_write import direct_write
+from dtkv.ops.pack_owned_pages import PackPlan, gathered_page_table, pack_owned_pages, plan_pack
+from dtkv.ops.quantize_write_indexer_fp8 import (
+    dequantize_indexer_pages,
+    quantize_indexer_fp8,
+    quantize_write_indexer_fp8,
+)
+from dtkv.ops.quantize_write_mla_fp8 import dequantize_mla_fp8, quantize_mla_fp8, quantize_write_mla_fp8
+from dtkv.ops.remap import remap
+from dtkv.ops.write_owned import write_owned
+
+__all__ = [
+    "HAS_TRITON",
+    "PackPlan",
+    "dequantize_indexer_pages",
+    "dequantize_mla_fp8",
+    "direct_write",
+    "gathered_page_table",
+    "pack_owned_pages",
+    "plan_pack",
+    "quantize_indexer_fp8",
+    "quantize_mla_fp8",
+    "quantize_write_indexer_fp8",
+    "quantize_write_mla_fp8",
+    "remap",
+    "write_owned",
+]

@@ -1,0 +1,207 @@
+"""``dtkv::pack_owned_pages``: gather this rank's pages of a page list into an all-gather send buffer.
+
+Entry points: :func:`plan_pack` (plan, host side: one sync per batch), :func:`pack_owned_pages` (run: one kernel,
+no sync, compiles with ``fullgraph=True``) and :func:`gathered_page_table`.
+
+Given a list of logical pages (identical on every rank, ``-1`` padding ignored, duplicates kept once at their first
+position), rank ``r`` sends its owned pages in list order, padded with zero pages to
+``max_count = max over ranks of owned pages in the list``. A plain all-gather of the send buffers then yields the
+**owner-major** buffer ``[cp * max_count, ...]`` in which logical page ``p`` sits at row
+``owner(p) * max_count + j``, ``j`` its position among ``owner(p)``'s pages of the list. ``page_map`` records that
+row, so readers index the gathered buffer directly (:func:`dtkv.ops.remap`) and nothing is reordered after the
+collective. Example, ``cp=2`` interleave, list ``[4, 1, 2, 7, -1]``::
+
+    rank 0 sends local pages of [4, 2]       rank 1 sends [1, 7]       max_count = 2
+    gathered rows: 0:p4 1:p2 2:p1 3:p7       page_map[4, 1, 2, 7] = 0, 2, 1, 3     rows = [0, 2, 1, 3, -1]
+
+Legend: ``P`` local pages, ``M`` max_count, ``K`` list length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dtkv._checks import check_tensor
+from dtkv.ownership import PageOwnership
+
+from ._common import device_ctx, resolve_backend, tl, triton, word_view
+from ._sharding import dtensor_args, register_pool_rule
+
+__all__ = ["PackPlan", "gathered_page_table", "pack_owned_pages", "pack_owned_pages_torch", "plan_pack"]
+
+
+# ----------------------------------------------------------------------------------------- plan (host)
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PackPlan:
+    """What :func:`plan_pack` computed for one page list; tensors live on the pool's device."""
+
+    ownership: PageOwnership
+    """The page map the plan was made for."""
+    max_count: int
+    """Rows of every rank's send buffer (largest per-rank count of owned pages in the list)."""
+    counts: tuple[int, ...]
+    """Owned pages in the list, per rank."""
+    send_local_idx: torch.Tensor
+    """int64 ``[cp_size, max_count]``: local page index of each send row, per rank; ``-1`` = zero padding."""
+    page_map: torch.Tensor
+    """int32 ``[num_pages]``: logical page -> row of the owner-major gathered buffer; ``-1`` if not in the list."""
+    rows: torch.Tensor
+    """int32 ``[K]``: gathered row of each list position (``-1`` for padding)."""
+
+    @property
+    def num_gathered_rows(self) -> int:
+        """Rows of the all-gathered buffer (``cp_size * max_count``)."""
+        return self.ownership.cp_size * self.max_count
+
+
+def plan_pack(pages: torch.Tensor, ownership: PageOwnership, *, device: torch.device | str | None = None) -> PackPlan:
+    """Plan a pack for the page list ``pages`` (int ``[K]``, logical pages or ``-1``), identically on every rank.
+
+    A plan function: copies ``pages`` to the host once (one sync), computes the tables there and moves them to
+    ``device`` (default: ``pages.device``). Not for use inside ``torch.compile``; pass the plan to the run.
+
+    Raises:
+        TypeError / ValueError: ``pages`` is not a 1-D integer tensor, or holds values outside ``[-1, num_pages)``.
+    """
+    check_tensor("pages", pages, dtype=(torch.int64, torch.int32), ndim=1)
+    if not isinstance(ownership, PageOwnership):
+        raise TypeError(f"ownership must be a dtkv.PageOwnership, got {type(ownership).__name__}")
+    device = pages.device if device is None else torch.device(device)
+    p = pages.to("cpu", torch.int64)
+    ownership.check_pages("pages", p)
+    k, cp = p.numel(), ownership.cp_size
+    pos = torch.arange(k)
+    valid = p >= 0
+    uniq, inv = torch.unique(p, return_inverse=True)
+    first = torch.full((uniq.numel(),), k, dtype=torch.int64).scatter_reduce(0, inv, pos, "amin")
+    is_first = valid & (first[inv] == pos)
+    owner, local = ownership.owner(p), ownership.local_index(p)
+    onehot = (owner[:, None] == torch.arange(cp)[None, :]) & is_first[:, None]  # [K, cp]
+    j = (onehot.cumsum(0) - 1).gather(1, owner.clamp(min=0)[:, None]).squeeze(1)
+    counts = onehot.sum(0)
+    max_count = int(counts.max()) if k else 0
+    page_map = torch.full((ownership.num_pages,), -1, dtype=torch.int32)
+    page_map[p[is_first]] = (owner * max_count + j)[is_first].to(torch.int32)
+    rows = torch.where(valid, page_map[p.clamp(min=0)], torch.full_like(page_map[:1], -1))
+    send = torch.full((cp, max_count), -1, dtype=torch.int64)
+    send[owner[is_first], j[is_first]] = local[is_first]
+    return PackPlan(
+        ownership=ownership, max_count=max_count, counts=tuple(int(c) for c in counts),
+        send_local_idx=send.to(device), page_map=page_map.to(device), rows=rows.to(device),
+    )  # fmt: skip
+
+
+def gathered_page_table(pages: torch.Tensor, ownership: PageOwnership) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(page_map int32 [num_pages], rows int32 [K])`` of :func:`plan_pack` (same rules; a plan function)."""
+    plan = plan_pack(pages, ownership)
+    return plan.page_map, plan.rows
+
+
+# ----------------------------------------------------------------------------------------- torch reference
+def pack_owned_pages_torch(pool: torch.Tensor, send_idx: torch.Tensor) -> torch.Tensor:
+    """Reference: ``pool.index_select(0, send_idx)`` with zero pages where ``send_idx`` is ``-1`` (or >= P)."""
+    words = word_view(pool)
+    idx = send_idx.to(torch.int64)
+    ok = (idx >= 0) & (idx < pool.shape[0])
+    out = words.index_select(0, torch.where(ok, idx, torch.zeros_like(idx)))
+    out.masked_fill_(~ok.view(-1, *([1] * (pool.dim() - 1))), 0)
+    return out.view(pool.dtype)
+
+
+# ----------------------------------------------------------------------------------------- Triton kernel
+@triton.jit
+def _pack_owned_pages_kernel(
+    out_ptr,  # [M, W] words, contiguous
+    pool_ptr,  # [P, W] words; page stride page_stride
+    idx_ptr,  # [M] int64, local page per send row, -1 = zeros
+    num_local_pages,
+    page_stride,
+    W: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Program ``(row, c)`` copies words ``[c*BLOCK, (c+1)*BLOCK)`` of one page (zeros for padding rows)."""
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    idx = tl.load(idx_ptr + row)
+    valid = (idx >= 0) & (idx < num_local_pages)
+    m = cols < W
+    v = tl.load(pool_ptr + idx * page_stride + cols, mask=m & valid, other=0, eviction_policy="evict_first")
+    tl.store(out_ptr + row.to(tl.int64) * W + cols, v, mask=m)
+
+
+def _check(pool: torch.Tensor, send_idx: torch.Tensor) -> None:
+    check_tensor("send_idx", send_idx, dtype=(torch.int64, torch.int32), ndim=1, device=pool.device)
+    if not isinstance(pool, torch.Tensor) or pool.dim() < 2:
+        raise ValueError(f"pool must be a tensor [num_local_pages, ...] with >= 2 dims, got {type(pool).__name__}")
+    inner = pool.shape[1:]
+    want = [1] * len(inner)
+    for d in range(len(inner) - 2, -1, -1):
+        want[d] = want[d + 1] * inner[d + 1]
+    if any(s != w and n > 1 for s, w, n in zip(pool.stride()[1:], want, inner)):
+        raise ValueError(f"pool pages must be contiguous (any page stride), got pool.stride()={pool.stride()}")
+
+
+# ----------------------------------------------------------------------------------------- registered op
+@torch.library.custom_op("dtkv::pack_owned_pages", mutates_args=())
+def _pack_owned_pages_op(pool: torch.Tensor, send_idx: torch.Tensor, backend: str) -> torch.Tensor:
+    _check(pool, send_idx)
+    if backend != "triton":
+        return pack_owned_pages_torch(pool, send_idx)
+    out = pool.new_empty((send_idx.shape[0], *pool.shape[1:]))
+    if out.numel() == 0:
+        return out
+    src = word_view(pool.flatten(1))
+    dst = out.flatten(1).view(src.dtype)
+    num_words = src.shape[1]
+    block = min(triton.next_power_of_2(num_words), 2048)
+    with device_ctx(pool.device):
+        _pack_owned_pages_kernel[(out.shape[0], triton.cdiv(num_words, block))](
+            dst, src, send_idx.to(torch.int64), pool.shape[0], src.stride(0), W=num_words, BLOCK=block, num_warps=4
+        )
+    return out
+
+
+@_pack_owned_pages_op.register_fake
+def _fake_pack_owned_pages(pool, send_idx, backend):
+    _check(pool, send_idx)
+    return pool.new_empty((send_idx.shape[0], *pool.shape[1:]))
+
+
+# The send buffers of all ranks, concatenated, are the owner-major gathered buffer: output Shard(0).
+register_pool_rule(torch.ops.dtkv.pack_owned_pages.default, ("shard0",), outputs=("shard0",))
+
+
+# ----------------------------------------------------------------------------------------- public wrapper
+def pack_owned_pages(
+    pool: torch.Tensor,
+    pages: torch.Tensor | PackPlan,
+    ownership: PageOwnership,
+    rank: int,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """This rank's owned pages of the list, in list order, as the send buffer of an owner-major all-gather.
+
+    Args:
+        pool: this rank's pages of one layer, ``[P, ...]`` (pages contiguous, any page stride, any dtype). May be
+            a DTensor with the ``ownership`` placement: the result is then a ``Shard(0)`` DTensor whose
+            ``full_tensor()`` is the gathered buffer.
+        pages: the page list, int ``[K]`` (plans on the fly: one host sync, not compilable), or the
+            :class:`PackPlan` of :func:`plan_pack` (the run: no sync, compiles with ``fullgraph=True``).
+        ownership, rank: the page map and this rank.
+        backend: ``"auto"`` | ``"torch"`` (``index_select``) | ``"triton"``.
+
+    Returns:
+        ``[plan.max_count, *pool.shape[1:]]``, ``pool.dtype``; rows past this rank's count are zero. All-gather
+        it (e.g. ``all_gather_single``) to get the owner-major buffer that ``plan.page_map`` indexes.
+    """
+    plan = pages if isinstance(pages, PackPlan) else plan_pack(pages, ownership, device=pool.device)
+    if not torch.compiler.is_compiling() and plan.ownership != ownership:
+        raise ValueError(f"pages was planned for {plan.ownership!r}, got ownership={ownership!r}")
+    api_pool = pool
+    if hasattr(pool, "device_mesh") and hasattr(pool, "placements"):  # DTensor: rank from its mesh
+        rank = pool.device_mesh.get_local_rank()
+    api_pool, (idx,), rank = dtensor_args(api_pool, (plan.send_local_idx[rank],), ownership, rank, "shard0")
+    return torch.ops.dtkv.pack_owned_pages(api_pool, idx, resolve_backend(backend, pool.device))

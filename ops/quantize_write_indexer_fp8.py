@@ -1,0 +1,247 @@
+"""``dtkv::quantize_write_indexer_fp8``: fused fp8 quantization of indexer keys into page-packed indexer pages.
+
+Entry point: :func:`quantize_write_indexer_fp8`; references :func:`quantize_indexer_fp8` and
+:func:`dequantize_indexer_pages`. A page of :class:`dtkv.IndexerFp8Layout` (``S`` tokens, ``H = head_dim``)::
+
+    [0, S*H)              e4m3fn   token t's key at t*H: k / s_t, round-to-nearest-even
+    [S*H, S*H + 4*S)      fp32     token t's scale s_t = amax(|k_t|) / 448 at S*H + 4t (0 for an all-zero key)
+
+**Round-trip bound** (finite inputs): ``|k̂ - k| <= |k| / 16 + a / 2**18`` per element, ``a`` the amax of the
+token's key; the derivation is the one of :mod:`dtkv.ops.quantize_write_mla_fp8` (one block = one token).
+
+Legend: ``P`` local pages, ``S`` page size, ``H`` head dim, ``N`` tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dtkv._checks import check_tensor
+from dtkv.layouts import FP8_E4M3_MAX, IndexerFp8Layout
+from dtkv.ownership import PageOwnership
+
+from ._common import (
+    check_ownership_ints,
+    chunk_of,
+    device_ctx,
+    e4m3_bits,
+    owned_rows_torch,
+    owner_local,
+    ownership_args,
+    resolve_backend,
+    should_validate,
+    tl,
+    triton,
+    validate_locs,
+)
+from ._sharding import dtensor_args, register_pool_rule
+
+__all__ = [
+    "dequantize_indexer_pages",
+    "quantize_indexer_fp8",
+    "quantize_write_indexer_fp8",
+    "quantize_write_indexer_fp8_torch",
+]
+
+_K_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# ----------------------------------------------------------------------------------------- torch reference
+def quantize_indexer_fp8(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token fp8 quantization of keys ``[N, H]`` (bf16/fp16/fp32): (e4m3 bytes uint8 ``[N, H]``, fp32 ``[N]``)."""
+    check_tensor("k", k, dtype=_K_DTYPES, ndim=2)
+    x = k.float()
+    scale = x.abs().amax(dim=1) / FP8_E4M3_MAX
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = (x / safe[:, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.view(torch.uint8), scale
+
+
+def quantize_write_indexer_fp8_torch(
+    pool: torch.Tensor,  # uint8 [P, S*(H+4)]
+    k: torch.Tensor,  # [N, H]
+    locs: torch.Tensor,  # [N] int32/int64
+    cp_size: int,
+    num_pages: int,
+    layout_code: int,
+    rank: int,
+    page_size: int,
+) -> None:
+    """Reference: quantize the kept tokens, ``index_put_`` key bytes at ``t*H`` and scale bytes at ``S*H + 4t``."""
+    head_dim = k.shape[1]
+    sel, local, off = owned_rows_torch(locs, page_size, cp_size, num_pages, layout_code, rank, pool.shape[0])
+    q, scale = quantize_indexer_fp8(k[sel])
+    page_idx = local[:, None]
+    key_cols = off[:, None] * head_dim + torch.arange(head_dim, device=pool.device)
+    pool.index_put_((page_idx, key_cols), q)
+    scale_cols = page_size * head_dim + 4 * off[:, None] + torch.arange(4, device=pool.device)
+    pool.index_put_((page_idx, scale_cols), scale.contiguous().view(torch.uint8).view(-1, 4))
+
+
+def dequantize_indexer_pages(pages: torch.Tensor, layout: IndexerFp8Layout) -> torch.Tensor:
+    """Decode indexer pages ``uint8 [P, S*(H+4)]`` to float32 keys ``[P, S, H]`` (``q * s_t``)."""
+    ps, hd = layout.page_size, layout.head_dim
+    check_tensor("pages", pages, dtype=torch.uint8, shape=(None, ps * (hd + 4)))
+    q = pages[:, : ps * hd].contiguous().view(torch.float8_e4m3fn).float().view(-1, ps, hd)
+    s = pages[:, ps * hd :].contiguous().view(torch.float32).view(-1, ps, 1)
+    return q * s
+
+
+# ----------------------------------------------------------------------------------------- Triton kernel
+@triton.jit
+def _quantize_write_indexer_fp8_kernel(
+    pool_ptr,  # uint8 [P, S*(H+4)]; page stride page_stride (bytes)
+    k_ptr,  # [N, K_STRIDE] bf16/fp16/fp32
+    locs_ptr,  # [N] int32/int64
+    num_rows,
+    num_local_pages,
+    page_stride,
+    page_size,
+    num_pages,
+    cp_size,
+    chunk,
+    rank,
+    LAYOUT: tl.constexpr,
+    K_STRIDE: tl.constexpr,
+    H: tl.constexpr,
+    HP: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """One program quantizes ``BLOCK_R`` tokens (``[BLOCK_R, H]`` tile) and stores keys and scales."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = r < num_rows
+    loc = tl.load(locs_ptr + r, mask=rmask, other=-1).to(tl.int64)
+    page = loc // page_size
+    off = loc - page * page_size
+    owner, local = owner_local(page, cp_size, chunk, LAYOUT)
+    keep = rmask & (loc >= 0) & (page < num_pages) & (owner == rank) & (local < num_local_pages)
+    base = local * page_stride
+
+    ci = tl.arange(0, HP)
+    m = keep[:, None] & (ci < H)[None, :]
+    x = tl.load(k_ptr + (r.to(tl.int64) * K_STRIDE)[:, None] + ci[None, :], mask=m, other=0.0,
+                eviction_policy="evict_first").to(tl.float32)  # fmt: skip
+    amax = tl.max(tl.abs(x), axis=1)
+    scale = tl.math.div_rn(amax, 448.0)
+    safe = tl.where(amax > 0, scale, 1.0)
+    q = e4m3_bits(tl.math.div_rn(x, safe[:, None]))
+    tl.store(pool_ptr + (base + off * H)[:, None] + ci[None, :], q, mask=m)
+    s_ptr = (pool_ptr + base + page_size * H + 4 * off).to(tl.pointer_type(tl.float32))
+    tl.store(s_ptr, scale, mask=keep)
+
+
+def _triton_aligned(pool: torch.Tensor, page_size: int, head_dim: int) -> bool:
+    """Scales are stored as fp32 through a typed pointer: their byte offsets must be multiples of 4."""
+    return (page_size * head_dim) % 4 == 0 and pool.stride(0) % 4 == 0 and pool.storage_offset() % 4 == 0
+
+
+def _launch(pool, k, locs, cp_size, num_pages, layout_code, rank, page_size) -> None:
+    n, head_dim = k.shape
+    if n == 0 or pool.shape[0] == 0:
+        return
+    if not _triton_aligned(pool, page_size, head_dim):
+        raise NotImplementedError(
+            "backend='triton' for quantize_write_indexer_fp8 needs page_size * head_dim and the pool's page "
+            f"stride and offset divisible by 4, got page_size={page_size}, head_dim={head_dim}, "
+            f"pool.stride()={pool.stride()}, pool.storage_offset()={pool.storage_offset()}; use backend='torch'"
+        )
+    hp = triton.next_power_of_2(head_dim)
+    block_r = max(1, min(32, 4096 // hp))
+    with device_ctx(pool.device):
+        _quantize_write_indexer_fp8_kernel[(triton.cdiv(n, block_r),)](
+            pool, k, locs, n, pool.shape[0], pool.stride(0), page_size, num_pages, cp_size,
+            chunk_of(cp_size, num_pages), rank,
+            LAYOUT=layout_code, K_STRIDE=k.stride(0), H=head_dim, HP=hp, BLOCK_R=block_r, num_warps=4,
+        )  # fmt: skip
+
+
+def _check(pool, k, locs, cp_size, num_pages, layout_code, rank, page_size) -> None:
+    check_ownership_ints(cp_size, num_pages, layout_code, rank)
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got page_size={page_size}")
+    check_tensor("k", k, dtype=_K_DTYPES, ndim=2, device=pool.device)
+    check_tensor("pool", pool, dtype=torch.uint8, shape=(None, page_size * (k.shape[1] + 4)))
+    if pool.stride(1) != 1:
+        raise ValueError(f"pool pages must be contiguous (stride 1 in dim 1), got pool.stride()={pool.stride()}")
+    check_tensor("locs", locs, dtype=(torch.int64, torch.int32), shape=(k.shape[0],), device=pool.device)
+
+
+# ----------------------------------------------------------------------------------------- registered op
+@torch.library.custom_op("dtkv::quantize_write_indexer_fp8", mutates_args=("pool",))
+def _quantize_write_indexer_fp8_op(
+    pool: torch.Tensor,
+    k: torch.Tensor,
+    locs: torch.Tensor,
+    cp_size: int,
+    num_pages: int,
+    layout_code: int,
+    rank: int,
+    page_size: int,
+    require_owned: bool,
+    validate: bool,
+    backend: str,
+) -> None:
+    args = (cp_size, num_pages, layout_code, rank, page_size)
+    _check(pool, k, locs, *args)
+    if validate:
+        validate_locs(
+            locs, page_size=page_size, cp_size=cp_size, num_pages=num_pages, layout_code=layout_code,
+            rank=rank, num_local_pages=pool.shape[0], require_owned=require_owned,
+        )  # fmt: skip
+    if backend == "triton":
+        _launch(pool, k.contiguous(), locs, *args)
+    else:
+        quantize_write_indexer_fp8_torch(pool, k, locs, *args)
+
+
+@_quantize_write_indexer_fp8_op.register_fake
+def _fake_quantize_write_indexer_fp8(pool, k, locs, cp_size, num_pages, layout_code, rank, page_size,
+                                     require_owned, validate, backend) -> None:  # fmt: skip
+    _check(pool, k, locs, cp_size, num_pages, layout_code, rank, page_size)
+
+
+register_pool_rule(
+    torch.ops.dtkv.quantize_write_indexer_fp8.default,
+    lambda args: ("shard0", "shard0") if args[7] else ("replicate", "replicate"),
+)
+
+
+# ----------------------------------------------------------------------------------------- public wrapper
+def quantize_write_indexer_fp8(
+    pool: torch.Tensor,
+    k: torch.Tensor,
+    locs: torch.Tensor,
+    ownership: PageOwnership,
+    rank: int,
+    *,
+    layout: IndexerFp8Layout,
+    require_owned: bool = False,
+    validate: bool | None = None,
+    backend: str = "auto",
+) -> None:
+    """Quantize indexer keys per token to fp8 and write keys and scales into their page-packed pages.
+
+    Args:
+        pool: this rank's indexer pages of one layer, uint8 ``[P, layout.page_size * (layout.head_dim + 4)]``
+            (pages contiguous, any page stride); mutated. May be a DTensor with the ``ownership`` placement.
+        k: keys ``[N, layout.head_dim]``, bf16/fp16/fp32.
+        locs: logical token locations, int64/int32 ``[N]``; ``-1`` skipped.
+        ownership, rank, require_owned, validate, backend: as for :func:`dtkv.ops.quantize_write_mla_fp8`
+            (``"auto"`` falls back to torch when ``page_size * head_dim`` is not a multiple of 4).
+
+    Raises:
+        TypeError / ValueError: bad dtypes, shapes or (validated) locations; nothing written.
+    """
+    if not isinstance(layout, IndexerFp8Layout):
+        raise TypeError(f"layout must be a dtkv.IndexerFp8Layout, got {type(layout).__name__}")
+    if isinstance(k, torch.Tensor) and k.dim() == 2 and k.shape[1] != layout.head_dim:
+        raise ValueError(f"k must have shape [*, {layout.head_dim}] (layout.head_dim), got k.shape={list(k.shape)}")
+    kind = "shard0" if require_owned else "replicate"
+    pool, (k, locs), rank = dtensor_args(pool, (k, locs), ownership, rank, kind)
+    be = resolve_backend(backend, pool.device)
+    if be == "triton" and backend == "auto" and not _triton_aligned(pool, layout.page_size, layout.head_dim):
+        be = "torch"
+    torch.ops.dtkv.quantize_write_indexer_fp8(
+        pool, k, locs, *ownership_args(ownership), rank, layout.page_size, bool(require_owned),
+        should_validate(validate), be,
+    )  # fmt: skip

@@ -1,0 +1,286 @@
+"""``dtkv::quantize_write_mla_fp8``: fused fp8 quantization of MLA latent rows and their scatter into the pool.
+
+Entry point: :func:`quantize_write_mla_fp8`; references :func:`quantize_mla_fp8` and :func:`dequantize_mla_fp8`.
+A row of :class:`dtkv.MLAFp8Layout` (``L = kv_lora_rank``, ``R = rope_dim``, ``B = quant_block``)::
+
+    [0, L)            e4m3fn   x / s_b, s_b = amax(|x| over block b) / 448, round-to-nearest-even
+    [L, L + 4L/B)     fp32     s_b, one per block of B latent dims (0 for an all-zero block; it stores zeros)
+    [.., row_bytes)   bf16     the R rope dims, rounded to nearest even
+
+**Round-trip bound** (finite inputs): with ``x̂ = dequantize_mla_fp8(quantize_mla_fp8(x))`` and ``a`` the amax of
+``x``'s block, ``|x̂ - x| <= |x| / 16 + a / 2**18`` on latent dims. Why: ``x / s`` lies in ``[-448, 448]`` where
+e4m3 rounding errs by at most half an ulp, ``2**-4`` relative for normals and ``2**-10`` absolute for subnormals
+(below ``2**-6``); scaled back that is ``|x|/16 + 2**-10 * a / 448``, and ``2**-18 > 2**-10 / 448`` leaves room
+for the three fp32 roundings (scale, divide, dequant multiply; ``~3 * 2**-24`` relative). Rope dims are exact
+for bf16 input and within ``|x| / 2**8`` (half a bf16 ulp) for fp32 input.
+
+Legend: ``P`` local pages, ``S`` page size, ``N`` rows, ``L``/``R``/``B`` as above, ``NB = L / B``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dtkv._checks import check_tensor
+from dtkv.layouts import FP8_E4M3_MAX, MLAFp8Layout
+from dtkv.ownership import PageOwnership
+
+from ._common import (
+    bf16_rn,
+    check_ownership_ints,
+    chunk_of,
+    device_ctx,
+    e4m3_bits,
+    owned_rows_torch,
+    owner_local,
+    ownership_args,
+    resolve_backend,
+    should_validate,
+    tl,
+    triton,
+    validate_locs,
+)
+from ._sharding import dtensor_args, register_pool_rule
+
+__all__ = ["dequantize_mla_fp8", "quantize_mla_fp8", "quantize_write_mla_fp8", "quantize_write_mla_fp8_torch"]
+
+_KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# ----------------------------------------------------------------------------------------- torch reference
+def quantize_mla_fp8_torch(kv: torch.Tensor, kv_lora_rank: int, rope_dim: int, quant_block: int) -> torch.Tensor:
+    """Quantize rows ``[N, L + R]`` to fp8 rows, uint8 ``[N, row_bytes]`` (the format in the module docstring)."""
+    n, L = kv.shape[0], kv_lora_rank
+    x = kv[:, :L].float().reshape(n, L // quant_block, quant_block)
+    scale = x.abs().amax(dim=-1) / FP8_E4M3_MAX  # [N, NB]
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = (x / safe[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    rope = kv[:, L : L + rope_dim].to(torch.bfloat16).contiguous()
+    return torch.cat([q.view(torch.uint8).reshape(n, L), scale.view(torch.uint8), rope.view(torch.uint8)], dim=1)
+
+
+def quantize_write_mla_fp8_torch(
+    pool: torch.Tensor,  # uint8 [P, S, row_bytes]
+    kv: torch.Tensor,  # [N, L + R] bf16/fp16/fp32
+    locs: torch.Tensor,  # [N] int32/int64
+    cp_size: int,
+    num_pages: int,
+    layout_code: int,
+    rank: int,
+    kv_lora_rank: int,
+    rope_dim: int,
+    quant_block: int,
+) -> None:
+    """Reference: quantize the kept rows, then ``index_put_`` them (rows of foreign/``-1`` pages skipped)."""
+    sel, local, off = owned_rows_torch(locs, pool.shape[1], cp_size, num_pages, layout_code, rank, pool.shape[0])
+    pool.index_put_((local, off), quantize_mla_fp8_torch(kv[sel], kv_lora_rank, rope_dim, quant_block))
+
+
+def quantize_mla_fp8(kv: torch.Tensor, layout: MLAFp8Layout) -> torch.Tensor:
+    """fp8 rows of ``kv`` (``[N, kv_lora_rank + rope_dim]``, bf16/fp16/fp32): uint8 ``[N, layout.row_bytes]``."""
+    check_tensor("kv", kv, dtype=_KV_DTYPES, shape=(None, layout.row_dim))
+    return quantize_mla_fp8_torch(kv, layout.kv_lora_rank, layout.rope_dim, layout.quant_block)
+
+
+def dequantize_mla_fp8(rows: torch.Tensor, layout: MLAFp8Layout) -> torch.Tensor:
+    """Decode fp8 rows ``uint8 [..., row_bytes]`` to float32 ``[..., kv_lora_rank + rope_dim]`` (``q * s``, rope)."""
+    check_tensor("rows", rows, dtype=torch.uint8)
+    if rows.dim() < 1 or rows.shape[-1] != layout.row_bytes:
+        raise ValueError(f"rows must have shape [..., {layout.row_bytes}], got rows.shape={list(rows.shape)}")
+    lead, L, nb = rows.shape[:-1], layout.kv_lora_rank, layout.num_scales
+    r = rows.reshape(-1, layout.row_bytes)
+    q = r[:, :L].contiguous().view(torch.float8_e4m3fn).float().view(-1, nb, layout.quant_block)
+    s = r[:, L : L + 4 * nb].contiguous().view(torch.float32)
+    rope = r[:, layout.rope_offset :].contiguous().view(torch.bfloat16).float()
+    return torch.cat([(q * s[..., None]).reshape(-1, L), rope], dim=1).reshape(*lead, layout.row_dim)
+
+
+# ----------------------------------------------------------------------------------------- Triton kernel
+@triton.jit
+def _quantize_write_mla_fp8_kernel(
+    pool_ptr,  # uint8 [P, S, ROW_STRIDE...]; page stride page_stride (bytes)
+    kv_ptr,  # [N, KV_STRIDE] bf16/fp16/fp32
+    locs_ptr,  # [N] int32/int64
+    num_rows,
+    num_local_pages,
+    page_stride,
+    page_size,
+    num_pages,
+    cp_size,
+    chunk,
+    rank,
+    LAYOUT: tl.constexpr,
+    ROW_STRIDE: tl.constexpr,
+    KV_STRIDE: tl.constexpr,
+    L: tl.constexpr,
+    R: tl.constexpr,
+    QB: tl.constexpr,
+    NB: tl.constexpr,
+    NBP: tl.constexpr,
+    QBP: tl.constexpr,
+    RP: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """One program quantizes ``BLOCK_R`` rows as a ``[BLOCK_R, NB, B]`` tile and stores the three fields."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = r < num_rows
+    loc = tl.load(locs_ptr + r, mask=rmask, other=-1).to(tl.int64)
+    page = loc // page_size
+    off = loc - page * page_size
+    owner, local = owner_local(page, cp_size, chunk, LAYOUT)
+    keep = rmask & (loc >= 0) & (page < num_pages) & (owner == rank) & (local < num_local_pages)
+    base = local * page_stride + off * ROW_STRIDE  # [BLOCK_R] byte offset of the destination row
+    src = r.to(tl.int64) * KV_STRIDE
+
+    nb = tl.arange(0, NBP)
+    qi = tl.arange(0, QBP)
+    col = nb[:, None] * QB + qi[None, :]  # [NBP, QBP]
+    m3 = keep[:, None, None] & ((nb < NB)[:, None] & (qi < QB)[None, :])[None, :, :]
+    x = tl.load(kv_ptr + src[:, None, None] + col[None, :, :], mask=m3, other=0.0, eviction_policy="evict_first")
+    x = x.to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=2)  # [BLOCK_R, NBP]
+    scale = tl.math.div_rn(amax, 448.0)
+    safe = tl.where(amax > 0, scale, 1.0)
+    q = e4m3_bits(tl.math.div_rn(x, safe[:, :, None]))
+    tl.store(pool_ptr + base[:, None, None] + col[None, :, :], q, mask=m3)
+    s_ptr = (pool_ptr + base[:, None] + L + 4 * nb[None, :]).to(tl.pointer_type(tl.float32))
+    tl.store(s_ptr, scale, mask=keep[:, None] & (nb < NB)[None, :])
+
+    ri = tl.arange(0, RP)
+    rm = keep[:, None] & (ri < R)[None, :]
+    rope = tl.load(kv_ptr + src[:, None] + L + ri[None, :], mask=rm, other=0.0, eviction_policy="evict_first")
+    if kv_ptr.dtype.element_ty != tl.bfloat16:
+        rope = bf16_rn(rope.to(tl.float32))
+    r_ptr = (pool_ptr + base[:, None] + (L + 4 * NB) + 2 * ri[None, :]).to(tl.pointer_type(tl.bfloat16))
+    tl.store(r_ptr, rope, mask=rm)
+
+
+def _triton_aligned(pool: torch.Tensor, kv_lora_rank: int) -> bool:
+    """The kernel stores fp32 scales and bf16 rope through typed pointers: they must be 4-byte aligned."""
+    return (
+        kv_lora_rank % 4 == 0
+        and all(s % 4 == 0 for s in (pool.stride(0), pool.stride(1), pool.storage_offset()))
+    )  # fmt: skip
+
+
+def _launch(pool, kv, locs, cp_size, num_pages, layout_code, rank, kv_lora_rank, rope_dim, quant_block) -> None:
+    n = kv.shape[0]
+    if n == 0 or pool.shape[0] == 0:
+        return
+    if not _triton_aligned(pool, kv_lora_rank):
+        raise NotImplementedError(
+            "backend='triton' for quantize_write_mla_fp8 needs kv_lora_rank and the pool's strides and offset "
+            f"divisible by 4, got kv_lora_rank={kv_lora_rank}, pool.stride()={pool.stride()}, "
+            f"pool.storage_offset()={pool.storage_offset()}; use backend='torch'"
+        )
+    nb = kv_lora_rank // quant_block
+    block_r = max(1, min(16, 8192 // triton.next_power_of_2(kv_lora_rank + rope_dim)))
+    with device_ctx(pool.device):
+        _quantize_write_mla_fp8_kernel[(triton.cdiv(n, block_r),)](
+            pool, kv, locs, n, pool.shape[0], pool.stride(0), pool.shape[1], num_pages, cp_size,
+            chunk_of(cp_size, num_pages), rank,
+            LAYOUT=layout_code, ROW_STRIDE=pool.stride(1), KV_STRIDE=kv.stride(0), L=kv_lora_rank, R=rope_dim,
+            QB=quant_block, NB=nb, NBP=triton.next_power_of_2(nb), QBP=triton.next_power_of_2(quant_block),
+            RP=max(1, triton.next_power_of_2(rope_dim)), BLOCK_R=block_r, num_warps=4,
+        )  # fmt: skip
+
+
+def _check(pool, kv, locs, cp_size, num_pages, layout_code, rank, kv_lora_rank, rope_dim, quant_block) -> None:
+    check_ownership_ints(cp_size, num_pages, layout_code, rank)
+    MLAFp8Layout(kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, quant_block=quant_block)  # validates the dims
+    row_bytes = kv_lora_rank + 4 * (kv_lora_rank // quant_block) + 2 * rope_dim
+    check_tensor("pool", pool, dtype=torch.uint8, shape=(None, None, row_bytes))
+    if pool.stride(2) != 1:
+        raise ValueError(f"pool rows must be contiguous (stride 1 in dim 2), got pool.stride()={pool.stride()}")
+    check_tensor("kv", kv, dtype=_KV_DTYPES, shape=(None, kv_lora_rank + rope_dim), device=pool.device)
+    check_tensor("locs", locs, dtype=(torch.int64, torch.int32), shape=(kv.shape[0],), device=pool.device)
+
+
+# ----------------------------------------------------------------------------------------- registered op
+@torch.library.custom_op("dtkv::quantize_write_mla_fp8", mutates_args=("pool",))
+def _quantize_write_mla_fp8_op(
+    pool: torch.Tensor,
+    kv: torch.Tensor,
+    locs: torch.Tensor,
+    cp_size: int,
+    num_pages: int,
+    layout_code: int,
+    rank: int,
+    kv_lora_rank: int,
+    rope_dim: int,
+    quant_block: int,
+    require_owned: bool,
+    validate: bool,
+    backend: str,
+) -> None:
+    args = (cp_size, num_pages, layout_code, rank, kv_lora_rank, rope_dim, quant_block)
+    _check(pool, kv, locs, *args)
+    if validate:
+        validate_locs(
+            locs, page_size=pool.shape[1], cp_size=cp_size, num_pages=num_pages, layout_code=layout_code,
+            rank=rank, num_local_pages=pool.shape[0], require_owned=require_owned,
+        )  # fmt: skip
+    if backend == "triton":
+        _launch(pool, kv.contiguous(), locs, *args)
+    else:
+        quantize_write_mla_fp8_torch(pool, kv, locs, *args)
+
+
+@_quantize_write_mla_fp8_op.register_fake
+def _fake_quantize_write_mla_fp8(pool, kv, locs, cp_size, num_pages, layout_code, rank, kv_lora_rank, rope_dim,
+                                 quant_block, require_owned, validate, backend) -> None:  # fmt: skip
+    _check(pool, kv, locs, cp_size, num_pages, layout_code, rank, kv_lora_rank, rope_dim, quant_block)
+
+
+# kv/locs: the full chunk (Replicate) for the owner filter, this rank's piece (Shard(0)) for direct writes.
+register_pool_rule(
+    torch.ops.dtkv.quantize_write_mla_fp8.default,
+    lambda args: ("shard0", "shard0") if args[9] else ("replicate", "replicate"),
+)
+
+
+# ----------------------------------------------------------------------------------------- public wrapper
+def quantize_write_mla_fp8(
+    pool: torch.Tensor,
+    kv: torch.Tensor,
+    locs: torch.Tensor,
+    ownership: PageOwnership,
+    rank: int,
+    *,
+    layout: MLAFp8Layout,
+    require_owned: bool = False,
+    validate: bool | None = None,
+    backend: str = "auto",
+) -> None:
+    """Quantize MLA rows to the fp8 row format and write the owned ones into the pool, in one pass.
+
+    Args:
+        pool: this rank's fp8 pages of one layer, uint8 ``[P, layout.page_size, layout.row_bytes]`` (rows
+            contiguous, any page stride); mutated. May be a DTensor with the ``ownership`` placement.
+        kv: rows ``[N, layout.kv_lora_rank + layout.rope_dim]``, bf16/fp16/fp32.
+        locs: logical token locations, int64/int32 ``[N]``; ``-1`` skipped.
+        ownership, rank: the page map and this rank.
+        layout: the fp8 row geometry.
+        require_owned: ``False``: owner filter (``kv`` is the full chunk; foreign rows are skipped, as
+            :func:`dtkv.ops.write_owned`). ``True``: direct-write semantics (``kv`` holds this rank's own rows;
+            a validated foreign page raises, as :func:`dtkv.ops.direct_write`).
+        validate: host check of ``locs`` before writing; ``None`` = eager yes, compiled only with ``DTKV_DEBUG``.
+        backend: ``"auto"`` | ``"torch"`` | ``"triton"``. ``"auto"`` falls back to torch for geometries the
+            kernel does not handle (``kv_lora_rank`` or pool strides not divisible by 4).
+
+    Raises:
+        TypeError / ValueError: bad dtypes, shapes, layout mismatch or (validated) locations; nothing written.
+    """
+    if not isinstance(layout, MLAFp8Layout):
+        raise TypeError(f"layout must be a dtkv.MLAFp8Layout, got {type(layout).__name__}")
+    if isinstance(pool, torch.Tensor) and pool.dim() == 3 and pool.shape[1] != layout.page_size:
+        raise ValueError(f"pool must have page_size={layout.page_size} rows per page, got pool.shape={list(pool.shape)}")
+    kind = "shard0" if require_owned else "replicate"
+    pool, (kv, locs), rank = dtensor_args(pool, (kv, locs), ownership, rank, kind)
+    be = resolve_backend(backend, pool.device)
+    if be == "triton" and backend == "auto" and not _triton_aligned(pool, layout.kv_lora_rank):
+        be = "torch"
+    torch.ops.dtkv.quantize_write_mla_fp8(
+        pool, kv, locs, *ownership_args(ownership), rank, layout.kv_lora_rank, layout.rope_dim,
+        layout.quant_block, bool(require_owned), should_validate(validate), be,
+    )  # fmt: skip

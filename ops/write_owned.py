@@ -1,0 +1,213 @@
+"""``dtkv::write_owned``: owner-filtered scatter of a chunk's rows into this rank's local page pool.
+
+Entry point: :func:`write_owned`. Every rank receives the *full* chunk (e.g. after an all-gather of a
+token-balanced CP split) with the logical token location of each row (``loc = page * page_size + offset``, see
+:mod:`dtkv.page_table`); each rank keeps only the rows whose page it owns, so every page is stored once.
+
+Legend: ``P`` local pages, ``S`` page size, ``D`` elements per row, ``W`` words per row, ``N`` rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dtkv._checks import check_tensor
+from dtkv.ownership import PageOwnership
+
+from ._common import (
+    check_ownership_ints,
+    chunk_of,
+    device_ctx,
+    owner_local,
+    owned_rows_torch,
+    ownership_args,
+    resolve_backend,
+    should_validate,
+    tl,
+    triton,
+    validate_locs,
+    word_view,
+)
+from ._sharding import dtensor_args, register_pool_rule
+
+__all__ = ["write_owned", "write_owned_torch"]
+
+
+# ----------------------------------------------------------------------------------------- torch reference
+def write_owned_torch(
+    pool: torch.Tensor,  # [P, S, D], any page/row stride, last dim contiguous
+    rows: torch.Tensor,  # [N, D], pool.dtype
+    locs: torch.Tensor,  # [N], int32/int64, -1 = skip
+    cp_size: int,
+    num_pages: int,
+    layout_code: int,
+    rank: int,
+) -> None:
+    """Reference: ``pool[local(page), offset] = row`` for rows whose page ``rank`` owns (an ``index_put_``).
+
+    Rows at ``-1``, out of range, or on foreign pages are skipped. Synchronizes on CUDA (boolean selection).
+    Duplicate locations: which row lands is unspecified (as for ``index_put_``).
+    """
+    sel, local, off = owned_rows_torch(locs, pool.shape[1], cp_size, num_pages, layout_code, rank, pool.shape[0])
+    pool.index_put_((local, off), rows[sel])
+
+
+# ----------------------------------------------------------------------------------------- Triton kernel
+@triton.jit
+def _write_owned_kernel(
+    pool_ptr,  # [P, S, W] words; page stride page_stride, row stride ROW_STRIDE
+    rows_ptr,  # [N, W] words, contiguous
+    locs_ptr,  # [N], int32/int64
+    num_rows,
+    num_local_pages,
+    page_stride,
+    page_size,
+    num_pages,
+    cp_size,
+    chunk,
+    rank,
+    LAYOUT: tl.constexpr,
+    ROW_STRIDE: tl.constexpr,
+    W: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
+    """One program copies ``BLOCK_R`` rows, ``BLOCK_W`` words at a time; skipped rows issue no memory traffic."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = r < num_rows
+    loc = tl.load(locs_ptr + r, mask=rmask, other=-1).to(tl.int64)
+    page = loc // page_size
+    off = loc - page * page_size
+    owner, local = owner_local(page, cp_size, chunk, LAYOUT)
+    keep = rmask & (loc >= 0) & (page < num_pages) & (owner == rank) & (local < num_local_pages)
+    dst = local * page_stride + off * ROW_STRIDE
+    src = r.to(tl.int64) * W
+    for c in tl.static_range(0, W, BLOCK_W):
+        cols = c + tl.arange(0, BLOCK_W)
+        m = keep[:, None] & (cols < W)[None, :]
+        v = tl.load(rows_ptr + src[:, None] + cols[None, :], mask=m, eviction_policy="evict_first")
+        tl.store(pool_ptr + dst[:, None] + cols[None, :], v, mask=m)
+
+
+def _launch_rows(pool, rows, locs, cp_size, num_pages, layout_code, rank) -> None:
+    """Launch :func:`_write_owned_kernel` (shared with ``dtkv::direct_write``)."""
+    n = rows.shape[0]
+    if n == 0 or pool.shape[0] == 0:
+        return
+    pool_w = word_view(pool)
+    rows_w = word_view(rows)
+    if pool_w.dtype != rows_w.dtype:  # e.g. a pool whose page stride only allows narrower words
+        rows_w = rows.view(pool_w.dtype)
+    num_words = rows_w.shape[1]
+    block_w = min(triton.next_power_of_2(num_words), 256)
+    block_r = max(1, min(64, 4096 // block_w))
+    grid = (triton.cdiv(n, block_r),)
+    with device_ctx(pool.device):
+        _write_owned_kernel[grid](
+            pool_w,
+            rows_w,
+            locs,
+            n,
+            pool.shape[0],
+            pool_w.stride(0),
+            pool.shape[1],
+            num_pages,
+            cp_size,
+            chunk_of(cp_size, num_pages),
+            rank,
+            LAYOUT=layout_code,
+            ROW_STRIDE=pool_w.stride(1),
+            W=num_words,
+            BLOCK_R=block_r,
+            BLOCK_W=block_w,
+            num_warps=4,
+        )
+
+
+def check_row_write(pool: torch.Tensor, rows: torch.Tensor, locs: torch.Tensor) -> None:
+    """Metadata checks shared by the row-writing ops (runs in eager, fake and meta modes alike)."""
+    check_tensor("pool", pool, ndim=3)
+    if pool.stride(2) != 1:
+        raise ValueError(f"pool rows must be contiguous (stride 1 in dim 2), got pool.stride()={pool.stride()}")
+    check_tensor("rows", rows, dtype=pool.dtype, shape=(None, pool.shape[2]), device=pool.device)
+    check_tensor("locs", locs, dtype=(torch.int64, torch.int32), shape=(rows.shape[0],), device=pool.device)
+
+
+# ----------------------------------------------------------------------------------------- registered op
+@torch.library.custom_op("dtkv::write_owned", mutates_args=("pool",))
+def _write_owned_op(
+    pool: torch.Tensor,
+    rows: torch.Tensor,
+    locs: torch.Tensor,
+    cp_size: int,
+    num_pages: int,
+    layout_code: int,
+    rank: int,
+    validate: bool,
+    backend: str,
+) -> None:
+    check_row_write(pool, rows, locs)
+    check_ownership_ints(cp_size, num_pages, layout_code, rank)
+    if validate:
+        validate_locs(
+            locs,
+            page_size=pool.shape[1],
+            cp_size=cp_size,
+            num_pages=num_pages,
+            layout_code=layout_code,
+            rank=rank,
+            num_local_pages=pool.shape[0],
+            require_owned=False,
+        )
+    if backend == "triton":
+        _launch_rows(pool, rows.contiguous(), locs, cp_size, num_pages, layout_code, rank)
+    else:
+        write_owned_torch(pool, rows, locs, cp_size, num_pages, layout_code, rank)
+
+
+@_write_owned_op.register_fake
+def _fake_write_owned(pool, rows, locs, cp_size, num_pages, layout_code, rank, validate, backend) -> None:
+    check_row_write(pool, rows, locs)
+    check_ownership_ints(cp_size, num_pages, layout_code, rank)
+
+
+register_pool_rule(torch.ops.dtkv.write_owned.default, ("replicate", "replicate"))
+
+
+# ----------------------------------------------------------------------------------------- public wrapper
+def write_owned(
+    pool: torch.Tensor,
+    rows: torch.Tensor,
+    locs: torch.Tensor,
+    ownership: PageOwnership,
+    rank: int,
+    *,
+    validate: bool | None = None,
+    backend: str = "auto",
+) -> None:
+    """Write the rows whose logical page ``rank`` owns into its local pool; skip the others.
+
+    Args:
+        pool: this rank's pages of one layer, ``[P, S, D]`` (``P >= ownership.num_local_pages(rank)``, ``S`` the
+            page size), any dtype; any page/row stride as long as each row is contiguous (e.g. a view
+            ``buffer[layer]``). Mutated in place. May be a DTensor with the ``ownership`` placement (then
+            ``rank`` is taken from its mesh and ``rows``/``locs`` are treated as replicated).
+        rows: the full chunk, ``[N, D]``, ``pool.dtype``, same device.
+        locs: logical token locations (:mod:`dtkv.page_table`), int64/int32 ``[N]``; ``-1`` rows are skipped.
+        ownership: the page map; ``rank``: this rank in ``[0, ownership.cp_size)``.
+        validate: check ``locs`` on the host before writing (one sync; raises, pool untouched). ``None``: in
+            eager yes; under ``torch.compile`` only with ``DTKV_DEBUG=1``, else out-of-range rows are skipped.
+        backend: ``"auto"`` (Triton on CUDA when available, else torch; honours ``DTKV_BACKEND``),
+            ``"torch"`` (``index_put_`` reference, synchronizes) or ``"triton"``.
+
+    Raises:
+        TypeError / ValueError: bad dtype, shape, device, ownership or (validated) location; nothing written.
+        NotImplementedError: ``backend="triton"`` without Triton (or on CPU without ``TRITON_INTERPRET=1``).
+    """
+    pool, (rows, locs), rank = dtensor_args(pool, (rows, locs), ownership, rank, "replicate")
+    cp_size, num_pages, code = ownership_args(ownership)
+    torch.ops.dtkv.write_owned(
+        pool, rows, locs, cp_size, num_pages, code, rank, should_validate(validate),
+        resolve_backend(backend, pool.device),
+    )  # fmt: skip
+
