@@ -274,7 +274,9 @@ def quantize_write_mla_fp8(
     if not isinstance(layout, MLAFp8Layout):
         raise TypeError(f"layout must be a dtkv.MLAFp8Layout, got {type(layout).__name__}")
     if isinstance(pool, torch.Tensor) and pool.dim() == 3 and pool.shape[1] != layout.page_size:
-        raise ValueError(f"pool must have page_size={layout.page_size} rows per page, got pool.shape={list(pool.shape)}")
+        raise ValueError(
+            f"pool must have page_size={layout.page_size} rows per page, got pool.shape={list(pool.shape)}"
+        )
     kind = "shard0" if require_owned else "replicate"
     pool, (kv, locs), rank = dtensor_args(pool, (kv, locs), ownership, rank, kind)
     be = resolve_backend(backend, pool.device)

@@ -18,8 +18,8 @@ from ._common import (
     check_ownership_ints,
     chunk_of,
     device_ctx,
-    owner_local,
     owned_rows_torch,
+    owner_local,
     ownership_args,
     resolve_backend,
     should_validate,
@@ -210,4 +210,3 @@ def write_owned(
         pool, rows, locs, cp_size, num_pages, code, rank, should_validate(validate),
         resolve_backend(backend, pool.device),
     )  # fmt: skip
-
