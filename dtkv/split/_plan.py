@@ -38,20 +38,48 @@ def _piecewise(shift: np.ndarray, lens: np.ndarray, total: int, device: torch.de
     """int64 ``[total]`` on ``device`` with ``out[k] = slope * k + shift[b]`` for every row ``k`` of block ``b``.
 
     Block ``b`` spans ``lens[b]`` consecutive rows (``lens.sum() == total``). On CPU this is one numpy
-    ``repeat`` plus one add of a cached ``arange``; elsewhere the few per-block values are copied over and the
-    rows are expanded on the device (``repeat_interleave`` with ``output_size``: no host sync).
+    ``repeat`` plus one add of a cached ``arange``; elsewhere :func:`_piecewise_torch` expands on the device.
     """
-    shift = shift.astype(np.int64, copy=False)
-    if device.type == "cpu":
-        out = np.repeat(shift, lens)
-        assert out.size == total, f"blocks cover {out.size} rows, expected {total}"
-        if slope:
-            out += _arange(total) if slope == 1 else slope * _arange(total)
-        return torch.from_numpy(out)
-    shift_t = torch.from_numpy(shift).to(device, non_blocking=True)
+    if device.type != "cpu":
+        return _piecewise_torch(shift, lens, total, device, slope)
+    out = np.repeat(shift.astype(np.int64, copy=False), lens)
+    assert out.size == total, f"blocks cover {out.size} rows, expected {total}"
+    if slope:
+        out += _arange(total) if slope == 1 else slope * _arange(total)
+    return torch.from_numpy(out)
+
+
+def _piecewise_torch(
+    shift: np.ndarray, lens: np.ndarray, total: int, device: torch.device, slope: int = 1
+) -> torch.Tensor:
+    """:func:`_piecewise` on ``device``: only the per-block values cross over; ``repeat_interleave`` gets
+    ``output_size``, so nothing waits for the device."""
+    shift_t = torch.from_numpy(shift.astype(np.int64, copy=False)).to(device, non_blocking=True)
     lens_t = torch.from_numpy(lens.astype(np.int64, copy=False)).to(device, non_blocking=True)
     out = torch.repeat_interleave(shift_t, lens_t, output_size=total)
-    return out.add_(torch.arange(total, device=device, dtype=torch.int64).mul_(slope)) if slope else out
+    if slope:
+        out.add_(torch.arange(total, device=device, dtype=torch.int64).mul_(slope))
+    return out
+
+
+def _invert_gather(gather: torch.Tensor, num_local_tokens: Sequence[int], max_local: int, total: int) -> torch.Tensor:
+    """``restore`` from ``gather``: one scatter a rank (numpy on CPU, :func:`_invert_gather_torch` elsewhere)."""
+    if gather.device.type != "cpu":
+        return _invert_gather_torch(gather, num_local_tokens, max_local, total)
+    g, restore = gather.numpy(), np.empty(total, dtype=np.int64)
+    for r, n in enumerate(num_local_tokens):
+        restore[g[r * max_local : r * max_local + n]] = _arange(r * max_local + n)[r * max_local :]
+    return torch.from_numpy(restore)
+
+
+def _invert_gather_torch(
+    gather: torch.Tensor, num_local_tokens: Sequence[int], max_local: int, total: int
+) -> torch.Tensor:
+    restore = torch.empty(total, dtype=torch.int64, device=gather.device)
+    for r, n in enumerate(num_local_tokens):
+        rows = torch.arange(r * max_local, r * max_local + n, dtype=torch.int64, device=gather.device)
+        restore.index_copy_(0, gather[r * max_local : r * max_local + n], rows)
+    return restore
 
 
 def _indptr(lens: np.ndarray) -> np.ndarray:
@@ -69,6 +97,9 @@ def _as_lengths(name: str, values: object) -> np.ndarray:
             raise ValueError(f"{name} must have 1 dim ([num_reqs]), got {name}.shape={list(values.shape)}")
         arr = values.detach().cpu().numpy().astype(np.int64)
     elif isinstance(values, (Sequence, np.ndarray)) and not isinstance(values, (str, bytes)):
+        if not isinstance(values, np.ndarray) and any(isinstance(v, (bool, np.bool_)) for v in values):
+            bad = next(v for v in values if isinstance(v, (bool, np.bool_)))
+            raise TypeError(f"{name} must hold ints, got {bad!r} ({type(bad).__name__})")
         arr = np.asarray(values)
         if arr.size == 0:
             arr = arr.astype(np.int64)
@@ -272,12 +303,7 @@ def _build_restore(split: CPSplit) -> torch.Tensor:
     blocks = split._blocks
     if blocks.restore_shift is not None:
         return _piecewise(blocks.restore_shift, blocks.restore_lens, split.total_tokens, split.device)
-    gather, m = split.gather_index, split.max_local_tokens
-    restore = torch.empty(split.total_tokens, dtype=torch.int64, device=split.device)
-    for r, n in enumerate(split.num_local_tokens):
-        rows = torch.arange(r * m, r * m + n, dtype=torch.int64, device=split.device)
-        restore.index_copy_(0, gather[r * m : r * m + n], rows)
-    return restore
+    return _invert_gather(split.gather_index, split.num_local_tokens, split.max_local_tokens, split.total_tokens)
 
 
 def _build_gather(split: CPSplit) -> torch.Tensor:
