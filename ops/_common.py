@@ -131,8 +131,13 @@ def should_validate(validate: bool | None) -> bool:
 
 
 # ------------------------------------------------------------------------------------------- ownership
+@torch.compiler.assume_constant_result
 def ownership_args(ownership: PageOwnership) -> tuple[int, int, int]:
-    """``(cp_size, num_pages, layout_code)`` of a :class:`dtkv.PageOwnership`, as the registered ops take them."""
+    """``(cp_size, num_pages, layout_code)`` of a :class:`dtkv.PageOwnership`, as the registered ops take them.
+
+    Evaluated on the real object at trace time under ``torch.compile`` (``PageOwnership`` is an opaque value type
+    there, like every ``Placement``: Dynamo guards on its equality but cannot read its attributes).
+    """
     if not isinstance(ownership, PageOwnership):
         raise TypeError(f"ownership must be a dtkv.PageOwnership, got {type(ownership).__name__}")
     return ownership.cp_size, ownership.num_pages, LAYOUT_CODES[ownership.layout]
