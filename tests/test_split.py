@@ -16,7 +16,7 @@ from dtkv.split import (
     split_prev_next,
     take_local,
 )
-from dtkv.split._plan import _invert_gather_torch, _piecewise, _piecewise_torch
+from dtkv.split._index import expand_blocks, expand_blocks_torch, invert_gather_torch
 from tests.test_split_reference import ref_split
 
 # awkward batches: sizes 1, primes, prefixes ending mid-page, partial last pages, empty extends, cp > tokens
@@ -204,12 +204,12 @@ def test_device_paths_match_host_paths():
     lens = rng.integers(0, 9, 40)
     shift = rng.integers(-50, 50, 40)
     for slope in (0, 1, 3):
-        host = _piecewise(shift, lens, int(lens.sum()), torch.device("cpu"), slope)
-        dev = _piecewise_torch(shift, lens, int(lens.sum()), torch.device("cpu"), slope)
+        host = expand_blocks(shift, lens, int(lens.sum()), torch.device("cpu"), slope)
+        dev = expand_blocks_torch(shift, lens, int(lens.sum()), torch.device("cpu"), slope)
         assert host.equal(dev)
     split = plan_cp_split([3, 0, 7], [10, 5, 2], cp_size=4, page_size=4, mode="round_robin")
     args = (split.num_local_tokens, split.max_local_tokens, split.total_tokens)
-    assert _invert_gather_torch(split.gather_index, *args).equal(split.restore_index)
+    assert invert_gather_torch(split.gather_index, *args).equal(split.restore_index)
 
 
 # ----------------------------------------------------------------------------------------- row helpers

@@ -16,76 +16,12 @@ import numpy as np
 import torch
 
 from dtkv._checks import check_int
+from dtkv.split._index import expand_blocks, indptr_of, invert_gather, small_tensor
 
 __all__ = ["CPSplit", "LocalSplit", "SplitMode", "plan_cp_split"]
 
 SplitMode = Literal["zigzag", "round_robin"]
 _MODES = ("zigzag", "round_robin")
-_ARANGE = np.arange(0, dtype=np.int64)
-
-
-def _arange(n: int) -> np.ndarray:
-    """Read-only ``arange(n)`` (int64) sliced from a cache that only grows."""
-    global _ARANGE
-    if n > _ARANGE.size:
-        a = np.arange(max(n, 2 * _ARANGE.size), dtype=np.int64)
-        a.flags.writeable = False
-        _ARANGE = a
-    return _ARANGE[:n]
-
-
-def _piecewise(shift: np.ndarray, lens: np.ndarray, total: int, device: torch.device, slope: int = 1) -> torch.Tensor:
-    """int64 ``[total]`` on ``device`` with ``out[k] = slope * k + shift[b]`` for every row ``k`` of block ``b``.
-
-    Block ``b`` spans ``lens[b]`` consecutive rows (``lens.sum() == total``). On CPU this is one numpy
-    ``repeat`` plus one add of a cached ``arange``; elsewhere :func:`_piecewise_torch` expands on the device.
-    """
-    if device.type != "cpu":
-        return _piecewise_torch(shift, lens, total, device, slope)
-    out = np.repeat(shift.astype(np.int64, copy=False), lens)
-    assert out.size == total, f"blocks cover {out.size} rows, expected {total}"
-    if slope:
-        out += _arange(total) if slope == 1 else slope * _arange(total)
-    return torch.from_numpy(out)
-
-
-def _piecewise_torch(
-    shift: np.ndarray, lens: np.ndarray, total: int, device: torch.device, slope: int = 1
-) -> torch.Tensor:
-    """:func:`_piecewise` on ``device``: only the per-block values cross over; ``repeat_interleave`` gets
-    ``output_size``, so nothing waits for the device."""
-    shift_t = torch.from_numpy(shift.astype(np.int64, copy=False)).to(device, non_blocking=True)
-    lens_t = torch.from_numpy(lens.astype(np.int64, copy=False)).to(device, non_blocking=True)
-    out = torch.repeat_interleave(shift_t, lens_t, output_size=total)
-    if slope:
-        out.add_(torch.arange(total, device=device, dtype=torch.int64).mul_(slope))
-    return out
-
-
-def _invert_gather(gather: torch.Tensor, num_local_tokens: Sequence[int], max_local: int, total: int) -> torch.Tensor:
-    """``restore`` from ``gather``: one scatter a rank (numpy on CPU, :func:`_invert_gather_torch` elsewhere)."""
-    if gather.device.type != "cpu":
-        return _invert_gather_torch(gather, num_local_tokens, max_local, total)
-    g, restore = gather.numpy(), np.empty(total, dtype=np.int64)
-    for r, n in enumerate(num_local_tokens):
-        restore[g[r * max_local : r * max_local + n]] = _arange(r * max_local + n)[r * max_local :]
-    return torch.from_numpy(restore)
-
-
-def _invert_gather_torch(
-    gather: torch.Tensor, num_local_tokens: Sequence[int], max_local: int, total: int
-) -> torch.Tensor:
-    restore = torch.empty(total, dtype=torch.int64, device=gather.device)
-    for r, n in enumerate(num_local_tokens):
-        rows = torch.arange(r * max_local, r * max_local + n, dtype=torch.int64, device=gather.device)
-        restore.index_copy_(0, gather[r * max_local : r * max_local + n], rows)
-    return restore
-
-
-def _indptr(lens: np.ndarray) -> np.ndarray:
-    out = np.zeros(lens.size + 1, dtype=np.int64)
-    np.cumsum(lens, out=out[1:])
-    return out
 
 
 def _as_lengths(name: str, values: object) -> np.ndarray:
@@ -292,18 +228,11 @@ class CPSplit:
         return self._cache[key]
 
 
-def _to(arr: np.ndarray, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    t = torch.from_numpy(np.ascontiguousarray(arr))
-    if t.dtype != dtype:
-        t = t.to(dtype)
-    return t if device.type == "cpu" else t.to(device)
-
-
 def _build_restore(split: CPSplit) -> torch.Tensor:
     blocks = split._blocks
     if blocks.restore_shift is not None:
-        return _piecewise(blocks.restore_shift, blocks.restore_lens, split.total_tokens, split.device)
-    return _invert_gather(split.gather_index, split.num_local_tokens, split.max_local_tokens, split.total_tokens)
+        return expand_blocks(blocks.restore_shift, blocks.restore_lens, split.total_tokens, split.device)
+    return invert_gather(split.gather_index, split.num_local_tokens, split.max_local_tokens, split.total_tokens)
 
 
 def _build_gather(split: CPSplit) -> torch.Tensor:
@@ -312,7 +241,7 @@ def _build_gather(split: CPSplit) -> torch.Tensor:
     # gathered row k = r * m + q; one padding block closes each rank's part
     shift = np.concatenate([b.shift - b.slope * m * np.arange(cp)[:, None], np.zeros((cp, 1), np.int64)], 1)
     lens = np.concatenate([b.lens, (m - totals)[:, None]], axis=1)
-    out = _piecewise(shift.ravel(), lens.ravel(), cp * m, split.device, b.slope)
+    out = expand_blocks(shift.ravel(), lens.ravel(), cp * m, split.device, b.slope)
     for r in range(cp):
         out[r * m + int(totals[r]) : (r + 1) * m] = -1
     return out
@@ -334,7 +263,7 @@ def _build_local(split: CPSplit, rank: int) -> LocalSplit:
         kv_prev = kv_next = prefix + np.where(counts > 0, rank + cp * (counts - 1) + 1, 0)
     n = int(split.num_local_tokens[rank])
     shift, lens = b.shift[rank], b.lens[rank]
-    cu_prev, cu_next = _indptr(prev), _indptr(nxt)
+    cu_prev, cu_next = indptr_of(prev), indptr_of(nxt)
     return LocalSplit(
         rank=rank,
         num_reqs=num_reqs,
@@ -343,18 +272,18 @@ def _build_local(split: CPSplit, rank: int) -> LocalSplit:
         actual_seq_q_next=tuple(nxt.tolist()),
         kv_len_prev=tuple(kv_prev.tolist()),
         kv_len_next=tuple(kv_next.tolist()),
-        token_index=_piecewise(shift, lens, n, dev, b.slope),
-        positions=_piecewise(shift + (prefix - ext_start)[b.req], lens, n, dev, b.slope),
-        req_idx=_piecewise(np.arange(num_reqs, dtype=np.int64), counts, n, dev, slope=0),
-        cu_seqlens_q=_to(_indptr(counts), dev, torch.int32),
-        cu_seqlens_q_prev=_to(cu_prev, dev, torch.int32),
-        cu_seqlens_q_next=_to(cu_next, dev, torch.int32),
-        prev_index=_piecewise(starts - cu_prev[:-1], prev, int(cu_prev[-1]), dev),
-        next_index=_piecewise(starts + prev - cu_next[:-1], nxt, int(cu_next[-1]), dev),
-        actual_seq_q_prev_tensor=_to(prev, dev, torch.int32),
-        actual_seq_q_next_tensor=_to(nxt, dev, torch.int32),
-        kv_len_prev_tensor=_to(kv_prev, dev, torch.int32),
-        kv_len_next_tensor=_to(kv_next, dev, torch.int32),
+        token_index=expand_blocks(shift, lens, n, dev, b.slope),
+        positions=expand_blocks(shift + (prefix - ext_start)[b.req], lens, n, dev, b.slope),
+        req_idx=expand_blocks(np.arange(num_reqs, dtype=np.int64), counts, n, dev, slope=0),
+        cu_seqlens_q=small_tensor(indptr_of(counts), dev, np.int32),
+        cu_seqlens_q_prev=small_tensor(cu_prev, dev, np.int32),
+        cu_seqlens_q_next=small_tensor(cu_next, dev, np.int32),
+        prev_index=expand_blocks(starts - cu_prev[:-1], prev, int(cu_prev[-1]), dev),
+        next_index=expand_blocks(starts + prev - cu_next[:-1], nxt, int(cu_next[-1]), dev),
+        actual_seq_q_prev_tensor=small_tensor(prev, dev, np.int32),
+        actual_seq_q_next_tensor=small_tensor(nxt, dev, np.int32),
+        kv_len_prev_tensor=small_tensor(kv_prev, dev, np.int32),
+        kv_len_next_tensor=small_tensor(kv_next, dev, np.int32),
     )
 
 
@@ -413,7 +342,7 @@ def plan_cp_split(
             f"len(prefix_lens)={prefix.size} and len(extend_lens)={extend.size}"
         )
     cp, num_reqs = cp_size, int(extend.size)
-    ext_indptr = _indptr(extend)
+    ext_indptr = indptr_of(extend)
     ext_start = ext_indptr[:-1]
     ranks = np.arange(cp, dtype=np.int64)
 
