@@ -1,0 +1,76 @@
+"""PD transfer over Mooncake: each prefill CP rank sends the KV pages it owns, with their positions, to decode.
+
+Entry points:
+
+- :func:`plan_request` -- pure, placement-aware descriptors: per prefill rank, coalesced
+  ``(src, dst, length)`` entries for its owned pages only, to a non-CP decode or a decode with its own
+  :class:`dtkv.PageOwnership` of any cp size and layout, with optional staging (:class:`PlanOptions`).
+- :class:`KVShard` -- one rank's registered buffers (``KVShard.from_pool(pool)``), staging and metadata rows.
+- :class:`PrefillSender` / :class:`DecodeReceiver` -- ``send_request`` / ``receive_request`` over a
+  :class:`Bootstrap` store, on a :class:`MooncakeEngine` (TCP, P2PHANDSHAKE) or the in-process
+  :class:`LocalEngine`.
+- :class:`TransferError` -- every failure or timeout, naming the peer, the request and the pages.
+
+Position, ownership and address conventions are defined in :mod:`dtkv.transfer.descriptors`; the page-table
+format in :mod:`dtkv.page_table`.
+"""
+
+from __future__ import annotations
+
+from dtkv.transfer.bootstrap import Bootstrap, DstRequest, SendOutcome, create_store
+from dtkv.transfer.coalesce import coalesce_entries, expand_layers, page_runs, split_batches
+from dtkv.transfer.decode import DecodeReceiver, ReceiveReport
+from dtkv.transfer.descriptors import (
+    BufferSpec,
+    PeerEntries,
+    PlanOptions,
+    RankEndpoint,
+    RequestPlan,
+    SenderPlan,
+    StageCopy,
+    check_compatible,
+    plan_request,
+)
+from dtkv.transfer.engine import (
+    MAX_ENTRIES_PER_CALL,
+    LocalEngine,
+    MooncakeEngine,
+    apply_mooncake_env,
+    mooncake_available,
+    send_entries,
+)
+from dtkv.transfer.errors import TransferError
+from dtkv.transfer.prefill import PrefillSender, SendReport
+from dtkv.transfer.shard import KVShard
+
+__all__ = [
+    "MAX_ENTRIES_PER_CALL",
+    "Bootstrap",
+    "BufferSpec",
+    "DecodeReceiver",
+    "DstRequest",
+    "KVShard",
+    "LocalEngine",
+    "MooncakeEngine",
+    "PeerEntries",
+    "PlanOptions",
+    "PrefillSender",
+    "RankEndpoint",
+    "ReceiveReport",
+    "RequestPlan",
+    "SendOutcome",
+    "SendReport",
+    "SenderPlan",
+    "StageCopy",
+    "TransferError",
+    "apply_mooncake_env",
+    "check_compatible",
+    "coalesce_entries",
+    "create_store",
+    "expand_layers",
+    "mooncake_available",
+    "page_runs",
+    "plan_request",
+    "send_entries",
+    "split_batches",
+]

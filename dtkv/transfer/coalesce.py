@@ -1,0 +1,90 @@
+"""Entry coalescing: page runs contiguous on both sides, layer expansion, byte-range merging, batching.
+
+An *entry* is one ``(src address, dst address, length)`` triple handed to the transfer engine; on Mooncake's TCP
+transport each costs tens of microseconds whatever its size, so the planner makes as few as it can:
+
+1. :func:`page_runs` pairs up source and destination page indices and cuts maximal runs contiguous on both sides
+   (sorted by source index, which makes the runs maximal for the given pairs).
+2. :func:`expand_layers` turns runs into per-layer byte ranges of ``[num_layers, rows, page_bytes]`` buffers.
+3. :func:`coalesce_entries` merges byte ranges contiguous on both sides (across layers and buffers as well).
+4. :func:`split_batches` cuts a peer's entries into calls of at most ``max_entries`` (the 0.3.13 TCP limit).
+
+All functions are vectorized numpy over int64 arrays; none loops over pages in Python.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["coalesce_entries", "expand_layers", "page_runs", "split_batches"]
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+def page_runs(src_idx: np.ndarray, dst_idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Maximal runs of page pairs contiguous on both sides.
+
+    Args:
+        src_idx: int64 ``[k]``, distinct source page indices.
+        dst_idx: int64 ``[k]``, the destination index of each source page.
+
+    Returns:
+        ``(src_start, dst_start, num_pages)``, each int64 ``[num_runs]``: run ``j`` copies source pages
+        ``src_start[j] + t`` to destination pages ``dst_start[j] + t`` for ``0 <= t < num_pages[j]``.
+    """
+    k = int(src_idx.shape[0])
+    if k == 0:
+        return _EMPTY, _EMPTY, _EMPTY
+    order = np.argsort(src_idx, kind="stable")
+    s = src_idx[order]
+    d = dst_idx[order]
+    starts = np.concatenate(([0], np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1))
+    lengths = np.diff(np.concatenate((starts, [k])))
+    return s[starts], d[starts], lengths.astype(np.int64)
+
+
+def expand_layers(
+    runs: tuple[np.ndarray, np.ndarray, np.ndarray],
+    *,
+    num_layers: int,
+    page_bytes: int,
+    src_rows: int,
+    dst_rows: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Byte ranges of page runs in every layer of ``[num_layers, rows, page_bytes]`` buffers (offsets from 0).
+
+    Layer ``l``, page ``j`` of a side with ``rows`` pages per layer starts at byte ``(l * rows + j) * page_bytes``.
+
+    Returns:
+        ``(src_offset, dst_offset, length)``, int64 ``[num_layers * num_runs]``, layer-major.
+    """
+    s0, d0, n = runs
+    layer = np.arange(num_layers, dtype=np.int64)[:, None]
+    src = ((layer * src_rows + s0[None, :]) * page_bytes).ravel()
+    dst = ((layer * dst_rows + d0[None, :]) * page_bytes).ravel()
+    length = np.broadcast_to(n[None, :] * page_bytes, (num_layers, n.shape[0])).ravel()
+    return src, dst, np.ascontiguousarray(length)
+
+
+def coalesce_entries(src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Merge entries whose byte ranges continue each other on both sides; sorted by source address.
+
+    Entry ``b`` extends entry ``a`` when ``src[a] + length[a] == src[b]`` and ``dst[a] + length[a] == dst[b]``.
+    Zero-length entries are dropped.
+    """
+    keep = length > 0
+    src, dst, length = src[keep], dst[keep], length[keep]
+    if src.shape[0] <= 1:
+        return src.astype(np.int64), dst.astype(np.int64), length.astype(np.int64)
+    order = np.lexsort((dst, src))
+    s, d, n = src[order], dst[order], length[order]
+    cont = (s[:-1] + n[:-1] == s[1:]) & (d[:-1] + n[:-1] == d[1:])
+    starts = np.concatenate(([0], np.flatnonzero(~cont) + 1))
+    return s[starts], d[starts], np.add.reduceat(n, starts).astype(np.int64)
+
+
+def split_batches(num_entries: int, max_entries: int) -> list[slice]:
+    """Slices of at most ``max_entries`` covering ``range(num_entries)`` (no slice when there is nothing)."""
+    if max_entries < 1:
+        raise ValueError(f"max_entries must be >= 1, got max_entries={max_entries}")
+    return [slice(i, min(i + max_entries, num_entries)) for i in range(0, num_entries, max_entries)]

@@ -1,0 +1,219 @@
+"""``DecodeReceiver``: decode posts where each position goes, waits for every prefill rank, rebuilds its layout."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from dtkv._env import transfer_timeout_s
+from dtkv.transfer.bootstrap import Bootstrap, DstRequest, SendOutcome
+from dtkv.transfer.descriptors import RankEndpoint, as_pages, check_compatible
+from dtkv.transfer.engine import MooncakeEngine
+from dtkv.transfer.errors import TransferError, format_pages
+from dtkv.transfer.shard import KVShard
+
+__all__ = ["DecodeReceiver", "ReceiveReport"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReceiveReport:
+    """One received request: what the prefill ranks sent, and how long decode waited and unpacked."""
+
+    request_id: str
+    num_positions: int
+    num_entries: int
+    """Entries sent by every prefill rank."""
+    min_entries: int
+    """The fewest entries any plan of the request needs."""
+    num_calls: int
+    num_bytes: int
+    staged: bool
+    """Whether any staging region was unpacked."""
+    wait_s: float
+    unpack_s: float
+
+
+class DecodeReceiver:
+    """The decode side of PD transfer for the decode ranks hosted by this process.
+
+    A non-CP decode hosts one shard of ``PageOwnership(1, num_pages)``; a CP decode runs one receiver per rank,
+    or hosts all of its ranks in one process (tests, benchmarks). Only the receiver hosting decode rank 0
+    posts a request's page list; every receiver waits for all prefill ranks and unpacks its own staging.
+
+    Args:
+        shards: the decode ranks hosted here (:class:`dtkv.transfer.KVShard`); give them ``staging_bytes`` to
+            let prefill pack strided pages into one entry per rank pair.
+        bootstrap: the rendezvous store shared with prefill.
+        engine: a :class:`MooncakeEngine` (default: a new one on 127.0.0.1) or :class:`LocalEngine`.
+        timeout_s: bound on every wait (default ``DTKV_TRANSFER_TIMEOUT_S``).
+    """
+
+    def __init__(
+        self,
+        shards: KVShard | Sequence[KVShard],
+        bootstrap: Bootstrap,
+        *,
+        engine=None,
+        timeout_s: float | None = None,
+    ) -> None:
+        shard_list = [shards] if isinstance(shards, KVShard) else list(shards)
+        if not shard_list:
+            raise ValueError("shards must hold at least one KVShard, got none")
+        self.shards = {s.rank: s for s in shard_list}
+        self.bootstrap = bootstrap
+        self.timeout_s = transfer_timeout_s() if timeout_s is None else float(timeout_s)
+        self._own_engine = engine is None
+        self.engine = MooncakeEngine(timeout_s=self.timeout_s) if engine is None else engine
+        for s in shard_list:
+            self.engine.register(s.registered_tensors())
+            bootstrap.publish(s.endpoint("decode", self.engine.session))
+        self.prefill: list[RankEndpoint] | None = None
+        self.decode: list[RankEndpoint] | None = None
+        self._pending: dict[str, tuple[np.ndarray, bool]] = {}
+        self._staging_request: str | None = None
+        self._staging_blocked_until = 0.0
+
+    @property
+    def posts(self) -> bool:
+        """Whether this receiver hosts decode rank 0 (the one that posts page lists)."""
+        return 0 in self.shards
+
+    def connect(self, timeout_s: float | None = None) -> None:
+        """Wait for every prefill and decode endpoint and check that they are compatible."""
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        self.prefill = self.bootstrap.endpoints("prefill", deadline=deadline)
+        self.decode = self.bootstrap.endpoints("decode", deadline=deadline)
+        check_compatible(self.prefill, self.decode)
+
+    def post_request(
+        self,
+        request_id: str,
+        dst_pages: object,
+        *,
+        num_tokens: int | None = None,
+        dst_meta_slot: int | None = None,
+        staging: bool = True,
+    ) -> None:
+        """Publish where each position of ``request_id`` goes (``dst_pages``: int ``[num_positions]``).
+
+        Staging is used by one request at a time: while an earlier request holding it is not yet received
+        (or for ``timeout_s`` after one failed, as a straggling sender may still write), this one is posted
+        without staging.
+        """
+        dst = as_pages("dst_pages", dst_pages)
+        use_staging = staging and self._staging_request is None and time.monotonic() >= self._staging_blocked_until
+        if use_staging:
+            self._staging_request = request_id
+        self._pending[request_id] = (dst, use_staging)
+        if self.posts:
+            req = DstRequest(dst_pages=dst, num_tokens=num_tokens, dst_meta_slot=dst_meta_slot, staging=use_staging)
+            self.bootstrap.set(f"req/{request_id}/dst", req)
+
+    def wait_request(self, request_id: str, *, timeout_s: float | None = None) -> ReceiveReport:
+        """Wait until every prefill rank sent its share, check coverage, unpack staging (blocking).
+
+        Raises:
+            TransferError: a prefill rank reported a failure, or did not finish within the timeout (naming it
+                and the request's pages), or the positions reported do not cover the request exactly once.
+        """
+        if request_id not in self._pending:
+            raise KeyError(f"request_id must be posted first with post_request, got request_id={request_id!r}")
+        if self.prefill is None:
+            self.connect(timeout_s)
+        dst, _ = self._pending[request_id]
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        t0 = time.perf_counter()
+        try:
+            outcomes = self._wait_outcomes(request_id, dst, deadline)
+            counts = np.bincount(
+                np.concatenate([o.positions for o in outcomes] + [np.zeros(0, np.int64)]), minlength=dst.shape[0]
+            )
+            if counts.shape[0] != dst.shape[0] or not np.all(counts == 1):
+                missing = np.flatnonzero(counts[: dst.shape[0]] == 0)
+                repeated = np.flatnonzero(counts > 1)
+                raise TransferError(
+                    f"positions must arrive exactly once, got missing {format_pages(missing)} and repeated "
+                    f"{format_pages(repeated)}",
+                    request_id=request_id,
+                    peer="prefill",
+                    pages=dst[missing] if missing.size else (),
+                )
+            t1 = time.perf_counter()
+            for d, shard in self.shards.items():
+                shard.unpack(c for o in outcomes for c in o.unpack.get(d, ()))
+            t2 = time.perf_counter()
+        except BaseException:
+            self._finish(request_id, ok=False)
+            raise
+        self._finish(request_id, ok=True)
+        return ReceiveReport(
+            request_id=request_id,
+            num_positions=int(dst.shape[0]),
+            num_entries=sum(o.num_entries for o in outcomes),
+            min_entries=max(o.min_entries for o in outcomes),
+            num_calls=sum(o.num_calls for o in outcomes),
+            num_bytes=sum(o.num_bytes for o in outcomes),
+            staged=any(o.unpack for o in outcomes),
+            wait_s=t1 - t0,
+            unpack_s=t2 - t1,
+        )
+
+    def receive_request(self, request_id: str, dst_pages: object, **kwargs) -> ReceiveReport:
+        """:meth:`post_request` then :meth:`wait_request` (``timeout_s`` goes to the wait)."""
+        timeout_s = kwargs.pop("timeout_s", None)
+        self.post_request(request_id, dst_pages, **kwargs)
+        return self.wait_request(request_id, timeout_s=timeout_s)
+
+    def _wait_outcomes(self, request_id: str, dst: np.ndarray, deadline: float) -> list[SendOutcome]:
+        num_prefill = len(self.prefill)
+        keys = {r: f"req/{request_id}/done/{r}" for r in range(num_prefill)}
+        got: dict[int, SendOutcome] = {}
+        delay = 0.001
+        while len(got) < num_prefill:
+            for r, key in keys.items():
+                if r in got:
+                    continue
+                try:
+                    ready = self.bootstrap.store.check([key])
+                except Exception as e:  # noqa: BLE001
+                    raise TransferError(
+                        f"store unreachable: {e}", request_id=request_id, peer=f"prefill rank {r}"
+                    ) from e
+                if not ready:
+                    continue
+                out: SendOutcome = self.bootstrap.get(key, deadline=deadline, request_id=request_id)
+                if not out.ok:
+                    raise TransferError(out.error, request_id=request_id, peer=f"prefill rank {r}", pages=dst)
+                got[r] = out
+            left = deadline - time.monotonic()
+            if len(got) < num_prefill:
+                if left <= 0:
+                    missing = sorted(set(keys) - set(got))
+                    raise TransferError(
+                        f"timed out waiting for prefill ranks {missing}",
+                        request_id=request_id,
+                        peer=f"prefill rank {missing[0]}",
+                        pages=dst,
+                    )
+                time.sleep(min(delay, left))
+                delay = min(delay * 2, 0.05)
+        return [got[r] for r in range(num_prefill)]
+
+    def _finish(self, request_id: str, *, ok: bool) -> None:
+        self._pending.pop(request_id, None)
+        if self._staging_request == request_id:
+            self._staging_request = None
+            if not ok:  # a straggling sender may still write into staging: keep it out of use for a while
+                self._staging_blocked_until = time.monotonic() + self.timeout_s
+        if ok and self.posts and len(self.shards) == len(self.decode or ()):  # no other decode process reads them
+            self.bootstrap.delete(f"req/{request_id}/dst")
+            for r in range(len(self.prefill or ())):
+                self.bootstrap.delete(f"req/{request_id}/done/{r}")
+
+    def close(self) -> None:
+        """Release the engine if this receiver created it."""
+        if self._own_engine:
+            self.engine.close()

@@ -1,0 +1,238 @@
+"""``PrefillSender``: each prefill CP rank sends the pages it owns, with their positions, to decode."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dtkv._env import transfer_timeout_s
+from dtkv.transfer.bootstrap import Bootstrap, DstRequest, SendOutcome
+from dtkv.transfer.descriptors import (
+    PlanOptions,
+    RankEndpoint,
+    RequestPlan,
+    as_pages,
+    check_compatible,
+    disable_staging,
+    plan_request,
+)
+from dtkv.transfer.engine import MAX_ENTRIES_PER_CALL, MooncakeEngine, send_entries
+from dtkv.transfer.errors import TransferError
+from dtkv.transfer.shard import KVShard
+
+__all__ = ["PrefillSender", "SendReport"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SendReport:
+    """What this process sent for one request (summed over the prefill ranks it hosts)."""
+
+    request_id: str
+    ranks: tuple[int, ...]
+    num_positions: int
+    """Positions (pages) sent by these ranks."""
+    num_entries: int
+    num_calls: int
+    num_bytes: int
+    plan_entries: int
+    """Entries of the whole request, every prefill rank."""
+    min_entries: int
+    """The fewest entries any plan of the request needs (:attr:`dtkv.transfer.RequestPlan.min_entries`)."""
+    plan_s: float
+    pack_s: float
+    send_s: float
+
+
+class PrefillSender:
+    """The prefill side of PD transfer for the CP ranks hosted by this process (normally one).
+
+    Registers the shards with the engine and publishes their endpoints at construction; :meth:`connect` then
+    waits for every prefill and decode endpoint. Each prefill rank calls :meth:`send_request` for a request
+    (SPMD, with the same ``src_pages``); it waits for decode's page list, computes the shared
+    :class:`dtkv.transfer.RequestPlan`, packs its staging regions, sends its entries and reports its positions.
+
+    Args:
+        shards: this process's prefill ranks (:class:`dtkv.transfer.KVShard`, e.g. ``KVShard.from_pool(pool)``).
+        bootstrap: the rendezvous store shared with decode.
+        engine: a :class:`MooncakeEngine` (default: a new one on 127.0.0.1) or :class:`LocalEngine`.
+        options: planner options (staging policy, metadata sender).
+        timeout_s: bound on every wait (default ``DTKV_TRANSFER_TIMEOUT_S``).
+        max_entries_per_call: entries per engine call (<= 1024 for Mooncake 0.3.13 TCP).
+    """
+
+    def __init__(
+        self,
+        shards: KVShard | Sequence[KVShard],
+        bootstrap: Bootstrap,
+        *,
+        engine=None,
+        options: PlanOptions | None = None,
+        timeout_s: float | None = None,
+        max_entries_per_call: int = MAX_ENTRIES_PER_CALL,
+    ) -> None:
+        shard_list = [shards] if isinstance(shards, KVShard) else list(shards)
+        if not shard_list:
+            raise ValueError("shards must hold at least one KVShard, got none")
+        self.shards = {s.rank: s for s in shard_list}
+        self.bootstrap = bootstrap
+        self.timeout_s = transfer_timeout_s() if timeout_s is None else float(timeout_s)
+        self._own_engine = engine is None
+        self.engine = MooncakeEngine(timeout_s=self.timeout_s) if engine is None else engine
+        self.options = options or PlanOptions()
+        self.max_entries_per_call = max_entries_per_call
+        for s in shard_list:
+            self.engine.register(s.registered_tensors())
+            bootstrap.publish(s.endpoint("prefill", self.engine.session))
+        self.prefill: list[RankEndpoint] | None = None
+        self.decode: list[RankEndpoint] | None = None
+
+    def connect(self, timeout_s: float | None = None) -> None:
+        """Wait for every prefill and decode endpoint and check that they are compatible."""
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        self.prefill = self.bootstrap.endpoints("prefill", deadline=deadline)
+        self.decode = self.bootstrap.endpoints("decode", deadline=deadline)
+        check_compatible(self.prefill, self.decode)
+
+    def plan(self, src_pages: object, req: DstRequest, src_meta_slot: int | None) -> RequestPlan:
+        """The request's plan (host-side; identical on every prefill rank)."""
+        if self.prefill is None or self.decode is None:
+            self.connect()
+        decode = self.decode if req.staging else disable_staging(self.decode)
+        return plan_request(
+            src_pages,
+            req.dst_pages,
+            prefill=self.prefill,
+            decode=decode,
+            options=self.options,
+            src_meta_slot=src_meta_slot if req.dst_meta_slot is not None else None,
+            dst_meta_slot=req.dst_meta_slot if src_meta_slot is not None else None,
+        )
+
+    def send_request(
+        self,
+        request_id: str,
+        src_pages: object,
+        *,
+        meta: bytes | None = None,
+        src_meta_slot: int = 0,
+        timeout_s: float | None = None,
+    ) -> SendReport:
+        """Send this process's owned pages of one request to decode (blocking).
+
+        Args:
+            request_id: unique per bootstrap namespace; decode posts its pages under the same id.
+            src_pages: int ``[num_positions]``: the request's logical prefill pages in token order (identical on
+                every prefill rank).
+            meta: the replicated metadata row; only ``options.meta_sender`` sends it (to every decode rank).
+            src_meta_slot: the metadata row of the sender that stages ``meta``.
+            timeout_s: bound on the whole call (default: the sender's).
+
+        Returns:
+            A :class:`SendReport`.
+
+        Raises:
+            TransferError: decode did not post its pages in time, an engine call failed or timed out (decode is
+                told through the store so it does not wait for its own timeout).
+        """
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        t0 = time.perf_counter()
+        ranks = tuple(sorted(self.shards))
+        req: DstRequest = self.bootstrap.get(
+            f"req/{request_id}/dst", deadline=deadline, request_id=request_id, peer="decode"
+        )
+        try:
+            src = as_pages("src_pages", src_pages)
+            if req.num_tokens is not None:
+                page_size = next(iter(self.shards.values())).page_size
+                want = -(-req.num_tokens // page_size)
+                if src.shape[0] != want:
+                    raise ValueError(
+                        f"src_pages must hold ceil(num_tokens / page_size) = {want} pages for num_tokens="
+                        f"{req.num_tokens}, got {src.shape[0]}"
+                    )
+            use_meta = meta is not None and self.options.meta_sender in self.shards
+            if use_meta:
+                row = self.shards[self.options.meta_sender].meta
+                if row is None or len(meta) > row.shape[1]:
+                    raise ValueError(
+                        f"meta must fit a metadata row of {0 if row is None else row.shape[1]} bytes, got {len(meta)}"
+                    )
+                row[src_meta_slot].zero_()
+                row[src_meta_slot, : len(meta)].copy_(_as_u8(meta))
+            plan = self.plan(src, req, src_meta_slot if meta is not None else None)
+        except Exception as e:
+            for r in ranks:
+                self._report(request_id, SendOutcome(rank=r, ok=False, error=f"{type(e).__name__}: {e}"))
+            raise
+        t_plan = time.perf_counter()
+        pack_s = 0.0
+        entries = calls = nbytes = positions = 0
+        for r in ranks:
+            sp = plan.senders[r]
+            try:
+                tp = time.perf_counter()
+                self.shards[r].pack(sp.pack)
+                pack_s += time.perf_counter() - tp
+                n_calls = send_entries(
+                    self.engine,
+                    sp.peers,
+                    request_id=request_id,
+                    deadline=deadline,
+                    max_entries_per_call=self.max_entries_per_call,
+                )
+            except Exception as e:
+                self._report(request_id, SendOutcome(rank=r, ok=False, error=f"{type(e).__name__}: {e}"))
+                raise
+            self._report(
+                request_id,
+                SendOutcome(
+                    rank=r,
+                    ok=True,
+                    positions=sp.positions,
+                    unpack=sp.unpack,
+                    num_entries=sp.num_entries,
+                    num_calls=n_calls,
+                    num_bytes=sp.num_bytes,
+                    plan_entries=plan.num_entries,
+                    min_entries=plan.min_entries,
+                ),
+            )
+            entries += sp.num_entries
+            calls += n_calls
+            nbytes += sp.num_bytes
+            positions += int(sp.positions.shape[0])
+        t_end = time.perf_counter()
+        return SendReport(
+            request_id=request_id,
+            ranks=ranks,
+            num_positions=positions,
+            num_entries=entries,
+            num_calls=calls,
+            num_bytes=nbytes,
+            plan_entries=plan.num_entries,
+            min_entries=plan.min_entries,
+            plan_s=t_plan - t0,
+            pack_s=pack_s,
+            send_s=t_end - t_plan - pack_s,
+        )
+
+    def _report(self, request_id: str, outcome: SendOutcome) -> None:
+        try:
+            self.bootstrap.set(f"req/{request_id}/done/{outcome.rank}", outcome)
+        except TransferError as e:  # decode (or the store) may be gone; the caller's error matters more
+            logger.warning("could not report request %r of prefill rank %d: %s", request_id, outcome.rank, e)
+
+    def close(self) -> None:
+        """Release the engine if this sender created it."""
+        if self._own_engine:
+            self.engine.close()
+
+
+def _as_u8(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)

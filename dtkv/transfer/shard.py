@@ -1,0 +1,196 @@
+"""``KVShard``: one rank's transferable KV buffers, its staging buffer and its metadata rows."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from typing import Literal
+
+import torch
+
+from dtkv._checks import check_int
+from dtkv.layouts import KVLayout
+from dtkv.ownership import PageOwnership
+from dtkv.pool import ShardedKVPool
+from dtkv.transfer.descriptors import BufferSpec, RankEndpoint, StageCopy
+
+__all__ = ["KVShard", "layout_key"]
+
+
+def layout_key(layout: KVLayout) -> str:
+    """Canonical text of a layout (what both sides compare)."""
+    return json.dumps(layout.describe(), sort_keys=True, default=str)
+
+
+class KVShard:
+    """The buffers of one CP rank that take part in a transfer.
+
+    Args:
+        buffers: name -> ``[num_layers, ownership.num_local_pages(rank), *layout.page_shape]`` contiguous tensor of
+            ``layout.dtype`` (CPU: the Mooncake non-cuda build moves host memory only).
+        layouts: name -> :class:`dtkv.KVLayout` of each buffer.
+        ownership: the page map of this side.
+        rank: this rank's index in ``ownership``.
+        staging_bytes: bytes of a staging buffer to allocate and register (0: no staging on this rank).
+        meta_num_rows: metadata slots (uint8 rows) to allocate and register (0: none).
+        meta_row_bytes: bytes of a metadata row.
+
+    Use :meth:`from_pool` to wrap a :class:`dtkv.ShardedKVPool` (zero copy) or :meth:`allocate` for a
+    standalone rank (e.g. the ranks of a CP decode simulated in one process).
+    """
+
+    def __init__(
+        self,
+        buffers: Mapping[str, torch.Tensor],
+        layouts: Mapping[str, KVLayout],
+        ownership: PageOwnership,
+        rank: int,
+        *,
+        staging_bytes: int = 0,
+        meta_num_rows: int = 0,
+        meta_row_bytes: int = 0,
+    ) -> None:
+        if not isinstance(ownership, PageOwnership):
+            raise TypeError(f"ownership must be a PageOwnership, got {type(ownership).__name__}")
+        check_int("rank", rank, min_value=0)
+        if rank >= ownership.cp_size:
+            raise ValueError(f"rank must be < ownership.cp_size={ownership.cp_size}, got rank={rank}")
+        check_int("staging_bytes", staging_bytes, min_value=0)
+        check_int("meta_num_rows", meta_num_rows, min_value=0)
+        check_int("meta_row_bytes", meta_row_bytes, min_value=0)
+        if sorted(buffers) != sorted(layouts) or not buffers:
+            raise ValueError(
+                f"buffers and layouts must name the same buffers, got {sorted(buffers)} and {sorted(layouts)}"
+            )
+        if (meta_num_rows == 0) != (meta_row_bytes == 0):
+            raise ValueError(
+                "meta_num_rows and meta_row_bytes must be both 0 or both > 0, got "
+                f"meta_num_rows={meta_num_rows}, meta_row_bytes={meta_row_bytes}"
+            )
+        n_local = ownership.num_local_pages(rank)
+        num_layers = None
+        for name, buf in buffers.items():
+            lay = layouts[name]
+            if not isinstance(buf, torch.Tensor):
+                raise TypeError(f"buffers[{name!r}] must be a torch.Tensor, got {type(buf).__name__}")
+            want = [buf.shape[0] if buf.dim() else None, n_local, *lay.page_shape]
+            if buf.dim() != len(want) or list(buf.shape[1:]) != want[1:] or buf.dtype != lay.dtype:
+                raise ValueError(
+                    f"buffers[{name!r}] must be [num_layers, {n_local}, {', '.join(map(str, lay.page_shape))}] of "
+                    f"{lay.dtype}, got shape {list(buf.shape)} of {buf.dtype}"
+                )
+            if not buf.is_contiguous():
+                raise ValueError(f"buffers[{name!r}] must be contiguous (one registered region)")
+            if num_layers is None:
+                num_layers = int(buf.shape[0])
+            elif buf.shape[0] != num_layers:
+                raise ValueError(f"buffers must share num_layers, got {num_layers} and {buf.shape[0]} ({name!r})")
+        self.buffers = dict(sorted(buffers.items()))
+        self.layouts = dict(layouts)
+        self.ownership = ownership
+        self.rank = rank
+        self.num_layers = int(num_layers)
+        device = next(iter(self.buffers.values())).device
+        self.staging = torch.empty(staging_bytes, dtype=torch.uint8, device=device) if staging_bytes else None
+        self.meta = (
+            torch.zeros(meta_num_rows, meta_row_bytes, dtype=torch.uint8, device=device) if meta_num_rows else None
+        )
+
+    @classmethod
+    def from_pool(cls, pool: ShardedKVPool, **kwargs: int) -> KVShard:
+        """Wrap this rank's buffers of a :class:`dtkv.ShardedKVPool` (no copy; ``kwargs`` as the constructor)."""
+        buffers = {name: pool.buffer(name) for name in pool.layouts}
+        return cls(buffers, pool.layouts, pool.ownership, pool.rank, **kwargs)
+
+    @classmethod
+    def allocate(
+        cls,
+        layouts: Mapping[str, KVLayout],
+        ownership: PageOwnership,
+        rank: int,
+        *,
+        num_layers: int,
+        device: torch.device | str = "cpu",
+        **kwargs: int,
+    ) -> KVShard:
+        """Zero-filled buffers for ``rank`` of ``ownership`` (``kwargs`` as the constructor)."""
+        check_int("num_layers", num_layers, min_value=1)
+        check_int("rank", rank, min_value=0)
+        n_local = ownership.num_local_pages(rank)
+        buffers = {
+            name: torch.zeros((num_layers, n_local, *lay.page_shape), dtype=lay.dtype, device=device)
+            for name, lay in layouts.items()
+        }
+        return cls(buffers, layouts, ownership, rank, **kwargs)
+
+    @property
+    def page_size(self) -> int:
+        """Tokens per page (shared by every layout)."""
+        return next(iter(self.layouts.values())).page_size
+
+    # ------------------------------------------------------------------------------------------ exchange
+    def endpoint(self, role: Literal["prefill", "decode"], session: str) -> RankEndpoint:
+        """The :class:`RankEndpoint` this rank publishes (addresses of the registered tensors)."""
+        specs = tuple(
+            BufferSpec(
+                name=name,
+                addr=buf.data_ptr(),
+                num_local_pages=int(buf.shape[1]),
+                page_bytes=self.layouts[name].page_bytes,
+                elem_bytes=buf.element_size(),
+                layout_key=layout_key(self.layouts[name]),
+            )
+            for name, buf in self.buffers.items()
+        )
+        return RankEndpoint(
+            role=role,
+            rank=self.rank,
+            session=session,
+            ownership=self.ownership,
+            num_layers=self.num_layers,
+            buffers=specs,
+            staging_addr=self.staging.data_ptr() if self.staging is not None else 0,
+            staging_bytes=self.staging.numel() if self.staging is not None else 0,
+            meta_addr=self.meta.data_ptr() if self.meta is not None else 0,
+            meta_row_bytes=self.meta.shape[1] if self.meta is not None else 0,
+            meta_num_rows=self.meta.shape[0] if self.meta is not None else 0,
+        )
+
+    def registered_tensors(self) -> list[torch.Tensor]:
+        """Every tensor a transfer engine must register for this rank (pools, staging, metadata rows)."""
+        out = list(self.buffers.values())
+        out += [t for t in (self.staging, self.meta) if t is not None]
+        return out
+
+    # ------------------------------------------------------------------------------------------ staging
+    def _region(self, copy: StageCopy) -> tuple[torch.Tensor, torch.Tensor]:
+        buf = self.buffers[copy.name]
+        k = int(copy.local_pages.shape[0])
+        nbytes = self.num_layers * k * self.layouts[copy.name].page_bytes
+        assert self.staging is not None and copy.offset + nbytes <= self.staging.numel(), (
+            f"staging region [{copy.offset}, {copy.offset + nbytes}) exceeds rank {self.rank}'s staging buffer"
+        )
+        region = (
+            self.staging[copy.offset : copy.offset + nbytes].view(buf.dtype).view(self.num_layers, k, *buf.shape[2:])
+        )
+        idx = torch.from_numpy(copy.local_pages).to(buf.device)
+        return region, idx
+
+    def pack(self, copies: Iterable[StageCopy]) -> None:
+        """Copy ``buffer[:, local_pages]`` into each staging region (prefill side, before sending)."""
+        for c in copies:
+            region, idx = self._region(c)
+            torch.index_select(self.buffers[c.name], 1, idx, out=region)
+
+    def unpack(self, copies: Iterable[StageCopy]) -> None:
+        """Copy each staging region into ``buffer[:, local_pages]`` (decode side, after every sender is done)."""
+        for c in copies:
+            region, idx = self._region(c)
+            self.buffers[c.name].index_copy_(1, idx, region)
+
+    def __repr__(self) -> str:
+        names = ", ".join(self.buffers)
+        return (
+            f"KVShard(rank={self.rank}, {self.ownership!r}, num_layers={self.num_layers}, buffers=[{names}], "
+            f"staging_bytes={0 if self.staging is None else self.staging.numel()})"
+        )

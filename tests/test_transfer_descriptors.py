@@ -1,0 +1,311 @@
+"""Byte-exact CPU oracle of the transfer descriptors (no engine).
+
+Each case fills the prefill ranks' shards from one seeded global pool, fills decode with garbage, applies the
+plan with a bounds-checked ``memmove`` simulator on the real tensor addresses (packs and unpacks included)
+and compares decode's reassembled pool with the reference: position ``i``'s page goes from
+``src_pages[i]`` to ``dst_pages[i]`` in every layer and buffer, and every other decode byte is untouched.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+
+from dtkv import IndexerFp8Layout, MLAFp8Layout, MLALatentLayout, PageOwnership
+from dtkv.transfer import KVShard, PlanOptions, plan_request
+from dtkv.transfer.coalesce import coalesce_entries, page_runs, split_batches
+
+NUM_LAYERS = 3
+PAGE_SIZE = 4
+P_PREFILL = 37  # pages of the prefill pool (not a multiple of any cp)
+P_DECODE = 29
+
+
+def _layouts(latent: bool = False):
+    mla = (
+        MLALatentLayout(page_size=PAGE_SIZE, kv_lora_rank=16, rope_dim=8)
+        if latent
+        else MLAFp8Layout(page_size=PAGE_SIZE, kv_lora_rank=32, rope_dim=8, quant_block=16)
+    )
+    return {"kv": mla, "index": IndexerFp8Layout(page_size=PAGE_SIZE, head_dim=16)}
+
+
+def _global_bytes(layouts, num_pages, seed):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        n: torch.randint(0, 256, (NUM_LAYERS, num_pages, lay.page_bytes), generator=g, dtype=torch.uint8)
+        for n, lay in layouts.items()
+    }
+
+
+def _shards(layouts, ownership, full, **kw):
+    shards = []
+    for r in range(ownership.cp_size):
+        s = KVShard.allocate(layouts, ownership, r, num_layers=NUM_LAYERS, **kw)
+        idx = ownership.local_pages(r)
+        for n, buf in s.buffers.items():
+            buf.view(torch.uint8).view(NUM_LAYERS, idx.numel(), -1).copy_(full[n][:, idx])
+        shards.append(s)
+    return shards
+
+
+def _reassemble(shards, ownership):
+    out = {}
+    for s in shards:
+        idx = ownership.local_pages(s.rank)
+        for n, buf in s.buffers.items():
+            t = out.setdefault(
+                n, torch.empty(NUM_LAYERS, ownership.num_pages, s.layouts[n].page_bytes, dtype=torch.uint8)
+            )
+            t[:, idx] = buf.view(torch.uint8).view(NUM_LAYERS, idx.numel(), -1)
+    return out
+
+
+def _regions(shard):
+    return [(t.data_ptr(), t.numel() * t.element_size()) for t in shard.registered_tensors()]
+
+
+def _inside(addr, length, regions):
+    return any(a <= addr and addr + length <= a + n for a, n in regions)
+
+
+def apply_plan(plan, pre, dec):
+    """The memcpy simulator: packs, bounds-checked entries (no destination byte written twice), unpacks."""
+    written = []
+    for sp in plan.senders:
+        pre[sp.rank].pack(sp.pack)
+        for peer in sp.peers:
+            src_regions, dst_regions = _regions(pre[sp.rank]), _regions(dec[peer.decode_rank])
+            for a, b, n in zip(peer.src.tolist(), peer.dst.tolist(), peer.length.tolist()):
+                assert n > 0 and _inside(a, n, src_regions), f"source entry {a}+{n} outside prefill rank {sp.rank}"
+                assert _inside(b, n, dst_regions), f"destination entry {b}+{n} outside decode rank {peer.decode_rank}"
+                ctypes.memmove(b, a, n)
+                written.append((b, n))
+    written.sort()
+    for (a, n), (b, _) in zip(written, written[1:]):
+        assert a + n <= b, "a destination byte is written twice"
+    for s in dec:
+        s.unpack(plan.unpack_for(s.rank))
+
+
+def _request(num_tokens, seed):
+    rng = np.random.default_rng(seed)
+    n = -(-num_tokens // PAGE_SIZE)
+    src = rng.permutation(P_PREFILL)[:n]
+    src[: n // 2] = np.sort(src[: n // 2])  # a sorted prefix: some runs to coalesce
+    dst = rng.permutation(P_DECODE)[:n]
+    dst[n // 3 :] = np.sort(dst[n // 3 :])
+    return src, dst
+
+
+def run_oracle(cp_p, layout_p, decode, num_tokens, staging, *, latent=False, seed=0, staging_bytes=1 << 20):
+    layouts = _layouts(latent)
+    own_p = PageOwnership(cp_p, P_PREFILL, layout_p)
+    own_d = PageOwnership(decode[0], P_DECODE, decode[1])
+    pre_full = _global_bytes(layouts, P_PREFILL, seed)
+    dec_full = _global_bytes(layouts, P_DECODE, seed + 1)  # garbage that untouched pages must keep
+    pre = _shards(layouts, own_p, pre_full, staging_bytes=staging_bytes)
+    dec = _shards(layouts, own_d, dec_full, staging_bytes=staging_bytes)
+    src, dst = _request(num_tokens, seed)
+    plan = plan_request(
+        src,
+        dst,
+        prefill=[s.endpoint("prefill", "p") for s in pre],
+        decode=[s.endpoint("decode", "d") for s in dec],
+        options=PlanOptions(staging=staging),
+    )
+    apply_plan(plan, pre, dec)
+    got = _reassemble(dec, own_d)
+    for n in layouts:
+        want = dec_full[n].clone()
+        want[:, torch.from_numpy(dst)] = pre_full[n][:, torch.from_numpy(src)]
+        assert torch.equal(got[n], want), f"buffer {n!r} differs"
+        assert torch.equal(_reassemble(pre, own_p)[n], pre_full[n]), f"prefill buffer {n!r} was modified"
+    positions = np.concatenate([sp.positions for sp in plan.senders])
+    assert np.array_equal(np.sort(positions), np.arange(src.shape[0])), "every position must be sent exactly once"
+    return plan
+
+
+DECODES = [(1, "interleave"), (2, "interleave"), (2, "block"), (3, "interleave"), (4, "block")]
+
+
+class TestOracle:
+    """Decode's reassembled KV equals the reference byte for byte, for every prefill cp x decode layout."""
+
+    @pytest.mark.parametrize("staging", ["auto", "off", "full"])
+    @pytest.mark.parametrize("decode", DECODES, ids=[f"d{c}{lay[0]}" for c, lay in DECODES])
+    @pytest.mark.parametrize("layout_p", ["interleave", "block"])
+    @pytest.mark.parametrize("cp_p", [1, 2, 4])
+    def test_cross_product_vs_reference(self, cp_p, layout_p, decode, staging):
+        run_oracle(cp_p, layout_p, decode, num_tokens=23 * PAGE_SIZE - 1, staging=staging, seed=cp_p)
+
+    @pytest.mark.parametrize("num_tokens", [0, 1, PAGE_SIZE, PAGE_SIZE + 1, 5 * PAGE_SIZE - 3, P_DECODE * PAGE_SIZE])
+    @pytest.mark.parametrize("cp_p", [1, 2, 4])
+    def test_request_sizes_partial_last_page_and_empty(self, cp_p, num_tokens):
+        plan = run_oracle(cp_p, "interleave", (2, "block"), num_tokens, "auto", seed=num_tokens)
+        assert plan.num_positions == -(-num_tokens // PAGE_SIZE)
+        if num_tokens == 0:
+            assert plan.num_entries == 0 and plan.min_entries == 0
+
+    def test_latent_bf16_layout(self):
+        run_oracle(2, "interleave", (1, "interleave"), 41, "full", latent=True)
+
+    def test_small_staging_falls_back_to_direct(self):
+        plan = run_oracle(4, "interleave", (1, "interleave"), 80, "full", staging_bytes=2048)
+        assert plan.staged_bytes < plan.num_bytes
+
+
+class TestEntryCounts:
+    """Coalescing reaches the minimum when placement allows it, and staging does when it does not."""
+
+    def _endpoints(self, cp_p, cp_d, *, staging_bytes=0, layout_d="interleave", num_pages=64):
+        layouts = _layouts()
+        own_p, own_d = PageOwnership(cp_p, num_pages), PageOwnership(cp_d, num_pages, layout_d)
+        pre = [
+            KVShard.allocate(layouts, own_p, r, num_layers=NUM_LAYERS, staging_bytes=staging_bytes) for r in range(cp_p)
+        ]
+        dec = [
+            KVShard.allocate(layouts, own_d, r, num_layers=NUM_LAYERS, staging_bytes=staging_bytes) for r in range(cp_d)
+        ]
+        return [s.endpoint("prefill", "p") for s in pre], [s.endpoint("decode", "d") for s in dec]
+
+    def test_same_placement_contiguous_pages_one_entry_per_layer_and_buffer(self):
+        pre, dec = self._endpoints(2, 2)
+        pages = np.arange(8, 40)
+        plan = plan_request(pages, pages + 16, prefill=pre, decode=dec, options=PlanOptions(staging="off"))
+        assert plan.num_entries == 2 * NUM_LAYERS * 2  # ranks x layers x buffers
+        assert plan.min_entries == 2
+
+    def test_whole_pool_merges_layers(self):
+        pre, dec = self._endpoints(1, 1, num_pages=16)
+        plan = plan_request(np.arange(16), np.arange(16), prefill=pre, decode=dec, options=PlanOptions(staging="off"))
+        assert plan.num_entries == 2 and plan.min_entries == 1  # one per buffer: the layers are contiguous too
+
+    def test_cp_prefill_to_full_decode_is_strided_without_staging(self):
+        pre, dec = self._endpoints(4, 1)
+        pages = np.arange(32)
+        plan = plan_request(pages, pages, prefill=pre, decode=dec, options=PlanOptions(staging="off"))
+        assert plan.num_entries == 32 * NUM_LAYERS * 2  # every page alone, in every layer and buffer
+
+    def test_full_staging_reaches_the_minimum(self):
+        pre, dec = self._endpoints(4, 3, staging_bytes=1 << 20, layout_d="block")
+        rng = np.random.default_rng(0)
+        plan = plan_request(
+            rng.permutation(64)[:40],
+            rng.permutation(64)[:40],
+            prefill=pre,
+            decode=dec,
+            options=PlanOptions(staging="full"),
+        )
+        assert plan.num_entries == plan.min_entries == 12  # every (prefill, decode) pair once
+
+    def test_auto_stages_only_when_it_pays(self):
+        """Aligned placement: 6 entries per rank pair direct, 1 staged; staging pays only if copies are cheap."""
+        pages = np.arange(32)
+        pre, dec = self._endpoints(4, 1, staging_bytes=1 << 20)
+        strided = plan_request(pages, pages, prefill=pre, decode=dec)
+        assert strided.staged_bytes > 0 and strided.num_entries < 32 * NUM_LAYERS * 2
+        pre, dec = self._endpoints(2, 2, staging_bytes=1 << 20)
+        cheap = plan_request(pages, pages, prefill=pre, decode=dec, options=PlanOptions(copy_bytes_per_s=1e10))
+        assert cheap.num_entries == cheap.min_entries == 2
+        slow = plan_request(pages, pages, prefill=pre, decode=dec, options=PlanOptions(copy_bytes_per_s=1e8))
+        assert slow.staged_bytes == 0 and slow.num_entries == 2 * NUM_LAYERS * 2
+
+
+class TestMeta:
+    """The replicated metadata row has exactly one sender and reaches every decode rank."""
+
+    @pytest.mark.parametrize("meta_sender", [0, 3])
+    def test_one_sender_every_decode_rank(self, meta_sender):
+        layouts = _layouts()
+        own_p, own_d = PageOwnership(4, P_PREFILL), PageOwnership(2, P_DECODE, "block")
+        pre = [KVShard.allocate(layouts, own_p, r, num_layers=1, meta_num_rows=4, meta_row_bytes=16) for r in range(4)]
+        dec = [KVShard.allocate(layouts, own_d, r, num_layers=1, meta_num_rows=8, meta_row_bytes=16) for r in range(2)]
+        pre[meta_sender].meta[2] = torch.arange(16, dtype=torch.uint8)
+        plan = plan_request(
+            [1, 2, 3],
+            [4, 5, 6],
+            prefill=[s.endpoint("prefill", "p") for s in pre],
+            decode=[s.endpoint("decode", "d") for s in dec],
+            options=PlanOptions(meta_sender=meta_sender),
+            src_meta_slot=2,
+            dst_meta_slot=7,
+        )
+        senders = [sp.rank for sp in plan.senders for p in sp.peers if p.meta]
+        assert senders == [meta_sender, meta_sender]
+        apply_plan(plan, pre, dec)
+        for s in dec:
+            assert s.meta[7].tolist() == list(range(16)) and int(s.meta[:7].sum()) == 0
+
+
+class TestRejects:
+    def _eps(self, **kw):
+        layouts = _layouts()
+        pre = [KVShard.allocate(layouts, PageOwnership(1, 8), 0, num_layers=2)]
+        dec = [
+            KVShard.allocate(kw.get("dec_layouts", layouts), PageOwnership(1, 8), 0, num_layers=kw.get("dec_layers", 2))
+        ]
+        return [s.endpoint("prefill", "p") for s in pre], [s.endpoint("decode", "d") for s in dec]
+
+    def test_rejects_length_mismatch(self):
+        pre, dec = self._eps()
+        with pytest.raises(ValueError, match=r"src_pages and dst_pages must have equal lengths, got 2 and 1"):
+            plan_request([0, 1], [0], prefill=pre, decode=dec)
+
+    def test_rejects_out_of_range_and_repeats(self):
+        pre, dec = self._eps()
+        with pytest.raises(
+            ValueError, match=r"dst_pages must hold logical pages in \[0, 8\), got dst_pages containing 8"
+        ):
+            plan_request([0, 1], [0, 8], prefill=pre, decode=dec)
+        with pytest.raises(ValueError, match=r"src_pages must not repeat a page, got page 1 more than once"):
+            plan_request([1, 1], [0, 2], prefill=pre, decode=dec)
+        with pytest.raises(TypeError, match=r"src_pages must hold integers"):
+            plan_request([0.5], [0], prefill=pre, decode=dec)
+
+    def test_rejects_layout_and_layer_mismatch(self):
+        other = {
+            "kv": MLAFp8Layout(page_size=8, kv_lora_rank=32, rope_dim=8, quant_block=16),
+            "index": _layouts()["index"],
+        }
+        pre, dec = self._eps(dec_layouts=other)
+        with pytest.raises(ValueError, match=r"layout of buffer 'kv' must match on every rank"):
+            plan_request([0], [0], prefill=pre, decode=dec)
+        pre, dec = self._eps(dec_layers=3)
+        with pytest.raises(
+            ValueError, match=r"num_layers must match on every rank, got 2 \(prefill 0\) and 3 \(decode 0\)"
+        ):
+            plan_request([0], [0], prefill=pre, decode=dec)
+
+    def test_rejects_meta_without_rows(self):
+        pre, dec = self._eps()
+        with pytest.raises(
+            ValueError, match=r"src_meta_slot needs metadata rows on prefill rank 0, which registered none"
+        ):
+            plan_request([0], [0], prefill=pre, decode=dec, src_meta_slot=0, dst_meta_slot=0)
+        with pytest.raises(ValueError, match=r"must be given together"):
+            plan_request([0], [0], prefill=pre, decode=dec, src_meta_slot=0)
+
+    def test_rejects_bad_options(self):
+        with pytest.raises(ValueError, match=r"staging must be one of \('auto', 'off', 'full'\), got staging='yes'"):
+            PlanOptions(staging="yes")
+
+
+class TestCoalesce:
+    def test_page_runs_need_both_sides_contiguous(self):
+        s0, d0, n = page_runs(np.array([5, 1, 2, 3, 6]), np.array([9, 1, 2, 7, 10]))
+        assert list(zip(s0.tolist(), d0.tolist(), n.tolist())) == [(1, 1, 2), (3, 7, 1), (5, 9, 2)]
+
+    def test_coalesce_entries_merges_chains_only(self):
+        entries = np.array([10, 0, 20, 40]), np.array([110, 100, 130, 140]), np.array([10, 10, 20, 5])
+        s, d, n = coalesce_entries(*entries)  # 0->100 and 10->110 chain; the others break on the dst side
+        assert (s.tolist(), d.tolist(), n.tolist()) == ([0, 20, 40], [100, 130, 140], [20, 20, 5])
+
+    def test_split_batches(self):
+        assert split_batches(0, 1024) == []
+        assert [(s.start, s.stop) for s in split_batches(2049, 1024)] == [(0, 1024), (1024, 2048), (2048, 2049)]
+        with pytest.raises(ValueError, match=r"max_entries must be >= 1, got max_entries=0"):
+            split_batches(3, 0)
