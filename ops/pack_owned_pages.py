@@ -143,6 +143,10 @@ def _check(pool: torch.Tensor, send_idx: torch.Tensor) -> None:
         raise ValueError(f"pool pages must be contiguous (any page stride), got pool.stride()={pool.stride()}")
 
 
+KERNEL_CONFIG: dict[str, int] = {"block": 2048, "num_warps": 4}
+"""Launch parameters (words per program, warps); swept by the benchmark."""
+
+
 # ----------------------------------------------------------------------------------------- registered op
 @torch.library.custom_op("dtkv::pack_owned_pages", mutates_args=())
 def _pack_owned_pages_op(pool: torch.Tensor, send_idx: torch.Tensor, backend: str) -> torch.Tensor:
@@ -155,10 +159,17 @@ def _pack_owned_pages_op(pool: torch.Tensor, send_idx: torch.Tensor, backend: st
     src = word_view(pool.flatten(1))
     dst = out.flatten(1).view(src.dtype)
     num_words = src.shape[1]
-    block = min(triton.next_power_of_2(num_words), 2048)
+    block = min(triton.next_power_of_2(num_words), KERNEL_CONFIG["block"])
     with device_ctx(pool.device):
         _pack_owned_pages_kernel[(out.shape[0], triton.cdiv(num_words, block))](
-            dst, src, send_idx.to(torch.int64), pool.shape[0], src.stride(0), W=num_words, BLOCK=block, num_warps=4
+            dst,
+            src,
+            send_idx.to(torch.int64),
+            pool.shape[0],
+            src.stride(0),
+            W=num_words,
+            BLOCK=block,
+            num_warps=KERNEL_CONFIG["num_warps"],
         )
     return out
 

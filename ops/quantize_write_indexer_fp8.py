@@ -51,7 +51,8 @@ def quantize_indexer_fp8(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token fp8 quantization of keys ``[N, H]`` (bf16/fp16/fp32): (e4m3 bytes uint8 ``[N, H]``, fp32 ``[N]``)."""
     check_tensor("k", k, dtype=_K_DTYPES, ndim=2)
     x = k.float()
-    scale = x.abs().amax(dim=1) / FP8_E4M3_MAX
+    amax = x.abs().amax(dim=1)
+    scale = amax / torch.full_like(amax, FP8_E4M3_MAX)  # a tensor divisor: CUDA multiplies by 1/scalar instead
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = (x / safe[:, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     return q.view(torch.uint8), scale
@@ -135,6 +136,10 @@ def _triton_aligned(pool: torch.Tensor, page_size: int, head_dim: int) -> bool:
     return (page_size * head_dim) % 4 == 0 and pool.stride(0) % 4 == 0 and pool.storage_offset() % 4 == 0
 
 
+KERNEL_CONFIG: dict[str, int] = {"block_r": 0, "num_warps": 4}
+"""Launch parameters (``0`` = derived from the head dim); swept by the benchmark."""
+
+
 def _launch(pool, k, locs, cp_size, num_pages, layout_code, rank, page_size) -> None:
     n, head_dim = k.shape
     if n == 0 or pool.shape[0] == 0:
@@ -146,12 +151,13 @@ def _launch(pool, k, locs, cp_size, num_pages, layout_code, rank, page_size) -> 
             f"pool.stride()={pool.stride()}, pool.storage_offset()={pool.storage_offset()}; use backend='torch'"
         )
     hp = triton.next_power_of_2(head_dim)
-    block_r = max(1, min(32, 4096 // hp))
+    block_r = KERNEL_CONFIG["block_r"] or max(1, min(32, 4096 // hp))
     with device_ctx(pool.device):
         _quantize_write_indexer_fp8_kernel[(triton.cdiv(n, block_r),)](
             pool, k, locs, n, pool.shape[0], pool.stride(0), page_size, num_pages, cp_size,
             chunk_of(cp_size, num_pages), rank,
-            LAYOUT=layout_code, K_STRIDE=k.stride(0), H=head_dim, HP=hp, BLOCK_R=block_r, num_warps=4,
+            LAYOUT=layout_code, K_STRIDE=k.stride(0), H=head_dim, HP=hp, BLOCK_R=block_r,
+            num_warps=KERNEL_CONFIG["num_warps"],
         )  # fmt: skip
 
 

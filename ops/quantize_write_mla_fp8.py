@@ -52,7 +52,8 @@ def quantize_mla_fp8_torch(kv: torch.Tensor, kv_lora_rank: int, rope_dim: int, q
     """Quantize rows ``[N, L + R]`` to fp8 rows, uint8 ``[N, row_bytes]`` (the format in the module docstring)."""
     n, L = kv.shape[0], kv_lora_rank
     x = kv[:, :L].float().reshape(n, L // quant_block, quant_block)
-    scale = x.abs().amax(dim=-1) / FP8_E4M3_MAX  # [N, NB]
+    amax = x.abs().amax(dim=-1)  # [N, NB]
+    scale = amax / torch.full_like(amax, FP8_E4M3_MAX)  # a tensor divisor: CUDA multiplies by 1/scalar instead
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = (x / safe[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     rope = kv[:, L : L + rope_dim].to(torch.bfloat16).contiguous()
@@ -163,6 +164,10 @@ def _triton_aligned(pool: torch.Tensor, kv_lora_rank: int) -> bool:
     )  # fmt: skip
 
 
+KERNEL_CONFIG: dict[str, int] = {"block_r": 0, "num_warps": 4}
+"""Launch parameters (``0`` = derived from the row size); swept by the benchmark."""
+
+
 def _launch(pool, kv, locs, cp_size, num_pages, layout_code, rank, kv_lora_rank, rope_dim, quant_block) -> None:
     n = kv.shape[0]
     if n == 0 or pool.shape[0] == 0:
@@ -174,14 +179,14 @@ def _launch(pool, kv, locs, cp_size, num_pages, layout_code, rank, kv_lora_rank,
             f"pool.storage_offset()={pool.storage_offset()}; use backend='torch'"
         )
     nb = kv_lora_rank // quant_block
-    block_r = max(1, min(16, 8192 // triton.next_power_of_2(kv_lora_rank + rope_dim)))
+    block_r = KERNEL_CONFIG["block_r"] or max(1, min(16, 8192 // triton.next_power_of_2(kv_lora_rank + rope_dim)))
     with device_ctx(pool.device):
         _quantize_write_mla_fp8_kernel[(triton.cdiv(n, block_r),)](
             pool, kv, locs, n, pool.shape[0], pool.stride(0), pool.shape[1], num_pages, cp_size,
             chunk_of(cp_size, num_pages), rank,
             LAYOUT=layout_code, ROW_STRIDE=pool.stride(1), KV_STRIDE=kv.stride(0), L=kv_lora_rank, R=rope_dim,
             QB=quant_block, NB=nb, NBP=triton.next_power_of_2(nb), QBP=triton.next_power_of_2(quant_block),
-            RP=max(1, triton.next_power_of_2(rope_dim)), BLOCK_R=block_r, num_warps=4,
+            RP=max(1, triton.next_power_of_2(rope_dim)), BLOCK_R=block_r, num_warps=KERNEL_CONFIG["num_warps"],
         )  # fmt: skip
 
 

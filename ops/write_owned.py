@@ -89,6 +89,10 @@ def _write_owned_kernel(
         tl.store(pool_ptr + dst[:, None] + cols[None, :], v, mask=m)
 
 
+KERNEL_CONFIG: dict[str, int] = {"block_r": 0, "block_w": 0, "num_warps": 4}
+"""Launch parameters of the row-scatter kernel (``0`` = derived from the row size); swept by the benchmark."""
+
+
 def _launch_rows(pool, rows, locs, cp_size, num_pages, layout_code, rank) -> None:
     """Launch :func:`_write_owned_kernel` (shared with ``dtkv::direct_write``)."""
     n = rows.shape[0]
@@ -99,8 +103,8 @@ def _launch_rows(pool, rows, locs, cp_size, num_pages, layout_code, rank) -> Non
     if pool_w.dtype != rows_w.dtype:  # e.g. a pool whose page stride only allows narrower words
         rows_w = rows.view(pool_w.dtype)
     num_words = rows_w.shape[1]
-    block_w = min(triton.next_power_of_2(num_words), 256)
-    block_r = max(1, min(64, 4096 // block_w))
+    block_w = KERNEL_CONFIG["block_w"] or min(triton.next_power_of_2(num_words), 256)
+    block_r = KERNEL_CONFIG["block_r"] or max(1, min(64, 4096 // block_w))
     grid = (triton.cdiv(n, block_r),)
     with device_ctx(pool.device):
         _write_owned_kernel[grid](
@@ -120,7 +124,7 @@ def _launch_rows(pool, rows, locs, cp_size, num_pages, layout_code, rank) -> Non
             W=num_words,
             BLOCK_R=block_r,
             BLOCK_W=block_w,
-            num_warps=4,
+            num_warps=KERNEL_CONFIG["num_warps"],
         )
 
 
