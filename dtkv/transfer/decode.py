@@ -214,6 +214,8 @@ class DecodeReceiver:
                 self.bootstrap.delete(f"req/{request_id}/done/{r}")
 
     def close(self) -> None:
-        """Release the engine if this receiver created it."""
+        """Unregister the shards; close the engine too if this receiver created it."""
         if self._own_engine:
             self.engine.close()
+        else:
+            self.engine.unregister([t for s in self.shards.values() for t in s.registered_tensors()])

@@ -153,6 +153,13 @@ class MooncakeEngine(_EngineBase):
             )
         self._registered += ptrs
 
+    def unregister(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Unregister tensors registered with :meth:`register` (unknown ones are ignored)."""
+        ptrs = [t.data_ptr() for t in tensors if t.numel() and t.data_ptr() in self._registered]
+        if ptrs:
+            self._engine.batch_unregister_memory(ptrs)
+            self._registered = [p for p in self._registered if p not in ptrs]
+
     def write(self, peer: str, src: list[int], dst: list[int], length: list[int]) -> int:
         return int(self._engine.batch_transfer_sync_write(peer, src, dst, length))
 
@@ -195,6 +202,11 @@ class LocalEngine(_EngineBase):
         self._keep += list(tensors)
         regions = np.concatenate([self._regions, np.array(new, dtype=np.int64).reshape(-1, 2)])
         self._regions = regions[np.argsort(regions[:, 0])]
+
+    def unregister(self, tensors: Sequence[torch.Tensor]) -> None:
+        ptrs = {t.data_ptr() for t in tensors}
+        self._regions = self._regions[~np.isin(self._regions[:, 0], list(ptrs))]
+        self._keep = [t for t in self._keep if t.data_ptr() not in ptrs]
 
     def covers(self, addr: np.ndarray, length: np.ndarray) -> bool:
         """Whether every ``[addr, addr + length)`` lies inside one registered region."""

@@ -229,9 +229,11 @@ class PrefillSender:
             logger.warning("could not report request %r of prefill rank %d: %s", request_id, outcome.rank, e)
 
     def close(self) -> None:
-        """Release the engine if this sender created it."""
+        """Unregister the shards; close the engine too if this sender created it."""
         if self._own_engine:
             self.engine.close()
+        else:
+            self.engine.unregister([t for s in self.shards.values() for t in s.registered_tensors()])
 
 
 def _as_u8(data: bytes) -> torch.Tensor:
