@@ -119,7 +119,7 @@ def _host_table(split: CPSplit, name: str, req_pages: object) -> np.ndarray:
         )
     table = t.detach().to("cpu", torch.int64).numpy()
     req, slot, _ = _slot_rank_counts(split)
-    if req.size and int(slot.max() if slot.size else 0) >= table.shape[1]:
+    if slot.size and int(slot.max()) >= table.shape[1]:
         i = int(req[np.argmax(slot)])
         raise ValueError(
             f"{name} must have a column for every slot the extend touches, got {name}.shape={list(t.shape)} "

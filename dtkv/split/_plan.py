@@ -26,15 +26,22 @@ _MODES = ("zigzag", "round_robin")
 
 def _as_lengths(name: str, values: object) -> np.ndarray:
     """Per-request lengths as int64 numpy ``[num_reqs]``; raises naming ``name``, the value and the rule."""
-    if isinstance(values, torch.Tensor):
+    if isinstance(values, (list, tuple)) and set(map(type, values)) <= {int}:  # the common case, fast
+        try:
+            arr = np.array(values, dtype=np.int64)
+        except OverflowError:
+            raise ValueError(f"{name} must fit in int64, got {name}={list(values)}") from None
+    elif isinstance(values, torch.Tensor):
         if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
             raise TypeError(f"{name} must be an integer tensor, got {name}.dtype={values.dtype}")
         if values.dim() != 1:
             raise ValueError(f"{name} must have 1 dim ([num_reqs]), got {name}.shape={list(values.shape)}")
         arr = values.detach().cpu().numpy().astype(np.int64)
     elif isinstance(values, (Sequence, np.ndarray)) and not isinstance(values, (str, bytes)):
-        if not isinstance(values, np.ndarray) and any(isinstance(v, (bool, np.bool_)) for v in values):
-            bad = next(v for v in values if isinstance(v, (bool, np.bool_)))
+        bad = (
+            next((v for v in values if isinstance(v, (bool, np.bool_))), None) if isinstance(values, Sequence) else None
+        )
+        if bad is not None:
             raise TypeError(f"{name} must hold ints, got {bad!r} ({type(bad).__name__})")
         arr = np.asarray(values)
         if arr.size == 0:
@@ -47,11 +54,13 @@ def _as_lengths(name: str, values: object) -> np.ndarray:
         arr = arr.astype(np.int64, copy=False)
     else:
         raise TypeError(f"{name} must be a sequence of ints or an integer tensor, got {type(values).__name__}")
-    neg = np.flatnonzero(arr < 0)
-    if neg.size:
-        i = int(neg[0])
+    if arr.size and arr.min() < 0:
+        i = int(np.argmax(arr < 0))
         raise ValueError(f"{name} must be >= 0, got {name}[{i}]={int(arr[i])}")
     return arr
+
+
+_SEGMENT_INDEX: dict[int, np.ndarray] = {}
 
 
 def _zigzag_boundaries(
@@ -59,26 +68,30 @@ def _zigzag_boundaries(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Extend-relative boundaries int64 ``[num_reqs, 2cp+1]`` and the aligned flags bool ``[num_reqs]``."""
     num_segs = 2 * cp
-    j = np.arange(num_segs + 1, dtype=np.int64)
-    base, rem = np.divmod(extend, num_segs)
-    bounds = base[:, None] * j + np.minimum(j, rem[:, None])  # token-balanced
+    j = _SEGMENT_INDEX.get(num_segs)
+    if j is None:
+        j = _SEGMENT_INDEX.setdefault(num_segs, np.arange(num_segs + 1, dtype=np.int64))
+    base = extend // num_segs
+    bounds = np.minimum(j, (extend - base * num_segs)[:, None])  # token-balanced: base * j + min(j, rem)
+    bounds += base[:, None] * j
     if not page_aligned:
         return bounds, np.zeros(extend.size, dtype=bool)
     first_page = prefix // page_size
-    end_page = -(-(prefix + extend) // page_size)
-    touched = np.where(extend > 0, end_page - first_page, 0)
-    aligned = touched >= num_segs
+    end_page = (prefix + extend + page_size - 1) // page_size
+    aligned = end_page - first_page >= num_segs  # pages touched (an empty extend has end - first <= 1)
     if aligned.any():
         inner = j[1:num_segs]
-        nearest = (prefix[:, None] + bounds[:, 1:num_segs] + page_size // 2) // page_size  # ties go up
-        # In page units, boundary k must lie in [first_page + k, end_page - 2cp + k] (room for one page per
-        # segment); m - k is then clipped to [first_page, end_page - 2cp], and a running max keeps m strictly
-        # increasing by pushing a boundary right of its predecessor.
-        hi = np.maximum(end_page - num_segs, first_page)
-        shifted = np.clip(nearest - inner, first_page[:, None], hi[:, None])
-        np.maximum.accumulate(shifted, axis=1, out=shifted)
-        aligned_inner = (shifted + inner) * page_size - prefix[:, None]
-        bounds[:, 1:num_segs] = np.where(aligned[:, None], aligned_inner, bounds[:, 1:num_segs])
+        # Nearest page edge (ties go up), in page units. Boundary k must lie in [first_page + k,
+        # end_page - 2cp + k] (a page a segment), so m - k is clipped to [first_page, end_page - 2cp]; a running
+        # max then keeps m strictly increasing by pushing a boundary right of its predecessor.
+        m = (bounds[:, 1:num_segs] + (prefix + page_size // 2)[:, None]) // page_size
+        m -= inner
+        np.clip(m, first_page[:, None], np.maximum(end_page - num_segs, first_page)[:, None], out=m)
+        np.maximum.accumulate(m, axis=1, out=m)
+        m += inner
+        m *= page_size
+        m -= prefix[:, None]
+        np.copyto(bounds[:, 1:num_segs], m, where=aligned[:, None])
     return bounds, aligned
 
 
@@ -135,17 +148,13 @@ class LocalSplit:
 class _Blocks:
     """Host description of the per-token indices as runs ("blocks") of an affine map.
 
-    Rank ``r``'s local row ``q`` in block ``b`` holds natural row ``slope * q + shift[r, b]``, and ``req[b]`` is
-    the block's request: zigzag has two blocks a request (prev, next), round_robin one. Zigzag also records,
-    per segment in natural order, ``gathered row - natural row`` (``restore_shift``) and the length.
+    Rank ``r``'s local rows of request ``i`` come in ``k`` blocks (zigzag: prev, next; round_robin: one); local
+    row ``q`` of block ``(r, i, k)`` holds natural row ``slope * q + shift[r, i, k]``.
     """
 
-    shift: np.ndarray  # int64 [cp, num_blocks]
-    lens: np.ndarray  # int64 [cp, num_blocks]
-    req: np.ndarray  # int64 [num_blocks]
+    shift: np.ndarray  # int64 [cp, num_reqs, k]
+    lens: np.ndarray  # int64 [cp, num_reqs, k]
     slope: int
-    restore_shift: np.ndarray | None  # zigzag: int64 [num_reqs * 2cp]
-    restore_lens: np.ndarray | None  # zigzag: int64 [num_reqs * 2cp]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
@@ -229,18 +238,27 @@ class CPSplit:
 
 
 def _build_restore(split: CPSplit) -> torch.Tensor:
-    blocks = split._blocks
-    if blocks.restore_shift is not None:
-        return expand_blocks(blocks.restore_shift, blocks.restore_lens, split.total_tokens, split.device)
-    return invert_gather(split.gather_index, split.num_local_tokens, split.max_local_tokens, split.total_tokens)
+    b, cp, m = split._blocks, split.cp_size, split.max_local_tokens
+    if split.boundaries is None:
+        return invert_gather(split.gather_index, split.num_local_tokens, m, split.total_tokens)
+    # natural row t of segment j (rank r, block k) sits at gathered row r * m + (t - shift[r, i, k])
+    rows = (np.arange(cp, dtype=np.int64) * m)[:, None, None] - b.shift  # [cp, num_reqs, 2]
+    shift = np.empty((split.num_reqs, 2 * cp), dtype=np.int64)
+    shift[:, :cp] = rows[:, :, 0].T
+    shift[:, cp:] = rows[::-1, :, 1].T
+    lens = split.boundaries.numpy()
+    lens = lens[:, 1:] - lens[:, :-1]
+    return expand_blocks(shift.ravel(), lens.ravel(), split.total_tokens, split.device)
 
 
 def _build_gather(split: CPSplit) -> torch.Tensor:
     b, cp, m = split._blocks, split.cp_size, split.max_local_tokens
     totals = np.asarray(split.num_local_tokens, dtype=np.int64)
-    # gathered row k = r * m + q; one padding block closes each rank's part
-    shift = np.concatenate([b.shift - b.slope * m * np.arange(cp)[:, None], np.zeros((cp, 1), np.int64)], 1)
-    lens = np.concatenate([b.lens, (m - totals)[:, None]], axis=1)
+    # gathered row g = r * m + q; one padding block closes each rank's part
+    shift = np.concatenate(
+        [(b.shift - b.slope * m * np.arange(cp)[:, None, None]).reshape(cp, -1), np.zeros((cp, 1), np.int64)], 1
+    )
+    lens = np.concatenate([b.lens.reshape(cp, -1), (m - totals)[:, None]], axis=1)
     out = expand_blocks(shift.ravel(), lens.ravel(), cp * m, split.device, b.slope)
     for r in range(cp):
         out[r * m + int(totals[r]) : (r + 1) * m] = -1
@@ -262,7 +280,7 @@ def _build_local(split: CPSplit, rank: int) -> LocalSplit:
         prev, nxt = counts, np.zeros_like(counts)
         kv_prev = kv_next = prefix + np.where(counts > 0, rank + cp * (counts - 1) + 1, 0)
     n = int(split.num_local_tokens[rank])
-    shift, lens = b.shift[rank], b.lens[rank]
+    shift, lens = b.shift[rank], b.lens[rank].ravel()
     cu_prev, cu_next = indptr_of(prev), indptr_of(nxt)
     return LocalSplit(
         rank=rank,
@@ -272,8 +290,8 @@ def _build_local(split: CPSplit, rank: int) -> LocalSplit:
         actual_seq_q_next=tuple(nxt.tolist()),
         kv_len_prev=tuple(kv_prev.tolist()),
         kv_len_next=tuple(kv_next.tolist()),
-        token_index=expand_blocks(shift, lens, n, dev, b.slope),
-        positions=expand_blocks(shift + (prefix - ext_start)[b.req], lens, n, dev, b.slope),
+        token_index=expand_blocks(shift.ravel(), lens, n, dev, b.slope),
+        positions=expand_blocks((shift + (prefix - ext_start)[:, None]).ravel(), lens, n, dev, b.slope),
         req_idx=expand_blocks(np.arange(num_reqs, dtype=np.int64), counts, n, dev, slope=0),
         cu_seqlens_q=small_tensor(indptr_of(counts), dev, np.int32),
         cu_seqlens_q_prev=small_tensor(cu_prev, dev, np.int32),
@@ -344,44 +362,28 @@ def plan_cp_split(
     cp, num_reqs = cp_size, int(extend.size)
     ext_indptr = indptr_of(extend)
     ext_start = ext_indptr[:-1]
-    ranks = np.arange(cp, dtype=np.int64)
-
+    shift = np.empty((cp, num_reqs, 2 if mode == "zigzag" else 1), dtype=np.int64)
     if mode == "zigzag":
-        num_segs = 2 * cp
         bounds, aligned = _zigzag_boundaries(prefix, extend, cp, page_size, page_aligned)
-        seg = np.diff(bounds, axis=1)  # [num_reqs, 2cp]
-        prev, nxt = seg[:, :cp], seg[:, ::-1][:, :cp]  # rank r: segment r, then segment 2cp-1-r
+        seg = bounds[:, 1:] - bounds[:, :-1]  # [num_reqs, 2cp]
+        prev, nxt = seg[:, :cp], seg[:, : cp - 1 : -1]  # segment r, segment 2cp-1-r
         counts = prev + nxt
+        starts = np.cumsum(counts, axis=0)
+        starts -= counts
+        seg_start = bounds[:, :-1] + ext_start[:, None]  # natural row of each segment's first token
+        np.subtract(seg_start[:, :cp], starts, out=shift[:, :, 0].T)
+        np.subtract(seg_start[:, : cp - 1 : -1], starts + prev, out=shift[:, :, 1].T)
+        lens = np.stack([prev.T, nxt.T], axis=2)
+        blocks = _Blocks(shift=shift, lens=lens, slope=1)
     else:
         bounds, aligned = None, np.zeros(num_reqs, dtype=bool)
+        ranks = np.arange(cp, dtype=np.int64)
         counts = (extend[:, None] - ranks + cp - 1) // cp  # offsets i < extend_len with i % cp == r
+        starts = np.cumsum(counts, axis=0)
+        starts -= counts
+        shift[:, :, 0] = (ext_start[:, None] + ranks - cp * starts).T
+        blocks = _Blocks(shift=shift, lens=counts.T[:, :, None], slope=cp)
     totals = counts.sum(axis=0)
-    max_local = int(totals.max()) if num_reqs else 0
-    starts = np.cumsum(counts, axis=0) - counts
-
-    if mode == "zigzag":
-        seg_start = ext_start[:, None] + bounds[:, :num_segs]  # natural row of each segment's first token
-        prev_shift = seg_start[:, :cp] - starts
-        next_shift = seg_start[:, ::-1][:, :cp] - starts - prev
-        seg_rank = np.concatenate([ranks, ranks[::-1]])
-        local_start = starts[:, seg_rank] + np.where(np.arange(num_segs) >= cp, prev[:, seg_rank], 0)
-        blocks = _Blocks(
-            shift=np.stack([prev_shift.T, next_shift.T], axis=2).reshape(cp, 2 * num_reqs),
-            lens=np.stack([prev.T, nxt.T], axis=2).reshape(cp, 2 * num_reqs),
-            req=np.repeat(np.arange(num_reqs, dtype=np.int64), 2),
-            slope=1,
-            restore_shift=(seg_rank * max_local + local_start - seg_start).ravel(),
-            restore_lens=seg.ravel(),
-        )
-    else:
-        blocks = _Blocks(
-            shift=(ext_start[:, None] + ranks - cp * starts).T,
-            lens=counts.T,
-            req=np.arange(num_reqs, dtype=np.int64),
-            slope=cp,
-            restore_shift=None,
-            restore_lens=None,
-        )
     return CPSplit(
         cp_size=cp,
         page_size=page_size,
@@ -395,7 +397,7 @@ def plan_cp_split(
         all_page_aligned=bool(num_reqs) and bool(aligned.all()),
         total_tokens=int(ext_indptr[-1]),
         num_local_tokens=tuple(totals.tolist()),
-        max_local_tokens=max_local,
+        max_local_tokens=int(totals.max()) if num_reqs else 0,
         device=torch.device("cpu") if device is None else torch.device(device),
         _counts=counts,
         _starts=starts,
