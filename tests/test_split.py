@@ -212,6 +212,26 @@ def test_device_paths_match_host_paths():
     assert invert_gather_torch(split.gather_index, *args).equal(split.restore_index)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode,page_aligned", [("zigzag", True), ("zigzag", False), ("round_robin", True)])
+def test_cuda_split_matches_cpu(mode, page_aligned):
+    prefix, extend = CASES[3]
+    kwargs = dict(cp_size=3, page_size=4, mode=mode, page_aligned=page_aligned)
+    host, dev = plan_cp_split(prefix, extend, **kwargs), plan_cp_split(prefix, extend, device="cuda", **kwargs)
+    assert dev.restore_index.is_cuda and dev.restore_index.cpu().equal(host.restore_index)
+    assert dev.gather_index.cpu().equal(host.gather_index)
+    x = torch.randn(host.total_tokens, 5, device="cuda")
+    parts = []
+    for r in range(3):
+        for name in ("token_index", "positions", "req_idx", "cu_seqlens_q", "prev_index", "next_index"):
+            a, b = getattr(host.local(r), name), getattr(dev.local(r), name)
+            assert b.is_cuda and b.dtype == a.dtype and b.cpu().equal(a), name
+        local = take_local(x, dev, r)
+        assert merge_prev_next(*split_prev_next(local, dev, r), dev, r).equal(local)
+        parts.append(pad_local(local, dev))
+    assert restore_natural(torch.cat(parts), dev).equal(x)
+
+
 # ----------------------------------------------------------------------------------------- row helpers
 @pytest.mark.parametrize("mode", ["zigzag", "round_robin"])
 @pytest.mark.parametrize("case", range(len(CASES)))
