@@ -9,9 +9,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-__all__ = ["all_gather_rows", "as_bytes", "from_bytes", "group_rank", "group_size"]
+__all__ = ["all_gather_into", "all_gather_rows", "as_bytes", "from_bytes", "group_rank", "group_size"]
 
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # 2.13 name, then 2.11
+_all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # likewise, in place
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -37,6 +38,14 @@ def all_gather_rows(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     out = _all_gather(as_bytes(x).contiguous(), 0, group)
     out = funcol.wait_tensor(out)
     return from_bytes(out, x.dtype)
+
+
+def all_gather_into(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False):
+    """In-place rank-major all-gather of ``x`` into ``out`` (``[world * x.shape[0], ...]``), as bytes.
+
+    Returns the c10d work handle when ``async_op`` (call ``.wait()`` before reading ``out``), else None.
+    """
+    return _all_gather_into(as_bytes(out), as_bytes(x).contiguous(), group=group, async_op=async_op)
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:

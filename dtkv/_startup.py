@@ -13,6 +13,8 @@ import json
 import torch
 import torch.distributed as dist
 
+from dtkv._collectives import all_gather_into
+
 __all__ = ["ConfigMismatchError", "check_agreement"]
 
 
@@ -49,7 +51,7 @@ def check_agreement(config: dict[str, object], group: dist.ProcessGroup | None, 
     mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(device)
     world = dist.get_world_size(group)
     gathered = torch.empty(world * mine.numel(), dtype=torch.uint8, device=device)
-    dist.all_gather_into_tensor(gathered, mine, group=group)
+    all_gather_into(gathered, mine, group)
     rows = gathered.view(world, -1).cpu()
     if bool((rows == rows[0]).all()):
         return

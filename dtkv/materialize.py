@@ -28,8 +28,9 @@ import torch
 import torch.distributed as dist
 
 from dtkv import _env
-from dtkv._collectives import all_gather_rows, as_bytes
+from dtkv._collectives import all_gather_into, all_gather_rows, as_bytes
 from dtkv.layouts import KVLayout
+from dtkv.ops import PackPlan, pack_owned_pages, plan_pack
 from dtkv.ownership import PageOwnership
 
 __all__ = ["MaterializeError", "MaterializePlan", "Materializer", "gather_view", "plan_materialize", "scratch_bytes"]
@@ -45,34 +46,30 @@ class MaterializePlan:
 
     Attributes:
         ownership, rank: the pool's page map and this rank.
+        history, current: the :class:`dtkv.ops.PackPlan` of each page group (owner-major send lists).
         pages: int64 ``[k]`` every logical page the batch reads (history first), unique.
-        max_history, max_current: largest per-rank page count of each group (``Mh``, ``Mc``).
-        send_history: int64 ``[Mh]`` local pages this rank packs for the history group; ``-1`` pads.
-        send_current: int64 ``[Mc]`` likewise for the current group.
         page_map: int32 ``[num_pages]`` logical page -> view row; ``-1`` for pages the batch does not read.
     """
 
     ownership: PageOwnership
     rank: int
+    history: PackPlan
+    current: PackPlan
     pages: torch.Tensor
-    max_history: int
-    max_current: int
-    send_history: torch.Tensor
-    send_current: torch.Tensor
     page_map: torch.Tensor
 
     @property
-    def num_view_pages(self) -> int:
-        return self.ownership.cp_size * (self.max_history + self.max_current)
+    def num_history_rows(self) -> int:
+        return self.history.num_gathered_rows
 
     @property
-    def num_history_rows(self) -> int:
-        return self.ownership.cp_size * self.max_history
+    def num_view_pages(self) -> int:
+        return self.history.num_gathered_rows + self.current.num_gathered_rows
 
     @property
     def scratch_pages(self) -> int:
         """Pages of scratch one layer needs on this rank: the view plus both send buffers."""
-        return self.num_view_pages + self.max_history + self.max_current
+        return self.num_view_pages + self.history.max_count + self.current.max_count
 
 
 def _unique_in_order(p: torch.Tensor) -> torch.Tensor:
@@ -82,19 +79,6 @@ def _unique_in_order(p: torch.Tensor) -> torch.Tensor:
     first = torch.full((uniq.numel(),), p.numel(), dtype=torch.int64)
     first.scatter_reduce_(0, inverse, torch.arange(p.numel()), reduce="amin")
     return uniq[torch.argsort(first)]
-
-
-def _owner_major(p: torch.Tensor, ownership: PageOwnership, rank: int, base: int):
-    """(rows of ``p`` in an owner-major view starting at ``base``, max per-rank count, this rank's send list)."""
-    cp = ownership.cp_size
-    owners = ownership.owner(p)
-    onehot = torch.nn.functional.one_hot(owners, cp) if p.numel() else torch.zeros(0, cp, dtype=torch.int64)
-    max_count = int(onehot.sum(0).max()) if p.numel() else 0
-    slot = (onehot.cumsum(0) * onehot).sum(1) - 1  # order of each page among its owner's pages
-    mine = ownership.local_index(p[owners == rank])
-    send = torch.full((max_count,), -1, dtype=torch.int64)
-    send[: mine.numel()] = mine
-    return base + owners * max_count + slot, max_count, send
 
 
 def plan_materialize(
@@ -123,20 +107,10 @@ def plan_materialize(
     c = _unique_in_order(c[c >= 0])
     h = _unique_in_order(h[h >= 0])
     h = h[~torch.isin(h, c)]
-    rows_h, max_h, send_h = _owner_major(h, ownership, rank, 0)
-    rows_c, max_c, send_c = _owner_major(c, ownership, rank, ownership.cp_size * max_h)
-    page_map = torch.full((ownership.num_pages,), -1, dtype=torch.int32)
-    page_map[h] = rows_h.to(torch.int32)
-    page_map[c] = rows_c.to(torch.int32)
+    hist, cur = plan_pack(h, ownership, device=device), plan_pack(c, ownership, device=device)
+    page_map = torch.where(cur.page_map >= 0, cur.page_map + hist.num_gathered_rows, hist.page_map)
     return MaterializePlan(
-        ownership=ownership,
-        rank=rank,
-        pages=torch.cat((h, c)).to(device),
-        max_history=max_h,
-        max_current=max_c,
-        send_history=send_h.to(device),
-        send_current=send_c.to(device),
-        page_map=page_map.to(device),
+        ownership=ownership, rank=rank, history=hist, current=cur, pages=torch.cat((h, c)).to(device), page_map=page_map
     )
 
 
@@ -155,10 +129,8 @@ def scratch_bytes(
     return per_layer * (2 if prefetch else 1)
 
 
-def _pack(local: torch.Tensor, send: torch.Tensor) -> torch.Tensor:
-    from dtkv import ops
-
-    return ops.pack_pages(local, send)
+def _pack(local: torch.Tensor, group_plan: PackPlan, rank: int) -> torch.Tensor:
+    return pack_owned_pages(local, group_plan, group_plan.ownership, rank)
 
 
 def gather_view(local: torch.Tensor, plan: MaterializePlan, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -170,8 +142,8 @@ def gather_view(local: torch.Tensor, plan: MaterializePlan, group: dist.ProcessG
         group: the CP group (``None`` when ``cp_size`` is 1).
     """
     parts = []
-    for send in (plan.send_history, plan.send_current):
-        packed = _pack(local, send)
+    for group_plan in (plan.history, plan.current):
+        packed = _pack(local, group_plan, plan.rank)
         parts.append(packed if group is None else all_gather_rows(packed, group))
     return torch.cat(parts, dim=0)
 
@@ -214,15 +186,13 @@ class Materializer:
         """Bytes of the preallocated double-buffered views on this rank."""
         return sum(t.numel() * t.element_size() for buf in self._buffers for t in buf.values())
 
-    def _gather_into(self, layer: int, name: str, send: torch.Tensor, lo: int, rows: int, async_op: bool):
-        out = self._buffers[layer % 2][name][lo : lo + self.pool.ownership.cp_size * rows]
-        packed = _pack(self.pool.local(name, layer), send)
+    def _gather_into(self, layer: int, name: str, group_plan: PackPlan, lo: int, async_op: bool):
+        out = self._buffers[layer % 2][name][lo : lo + group_plan.num_gathered_rows]
+        packed = _pack(self.pool.local(name, layer), group_plan, self.plan.rank)
         if self.pool.group is None:
             out.copy_(packed)
             return None
-        return dist.all_gather_into_tensor(
-            as_bytes(out), as_bytes(packed).contiguous(), group=self.pool.group, async_op=async_op
-        )
+        return all_gather_into(out, packed, self.pool.group, async_op=async_op)
 
     def prefetch(self, layer: int) -> None:
         """Start gathering ``layer``'s history pages (returns before the collective completes)."""
@@ -238,7 +208,7 @@ class Materializer:
             ctx = contextlib.nullcontext()
         with ctx:
             for n in self.names:
-                works.append(self._gather_into(layer, n, self.plan.send_history, 0, self.plan.max_history, True))
+                works.append(self._gather_into(layer, n, self.plan.history, 0, True))
             if self._stream is not None:
                 ev = torch.cuda.Event()
                 ev.record(self._stream)
@@ -255,7 +225,7 @@ class Materializer:
             torch.cuda.current_stream(self.pool.device).wait_event(self._events.pop(layer))
         lo = self.plan.num_history_rows
         for n in self.names:
-            self._gather_into(layer, n, self.plan.send_current, lo, self.plan.max_current, False)
+            self._gather_into(layer, n, self.plan.current, lo, False)
         views = dict(self._buffers[layer % 2])
         if _env.debug_enabled():
             check_view(self.pool, layer, self.plan, views)

@@ -234,10 +234,13 @@ class PrefillEngine:
     def _allocate(self, reqs: Sequence[Request], extend_lens: Sequence[int], split) -> None:
         ps = self.cfg.page_size
         if self.mode == "sharded_direct":
-            req_pages = [torch.tensor(r.pages, dtype=torch.int64) for r in reqs]
-            new_pages = allocate_for_split(self.allocator, split, req_pages)
-            for r, new in zip(reqs, new_pages):
-                r.pages.extend(int(p) for p in new)
+            width = max([len(r.pages) for r in reqs] + [1])
+            table = torch.full((len(reqs), width), -1, dtype=torch.int64)
+            for i, r in enumerate(reqs):
+                table[i, : len(r.pages)] = torch.tensor(r.pages, dtype=torch.int64)
+            allocation = allocate_for_split(self.allocator, split, table)
+            for r, new in zip(reqs, allocation.new_pages):
+                r.pages.extend(new.tolist())
             return
         for r, n in zip(reqs, extend_lens):
             need = -(-(r.num_computed + n) // ps) - len(r.pages)

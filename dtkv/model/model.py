@@ -128,9 +128,12 @@ class TinyDSA:
         n, s = pos_N.shape[0], keys_SC.shape[0]
         causal_NS = torch.arange(s, device=pos_N.device)[None, :] <= pos_N[:, None]
         score_NS = (torch.relu(torch.einsum("nij,sj->nis", q["iq"], index_keys_SJ)) * q["iw"][:, :, None]).sum(1)
-        score_NS = score_NS.masked_fill(~causal_NS, float("-inf"))
+        # Selection must not depend on how the batch was cut: round to float32 so float64 summation-order noise
+        # becomes an exact tie (duplicate tokens give equal indexer keys), and break ties by position (stable sort).
+        score_NS = score_NS.to(torch.float32).masked_fill(~causal_NS, float("-inf"))
         k = min(cfg.index_topk, s)
-        top_val_NK, top_idx_NK = torch.topk(score_NS, k, dim=-1)
+        top_val_NK, top_idx_NK = torch.sort(score_NS, dim=-1, descending=True, stable=True)
+        top_val_NK, top_idx_NK = top_val_NK[:, :k], top_idx_NK[:, :k]
         valid_NK = top_val_NK > float("-inf")
         sel_NKC = keys_SC[top_idx_NK]  # [N, K, R + E]
         latent_NKR, rope_NKE = sel_NKC[..., : cfg.kv_lora_rank], sel_NKC[..., cfg.kv_lora_rank :]
