@@ -32,7 +32,11 @@ from dataclasses import dataclass
 import torch
 
 from dtkv import IndexerFp8Layout, MLAFp8Layout, PageOwnership
-from dtkv.ops import plan_pack
+from dtkv.ops import HAS_TRITON, plan_pack
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
 
 # the op modules (``dtkv.ops.<op>`` names the function; the module holds KERNEL_CONFIG and the references)
 _wo = importlib.import_module("dtkv.ops.write_owned")
@@ -43,10 +47,6 @@ _remap = importlib.import_module("dtkv.ops.remap")
 
 PS = 64
 _ONLY_OURS = False  # set while sweeping: skip the copy and baseline timings
-
-
-def _aux(fn: Callable[[], float]) -> float:
-    return float("nan") if _ONLY_OURS else fn()
 
 
 FP8 = MLAFp8Layout(page_size=PS)
@@ -78,16 +78,12 @@ class Result:
         return self.bytes_moved / self.baseline_us / 1e3
 
 
-def time_calls(calls: list[Callable[[], object]], device: torch.device, reps: int) -> float:
-    """Median microseconds per call of ``calls`` (one per rotating input set)."""
+def _capture(calls: list[Callable[[], object]], device: torch.device) -> Callable[[], None]:
+    """Warm ``calls`` up and return a function running them all once (a CUDA-graph replay on CUDA)."""
     for c in calls:
         c()
     if device.type != "cuda":
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            for c in calls:
-                c()
-        return (time.perf_counter() - t0) / (reps * len(calls)) * 1e6
+        return lambda: [c() for c in calls] and None
     torch.cuda.synchronize()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -101,15 +97,30 @@ def time_calls(calls: list[Callable[[], object]], device: torch.device, reps: in
             c()
     graph.replay()
     torch.cuda.synchronize()
-    times = []
+    return graph.replay
+
+
+def time_groups(groups: list[list[Callable[[], object]]], device: torch.device, reps: int) -> list[float]:
+    """Median microseconds per call of each group (one call per rotating input set).
+
+    The groups' replays are interleaved, so clock or thermal drift affects each group alike.
+    """
+    replays = [_capture(g, device) for g in groups]
+    times: list[list[float]] = [[] for _ in groups]
     for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    return statistics.median(times)
+        for i, (replay, calls) in enumerate(zip(replays, groups)):
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                replay()
+                end.record()
+                end.synchronize()
+                times[i].append(start.elapsed_time(end) * 1e3 / len(calls))
+            else:
+                t0 = time.perf_counter()
+                replay()
+                times[i].append((time.perf_counter() - t0) * 1e6 / len(calls))
+    return [statistics.median(t) for t in times]
 
 
 def num_sets(set_bytes: int, device: torch.device) -> int:
@@ -117,20 +128,38 @@ def num_sets(set_bytes: int, device: torch.device) -> int:
     return 1 if device.type != "cuda" else max(1, min(8, math.ceil((512 << 20) / max(set_bytes, 1))))
 
 
-def copy_us(nbytes: int, device: torch.device, reps: int) -> float:
+if HAS_TRITON:
+
+    @triton.jit
+    def _copy_kernel(dst_ptr, src_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=m), mask=m)
+
+
+def copy_groups(nbytes: int, device: torch.device) -> list[list[Callable[[], object]]]:
+    """Two copies of ``nbytes``: ``Tensor.copy_`` (cudaMemcpy) and, on CUDA, an SM copy kernel (int64 words)."""
     k = num_sets(2 * nbytes, device)
-    src = [torch.empty(nbytes, dtype=torch.uint8, device=device).random_() for _ in range(k)]
-    dst = [torch.empty_like(s) for s in src]
-    return time_calls([lambda s=s, d=d: d.copy_(s) for s, d in zip(src, dst)], device, reps)
+    words = -(-nbytes // 8)
+    src = [torch.empty(words, dtype=torch.int64, device=device).random_() for _ in range(k)]
+    dst = [torch.empty_like(x) for x in src]
+    groups = [[lambda x=x, y=y: y.copy_(x) for x, y in zip(src, dst)]]
+    if device.type == "cuda" and HAS_TRITON:
+        grid = (triton.cdiv(words, 4096),)
+        groups.append([lambda x=x, y=y: _copy_kernel[grid](y, x, words, BLOCK=4096, num_warps=8)
+                       for x, y in zip(src, dst)])  # fmt: skip
+    return groups
 
 
 def measure(op: str, n: int, nbytes: int, ours: list, baseline: str, base: list, dev, reps: int) -> Result:
-    """Time our calls, then (unless sweeping) the same-size copy and the baseline calls."""
-    return Result(
-        op=op, tokens=n, bytes_moved=nbytes, us=time_calls(ours, dev, reps),
-        copy_us=_aux(lambda: copy_us(nbytes // 2, dev, reps)), baseline=baseline,
-        baseline_us=_aux(lambda: time_calls(base, dev, reps)),
-    )  # fmt: skip
+    """Time our calls and (unless sweeping) the baseline and the same-size copies, interleaved."""
+    if _ONLY_OURS:
+        (us,) = time_groups([ours], dev, reps)
+        return Result(op=op, tokens=n, bytes_moved=nbytes, us=us, copy_us=math.nan, baseline=baseline,
+                      baseline_us=math.nan)  # fmt: skip
+    us, base_us, *copies = time_groups([ours, base, *copy_groups(nbytes // 2, dev)], dev, reps)
+    return Result(op=op, tokens=n, bytes_moved=nbytes, us=us, copy_us=min(copies), baseline=baseline,
+                  baseline_us=base_us)  # fmt: skip
 
 
 def scattered(n: int, device: torch.device, seed: int):
@@ -325,11 +354,14 @@ def sweep(dev: torch.device, reps: int, n: int) -> list[str]:
     lines = []
     spaces = [
         (_wo.KERNEL_CONFIG, lambda: bench_write(n, dev, reps, row_dtype="fp8", owner_filter=False),
-         {"block_r": [8, 16, 32, 64], "block_w": [32, 64, 128], "num_warps": [4, 8]}),
-        (_qm.KERNEL_CONFIG, lambda: bench_quant_mla(n, dev, reps), {"block_r": [2, 4, 8, 16], "num_warps": [4, 8]}),
+         {"block_r": [4, 8, 16], "num_warps": [4, 8]}),
+        (_wo.KERNEL_CONFIG, lambda: bench_write(n, dev, reps, row_dtype="fp8", owner_filter=True),
+         {"filter_block_r": [16, 32, 64], "num_warps": [4, 8]}),
+        (_qm.KERNEL_CONFIG, lambda: bench_quant_mla(n, dev, reps), {"block_r": [4, 8, 16, 32], "num_warps": [4, 8]}),
         (_qi.KERNEL_CONFIG, lambda: bench_quant_indexer(n, dev, reps),
          {"block_r": [8, 16, 32, 64], "num_warps": [2, 4, 8]}),
         (_pk.KERNEL_CONFIG, lambda: bench_pack(n, dev, reps), {"block": [1024, 2048, 4096], "num_warps": [4, 8]}),
+        (_remap.KERNEL_CONFIG, lambda: bench_remap(n, dev, reps), {"block": [1024, 2048, 4096], "num_warps": [4, 8]}),
     ]  # fmt: skip
     for cfg, run, space in spaces:
         best = None
@@ -358,14 +390,22 @@ def main() -> None:
     ap.add_argument("--out", help="write a markdown table here")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cpu":
+        torch.set_num_threads(1)  # a smoke run: busy shared CPUs make intra-op threads spin
     tokens = args.tokens or ([65536, 262144, 1048576] if dev.type == "cuda" else [256])
     reps = args.reps or (20 if dev.type == "cuda" else 3)
     check_line = check(dev)
     print(check_line, flush=True)
     sweep_lines = sweep(dev, reps, 262144) if args.sweep and dev.type == "cuda" else []
-    big = (1 << 31) if dev.type == "cuda" else (1 << 22)
-    ceiling_us = copy_us(big, dev, reps)
-    ceiling = 2 * big / ceiling_us / 1e3
+    ceiling_lines, ceiling = [], 0.0
+    for big in [1 << 28, 1 << 30, 1 << 31] if dev.type == "cuda" else [1 << 22]:
+        groups = copy_groups(big, dev)
+        kinds = ["Tensor.copy_", "Triton copy kernel"][: len(groups)]
+        for kind, us in zip(kinds, time_groups(groups, dev, reps)):
+            gbps = 2 * big / us / 1e3
+            ceiling = max(ceiling, gbps)
+            ceiling_lines.append(f"  copy {big >> 20:5d} MiB, {kind}: {gbps:.0f} GB/s")
+        del groups
     results = []
     for n in tokens:
         results += [
@@ -384,7 +424,8 @@ def main() -> None:
     head = [
         f"Device: {env}",
         check_line,
-        f"Copy ceiling (2 x {big >> 20} MiB moved): {ceiling:.0f} GB/s",
+        f"Copy ceiling (best device-to-device copy, bytes read + written): {ceiling:.0f} GB/s",
+        *ceiling_lines,
         "",
         "| op | tokens | MB moved | us | GB/s | % of copy ceiling | same-size copy GB/s | % of same-size copy "
         "| baseline | baseline GB/s | speedup |",
@@ -397,7 +438,7 @@ def main() -> None:
         for r in results
     ]
     configs = [f"Kernel configs: write {_wo.KERNEL_CONFIG}, mla {_qm.KERNEL_CONFIG}, indexer {_qi.KERNEL_CONFIG}, "
-               f"pack {_pk.KERNEL_CONFIG}"]  # fmt: skip
+               f"pack {_pk.KERNEL_CONFIG}, remap {_remap.KERNEL_CONFIG}"]  # fmt: skip
     text = "\n".join(head + rows + ["", *configs])
     if sweep_lines:
         text += "\n\nSweep at 256K tokens:\n```\n" + "\n".join(sweep_lines) + "\n```"

@@ -12,13 +12,16 @@ DTensor sharding rule. Entry points (each takes ``backend="auto" | "torch" | "tr
   (``dtkv::pack_owned_pages``), with :func:`gathered_page_table`.
 - :func:`remap` -- logical indices to gathered-buffer coordinates (``dtkv::remap``).
 
+Ownership is a :class:`dtkv.PageOwnership` or its :class:`OwnershipSpec` (:func:`ownership_spec`), a plain tuple that
+compiles on every torch version (torch < 2.13 cannot guard on ``Placement`` subclasses inside compiled code).
+
 ``backend="auto"`` runs Triton on CUDA tensors when Triton imports and torch otherwise (``DTKV_BACKEND`` and
 :func:`dtkv.default_backend` override it); ``"triton"`` on CPU tensors needs ``TRITON_INTERPRET=1`` at import.
 """
 
 from __future__ import annotations
 
-from dtkv.ops._common import HAS_TRITON
+from dtkv.ops._common import HAS_TRITON, OwnershipSpec, ownership_spec
 from dtkv.ops.direct_write import direct_write
 from dtkv.ops.pack_owned_pages import PackPlan, gathered_page_table, pack_owned_pages, plan_pack
 from dtkv.ops.quantize_write_indexer_fp8 import (
@@ -32,11 +35,13 @@ from dtkv.ops.write_owned import write_owned
 
 __all__ = [
     "HAS_TRITON",
+    "OwnershipSpec",
     "PackPlan",
     "dequantize_indexer_pages",
     "dequantize_mla_fp8",
     "direct_write",
     "gathered_page_table",
+    "ownership_spec",
     "pack_owned_pages",
     "plan_pack",
     "quantize_indexer_fp8",

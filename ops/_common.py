@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -27,11 +27,14 @@ __all__ = [
     "HAS_TRITON",
     "INTERPRET",
     "LAYOUT_CODES",
+    "OwnershipLike",
+    "OwnershipSpec",
     "check_ownership_ints",
     "device_ctx",
     "owner_local_torch",
     "owned_rows_torch",
     "ownership_args",
+    "ownership_spec",
     "resolve_backend",
     "should_validate",
     "tl",
@@ -131,16 +134,47 @@ def should_validate(validate: bool | None) -> bool:
 
 
 # ------------------------------------------------------------------------------------------- ownership
-@torch.compiler.assume_constant_result
-def ownership_args(ownership: PageOwnership) -> tuple[int, int, int]:
-    """``(cp_size, num_pages, layout_code)`` of a :class:`dtkv.PageOwnership`, as the registered ops take them.
+class OwnershipSpec(NamedTuple):
+    """The ints of a :class:`dtkv.PageOwnership`, as a plain tuple that every ``torch.compile`` version traces.
 
-    Evaluated on the real object at trace time under ``torch.compile`` (``PageOwnership`` is an opaque value type
-    there, like every ``Placement``: Dynamo guards on its equality but cannot read its attributes).
+    Every op wrapper takes it wherever it takes a ``PageOwnership``. Use it in compiled code on torch < 2.13:
+    there Dynamo wraps any ``Placement`` subclass as a placement constant and fails to guard on one it does not
+    know (``EQUALS_MATCH``: "Unexpected type PageOwnership"). Build it with :func:`ownership_spec`.
     """
+
+    cp_size: int
+    num_pages: int
+    layout: str  # "interleave" | "block"
+
+
+OwnershipLike = PageOwnership | OwnershipSpec
+
+
+def ownership_spec(ownership: OwnershipLike) -> OwnershipSpec:
+    """The :class:`OwnershipSpec` of a ``PageOwnership`` (eager; returns a spec unchanged)."""
+    if isinstance(ownership, OwnershipSpec):
+        return ownership
     if not isinstance(ownership, PageOwnership):
-        raise TypeError(f"ownership must be a dtkv.PageOwnership, got {type(ownership).__name__}")
+        raise TypeError(f"ownership must be a dtkv.PageOwnership or OwnershipSpec, got {type(ownership).__name__}")
+    return OwnershipSpec(ownership.cp_size, ownership.num_pages, ownership.layout)
+
+
+@torch.compiler.assume_constant_result
+def _placement_args(ownership: PageOwnership) -> tuple[int, int, int]:
+    # Evaluated on the real object at trace time: on torch >= 2.13 ``PageOwnership`` is an opaque value type
+    # (like every ``Placement``) whose equality Dynamo guards on but whose attributes it cannot read.
+    if not isinstance(ownership, PageOwnership):
+        raise TypeError(f"ownership must be a dtkv.PageOwnership or OwnershipSpec, got {type(ownership).__name__}")
     return ownership.cp_size, ownership.num_pages, LAYOUT_CODES[ownership.layout]
+
+
+def ownership_args(ownership: OwnershipLike) -> tuple[int, int, int]:
+    """``(cp_size, num_pages, layout_code)`` of a ``PageOwnership`` or ``OwnershipSpec``, as the ops take them."""
+    if isinstance(ownership, tuple):
+        if ownership[2] not in LAYOUT_CODES:
+            raise ValueError(f"layout must be one of {tuple(LAYOUT_CODES)}, got layout={ownership[2]!r}")
+        return ownership[0], ownership[1], LAYOUT_CODES[ownership[2]]
+    return _placement_args(ownership)
 
 
 def check_ownership_ints(cp_size: int, num_pages: int, layout_code: int, rank: int) -> None:
@@ -206,15 +240,18 @@ if HAS_TRITON:
         return owner, local
 
     @triton.jit
-    def e4m3_bits(y):
+    def e4m3_bits(y, PREROUND: tl.constexpr):
         """fp32 -> e4m3fn bits (uint8) with round-to-nearest-even, saturating at +-448.
 
-        The value is first rounded to e4m3 precision with integer arithmetic (normal range: keep 3 mantissa
-        bits; subnormal range below 2**-6: multiples of 2**-9 through the ``+2**14 - 2**14`` trick), so the final
-        conversion is exact. This gives the same bits on every backend: the Triton interpreter's own conversion
-        drops the carry into the exponent (e.g. 127.9 -> 64).
+        On the GPU the hardware conversion (``cvt.rn.satfinite``) does it. With ``PREROUND`` (set under the
+        interpreter) the value is first rounded to e4m3 precision with integer arithmetic (normal range: keep 3
+        mantissa bits; subnormal range below 2**-6: multiples of 2**-9 through the ``+2**14 - 2**14`` trick), so
+        the final conversion is exact: the interpreter's own conversion drops the carry into the exponent
+        (127.9 -> 64). Both give the bits of torch's ``.to(torch.float8_e4m3fn)``.
         """
         y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+        if not PREROUND:
+            return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
         bits = y.to(tl.int32, bitcast=True)
         normal = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576
         a = tl.abs(y)

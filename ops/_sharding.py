@@ -15,6 +15,8 @@ import torch
 
 from dtkv.ownership import PageOwnership
 
+from ._common import OwnershipLike, ownership_spec
+
 __all__ = ["dtensor_args", "register_pool_rule", "register_rule"]
 
 
@@ -68,7 +70,7 @@ def register_pool_rule(
 def dtensor_args(
     pool: torch.Tensor,
     tensors: tuple[torch.Tensor, ...],
-    ownership: PageOwnership,
+    ownership: OwnershipLike,
     rank: int,
     kind: str,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], int]:
@@ -82,7 +84,11 @@ def dtensor_args(
         return pool, tensors, rank
     DTensor = api[0]
     placements = tuple(pool.placements)
-    if placements != (ownership,):
+    if (
+        len(placements) != 1
+        or not isinstance(placements[0], PageOwnership)
+        or ownership_spec(placements[0]) != ownership_spec(ownership)
+    ):
         raise ValueError(f"pool DTensor must have placements ({ownership!r},), got placements={placements}")
     mesh = pool.device_mesh
     wrapped = tuple(

@@ -13,9 +13,14 @@ from __future__ import annotations
 
 import torch
 
-from dtkv.ownership import PageOwnership
-
-from ._common import check_ownership_ints, ownership_args, resolve_backend, should_validate, validate_locs
+from ._common import (
+    OwnershipLike,
+    check_ownership_ints,
+    ownership_args,
+    resolve_backend,
+    should_validate,
+    validate_locs,
+)
 from ._sharding import dtensor_args, register_pool_rule
 from .write_owned import _launch_rows, check_row_write, write_owned_torch
 
@@ -70,7 +75,7 @@ def _direct_write_op(
             require_owned=True,
         )
     if backend == "triton":
-        _launch_rows(pool, rows.contiguous(), locs, cp_size, num_pages, layout_code, rank)
+        _launch_rows(pool, rows.contiguous(), locs, cp_size, num_pages, layout_code, rank, filtered=False)
     else:
         direct_write_torch(pool, rows, locs, cp_size, num_pages, layout_code, rank)
 
@@ -90,7 +95,7 @@ def direct_write(
     pool: torch.Tensor,
     rows: torch.Tensor,
     locs: torch.Tensor,
-    ownership: PageOwnership,
+    ownership: OwnershipLike,
     rank: int,
     *,
     page_aligned: bool,
@@ -105,7 +110,7 @@ def direct_write(
             as this rank's ``Shard(0)`` piece).
         rows: rows computed on this rank, ``[N, D]``, ``pool.dtype``.
         locs: their logical token locations, int64/int32 ``[N]`` (:mod:`dtkv.page_table`); ``-1`` skipped.
-        ownership: the page map; ``rank``: this rank.
+        ownership: the page map (``PageOwnership`` or ``OwnershipSpec``); ``rank``: this rank.
         page_aligned: the caller's statement that the CP split hands out whole pages (each page computed by its
             owner). ``False`` is refused: use :func:`dtkv.ops.write_owned` on the gathered chunk instead.
         validate: check on the host that every location is in range and on a page owned by ``rank`` (one sync;

@@ -26,7 +26,7 @@ import torch
 from dtkv._checks import check_tensor
 from dtkv.ownership import PageOwnership
 
-from ._common import device_ctx, resolve_backend, tl, triton, word_view
+from ._common import OwnershipLike, device_ctx, ownership_spec, resolve_backend, tl, triton, word_view
 from ._sharding import dtensor_args, register_pool_rule
 
 __all__ = ["PackPlan", "gathered_page_table", "pack_owned_pages", "pack_owned_pages_torch", "plan_pack"]
@@ -56,7 +56,7 @@ class PackPlan:
         return self.ownership.cp_size * self.max_count
 
 
-def plan_pack(pages: torch.Tensor, ownership: PageOwnership, *, device: torch.device | str | None = None) -> PackPlan:
+def plan_pack(pages: torch.Tensor, ownership: OwnershipLike, *, device: torch.device | str | None = None) -> PackPlan:
     """Plan a pack for the page list ``pages`` (int ``[K]``, logical pages or ``-1``), identically on every rank.
 
     A plan function: copies ``pages`` to the host once (one sync), computes the tables there and moves them to
@@ -66,8 +66,7 @@ def plan_pack(pages: torch.Tensor, ownership: PageOwnership, *, device: torch.de
         TypeError / ValueError: ``pages`` is not a 1-D integer tensor, or holds values outside ``[-1, num_pages)``.
     """
     check_tensor("pages", pages, dtype=(torch.int64, torch.int32), ndim=1)
-    if not isinstance(ownership, PageOwnership):
-        raise TypeError(f"ownership must be a dtkv.PageOwnership, got {type(ownership).__name__}")
+    ownership = PageOwnership(*ownership_spec(ownership))
     device = pages.device if device is None else torch.device(device)
     p = pages.to("cpu", torch.int64)
     ownership.check_pages("pages", p)
@@ -93,7 +92,7 @@ def plan_pack(pages: torch.Tensor, ownership: PageOwnership, *, device: torch.de
     )  # fmt: skip
 
 
-def gathered_page_table(pages: torch.Tensor, ownership: PageOwnership) -> tuple[torch.Tensor, torch.Tensor]:
+def gathered_page_table(pages: torch.Tensor, ownership: OwnershipLike) -> tuple[torch.Tensor, torch.Tensor]:
     """``(page_map int32 [num_pages], rows int32 [K])`` of :func:`plan_pack` (same rules; a plan function)."""
     plan = plan_pack(pages, ownership)
     return plan.page_map, plan.rows
@@ -143,8 +142,8 @@ def _check(pool: torch.Tensor, send_idx: torch.Tensor) -> None:
         raise ValueError(f"pool pages must be contiguous (any page stride), got pool.stride()={pool.stride()}")
 
 
-KERNEL_CONFIG: dict[str, int] = {"block": 2048, "num_warps": 4}
-"""Launch parameters (words per program, warps); swept by the benchmark."""
+KERNEL_CONFIG: dict[str, int] = {"block": 1024, "num_warps": 8}
+"""Launch parameters (words per program, warps), swept on an H200 by ``benchmarks/bench_ops.py``."""
 
 
 # ----------------------------------------------------------------------------------------- registered op
@@ -188,7 +187,7 @@ register_pool_rule(torch.ops.dtkv.pack_owned_pages.default, ("shard0",), outputs
 def pack_owned_pages(
     pool: torch.Tensor,
     pages: torch.Tensor | PackPlan,
-    ownership: PageOwnership,
+    ownership: OwnershipLike,
     rank: int,
     *,
     backend: str = "auto",
@@ -201,7 +200,7 @@ def pack_owned_pages(
             ``full_tensor()`` is the gathered buffer.
         pages: the page list, int ``[K]`` (plans on the fly: one host sync, not compilable), or the
             :class:`PackPlan` of :func:`plan_pack` (the run: no sync, compiles with ``fullgraph=True``).
-        ownership, rank: the page map and this rank.
+        ownership, rank: the page map (``PageOwnership`` or ``OwnershipSpec``) and this rank.
         backend: ``"auto"`` | ``"torch"`` (``index_select``) | ``"triton"``.
 
     Returns:
@@ -209,7 +208,7 @@ def pack_owned_pages(
         it (e.g. ``all_gather_single``) to get the owner-major buffer that ``plan.page_map`` indexes.
     """
     plan = pages if isinstance(pages, PackPlan) else plan_pack(pages, ownership, device=pool.device)
-    if not torch.compiler.is_compiling() and plan.ownership != ownership:
+    if not torch.compiler.is_compiling() and ownership_spec(plan.ownership) != ownership_spec(ownership):
         raise ValueError(f"pages was planned for {plan.ownership!r}, got ownership={ownership!r}")
     api_pool = pool
     if hasattr(pool, "device_mesh") and hasattr(pool, "placements"):  # DTensor: rank from its mesh

@@ -3,7 +3,7 @@
 Entry point: :func:`quantize_write_indexer_fp8`; references :func:`quantize_indexer_fp8` and
 :func:`dequantize_indexer_pages`. A page of :class:`dtkv.IndexerFp8Layout` (``S`` tokens, ``H = head_dim``)::
 
-    [0, S*H)              e4m3fn   token t's key at t*H: k / s_t, round-to-nearest-even
+    [0, S*H)              e4m3fn   token t's key at t*H: k * (448 / amax(|k_t|)), round-to-nearest-even
     [S*H, S*H + 4*S)      fp32     token t's scale s_t = amax(|k_t|) / 448 at S*H + 4t (0 for an all-zero key)
 
 **Round-trip bound** (finite inputs): ``|k̂ - k| <= |k| / 16 + a / 2**18`` per element, ``a`` the amax of the
@@ -18,9 +18,10 @@ import torch
 
 from dtkv._checks import check_tensor
 from dtkv.layouts import FP8_E4M3_MAX, IndexerFp8Layout
-from dtkv.ownership import PageOwnership
 
 from ._common import (
+    INTERPRET,
+    OwnershipLike,
     check_ownership_ints,
     chunk_of,
     device_ctx,
@@ -53,8 +54,8 @@ def quantize_indexer_fp8(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x = k.float()
     amax = x.abs().amax(dim=1)
     scale = amax / torch.full_like(amax, FP8_E4M3_MAX)  # a tensor divisor: CUDA multiplies by 1/scalar instead
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = (x / safe[:, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    inv = torch.where(amax > 0, torch.full_like(amax, FP8_E4M3_MAX) / amax, torch.ones_like(amax))
+    q = (x * inv[:, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     return q.view(torch.uint8), scale
 
 
@@ -107,6 +108,7 @@ def _quantize_write_indexer_fp8_kernel(
     H: tl.constexpr,
     HP: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    PREROUND: tl.constexpr,
 ):
     """One program quantizes ``BLOCK_R`` tokens (``[BLOCK_R, H]`` tile) and stores keys and scales."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -124,8 +126,9 @@ def _quantize_write_indexer_fp8_kernel(
                 eviction_policy="evict_first").to(tl.float32)  # fmt: skip
     amax = tl.max(tl.abs(x), axis=1)
     scale = tl.math.div_rn(amax, 448.0)
-    safe = tl.where(amax > 0, scale, 1.0)
-    q = e4m3_bits(tl.math.div_rn(x, safe[:, None]))
+    pos = amax > 0
+    inv = tl.where(pos, tl.math.div_rn(tl.zeros_like(amax) + 448.0, tl.where(pos, amax, 1.0)), 1.0)
+    q = e4m3_bits(x * inv[:, None], PREROUND)
     tl.store(pool_ptr + (base + off * H)[:, None] + ci[None, :], q, mask=m)
     s_ptr = (pool_ptr + base + page_size * H + 4 * off).to(tl.pointer_type(tl.float32))
     tl.store(s_ptr, scale, mask=keep)
@@ -136,8 +139,9 @@ def _triton_aligned(pool: torch.Tensor, page_size: int, head_dim: int) -> bool:
     return (page_size * head_dim) % 4 == 0 and pool.stride(0) % 4 == 0 and pool.storage_offset() % 4 == 0
 
 
-KERNEL_CONFIG: dict[str, int] = {"block_r": 0, "num_warps": 4}
-"""Launch parameters (``0`` = derived from the head dim); swept by the benchmark."""
+KERNEL_CONFIG: dict[str, int] = {"block_r": 16, "num_warps": 4}
+"""Launch parameters (tokens per program, warps; ``block_r`` 0 = derived from the head dim), swept on an H200 by
+``benchmarks/bench_ops.py``."""
 
 
 def _launch(pool, k, locs, cp_size, num_pages, layout_code, rank, page_size) -> None:
@@ -156,7 +160,7 @@ def _launch(pool, k, locs, cp_size, num_pages, layout_code, rank, page_size) -> 
         _quantize_write_indexer_fp8_kernel[(triton.cdiv(n, block_r),)](
             pool, k, locs, n, pool.shape[0], pool.stride(0), page_size, num_pages, cp_size,
             chunk_of(cp_size, num_pages), rank,
-            LAYOUT=layout_code, K_STRIDE=k.stride(0), H=head_dim, HP=hp, BLOCK_R=block_r,
+            LAYOUT=layout_code, K_STRIDE=k.stride(0), H=head_dim, HP=hp, BLOCK_R=block_r, PREROUND=INTERPRET,
             num_warps=KERNEL_CONFIG["num_warps"],
         )  # fmt: skip
 
@@ -217,7 +221,7 @@ def quantize_write_indexer_fp8(
     pool: torch.Tensor,
     k: torch.Tensor,
     locs: torch.Tensor,
-    ownership: PageOwnership,
+    ownership: OwnershipLike,
     rank: int,
     *,
     layout: IndexerFp8Layout,

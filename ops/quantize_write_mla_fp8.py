@@ -3,16 +3,18 @@
 Entry point: :func:`quantize_write_mla_fp8`; references :func:`quantize_mla_fp8` and :func:`dequantize_mla_fp8`.
 A row of :class:`dtkv.MLAFp8Layout` (``L = kv_lora_rank``, ``R = rope_dim``, ``B = quant_block``)::
 
-    [0, L)            e4m3fn   x / s_b, s_b = amax(|x| over block b) / 448, round-to-nearest-even
-    [L, L + 4L/B)     fp32     s_b, one per block of B latent dims (0 for an all-zero block; it stores zeros)
+    [0, L)            e4m3fn   x * (448 / a_b), a_b = amax(|x| over block b), round-to-nearest-even, saturating
+    [L, L + 4L/B)     fp32     s_b = a_b / 448, one per block of B latent dims (0 for an all-zero block: zeros)
     [.., row_bytes)   bf16     the R rope dims, rounded to nearest even
 
 **Round-trip bound** (finite inputs): with ``x̂ = dequantize_mla_fp8(quantize_mla_fp8(x))`` and ``a`` the amax of
-``x``'s block, ``|x̂ - x| <= |x| / 16 + a / 2**18`` on latent dims. Why: ``x / s`` lies in ``[-448, 448]`` where
-e4m3 rounding errs by at most half an ulp, ``2**-4`` relative for normals and ``2**-10`` absolute for subnormals
-(below ``2**-6``); scaled back that is ``|x|/16 + 2**-10 * a / 448``, and ``2**-18 > 2**-10 / 448`` leaves room
-for the three fp32 roundings (scale, divide, dequant multiply; ``~3 * 2**-24`` relative). Rope dims are exact
-for bf16 input and within ``|x| / 2**8`` (half a bf16 ulp) for fp32 input.
+``x``'s block, ``|x̂ - x| <= |x| / 16 + a / 2**18`` on latent dims. Why: ``y = x * 448 / a`` lies in
+``[-448, 448]`` where e4m3 rounding errs by at most half an ulp, ``2**-4`` relative for normals and ``2**-10``
+absolute for subnormals (below ``2**-6``); scaled back by ``s = a / 448`` that is ``|x|/16 + 2**-10 * a / 448``,
+and ``2**-18 > 2**-10 / 448`` leaves room for the four fp32 roundings (``448 / a``, ``x * inv``, ``a / 448``, the
+dequant multiply; ``~4 * 2**-24`` relative). The multiply by one reciprocal per block (instead of a division per
+element) keeps the kernel memory-bound; every backend and the reference use the same IEEE operations.
+Rope dims are exact for bf16 input and within ``|x| / 2**8`` (half a bf16 ulp) for fp32 input.
 
 Legend: ``P`` local pages, ``S`` page size, ``N`` rows, ``L``/``R``/``B`` as above, ``NB = L / B``.
 """
@@ -23,9 +25,10 @@ import torch
 
 from dtkv._checks import check_tensor
 from dtkv.layouts import FP8_E4M3_MAX, MLAFp8Layout
-from dtkv.ownership import PageOwnership
 
 from ._common import (
+    INTERPRET,
+    OwnershipLike,
     bf16_rn,
     check_ownership_ints,
     chunk_of,
@@ -54,8 +57,8 @@ def quantize_mla_fp8_torch(kv: torch.Tensor, kv_lora_rank: int, rope_dim: int, q
     x = kv[:, :L].float().reshape(n, L // quant_block, quant_block)
     amax = x.abs().amax(dim=-1)  # [N, NB]
     scale = amax / torch.full_like(amax, FP8_E4M3_MAX)  # a tensor divisor: CUDA multiplies by 1/scalar instead
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = (x / safe[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    inv = torch.where(amax > 0, torch.full_like(amax, FP8_E4M3_MAX) / amax, torch.ones_like(amax))
+    q = (x * inv[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     rope = kv[:, L : L + rope_dim].to(torch.bfloat16).contiguous()
     return torch.cat([q.view(torch.uint8).reshape(n, L), scale.view(torch.uint8), rope.view(torch.uint8)], dim=1)
 
@@ -121,6 +124,7 @@ def _quantize_write_mla_fp8_kernel(
     QBP: tl.constexpr,
     RP: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    PREROUND: tl.constexpr,
 ):
     """One program quantizes ``BLOCK_R`` rows as a ``[BLOCK_R, NB, B]`` tile and stores the three fields."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -141,8 +145,9 @@ def _quantize_write_mla_fp8_kernel(
     x = x.to(tl.float32)
     amax = tl.max(tl.abs(x), axis=2)  # [BLOCK_R, NBP]
     scale = tl.math.div_rn(amax, 448.0)
-    safe = tl.where(amax > 0, scale, 1.0)
-    q = e4m3_bits(tl.math.div_rn(x, safe[:, :, None]))
+    pos = amax > 0
+    inv = tl.where(pos, tl.math.div_rn(tl.zeros_like(amax) + 448.0, tl.where(pos, amax, 1.0)), 1.0)
+    q = e4m3_bits(x * inv[:, :, None], PREROUND)
     tl.store(pool_ptr + base[:, None, None] + col[None, :, :], q, mask=m3)
     s_ptr = (pool_ptr + base[:, None] + L + 4 * nb[None, :]).to(tl.pointer_type(tl.float32))
     tl.store(s_ptr, scale, mask=keep[:, None] & (nb < NB)[None, :])
@@ -164,8 +169,9 @@ def _triton_aligned(pool: torch.Tensor, kv_lora_rank: int) -> bool:
     )  # fmt: skip
 
 
-KERNEL_CONFIG: dict[str, int] = {"block_r": 0, "num_warps": 4}
-"""Launch parameters (``0`` = derived from the row size); swept by the benchmark."""
+KERNEL_CONFIG: dict[str, int] = {"block_r": 8, "num_warps": 4}
+"""Launch parameters (rows per program, warps; ``block_r`` 0 = derived from the row size), swept on an H200 by
+``benchmarks/bench_ops.py``."""
 
 
 def _launch(pool, kv, locs, cp_size, num_pages, layout_code, rank, kv_lora_rank, rope_dim, quant_block) -> None:
@@ -186,7 +192,8 @@ def _launch(pool, kv, locs, cp_size, num_pages, layout_code, rank, kv_lora_rank,
             chunk_of(cp_size, num_pages), rank,
             LAYOUT=layout_code, ROW_STRIDE=pool.stride(1), KV_STRIDE=kv.stride(0), L=kv_lora_rank, R=rope_dim,
             QB=quant_block, NB=nb, NBP=triton.next_power_of_2(nb), QBP=triton.next_power_of_2(quant_block),
-            RP=max(1, triton.next_power_of_2(rope_dim)), BLOCK_R=block_r, num_warps=KERNEL_CONFIG["num_warps"],
+            RP=max(1, triton.next_power_of_2(rope_dim)), BLOCK_R=block_r, PREROUND=INTERPRET,
+            num_warps=KERNEL_CONFIG["num_warps"],
         )  # fmt: skip
 
 
@@ -249,7 +256,7 @@ def quantize_write_mla_fp8(
     pool: torch.Tensor,
     kv: torch.Tensor,
     locs: torch.Tensor,
-    ownership: PageOwnership,
+    ownership: OwnershipLike,
     rank: int,
     *,
     layout: MLAFp8Layout,
@@ -264,7 +271,7 @@ def quantize_write_mla_fp8(
             contiguous, any page stride); mutated. May be a DTensor with the ``ownership`` placement.
         kv: rows ``[N, layout.kv_lora_rank + layout.rope_dim]``, bf16/fp16/fp32.
         locs: logical token locations, int64/int32 ``[N]``; ``-1`` skipped.
-        ownership, rank: the page map and this rank.
+        ownership, rank: the page map (``PageOwnership`` or ``OwnershipSpec``) and this rank.
         layout: the fp8 row geometry.
         require_owned: ``False``: owner filter (``kv`` is the full chunk; foreign rows are skipped, as
             :func:`dtkv.ops.write_owned`). ``True``: direct-write semantics (``kv`` holds this rank's own rows;

@@ -53,6 +53,10 @@ def _remap_kernel(
     tl.store(out_ptr + o, res.to(out_ptr.dtype.element_ty), mask=m)
 
 
+KERNEL_CONFIG: dict[str, int] = {"block": 1024, "num_warps": 4}
+"""Launch parameters (indices per program, warps), swept on an H200 by ``benchmarks/bench_ops.py``."""
+
+
 def _check(indices: torch.Tensor, page_map: torch.Tensor, page_size: int) -> None:
     check_tensor("indices", indices, dtype=(torch.int64, torch.int32))
     check_tensor("page_map", page_map, dtype=(torch.int32, torch.int64), ndim=1, device=indices.device)
@@ -70,10 +74,10 @@ def _remap_op(indices: torch.Tensor, page_map: torch.Tensor, page_size: int, bac
     out = torch.empty(indices.shape, dtype=indices.dtype, device=indices.device)
     n = src.numel()
     if n:
-        block = 1024
+        block = KERNEL_CONFIG["block"]
         with device_ctx(indices.device):
             _remap_kernel[(triton.cdiv(n, block),)](
-                out, src, page_map, n, page_map.shape[0], page_size, BLOCK=block, num_warps=4
+                out, src, page_map, n, page_map.shape[0], page_size, BLOCK=block, num_warps=KERNEL_CONFIG["num_warps"]
             )
     return out
 

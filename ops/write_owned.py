@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 
 from dtkv._checks import check_tensor
-from dtkv.ownership import PageOwnership
 
 from ._common import (
+    OwnershipLike,
     check_ownership_ints,
     chunk_of,
     device_ctx,
@@ -89,12 +89,14 @@ def _write_owned_kernel(
         tl.store(pool_ptr + dst[:, None] + cols[None, :], v, mask=m)
 
 
-KERNEL_CONFIG: dict[str, int] = {"block_r": 0, "block_w": 0, "num_warps": 4}
-"""Launch parameters of the row-scatter kernel (``0`` = derived from the row size); swept by the benchmark."""
+KERNEL_CONFIG: dict[str, int] = {"block_r": 8, "block_w": 0, "num_warps": 8, "filter_block_r": 0}
+"""Launch parameters of the row-scatter kernel, swept by ``benchmarks/bench_ops.py`` on an H200: ``block_r`` rows
+per program when every row is kept, ``filter_block_r`` when about ``1/cp`` are (``0``: ``block_r * cp``, at most 64,
+so a program still moves ~``block_r`` rows), ``block_w`` words per step (``0``: the row, up to 256)."""
 
 
-def _launch_rows(pool, rows, locs, cp_size, num_pages, layout_code, rank) -> None:
-    """Launch :func:`_write_owned_kernel` (shared with ``dtkv::direct_write``)."""
+def _launch_rows(pool, rows, locs, cp_size, num_pages, layout_code, rank, *, filtered: bool) -> None:
+    """Launch :func:`_write_owned_kernel` (shared with ``dtkv::direct_write``, where ``filtered`` is False)."""
     n = rows.shape[0]
     if n == 0 or pool.shape[0] == 0:
         return
@@ -104,7 +106,9 @@ def _launch_rows(pool, rows, locs, cp_size, num_pages, layout_code, rank) -> Non
         rows_w = rows.view(pool_w.dtype)
     num_words = rows_w.shape[1]
     block_w = KERNEL_CONFIG["block_w"] or min(triton.next_power_of_2(num_words), 256)
-    block_r = KERNEL_CONFIG["block_r"] or max(1, min(64, 4096 // block_w))
+    block_r = KERNEL_CONFIG["block_r"]
+    if filtered and cp_size > 1:
+        block_r = KERNEL_CONFIG["filter_block_r"] or min(64, block_r * triton.next_power_of_2(cp_size))
     grid = (triton.cdiv(n, block_r),)
     with device_ctx(pool.device):
         _write_owned_kernel[grid](
@@ -164,7 +168,7 @@ def _write_owned_op(
             require_owned=False,
         )
     if backend == "triton":
-        _launch_rows(pool, rows.contiguous(), locs, cp_size, num_pages, layout_code, rank)
+        _launch_rows(pool, rows.contiguous(), locs, cp_size, num_pages, layout_code, rank, filtered=True)
     else:
         write_owned_torch(pool, rows, locs, cp_size, num_pages, layout_code, rank)
 
@@ -183,7 +187,7 @@ def write_owned(
     pool: torch.Tensor,
     rows: torch.Tensor,
     locs: torch.Tensor,
-    ownership: PageOwnership,
+    ownership: OwnershipLike,
     rank: int,
     *,
     validate: bool | None = None,
@@ -198,7 +202,8 @@ def write_owned(
             ``rank`` is taken from its mesh and ``rows``/``locs`` are treated as replicated).
         rows: the full chunk, ``[N, D]``, ``pool.dtype``, same device.
         locs: logical token locations (:mod:`dtkv.page_table`), int64/int32 ``[N]``; ``-1`` rows are skipped.
-        ownership: the page map; ``rank``: this rank in ``[0, ownership.cp_size)``.
+        ownership: the page map (a :class:`dtkv.PageOwnership` or an :class:`OwnershipSpec`, which compiles on
+            every torch version); ``rank``: this rank in ``[0, cp_size)``.
         validate: check ``locs`` on the host before writing (one sync; raises, pool untouched). ``None``: in
             eager yes; under ``torch.compile`` only with ``DTKV_DEBUG=1``, else out-of-range rows are skipped.
         backend: ``"auto"`` (Triton on CUDA when available, else torch; honours ``DTKV_BACKEND``),

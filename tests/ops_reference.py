@@ -107,10 +107,11 @@ def ref_e4m3(y: np.ndarray) -> np.ndarray:
 
 
 def ref_quantize_block(x: np.ndarray) -> tuple[np.ndarray, np.float32]:
-    """One block (float32 values): e4m3 bits of ``x / s`` and ``s = amax / 448`` in float32 arithmetic."""
+    """One block (float32 values): e4m3 bits of ``x * (448 / amax)`` and ``s = amax / 448``, float32 arithmetic."""
     x = x.astype(np.float32)
-    s = np.float32(np.abs(x).max()) / np.float32(448.0)
-    y = x / (s if s > 0 else np.float32(1.0))
+    amax = np.float32(np.abs(x).max())
+    s = amax / np.float32(448.0)
+    y = x * (np.float32(448.0) / amax if amax > 0 else np.float32(1.0))
     return ref_e4m3(np.clip(y, -448, 448)), np.float32(s)
 
 
@@ -164,3 +165,25 @@ def assert_same_bytes(a: torch.Tensor, b: torch.Tensor, msg: str = "") -> None:
     if not torch.equal(a8, b8):
         diff = (a8 != b8).nonzero()
         raise AssertionError(f"{msg} byte mismatch at {diff[:5].tolist()} ({diff.shape[0]} bytes)")
+
+
+# ----------------------------------------------------------------------------------------- compile
+_PLACEMENT_COMPILES = torch.torch_version.TorchVersion(torch.__version__) >= (2, 13)
+
+OWNERSHIP_KINDS = [
+    pytest.param(
+        "placement",
+        id="PageOwnership",
+        marks=pytest.mark.skipif(
+            not _PLACEMENT_COMPILES, reason="torch < 2.13 Dynamo cannot guard on Placement subclasses (EQUALS_MATCH)"
+        ),
+    ),
+    pytest.param("spec", id="OwnershipSpec"),
+]
+
+
+def as_kind(own: PageOwnership, kind: str):
+    """``own`` itself, or its :class:`dtkv.ops.OwnershipSpec`."""
+    from dtkv.ops import ownership_spec
+
+    return own if kind == "placement" else ownership_spec(own)

@@ -15,7 +15,16 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from dtkv import PageOwnership, debug_mode
 from dtkv.ops import direct_write
-from tests.ops_reference import BACKENDS, DEVICES, assert_same_bytes, backend_ok, ref_write_rows, skip_unless
+from tests.ops_reference import (
+    BACKENDS,
+    DEVICES,
+    OWNERSHIP_KINDS,
+    as_kind,
+    assert_same_bytes,
+    backend_ok,
+    ref_write_rows,
+    skip_unless,
+)
 
 
 def _own_rows(own: PageOwnership, rank: int, ps: int, n_tokens: int, dim: int, seed: int = 0):
@@ -75,10 +84,12 @@ def test_opcheck(backend):
     torch.library.opcheck(torch.ops.dtkv.direct_write.default, args)
 
 
-def test_compiled_is_sync_free_and_debug_checks():
+@pytest.mark.parametrize("kind", OWNERSHIP_KINDS)
+def test_compiled_is_sync_free_and_debug_checks(kind):
     """One graph; without DTKV_DEBUG a foreign row is skipped silently, with it the compiled call raises."""
     backend = "triton" if backend_ok("triton", "cpu") else "torch"
-    own = PageOwnership(2, 6, "interleave")
+    po = PageOwnership(2, 6, "interleave")
+    own = as_kind(po, kind)
     cnt = CompileCounterWithBackend("aot_eager")
 
     def step(pool, rows, locs):
@@ -89,11 +100,11 @@ def test_compiled_is_sync_free_and_debug_checks():
     rows, good = torch.randn(4, 8), torch.tensor([0, 1, 8, 9])  # page_size 4: pages 0 and 2 belong to rank 0
     pool = compiled(torch.zeros(3, 4, 8), rows, good)
     assert cnt.frame_count == 1
-    assert_same_bytes(pool, ref_write_rows(torch.zeros(3, 4, 8), rows, good, own, 0))
+    assert_same_bytes(pool, ref_write_rows(torch.zeros(3, 4, 8), rows, good, po, 0))
 
     foreign = torch.tensor([0, 1, 4, 9])  # loc 4 is on page 1 (rank 1): skipped, no error, no sync
     pool = compiled(torch.zeros(3, 4, 8), rows, foreign)
-    assert_same_bytes(pool, ref_write_rows(torch.zeros(3, 4, 8), rows, foreign, own, 0))
+    assert_same_bytes(pool, ref_write_rows(torch.zeros(3, 4, 8), rows, foreign, po, 0))
 
     torch._dynamo.reset()
     with debug_mode():

@@ -15,7 +15,16 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from dtkv import PageOwnership
 from dtkv.ops import gathered_page_table, pack_owned_pages, plan_pack, remap
-from tests.ops_reference import BACKENDS, DEVICES, assert_same_bytes, backend_ok, ref_gathered, skip_unless
+from tests.ops_reference import (
+    BACKENDS,
+    DEVICES,
+    OWNERSHIP_KINDS,
+    as_kind,
+    assert_same_bytes,
+    backend_ok,
+    ref_gathered,
+    skip_unless,
+)
 
 LISTS = [
     pytest.param(1, 4, "interleave", [2], id="cp1-one-page"),
@@ -95,10 +104,11 @@ def test_opcheck(backend):
     torch.library.opcheck(torch.ops.dtkv.pack_owned_pages.default, args)
 
 
-def test_compiles_without_graph_breaks():
+@pytest.mark.parametrize("kind", OWNERSHIP_KINDS)
+def test_compiles_without_graph_breaks(kind):
     """The run (pack + remap of a top-k tensor against the plan) is one graph; the plan stays outside."""
     backend = "triton" if backend_ok("triton", "cpu") else "torch"
-    own = PageOwnership(2, 8, "interleave")
+    own = as_kind(PageOwnership(2, 8, "interleave"), kind)
     plan = plan_pack(torch.tensor([6, 1, 3, 4]), own)
     cnt = CompileCounterWithBackend("aot_eager")
 

@@ -18,6 +18,8 @@ from dtkv.ops import dequantize_indexer_pages, quantize_indexer_fp8, quantize_wr
 from tests.ops_reference import (
     BACKENDS,
     DEVICES,
+    OWNERSHIP_KINDS,
+    as_kind,
     assert_same_bytes,
     backend_ok,
     ref_indexer_write,
@@ -106,9 +108,10 @@ def test_opcheck(backend):
     torch.library.opcheck(torch.ops.dtkv.quantize_write_indexer_fp8.default, args)
 
 
-def test_compiles_without_graph_breaks():
+@pytest.mark.parametrize("kind", OWNERSHIP_KINDS)
+def test_compiles_without_graph_breaks(kind):
     backend = "triton" if backend_ok("triton", "cpu") else "torch"
-    own = PageOwnership(2, 6, "interleave")
+    own = as_kind(PageOwnership(2, 6, "interleave"), kind)
     cnt = CompileCounterWithBackend("aot_eager")
 
     def step(pool, k, locs):

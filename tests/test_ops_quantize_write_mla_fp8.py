@@ -20,6 +20,8 @@ from dtkv.ops import dequantize_mla_fp8, quantize_mla_fp8, quantize_write_mla_fp
 from tests.ops_reference import (
     BACKENDS,
     DEVICES,
+    OWNERSHIP_KINDS,
+    as_kind,
     assert_same_bytes,
     backend_ok,
     ref_mla_row,
@@ -138,9 +140,10 @@ def test_opcheck(backend):
     torch.library.opcheck(torch.ops.dtkv.quantize_write_mla_fp8.default, args)
 
 
-def test_compiles_without_graph_breaks():
+@pytest.mark.parametrize("kind", OWNERSHIP_KINDS)
+def test_compiles_without_graph_breaks(kind):
     backend = "triton" if backend_ok("triton", "cpu") else "torch"
-    own = PageOwnership(2, 6, "block")
+    own = as_kind(PageOwnership(2, 6, "block"), kind)
     cnt = CompileCounterWithBackend("aot_eager")
 
     def step(pool, kv, locs):

@@ -14,7 +14,16 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from dtkv import PageOwnership
 from dtkv.ops import write_owned
-from tests.ops_reference import BACKENDS, DEVICES, assert_same_bytes, ref_write_rows, scattered_locs, skip_unless
+from tests.ops_reference import (
+    BACKENDS,
+    DEVICES,
+    OWNERSHIP_KINDS,
+    as_kind,
+    assert_same_bytes,
+    ref_write_rows,
+    scattered_locs,
+    skip_unless,
+)
 
 CASES = [  # (cp, num_pages, layout, page_size, n rows)
     pytest.param(1, 3, "interleave", 1, 1, id="cp1-ps1-n1"),
@@ -113,9 +122,10 @@ def test_opcheck(backend):
     torch.library.opcheck(torch.ops.dtkv.write_owned.default, args)
 
 
-def test_compiles_without_graph_breaks():
+@pytest.mark.parametrize("kind", OWNERSHIP_KINDS)
+def test_compiles_without_graph_breaks(kind):
     backend = "triton" if _triton_cpu() else "torch"
-    own = PageOwnership(2, 6, "block")
+    own = as_kind(PageOwnership(2, 6, "block"), kind)
     cnt = CompileCounterWithBackend("aot_eager")
 
     def step(pool, rows, locs):
