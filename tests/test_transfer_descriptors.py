@@ -101,8 +101,10 @@ def _request(num_tokens, seed):
     return src, dst
 
 
-def run_oracle(cp_p, layout_p, decode, num_tokens, staging, *, latent=False, seed=0, staging_bytes=1 << 20):
-    layouts = _layouts(latent)
+def run_oracle(
+    cp_p, layout_p, decode, num_tokens, staging, *, latent=False, seed=0, staging_bytes=1 << 20, layouts=None
+):
+    layouts = layouts or _layouts(latent)
     own_p = PageOwnership(cp_p, P_PREFILL, layout_p)
     own_d = PageOwnership(decode[0], P_DECODE, decode[1])
     pre_full = _global_bytes(layouts, P_PREFILL, seed)
@@ -152,6 +154,15 @@ class TestOracle:
 
     def test_latent_bf16_layout(self):
         run_oracle(2, "interleave", (1, "interleave"), 41, "full", latent=True)
+
+    @pytest.mark.parametrize("staging", ["full", "off"])
+    def test_odd_page_bytes(self, staging):
+        """10- and 5-byte pages (page_size 1): staging regions fall back to element alignment and byte copies."""
+        odd = {
+            "kv": MLAFp8Layout(page_size=1, kv_lora_rank=4, rope_dim=1, quant_block=4),
+            "index": IndexerFp8Layout(page_size=1, head_dim=1),
+        }
+        run_oracle(4, "interleave", (3, "block"), 21, staging, layouts=odd)
 
     def test_small_staging_falls_back_to_direct(self):
         plan = run_oracle(4, "interleave", (1, "interleave"), 80, "full", staging_bytes=2048)

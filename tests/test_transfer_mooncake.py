@@ -161,15 +161,23 @@ def _recv(conn, proc, timeout_s=60.0):
     return conn.recv()
 
 
+CASES = [
+    (2, 1, "interleave", 1 << 20),
+    (2, 1, "interleave", 0),
+    (2, 3, "block", 1 << 20),
+    (4, 1, "interleave", 1 << 20),
+    (4, 1, "interleave", 0),
+]
+
+
 @pytest.mark.parametrize(
-    "cp_d,layout_d,staging_bytes",
-    [(1, "interleave", 1 << 20), (1, "interleave", 0), (3, "block", 1 << 20)],
-    ids=["full-staged", "full-direct", "cp3-block"],
+    "world,cp_d,layout_d,staging_bytes",
+    CASES,
+    ids=[f"world{w}-{'full' if c == 1 else f'cp{c}-{lay}'}-{'staged' if s else 'direct'}" for w, c, lay, s in CASES],
 )
-def test_cp_prefill_to_decode_bitwise(ranks, store, cp_d, layout_d, staging_bytes):
+def test_cp_prefill_to_decode_bitwise(ranks2, ranks4, world, cp_d, layout_d, staging_bytes, store):
     """2 and 4 gloo prefill ranks send owned pages only; decode's pages equal the replicated baseline."""
-    if ranks.world_size == 4 and cp_d == 3:
-        pytest.skip("cp3 decode is covered with 2 prefill ranks (keeps the suite short)")
+    ranks = ranks2 if world == 2 else ranks4
     namespace = uuid.uuid4().hex
     num_pages = 45
     proc, conn = _start_decode(store, namespace, cp_d=cp_d, layout_d=layout_d, staging_bytes=staging_bytes)

@@ -32,6 +32,9 @@ from dtkv.transfer.errors import TransferError
 
 __all__ = ["Bootstrap", "DstRequest", "SendOutcome", "create_store"]
 
+MAX_POLL_S = 0.005
+"""Longest sleep between two polls of the store (the latency a waiter may add after a key appears)."""
+
 
 def create_store(host: str = "127.0.0.1", port: int = 0, *, is_master: bool, timeout_s: float = 30.0) -> dist.TCPStore:
     """A ``TCPStore`` on ``host``; the master with ``port=0`` picks a free port (read it from ``store.port``)."""
@@ -105,7 +108,7 @@ class Bootstrap:
             if left <= 0:
                 raise TransferError(f"timed out waiting for {key!r}", request_id=request_id, peer=peer)
             time.sleep(min(delay, left))
-            delay = min(delay * 2, 0.05)
+            delay = min(delay * 2, MAX_POLL_S)
 
     def delete(self, key: str) -> None:
         try:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dtkv._env import transfer_timeout_s
-from dtkv.transfer.bootstrap import Bootstrap, DstRequest, SendOutcome
+from dtkv.transfer.bootstrap import MAX_POLL_S, Bootstrap, DstRequest, SendOutcome
 from dtkv.transfer.descriptors import RankEndpoint, as_pages, check_compatible
 from dtkv.transfer.engine import MooncakeEngine
 from dtkv.transfer.errors import TransferError, format_pages
@@ -199,7 +199,7 @@ class DecodeReceiver:
                         pages=dst,
                     )
                 time.sleep(min(delay, left))
-                delay = min(delay * 2, 0.05)
+                delay = min(delay * 2, MAX_POLL_S)
         return [got[r] for r in range(num_prefill)]
 
     def _finish(self, request_id: str, *, ok: bool) -> None:

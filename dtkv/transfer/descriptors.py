@@ -296,8 +296,11 @@ def _check_range(name: str, pages: np.ndarray, ownership: PageOwnership) -> None
         raise ValueError(f"{name} must not repeat a page, got page {int(vals[counts > 1][0])} more than once")
 
 
-def _align(n: int, elem_bytes: int) -> int:
-    return -(-n // elem_bytes) * elem_bytes
+def _align(n: int, buf: BufferSpec) -> int:
+    """Start of a staging region at or after byte ``n``: 8-byte aligned for pages of whole words (fast copies),
+    else aligned to the element size."""
+    align = 8 if buf.page_bytes % 8 == 0 else buf.elem_bytes
+    return -(-n // align) * align
 
 
 def plan_request(
@@ -359,7 +362,7 @@ def plan_request(
                     break
                 bs, bd = ep_p.buffer(name), ep_d.buffer(name)
                 nbytes = num_layers * k * bs.page_bytes
-                src_off, dst_off = _align(src_used[r], bs.elem_bytes), _align(dst_used[d], bs.elem_bytes)
+                src_off, dst_off = _align(src_used[r], bs), _align(dst_used[d], bs)
                 mode, rel = _choose(
                     src_local[sel], dst_local[sel], bs, bd, num_layers, opts,
                     src_off + nbytes <= ep_p.staging_bytes, dst_off + nbytes <= ep_d.staging_bytes,

@@ -163,30 +163,39 @@ class KVShard:
         return out
 
     # ------------------------------------------------------------------------------------------ staging
-    def _region(self, copy: StageCopy) -> tuple[torch.Tensor, torch.Tensor]:
+    def _views(self, copy: StageCopy) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(pool buffer, staging region ``[num_layers, k, ...]``, page index), as int64 words when aligned.
+
+        Torch's CPU ``index_copy_`` moves uint8 rows at ~2 GB/s but int64 rows at ~11 GB/s, so whole pages are
+        copied as 8-byte words whenever the page size and both addresses allow it.
+        """
         buf = self.buffers[copy.name]
+        page_bytes = self.layouts[copy.name].page_bytes
         k = int(copy.local_pages.shape[0])
-        nbytes = self.num_layers * k * self.layouts[copy.name].page_bytes
+        nbytes = self.num_layers * k * page_bytes
         assert self.staging is not None and copy.offset + nbytes <= self.staging.numel(), (
             f"staging region [{copy.offset}, {copy.offset + nbytes}) exceeds rank {self.rank}'s staging buffer"
         )
-        region = (
-            self.staging[copy.offset : copy.offset + nbytes].view(buf.dtype).view(self.num_layers, k, *buf.shape[2:])
-        )
-        idx = torch.from_numpy(copy.local_pages).to(buf.device)
-        return region, idx
+        raw = self.staging[copy.offset : copy.offset + nbytes]
+        if page_bytes % 8 == 0 and (raw.data_ptr() | buf.data_ptr()) % 8 == 0:
+            pool = buf.view(torch.uint8).view(self.num_layers, -1, page_bytes).view(torch.int64)
+            region = raw.view(torch.int64).view(self.num_layers, k, page_bytes // 8)
+        else:
+            pool = buf
+            region = raw.view(buf.dtype).view(self.num_layers, k, *buf.shape[2:])
+        return pool, region, torch.from_numpy(copy.local_pages).to(buf.device)
 
     def pack(self, copies: Iterable[StageCopy]) -> None:
         """Copy ``buffer[:, local_pages]`` into each staging region (prefill side, before sending)."""
         for c in copies:
-            region, idx = self._region(c)
-            torch.index_select(self.buffers[c.name], 1, idx, out=region)
+            pool, region, idx = self._views(c)
+            torch.index_select(pool, 1, idx, out=region)
 
     def unpack(self, copies: Iterable[StageCopy]) -> None:
         """Copy each staging region into ``buffer[:, local_pages]`` (decode side, after every sender is done)."""
         for c in copies:
-            region, idx = self._region(c)
-            self.buffers[c.name].index_copy_(1, idx, region)
+            pool, region, idx = self._views(c)
+            pool.index_copy_(1, idx, region)
 
     def __repr__(self) -> str:
         names = ", ".join(self.buffers)

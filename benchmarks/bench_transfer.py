@@ -1,0 +1,300 @@
+"""PD transfer of a 32K-token request over Mooncake TCP loopback, against one contiguous transfer of its bytes.
+
+Run ``python benchmarks/bench_transfer.py`` (``--layers``, ``--tokens``, ``--reps``; ``--json PATH`` writes the
+rows). The prefill side runs in this process: ``cp_p`` prefill ranks (one :class:`dtkv.transfer.KVShard` each,
+sharing one engine, sending one after the other) hold the request's pages, interleaved, in the real
+DeepSeek-V3.2 geometry (page 64: fp8 MLA 41 984 B + fp8 indexer 8 448 B per page and layer). A spawned decode
+process hosts ``cp_d`` ranks, a decode pool of pages allocated contiguously or fragmented (shuffled runs of 1-8
+pages), and a staging buffer.
+
+Per scenario, best of ``--reps``:
+
+- ``ceiling``: one ``batch_transfer_sync_write`` entry of the same byte count between two registered regions of
+  the same two engines, timed right before the scenario (the transport's ceiling on this machine).
+- ``e2e``: prefill ``send_request`` (plan + staging pack + every engine call, each returning only once decode
+  acknowledged the bytes) plus decode's staging unpack. Store polling between the two sides is excluded (it is
+  protocol latency, not transfer), but reported as ``wall`` (decode done - prefill start).
+- ``ratio`` = ceiling time / e2e time (the target is >= 0.8 with ``staging=auto``).
+
+The first repetition of every scenario is verified: decode hashes its pages in position order and compares with
+the prefill side's hash of the same logical pages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import platform
+import time
+import uuid
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from dtkv import IndexerFp8Layout, MLAFp8Layout, PageOwnership
+from dtkv.transfer import (
+    Bootstrap,
+    DecodeReceiver,
+    KVShard,
+    MooncakeEngine,
+    PlanOptions,
+    PrefillSender,
+    apply_mooncake_env,
+    create_store,
+)
+
+PAGE_SIZE = 64
+LAYOUTS = {"index": IndexerFp8Layout(page_size=PAGE_SIZE), "kv": MLAFp8Layout(page_size=PAGE_SIZE)}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Scenario:
+    cp_p: int
+    """Prefill CP ranks (interleave ownership)."""
+    cp_d: int
+    """Decode ranks (1: non-CP decode holding the full layout)."""
+    layout_d: str
+    """Decode ownership layout."""
+    alloc: str
+    """Decode page allocation: ``contiguous`` or ``fragmented``."""
+    staging: str
+    """Planner staging policy (``off``, ``auto``)."""
+
+    @property
+    def name(self) -> str:
+        dec = "full" if self.cp_d == 1 else f"cp{self.cp_d}-{self.layout_d}"
+        return f"p{self.cp_p}->{dec} {self.alloc}"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Result:
+    scenario: str
+    staging: str
+    entries: int
+    min_entries: int
+    calls: int
+    mib: float
+    e2e_ms: float
+    wall_ms: float
+    plan_ms: float
+    pack_ms: float
+    unpack_ms: float
+    ceiling_ms: float
+    gib_s: float
+    ceiling_gib_s: float
+    ratio: float
+    verified: bool
+
+
+def _pages(num_pages_req: int, pool_pages: int, alloc: str, seed: int) -> np.ndarray:
+    if alloc == "contiguous":
+        return np.arange(8, 8 + num_pages_req)
+    rng = np.random.default_rng(seed)  # shuffled runs of 1..8 pages: a decode pool in steady state
+    starts = rng.permutation(pool_pages // 8) * 8
+    runs = [np.arange(s, s + rng.integers(1, 9)) for s in starts]
+    pages = np.concatenate(runs)
+    if pages.shape[0] < num_pages_req:
+        raise ValueError(f"a pool of {pool_pages} pages is too small for {num_pages_req} fragmented pages")
+    return pages[:num_pages_req]
+
+
+def _digest(shards: list[KVShard], ownership: PageOwnership, pages: np.ndarray) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    owner = ownership.owner(torch.from_numpy(pages))
+    local = ownership.local_index(torch.from_numpy(pages))
+    by_rank = {s.rank: s for s in shards}
+    for name in sorted(LAYOUTS):
+        for i in range(pages.shape[0]):  # position order; one page per step (verification only)
+            buf = by_rank[int(owner[i])].buffers[name]
+            h.update(buf[:, int(local[i])].contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------------- decode
+def _decode_main(conn, port: int, layers: int, pool_pages: int) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    engine = MooncakeEngine()
+    boot_store = create_store(port=port, is_master=False)
+    receiver = None
+    ceiling = None
+    while True:
+        cmd, *args = conn.recv()
+        if cmd == "setup":
+            sc, namespace, staging_bytes = args
+            own = PageOwnership(sc["cp_d"], pool_pages, sc["layout_d"])
+            shards = [
+                KVShard.allocate(LAYOUTS, own, d, num_layers=layers, staging_bytes=staging_bytes)
+                for d in range(sc["cp_d"])
+            ]
+            receiver = DecodeReceiver(shards, Bootstrap(boot_store, namespace=namespace), engine=engine)
+            receiver.connect()
+            conn.send(("ok",))
+        elif cmd == "post":
+            rid, dst, staging = args
+            receiver.post_request(rid, dst, staging=staging)
+            conn.send(("ok",))
+        elif cmd == "wait":
+            rid, dst, verify = args
+            rep = receiver.wait_request(rid)
+            done = time.monotonic()
+            digest = _digest(list(receiver.shards.values()), receiver.shards[0].ownership, dst) if verify else ""
+            conn.send((rep, done, digest))
+        elif cmd == "ceiling":
+            ceiling = torch.empty(args[0], dtype=torch.uint8)
+            engine.register([ceiling])
+            conn.send((engine.session, ceiling.data_ptr()))
+        elif cmd == "teardown":
+            receiver.close()
+            if ceiling is not None:
+                engine.unregister([ceiling])
+            receiver = ceiling = None
+            conn.send(("ok",))
+        elif cmd == "exit":
+            engine.close()
+            return
+
+
+def _ask(conn, *msg, timeout_s: float = 300.0):
+    conn.send(msg)
+    if not conn.poll(timeout_s):
+        raise TimeoutError(f"decode did not answer {msg[0]!r} within {timeout_s} s")
+    return conn.recv()
+
+
+# ---------------------------------------------------------------------------------------------------- prefill
+def run(args: argparse.Namespace) -> list[Result]:
+    apply_mooncake_env()
+    torch.set_num_threads(1)
+    n_req = -(-args.tokens // PAGE_SIZE)
+    pool_pages = 2 * n_req + 64  # room for the fragmented allocation
+    store = create_store(port=0, is_master=True)
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=_decode_main, args=(child, store.port, args.layers, pool_pages), daemon=True)
+    proc.start()
+    engine = MooncakeEngine()
+    g = torch.Generator().manual_seed(0)
+    scenarios = [
+        Scenario(cp_p=1, cp_d=1, layout_d="interleave", alloc="contiguous", staging="auto"),
+        Scenario(cp_p=1, cp_d=1, layout_d="interleave", alloc="fragmented", staging="auto"),
+        Scenario(cp_p=2, cp_d=1, layout_d="interleave", alloc="contiguous", staging="auto"),
+        Scenario(cp_p=4, cp_d=1, layout_d="interleave", alloc="fragmented", staging="auto"),
+        Scenario(cp_p=2, cp_d=2, layout_d="interleave", alloc="contiguous", staging="auto"),
+        Scenario(cp_p=4, cp_d=2, layout_d="block", alloc="fragmented", staging="auto"),
+    ]
+    scenarios += [Scenario(**{**asdict(s), "staging": "off"}) for s in scenarios]
+    results = []
+    for sc in scenarios:
+        nbytes = n_req * args.layers * sum(lay.page_bytes for lay in LAYOUTS.values())
+        own_p = PageOwnership(sc.cp_p, pool_pages)
+        shards = [  # staging as large as the request: it always fits (the planner falls back to direct otherwise)
+            KVShard.allocate(LAYOUTS, own_p, r, num_layers=args.layers, staging_bytes=nbytes) for r in range(sc.cp_p)
+        ]
+        for s in shards:
+            for b in s.buffers.values():
+                b.view(torch.uint8).copy_(torch.randint(0, 256, b.shape, generator=g, dtype=torch.uint8))
+        namespace = uuid.uuid4().hex
+        sender = PrefillSender(
+            shards, Bootstrap(store, namespace=namespace), engine=engine, options=PlanOptions(staging=sc.staging)
+        )
+        _ask(conn, "setup", asdict(sc), namespace, nbytes)
+        sender.connect()
+        src = np.arange(16, 16 + n_req)
+        dst = _pages(n_req, pool_pages, sc.alloc, seed=1)
+        want = _digest(shards, own_p, src)
+        session, ceil_dst = _ask(conn, "ceiling", nbytes)
+        ceil_src = torch.empty(nbytes, dtype=torch.uint8)
+        engine.register([ceil_src])
+        best = None
+        ceiling = float("inf")
+        verified = True
+        for rep in range(args.reps):
+            t = time.monotonic()
+            if engine.write(session, [ceil_src.data_ptr()], [ceil_dst], [nbytes]) != 0:
+                raise RuntimeError("the ceiling transfer failed")
+            ceiling = min(ceiling, time.monotonic() - t)
+            rid = f"{sc.name}-{sc.staging}-{rep}"
+            _ask(conn, "post", rid, dst, sc.staging != "off")
+            t0 = time.monotonic()
+            sent = sender.send_request(rid, src)
+            t1 = time.monotonic()
+            got, done, digest = _ask(conn, "wait", rid, dst, rep == 0)
+            if rep == 0:
+                verified = digest == want
+            e2e = (t1 - t0) + got.unpack_s
+            if best is None or e2e < best[0]:
+                best = (e2e, done - t0, sent, got)
+        engine.unregister([ceil_src])
+        sender.close()
+        _ask(conn, "teardown")
+        e2e, wall, sent, got = best
+        results.append(
+            Result(
+                scenario=sc.name,
+                staging=sc.staging,
+                entries=got.num_entries,
+                min_entries=got.min_entries,
+                calls=got.num_calls,
+                mib=got.num_bytes / 2**20,
+                e2e_ms=e2e * 1e3,
+                wall_ms=wall * 1e3,
+                plan_ms=sent.plan_s * 1e3,
+                pack_ms=sent.pack_s * 1e3,
+                unpack_ms=got.unpack_s * 1e3,
+                ceiling_ms=ceiling * 1e3,
+                gib_s=got.num_bytes / e2e / 2**30,
+                ceiling_gib_s=got.num_bytes / ceiling / 2**30,
+                ratio=ceiling / e2e,
+                verified=verified,
+            )
+        )
+        print(_row(results[-1]), flush=True)
+    conn.send(("exit",))
+    proc.join(10)
+    engine.close()
+    return results
+
+
+def _row(r: Result) -> str:
+    return (
+        f"| {r.scenario:<26} | {r.staging:<4} | {r.entries:>7} | {r.min_entries:>3} | {r.calls:>5} | {r.mib:7.1f} | "
+        f"{r.e2e_ms:7.1f} | {r.wall_ms:7.1f} | {r.plan_ms:7.1f} | {r.pack_ms:7.1f} | {r.unpack_ms:6.1f} | {r.ceiling_ms:7.1f} | "
+        f"{r.gib_s:5.2f} | {r.ceiling_gib_s:10.2f} | {r.ratio:5.2f} | {'yes' if r.verified else 'NO':<7} |"
+    )
+
+
+HEADER = (
+    "| scenario                   | stag | entries | min | calls |     MiB |  e2e ms | wall ms | plan ms | pack ms | unpack | "
+    "ceil ms | GiB/s | ceil GiB/s | ratio | bitwise |\n"
+    "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|"
+)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=32768)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--json", default=None, help="write the rows here")
+    args = p.parse_args()
+    import mooncake
+
+    print(
+        f"# {datetime.date.today()} | {platform.node()} | {os.cpu_count()} cores | torch {torch.__version__} | "
+        f"mooncake {getattr(mooncake, '__version__', '0.3.13.post1')} | tokens={args.tokens} layers={args.layers} "
+        f"reps={args.reps}"
+    )
+    print(HEADER)
+    results = run(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in results], f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
