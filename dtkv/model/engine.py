@@ -33,6 +33,7 @@ import torch.distributed as dist
 from dtkv import _env, ops
 from dtkv._collectives import all_gather_rows, group_rank, group_size
 from dtkv.allocator import PageAllocator
+from dtkv.debug import check_write_ownership
 from dtkv.materialize import MaterializePlan, Materializer, check_view, gather_view, plan_materialize
 from dtkv.model.config import ModelConfig
 from dtkv.model.kvio import token_rows, write_rows
@@ -265,6 +266,11 @@ class PrefillEngine:
             gathered = self._gather(rows_local, plan.max_local)
             write_rows(pool, lay, gathered, plan.locs_gathered, self.ownership, self.pool.rank)
         else:
+            if _env.debug_enabled():
+                check_write_ownership(
+                    plan.locs_local[plan.direct_rows], self.ownership, self.rank, self.cfg.page_size, self.group,
+                    what=f"direct write of {name!r}, layer {layer}",
+                )  # fmt: skip
             write_rows(
                 pool,
                 lay,
