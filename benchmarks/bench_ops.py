@@ -353,15 +353,12 @@ def sweep(dev: torch.device, reps: int, n: int) -> list[str]:
     _ONLY_OURS = True
     lines = []
     spaces = [
-        (_wo.KERNEL_CONFIG, lambda: bench_write(n, dev, reps, row_dtype="fp8", owner_filter=False),
-         {"block_r": [4, 8, 16], "num_warps": [4, 8]}),
         (_wo.KERNEL_CONFIG, lambda: bench_write(n, dev, reps, row_dtype="fp8", owner_filter=True),
-         {"filter_block_r": [16, 32, 64], "num_warps": [4, 8]}),
-        (_qm.KERNEL_CONFIG, lambda: bench_quant_mla(n, dev, reps), {"block_r": [4, 8, 16, 32], "num_warps": [4, 8]}),
-        (_qi.KERNEL_CONFIG, lambda: bench_quant_indexer(n, dev, reps),
-         {"block_r": [8, 16, 32, 64], "num_warps": [2, 4, 8]}),
-        (_pk.KERNEL_CONFIG, lambda: bench_pack(n, dev, reps), {"block": [1024, 2048, 4096], "num_warps": [4, 8]}),
-        (_remap.KERNEL_CONFIG, lambda: bench_remap(n, dev, reps), {"block": [1024, 2048, 4096], "num_warps": [4, 8]}),
+         {"filter_block_r": [8, 16, 32], "num_warps": [4, 8]}),
+        (_wo.KERNEL_CONFIG, lambda: bench_write(n, dev, reps, row_dtype="fp8", owner_filter=False),
+         {"block_r": [4, 8], "num_warps": [4, 8]}),
+        (_qm.KERNEL_CONFIG, lambda: bench_quant_mla(n, dev, reps), {"block_r": [4, 8, 16], "num_warps": [4, 8]}),
+        (_qi.KERNEL_CONFIG, lambda: bench_quant_indexer(n, dev, reps), {"block_r": [8, 16], "num_warps": [2, 4]}),
     ]  # fmt: skip
     for cfg, run, space in spaces:
         best = None

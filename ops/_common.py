@@ -240,6 +240,37 @@ if HAS_TRITON:
         return owner, local
 
     @triton.jit
+    def locate_rows(
+        locs_ptr,  # [N] int32/int64
+        r,  # [BLOCK_R] row indices
+        num_rows,
+        num_pages,
+        num_local_pages,
+        rank,
+        PAGE_SIZE: tl.constexpr,
+        CP: tl.constexpr,
+        CHUNK: tl.constexpr,
+        LAYOUT: tl.constexpr,
+        IDX64: tl.constexpr,
+    ):
+        """``(keep, local_page, offset)`` of rows ``r``: the kernels' mask and destination.
+
+        Page size, cp size and chunk are compile-time constants and the arithmetic is int32 unless locations may
+        reach 2**31 (``IDX64``): divisions become shifts or multiplies instead of 64-bit division routines.
+        """
+        rmask = r < num_rows
+        loc = tl.load(locs_ptr + r, mask=rmask, other=-1)
+        if IDX64:
+            loc = loc.to(tl.int64)
+        else:
+            loc = loc.to(tl.int32)
+        page = loc // PAGE_SIZE
+        off = loc - page * PAGE_SIZE
+        owner, local = owner_local(page, CP, CHUNK, LAYOUT)
+        keep = rmask & (loc >= 0) & (page < num_pages) & (owner == rank) & (local < num_local_pages)
+        return keep, local.to(tl.int64), off.to(tl.int64)
+
+    @triton.jit
     def e4m3_bits(y, PREROUND: tl.constexpr):
         """fp32 -> e4m3fn bits (uint8) with round-to-nearest-even, saturating at +-448.
 
@@ -266,7 +297,18 @@ if HAS_TRITON:
         return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 else:  # pragma: no cover
-    owner_local = e4m3_bits = bf16_rn = None
+    owner_local = locate_rows = e4m3_bits = bf16_rn = None
+
+
+def locate_constexprs(cp_size: int, num_pages: int, layout_code: int, page_size: int) -> dict[str, int | bool]:
+    """Compile-time arguments of :func:`locate_rows` (one kernel specialization per geometry)."""
+    return {
+        "PAGE_SIZE": page_size,
+        "CP": cp_size,
+        "CHUNK": chunk_of(cp_size, num_pages),
+        "LAYOUT": layout_code,
+        "IDX64": num_pages * page_size >= 2**31,
+    }
 
 
 # ------------------------------------------------------------------------------------------- checks

@@ -142,7 +142,7 @@ def _check(pool: torch.Tensor, send_idx: torch.Tensor) -> None:
         raise ValueError(f"pool pages must be contiguous (any page stride), got pool.stride()={pool.stride()}")
 
 
-KERNEL_CONFIG: dict[str, int] = {"block": 1024, "num_warps": 8}
+KERNEL_CONFIG: dict[str, int] = {"block": 4096, "num_warps": 4}
 """Launch parameters (words per program, warps), swept on an H200 by ``benchmarks/bench_ops.py``."""
 
 

@@ -23,11 +23,11 @@ from ._common import (
     INTERPRET,
     OwnershipLike,
     check_ownership_ints,
-    chunk_of,
     device_ctx,
     e4m3_bits,
+    locate_constexprs,
+    locate_rows,
     owned_rows_torch,
-    owner_local,
     ownership_args,
     resolve_backend,
     should_validate,
@@ -98,12 +98,13 @@ def _quantize_write_indexer_fp8_kernel(
     num_rows,
     num_local_pages,
     page_stride,
-    page_size,
     num_pages,
-    cp_size,
-    chunk,
     rank,
+    PAGE_SIZE: tl.constexpr,
+    CP: tl.constexpr,
+    CHUNK: tl.constexpr,
     LAYOUT: tl.constexpr,
+    IDX64: tl.constexpr,
     K_STRIDE: tl.constexpr,
     H: tl.constexpr,
     HP: tl.constexpr,
@@ -112,12 +113,9 @@ def _quantize_write_indexer_fp8_kernel(
 ):
     """One program quantizes ``BLOCK_R`` tokens (``[BLOCK_R, H]`` tile) and stores keys and scales."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = r < num_rows
-    loc = tl.load(locs_ptr + r, mask=rmask, other=-1).to(tl.int64)
-    page = loc // page_size
-    off = loc - page * page_size
-    owner, local = owner_local(page, cp_size, chunk, LAYOUT)
-    keep = rmask & (loc >= 0) & (page < num_pages) & (owner == rank) & (local < num_local_pages)
+    keep, local, off = locate_rows(
+        locs_ptr, r, num_rows, num_pages, num_local_pages, rank, PAGE_SIZE, CP, CHUNK, LAYOUT, IDX64
+    )
     base = local * page_stride
 
     ci = tl.arange(0, HP)
@@ -130,7 +128,7 @@ def _quantize_write_indexer_fp8_kernel(
     inv = tl.where(pos, tl.math.div_rn(tl.zeros_like(amax) + 448.0, tl.where(pos, amax, 1.0)), 1.0)
     q = e4m3_bits(x * inv[:, None], PREROUND)
     tl.store(pool_ptr + (base + off * H)[:, None] + ci[None, :], q, mask=m)
-    s_ptr = (pool_ptr + base + page_size * H + 4 * off).to(tl.pointer_type(tl.float32))
+    s_ptr = (pool_ptr + base + PAGE_SIZE * H + 4 * off).to(tl.pointer_type(tl.float32))
     tl.store(s_ptr, scale, mask=keep)
 
 
@@ -139,7 +137,7 @@ def _triton_aligned(pool: torch.Tensor, page_size: int, head_dim: int) -> bool:
     return (page_size * head_dim) % 4 == 0 and pool.stride(0) % 4 == 0 and pool.storage_offset() % 4 == 0
 
 
-KERNEL_CONFIG: dict[str, int] = {"block_r": 16, "num_warps": 4}
+KERNEL_CONFIG: dict[str, int] = {"block_r": 8, "num_warps": 2}
 """Launch parameters (tokens per program, warps; ``block_r`` 0 = derived from the head dim), swept on an H200 by
 ``benchmarks/bench_ops.py``."""
 
@@ -158,9 +156,9 @@ def _launch(pool, k, locs, cp_size, num_pages, layout_code, rank, page_size) -> 
     block_r = KERNEL_CONFIG["block_r"] or max(1, min(32, 4096 // hp))
     with device_ctx(pool.device):
         _quantize_write_indexer_fp8_kernel[(triton.cdiv(n, block_r),)](
-            pool, k, locs, n, pool.shape[0], pool.stride(0), page_size, num_pages, cp_size,
-            chunk_of(cp_size, num_pages), rank,
-            LAYOUT=layout_code, K_STRIDE=k.stride(0), H=head_dim, HP=hp, BLOCK_R=block_r, PREROUND=INTERPRET,
+            pool, k, locs, n, pool.shape[0], pool.stride(0), num_pages, rank,
+            **locate_constexprs(cp_size, num_pages, layout_code, page_size),
+            K_STRIDE=k.stride(0), H=head_dim, HP=hp, BLOCK_R=block_r, PREROUND=INTERPRET,
             num_warps=KERNEL_CONFIG["num_warps"],
         )  # fmt: skip
 

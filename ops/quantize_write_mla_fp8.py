@@ -31,11 +31,11 @@ from ._common import (
     OwnershipLike,
     bf16_rn,
     check_ownership_ints,
-    chunk_of,
     device_ctx,
     e4m3_bits,
+    locate_constexprs,
+    locate_rows,
     owned_rows_torch,
-    owner_local,
     ownership_args,
     resolve_backend,
     should_validate,
@@ -108,12 +108,13 @@ def _quantize_write_mla_fp8_kernel(
     num_rows,
     num_local_pages,
     page_stride,
-    page_size,
     num_pages,
-    cp_size,
-    chunk,
     rank,
+    PAGE_SIZE: tl.constexpr,
+    CP: tl.constexpr,
+    CHUNK: tl.constexpr,
     LAYOUT: tl.constexpr,
+    IDX64: tl.constexpr,
     ROW_STRIDE: tl.constexpr,
     KV_STRIDE: tl.constexpr,
     L: tl.constexpr,
@@ -128,12 +129,9 @@ def _quantize_write_mla_fp8_kernel(
 ):
     """One program quantizes ``BLOCK_R`` rows as a ``[BLOCK_R, NB, B]`` tile and stores the three fields."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = r < num_rows
-    loc = tl.load(locs_ptr + r, mask=rmask, other=-1).to(tl.int64)
-    page = loc // page_size
-    off = loc - page * page_size
-    owner, local = owner_local(page, cp_size, chunk, LAYOUT)
-    keep = rmask & (loc >= 0) & (page < num_pages) & (owner == rank) & (local < num_local_pages)
+    keep, local, off = locate_rows(
+        locs_ptr, r, num_rows, num_pages, num_local_pages, rank, PAGE_SIZE, CP, CHUNK, LAYOUT, IDX64
+    )
     base = local * page_stride + off * ROW_STRIDE  # [BLOCK_R] byte offset of the destination row
     src = r.to(tl.int64) * KV_STRIDE
 
@@ -188,9 +186,9 @@ def _launch(pool, kv, locs, cp_size, num_pages, layout_code, rank, kv_lora_rank,
     block_r = KERNEL_CONFIG["block_r"] or max(1, min(16, 8192 // triton.next_power_of_2(kv_lora_rank + rope_dim)))
     with device_ctx(pool.device):
         _quantize_write_mla_fp8_kernel[(triton.cdiv(n, block_r),)](
-            pool, kv, locs, n, pool.shape[0], pool.stride(0), pool.shape[1], num_pages, cp_size,
-            chunk_of(cp_size, num_pages), rank,
-            LAYOUT=layout_code, ROW_STRIDE=pool.stride(1), KV_STRIDE=kv.stride(0), L=kv_lora_rank, R=rope_dim,
+            pool, kv, locs, n, pool.shape[0], pool.stride(0), num_pages, rank,
+            **locate_constexprs(cp_size, num_pages, layout_code, pool.shape[1]),
+            ROW_STRIDE=pool.stride(1), KV_STRIDE=kv.stride(0), L=kv_lora_rank, R=rope_dim,
             QB=quant_block, NB=nb, NBP=triton.next_power_of_2(nb), QBP=triton.next_power_of_2(quant_block),
             RP=max(1, triton.next_power_of_2(rope_dim)), BLOCK_R=block_r, PREROUND=INTERPRET,
             num_warps=KERNEL_CONFIG["num_warps"],

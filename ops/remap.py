@@ -39,17 +39,17 @@ def _remap_kernel(
     map_ptr,  # [num_map] int32/int64
     numel,
     num_map,
-    page_size,
+    PAGE_SIZE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """One program remaps ``BLOCK`` consecutive indices."""
     o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = o < numel
     x = tl.load(idx_ptr + o, mask=m, other=-1).to(tl.int64)
-    page = x // page_size
+    page = x // PAGE_SIZE
     ok = (x >= 0) & (page < num_map)
     mapped = tl.load(map_ptr + page, mask=m & ok, other=-1).to(tl.int64)
-    res = tl.where(ok & (mapped >= 0), mapped * page_size + (x - page * page_size), -1)
+    res = tl.where(ok & (mapped >= 0), mapped * PAGE_SIZE + (x - page * PAGE_SIZE), -1)
     tl.store(out_ptr + o, res.to(out_ptr.dtype.element_ty), mask=m)
 
 
@@ -77,7 +77,14 @@ def _remap_op(indices: torch.Tensor, page_map: torch.Tensor, page_size: int, bac
         block = KERNEL_CONFIG["block"]
         with device_ctx(indices.device):
             _remap_kernel[(triton.cdiv(n, block),)](
-                out, src, page_map, n, page_map.shape[0], page_size, BLOCK=block, num_warps=KERNEL_CONFIG["num_warps"]
+                out,
+                src,
+                page_map,
+                n,
+                page_map.shape[0],
+                PAGE_SIZE=page_size,
+                BLOCK=block,
+                num_warps=KERNEL_CONFIG["num_warps"],
             )
     return out
 

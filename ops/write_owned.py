@@ -16,10 +16,10 @@ from dtkv._checks import check_tensor
 from ._common import (
     OwnershipLike,
     check_ownership_ints,
-    chunk_of,
     device_ctx,
+    locate_constexprs,
+    locate_rows,
     owned_rows_torch,
-    owner_local,
     ownership_args,
     resolve_backend,
     should_validate,
@@ -61,12 +61,13 @@ def _write_owned_kernel(
     num_rows,
     num_local_pages,
     page_stride,
-    page_size,
     num_pages,
-    cp_size,
-    chunk,
     rank,
+    PAGE_SIZE: tl.constexpr,
+    CP: tl.constexpr,
+    CHUNK: tl.constexpr,
     LAYOUT: tl.constexpr,
+    IDX64: tl.constexpr,
     ROW_STRIDE: tl.constexpr,
     W: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -74,12 +75,9 @@ def _write_owned_kernel(
 ):
     """One program copies ``BLOCK_R`` rows, ``BLOCK_W`` words at a time; skipped rows issue no memory traffic."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = r < num_rows
-    loc = tl.load(locs_ptr + r, mask=rmask, other=-1).to(tl.int64)
-    page = loc // page_size
-    off = loc - page * page_size
-    owner, local = owner_local(page, cp_size, chunk, LAYOUT)
-    keep = rmask & (loc >= 0) & (page < num_pages) & (owner == rank) & (local < num_local_pages)
+    keep, local, off = locate_rows(
+        locs_ptr, r, num_rows, num_pages, num_local_pages, rank, PAGE_SIZE, CP, CHUNK, LAYOUT, IDX64
+    )
     dst = local * page_stride + off * ROW_STRIDE
     src = r.to(tl.int64) * W
     for c in tl.static_range(0, W, BLOCK_W):
@@ -89,7 +87,7 @@ def _write_owned_kernel(
         tl.store(pool_ptr + dst[:, None] + cols[None, :], v, mask=m)
 
 
-KERNEL_CONFIG: dict[str, int] = {"block_r": 8, "block_w": 0, "num_warps": 8, "filter_block_r": 0}
+KERNEL_CONFIG: dict[str, int] = {"block_r": 8, "block_w": 128, "num_warps": 8, "filter_block_r": 0}
 """Launch parameters of the row-scatter kernel, swept by ``benchmarks/bench_ops.py`` on an H200: ``block_r`` rows
 per program when every row is kept, ``filter_block_r`` when about ``1/cp`` are (``0``: ``block_r * cp``, at most 64,
 so a program still moves ~``block_r`` rows), ``block_w`` words per step (``0``: the row, up to 256)."""
@@ -118,12 +116,9 @@ def _launch_rows(pool, rows, locs, cp_size, num_pages, layout_code, rank, *, fil
             n,
             pool.shape[0],
             pool_w.stride(0),
-            pool.shape[1],
             num_pages,
-            cp_size,
-            chunk_of(cp_size, num_pages),
             rank,
-            LAYOUT=layout_code,
+            **locate_constexprs(cp_size, num_pages, layout_code, pool.shape[1]),
             ROW_STRIDE=pool_w.stride(1),
             W=num_words,
             BLOCK_R=block_r,
