@@ -6,8 +6,9 @@ GB/s of bytes read + written, the fewest a correct kernel must move. On CUDA eac
 
 Scenario per token count ``n`` (page size 64, pages scattered over a pool twice the size needed):
 
-- ``write_owned``: owner filter at cp=4, full chunk of ``4n`` fp8 rows (656 B), ``n`` owned; baseline
-  ``index_copy_`` of the ``n`` owned rows with precomputed destinations (the least work torch can do).
+- ``write_owned``: owner filter at cp=4, full chunk of ``4n`` fp8 rows (656 B) in token order (runs of 64 rows per
+  page, owners rotating per page), ``n`` owned; also the worst case where consecutive rows belong to different
+  ranks. Baseline ``index_copy_`` of the ``n`` owned rows with precomputed destinations (the least torch can do).
 - ``direct_write``: ``n`` rows, fp8 (656 B) and bf16 (1152 B); baseline ``index_copy_``.
 - ``quantize_write_mla_fp8``: bf16 ``[n, 576]`` -> 656-B rows; baseline torch quantize + ``index_copy_``.
 - ``quantize_write_indexer_fp8``: bf16 ``[n, 128]`` -> 8448-B pages; baseline torch quantize + two ``index_put_``.
@@ -171,7 +172,9 @@ def scattered(n: int, device: torch.device, seed: int):
     return (pages[t // PS] * PS + t % PS).to(device), num_local
 
 
-def bench_write(n: int, dev: torch.device, reps: int, *, row_dtype: str, owner_filter: bool) -> Result:
+def bench_write(
+    n: int, dev: torch.device, reps: int, *, row_dtype: str, owner_filter: bool, row_interleaved: bool = False
+) -> Result:
     row_bytes = 656 if row_dtype == "fp8" else 1152
     cp = 4 if owner_filter else 1
     sets = []
@@ -184,10 +187,14 @@ def bench_write(n: int, dev: torch.device, reps: int, *, row_dtype: str, owner_f
         rows = torch.empty(n * cp, pool.shape[2], dtype=torch.uint8 if row_dtype == "fp8" else torch.bfloat16,
                            device=dev)  # fmt: skip
         rows.view(torch.uint8).random_()
-        # local page l of rank 0 is logical page l * cp; other ranks' rows interleave with ours in the chunk
+        # local page l of rank 0 is logical page l * cp + 0; ranks 1.. own the pages l * cp + r
         page, off = torch.div(locs_own, PS, rounding_mode="floor"), locs_own % PS
-        locs = torch.stack([(page * cp + r) * PS + off for r in range(cp)], dim=1).reshape(-1)
-        owned_rows = rows[::cp].contiguous()
+        locs = torch.stack([(page * cp + r) * PS + off for r in range(cp)], dim=1)  # [n, cp]
+        if row_interleaved or n % PS:  # worst case: consecutive rows belong to different ranks
+            locs, owned_rows = locs.reshape(-1), rows[::cp].contiguous()
+        else:  # token order, as an all-gathered chunk is: runs of PS rows per page, owners rotating per page
+            locs = locs.view(-1, PS, cp).transpose(1, 2).reshape(-1)
+            owned_rows = rows.view(-1, cp, PS, rows.shape[1])[:, 0].reshape(-1, rows.shape[1])
         sets.append((own, pool, rows, locs, locs_own, owned_rows))
     name = "write_owned" if owner_filter else "direct_write"
     op = getattr(torch.ops.dtkv, name)
@@ -204,6 +211,7 @@ def bench_write(n: int, dev: torch.device, reps: int, *, row_dtype: str, owner_f
 
     nbytes = 2 * n * row_bytes + n * cp * 8
     label = f"{name} {row_dtype}" + (f" cp={cp}" if owner_filter else "")
+    label += " rows interleaved" if (owner_filter and row_interleaved) else ""
     ours_calls = [lambda a=a: ours(*a) for a in sets]
     base_calls = [lambda a=a: base(*a) for a in sets]
     return measure(label, n, nbytes, ours_calls, "index_copy_", base_calls, dev, reps)
@@ -407,6 +415,7 @@ def main() -> None:
     for n in tokens:
         results += [
             bench_write(n, dev, reps, row_dtype="fp8", owner_filter=True),
+            bench_write(n, dev, reps, row_dtype="fp8", owner_filter=True, row_interleaved=True),
             bench_write(n, dev, reps, row_dtype="fp8", owner_filter=False),
             bench_write(n, dev, reps, row_dtype="bf16", owner_filter=False),
             bench_quant_mla(n, dev, reps),
