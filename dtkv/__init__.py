@@ -6,6 +6,10 @@ Entry points:
 - :class:`PageAllocator` -- SPMD, owner-aware page allocator.
 - :class:`MLALatentLayout`, :class:`MLAFp8Layout`, :class:`IndexerFp8Layout` -- stored byte layouts.
 - :class:`ShardedKVPool` -- per-layer pools holding only the owned pages, with startup agreement checks.
+- :func:`plan_cp_split` -> :class:`CPSplit` -- zigzag / page-aligned / round-robin CP split metadata
+  (:mod:`dtkv.split`), :func:`verify_direct_write`, :func:`allocate_for_split`.
+- :mod:`dtkv.ops` -- the custom ops; :mod:`dtkv.materialize` -- full views; :mod:`dtkv.model` -- the reference
+  model; :mod:`dtkv.transfer` -- Mooncake PD transfer; :mod:`dtkv.capacity` -- sizing.
 
 The page-table format is defined in :mod:`dtkv.page_table`; ``DTKV_*`` variables in :mod:`dtkv._env`.
 """
@@ -18,22 +22,54 @@ from dtkv.allocator import AllocationError, PageAllocator
 from dtkv.layouts import FP8_E4M3_MAX, IndexerFp8Layout, KVLayout, MLAFp8Layout, MLALatentLayout
 from dtkv.ownership import PageOwnership
 from dtkv.pool import ShardedKVPool, gather_pages
+from dtkv.split import (
+    CPSplit,
+    LocalSplit,
+    SplitAllocation,
+    allocate_for_split,
+    compute_owners,
+    compute_pages,
+    handoff_pages,
+    local_locs,
+    merge_prev_next,
+    pad_local,
+    plan_cp_split,
+    restore_natural,
+    split_prev_next,
+    take_local,
+    verify_direct_write,
+)
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
     "FP8_E4M3_MAX",
     "AllocationError",
+    "CPSplit",
     "ConfigMismatchError",
     "IndexerFp8Layout",
     "KVLayout",
+    "LocalSplit",
     "MLAFp8Layout",
     "MLALatentLayout",
     "PageAllocator",
     "PageOwnership",
     "ShardedKVPool",
+    "SplitAllocation",
+    "allocate_for_split",
+    "compute_owners",
+    "compute_pages",
     "debug_enabled",
     "debug_mode",
     "default_backend",
     "gather_pages",
+    "handoff_pages",
+    "local_locs",
+    "merge_prev_next",
+    "pad_local",
+    "plan_cp_split",
+    "restore_natural",
+    "split_prev_next",
+    "take_local",
+    "verify_direct_write",
 ]
