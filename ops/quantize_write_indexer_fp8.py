@@ -137,7 +137,7 @@ def _triton_aligned(pool: torch.Tensor, page_size: int, head_dim: int) -> bool:
     return (page_size * head_dim) % 4 == 0 and pool.stride(0) % 4 == 0 and pool.storage_offset() % 4 == 0
 
 
-KERNEL_CONFIG: dict[str, int] = {"block_r": 8, "num_warps": 2}
+KERNEL_CONFIG: dict[str, int] = {"block_r": 16, "num_warps": 2}
 """Launch parameters (tokens per program, warps; ``block_r`` 0 = derived from the head dim), swept on an H200 by
 ``benchmarks/bench_ops.py``."""
 

@@ -167,7 +167,7 @@ def _triton_aligned(pool: torch.Tensor, kv_lora_rank: int) -> bool:
     )  # fmt: skip
 
 
-KERNEL_CONFIG: dict[str, int] = {"block_r": 8, "num_warps": 4}
+KERNEL_CONFIG: dict[str, int] = {"block_r": 4, "num_warps": 4}
 """Launch parameters (rows per program, warps; ``block_r`` 0 = derived from the row size), swept on an H200 by
 ``benchmarks/bench_ops.py``."""
 

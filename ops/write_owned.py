@@ -87,10 +87,11 @@ def _write_owned_kernel(
         tl.store(pool_ptr + dst[:, None] + cols[None, :], v, mask=m)
 
 
-KERNEL_CONFIG: dict[str, int] = {"block_r": 8, "block_w": 128, "num_warps": 8, "filter_block_r": 0}
-"""Launch parameters of the row-scatter kernel, swept by ``benchmarks/bench_ops.py`` on an H200: ``block_r`` rows
-per program when every row is kept, ``filter_block_r`` when about ``1/cp`` are (``0``: ``block_r * cp``, at most 64,
-so a program still moves ~``block_r`` rows), ``block_w`` words per step (``0``: the row, up to 256)."""
+KERNEL_CONFIG: dict[str, int] = {"block_r": 8, "block_w": 128, "num_warps": 4, "filter_block_r": 8}
+"""Launch parameters of the row-scatter kernel, swept by ``benchmarks/bench_ops.py`` on an H200
+(``benchmarks/results/ops_h200_2026-11-29.md``): ``block_r`` rows per program when every row is kept,
+``filter_block_r`` for the owner filter (``0``: ``block_r * cp``, at most 64), ``block_w`` words per step (``0``: the
+whole row, up to 256)."""
 
 
 def _launch_rows(pool, rows, locs, cp_size, num_pages, layout_code, rank, *, filtered: bool) -> None:
