@@ -101,8 +101,9 @@ def _launch_rows(pool, rows, locs, cp_size, num_pages, layout_code, rank, *, fil
         return
     pool_w = word_view(pool)
     rows_w = word_view(rows)
-    if pool_w.dtype != rows_w.dtype:  # e.g. a pool whose page stride only allows narrower words
-        rows_w = rows.view(pool_w.dtype)
+    if pool_w.dtype != rows_w.dtype:  # e.g. a page stride or an offset that only allows narrower words
+        narrow = min(pool_w.dtype, rows_w.dtype, key=lambda d: d.itemsize)
+        pool_w, rows_w = pool.view(narrow), rows.view(narrow)
     num_words = rows_w.shape[1]
     block_w = KERNEL_CONFIG["block_w"] or min(triton.next_power_of_2(num_words), 256)
     block_r = KERNEL_CONFIG["block_r"]

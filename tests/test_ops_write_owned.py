@@ -144,3 +144,17 @@ def _triton_cpu() -> bool:
     from tests.ops_reference import backend_ok
 
     return backend_ok("triton", "cpu")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_allows_misaligned_rows_and_pool(backend):
+    """Odd byte offsets force byte-wide words on one side: both sides then copy bytes."""
+    skip_unless(backend, "cpu")
+    own = PageOwnership(1, 3)
+    buf = torch.zeros(3 * 2 * 16 + 1, dtype=torch.uint8)
+    pool = buf[1:].view(3, 2, 16)  # storage offset 1: only uint8 words
+    rows = torch.randint(0, 255, (4, 16), dtype=torch.uint8)
+    locs = torch.tensor([5, 0, 2, 3])
+    write_owned(pool, rows, locs, own, 0, backend=backend)
+    assert_same_bytes(pool, ref_write_rows(torch.zeros(3, 2, 16, dtype=torch.uint8), rows, locs, own, 0))
+    assert buf[0] == 0
