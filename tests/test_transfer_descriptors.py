@@ -73,22 +73,27 @@ def _inside(addr, length, regions):
 
 
 def apply_plan(plan, pre, dec):
-    """The memcpy simulator: packs, bounds-checked entries (no destination byte written twice), unpacks."""
+    """The memcpy simulator, one layer group at a time: pack the group, copy its entries (bounds-checked, no
+    destination byte written twice over the request), unpack it. An entry filed under the wrong group would
+    reach decode after its group was unpacked, and the comparison would fail."""
     written = []
-    for sp in plan.senders:
-        pre[sp.rank].pack(sp.pack)
-        for peer in sp.peers:
-            src_regions, dst_regions = _regions(pre[sp.rank]), _regions(dec[peer.decode_rank])
-            for a, b, n in zip(peer.src.tolist(), peer.dst.tolist(), peer.length.tolist()):
-                assert n > 0 and _inside(a, n, src_regions), f"source entry {a}+{n} outside prefill rank {sp.rank}"
-                assert _inside(b, n, dst_regions), f"destination entry {b}+{n} outside decode rank {peer.decode_rank}"
-                ctypes.memmove(b, a, n)
-                written.append((b, n))
+    for c in range(plan.num_chunks):
+        layers = slice(int(plan.layer_bounds[c]), int(plan.layer_bounds[c + 1]))
+        for sp in plan.senders:
+            pre[sp.rank].pack(sp.pack, layers)
+            for peer in sp.peers:
+                src_regions, dst_regions = _regions(pre[sp.rank]), _regions(dec[peer.decode_rank])
+                sl = peer.chunk(c)
+                for a, b, n in zip(peer.src[sl].tolist(), peer.dst[sl].tolist(), peer.length[sl].tolist()):
+                    assert n > 0 and _inside(a, n, src_regions), f"source entry {a}+{n} outside prefill {sp.rank}"
+                    assert _inside(b, n, dst_regions), f"destination entry {b}+{n} outside decode {peer.decode_rank}"
+                    ctypes.memmove(b, a, n)
+                    written.append((b, n))
+        for s in dec:
+            s.unpack(plan.unpack_for(s.rank), layers)
     written.sort()
     for (a, n), (b, _) in zip(written, written[1:]):
         assert a + n <= b, "a destination byte is written twice"
-    for s in dec:
-        s.unpack(plan.unpack_for(s.rank))
 
 
 def _request(num_tokens, seed):
@@ -102,7 +107,7 @@ def _request(num_tokens, seed):
 
 
 def run_oracle(
-    cp_p, layout_p, decode, num_tokens, staging, *, latent=False, seed=0, staging_bytes=1 << 20, layouts=None
+    cp_p, layout_p, decode, num_tokens, staging, *, latent=False, seed=0, staging_bytes=1 << 20, layouts=None, chunks=1
 ):
     layouts = layouts or _layouts(latent)
     own_p = PageOwnership(cp_p, P_PREFILL, layout_p)
@@ -117,7 +122,7 @@ def run_oracle(
         dst,
         prefill=[s.endpoint("prefill", "p") for s in pre],
         decode=[s.endpoint("decode", "d") for s in dec],
-        options=PlanOptions(staging=staging),
+        options=PlanOptions(staging=staging, layer_chunks=chunks),
     )
     apply_plan(plan, pre, dec)
     got = _reassemble(dec, own_d)
@@ -151,6 +156,18 @@ class TestOracle:
         assert plan.num_positions == -(-num_tokens // PAGE_SIZE)
         if num_tokens == 0:
             assert plan.num_entries == 0 and plan.min_entries == 0
+
+    @pytest.mark.parametrize("chunks", [2, 3, 5])
+    @pytest.mark.parametrize("staging", ["auto", "full"])
+    @pytest.mark.parametrize("decode", [(1, "interleave"), (3, "block")], ids=["d1", "d3b"])
+    @pytest.mark.parametrize("cp_p", [2, 4])
+    def test_layer_groups_vs_reference(self, cp_p, decode, staging, chunks):
+        """Pipelined plans: each layer group's entries, packs and unpacks stand alone."""
+        plan = run_oracle(cp_p, "interleave", decode, 19 * PAGE_SIZE - 2, staging, chunks=chunks)
+        assert plan.num_chunks == min(chunks, NUM_LAYERS)
+        for sp in plan.senders:
+            for peer in sp.peers:
+                assert peer.chunk_indptr[-1] == peer.num_entries and np.all(np.diff(peer.chunk_indptr) > 0)
 
     def test_latent_bf16_layout(self):
         run_oracle(2, "interleave", (1, "interleave"), 41, "full", latent=True)

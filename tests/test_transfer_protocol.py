@@ -71,9 +71,10 @@ def _check(sender, receiver, src, dst):
 class TestSendReceive:
     """Every prefill rank hosted by one sender, every decode rank by one receiver, one thread."""
 
+    @pytest.mark.parametrize("chunks", [1, 2])
     @pytest.mark.parametrize("cp_p,cp_d,layout_d", [(1, 1, "interleave"), (2, 1, "interleave"), (4, 3, "block")])
-    def test_round_trip_vs_reference(self, cp_p, cp_d, layout_d):
-        sender, receiver = _pair(cp_p, cp_d, layout_d)
+    def test_round_trip_vs_reference(self, cp_p, cp_d, layout_d, chunks):
+        sender, receiver = _pair(cp_p, cp_d, layout_d, options=PlanOptions(layer_chunks=chunks))
         src, dst = np.arange(3, 26), np.random.default_rng(0).permutation(30)[:23]
         receiver.post_request("r0", dst, num_tokens=23 * 4 - 2)
         sent = sender.send_request("r0", src)

@@ -10,7 +10,9 @@ key                         written by   value
 ``{role}/size``             rank 0       number of ranks of that side
 ``{role}/{rank}``           each rank    its :class:`dtkv.transfer.RankEndpoint`
 ``req/{rid}/dst``           decode       decode pages, slot and staging flag of request ``rid``
-``req/{rid}/done/{rank}``   each prefill its :class:`SendOutcome` (positions sent, staging copies, or the error)
+``req/{rid}/start/{rank}``  each prefill its :class:`SendStart` (positions it sends, decode's staging copies)
+``req/{rid}/chunk/{r}/{c}`` each prefill layer group ``c`` of rank ``r`` landed (all but the last group)
+``req/{rid}/done/{rank}``   each prefill its :class:`SendOutcome` (counts, or the error)
 ==========================  ===========  ===========================================================
 
 Every wait polls with ``check`` under a deadline (no wait is unbounded), and a store that cannot be reached
@@ -30,7 +32,7 @@ import torch.distributed as dist
 from dtkv.transfer.descriptors import RankEndpoint, StageCopy
 from dtkv.transfer.errors import TransferError
 
-__all__ = ["Bootstrap", "DstRequest", "SendOutcome", "create_store"]
+__all__ = ["Bootstrap", "DstRequest", "SendOutcome", "SendStart", "create_store"]
 
 MAX_POLL_S = 0.005
 """Longest sleep between two polls of the store (the latency a waiter may add after a key appears)."""
@@ -56,16 +58,25 @@ class DstRequest:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
+class SendStart:
+    """What a prefill rank announces before sending: its positions and what decode must unpack."""
+
+    rank: int
+    positions: np.ndarray
+    """Positions this rank sends (its owned pages: the explicit logical positions)."""
+    unpack: dict[int, tuple[StageCopy, ...]] = field(default_factory=dict)
+    """decode rank -> staging copies decode applies, one layer group at a time, as the groups land."""
+    layer_bounds: np.ndarray = field(default_factory=lambda: np.zeros(2, dtype=np.int64))
+    """int64 ``[num_chunks + 1]``: the layer groups (:attr:`dtkv.transfer.RequestPlan.layer_bounds`)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
 class SendOutcome:
-    """What a prefill rank reports after sending its share of a request."""
+    """What a prefill rank reports after sending its share of a request (or failing to)."""
 
     rank: int
     ok: bool
     error: str = ""
-    positions: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    """Positions this rank sent (its owned pages, explicit logical positions)."""
-    unpack: dict[int, tuple[StageCopy, ...]] = field(default_factory=dict)
-    """decode rank -> staging copies decode must apply."""
     num_entries: int = 0
     num_calls: int = 0
     num_bytes: int = 0

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["coalesce_entries", "expand_layers", "page_runs", "split_batches"]
+__all__ = ["coalesce_entries", "expand_layers", "layer_bounds", "page_runs", "split_batches"]
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -56,7 +56,8 @@ def expand_layers(
     Layer ``l``, page ``j`` of a side with ``rows`` pages per layer starts at byte ``(l * rows + j) * page_bytes``.
 
     Returns:
-        ``(src_offset, dst_offset, length)``, int64 ``[num_layers * num_runs]``, layer-major.
+        ``(src_offset, dst_offset, length)``, int64 ``[num_layers * num_runs]``, layer-major (entry ``i`` is in
+        layer ``i // num_runs``).
     """
     s0, d0, n = runs
     layer = np.arange(num_layers, dtype=np.int64)[:, None]
@@ -66,21 +67,34 @@ def expand_layers(
     return src, dst, np.ascontiguousarray(length)
 
 
-def coalesce_entries(src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Merge entries whose byte ranges continue each other on both sides; sorted by source address.
+def coalesce_entries(
+    src: np.ndarray, dst: np.ndarray, length: np.ndarray, group: np.ndarray | None = None
+) -> tuple[np.ndarray, ...]:
+    """Merge entries whose byte ranges continue each other on both sides; sorted by (group, source address).
 
-    Entry ``b`` extends entry ``a`` when ``src[a] + length[a] == src[b]`` and ``dst[a] + length[a] == dst[b]``.
-    Zero-length entries are dropped.
+    Entry ``b`` extends entry ``a`` when ``src[a] + length[a] == src[b]`` and ``dst[a] + length[a] == dst[b]``
+    (and both have the same ``group``, e.g. the pipeline chunk). Zero-length entries are dropped.
+
+    Returns:
+        ``(src, dst, length)``, plus the ``group`` of each merged entry when ``group`` is given.
     """
     keep = length > 0
     src, dst, length = src[keep], dst[keep], length[keep]
-    if src.shape[0] <= 1:
-        return src.astype(np.int64), dst.astype(np.int64), length.astype(np.int64)
-    order = np.lexsort((dst, src))
-    s, d, n = src[order], dst[order], length[order]
-    cont = (s[:-1] + n[:-1] == s[1:]) & (d[:-1] + n[:-1] == d[1:])
-    starts = np.concatenate(([0], np.flatnonzero(~cont) + 1))
-    return s[starts], d[starts], np.add.reduceat(n, starts).astype(np.int64)
+    grp = np.zeros(src.shape[0], dtype=np.int64) if group is None else group[keep]
+    if src.shape[0] > 1:
+        order = np.lexsort((dst, src, grp))
+        src, dst, length, grp = src[order], dst[order], length[order], grp[order]
+        cont = (src[:-1] + length[:-1] == src[1:]) & (dst[:-1] + length[:-1] == dst[1:]) & (grp[:-1] == grp[1:])
+        starts = np.concatenate(([0], np.flatnonzero(~cont) + 1))
+        src, dst, grp, length = src[starts], dst[starts], grp[starts], np.add.reduceat(length, starts)
+    out = (src.astype(np.int64), dst.astype(np.int64), length.astype(np.int64))
+    return out if group is None else (*out, grp.astype(np.int64))
+
+
+def layer_bounds(num_layers: int, num_chunks: int) -> np.ndarray:
+    """Layer boundaries of ``min(num_chunks, num_layers)`` near-equal pipeline chunks: int64 ``[chunks + 1]``."""
+    chunks = max(1, min(num_chunks, num_layers))
+    return np.array([c * num_layers // chunks for c in range(chunks + 1)], dtype=np.int64)
 
 
 def split_batches(num_entries: int, max_entries: int) -> list[slice]:

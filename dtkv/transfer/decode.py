@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dtkv._env import transfer_timeout_s
-from dtkv.transfer.bootstrap import MAX_POLL_S, Bootstrap, DstRequest, SendOutcome
+from dtkv.transfer.bootstrap import MAX_POLL_S, Bootstrap, DstRequest, SendOutcome, SendStart
 from dtkv.transfer.descriptors import RankEndpoint, as_pages, check_compatible
 from dtkv.transfer.engine import MooncakeEngine
 from dtkv.transfer.errors import TransferError, format_pages
@@ -33,7 +33,11 @@ class ReceiveReport:
     staged: bool
     """Whether any staging region was unpacked."""
     wait_s: float
+    """Time waiting for the senders (less the unpacking done meanwhile)."""
     unpack_s: float
+    """Time unpacking staging regions (mostly overlapped with the transfer when it has several layer groups)."""
+    tail_s: float
+    """Unpacking after the last sender finished (on the critical path)."""
 
 
 class DecodeReceiver:
@@ -75,6 +79,7 @@ class DecodeReceiver:
         self._pending: dict[str, tuple[np.ndarray, bool]] = {}
         self._staging_request: str | None = None
         self._staging_blocked_until = 0.0
+        self._chunks_seen: dict[tuple[str, int], int] = {}
 
     @property
     def posts(self) -> bool:
@@ -127,10 +132,10 @@ class DecodeReceiver:
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         t0 = time.perf_counter()
         try:
-            outcomes = self._wait_outcomes(request_id, dst, deadline)
-            counts = np.bincount(
-                np.concatenate([o.positions for o in outcomes] + [np.zeros(0, np.int64)]), minlength=dst.shape[0]
-            )
+            starts, outcomes, unpack_s = self._wait_outcomes(request_id, dst, deadline)
+            t1 = time.perf_counter()
+            counts = np.bincount(np.concatenate([st.positions for st in starts] + [np.zeros(0, np.int64)]))
+            counts = np.pad(counts, (0, max(0, dst.shape[0] - counts.shape[0])))
             if counts.shape[0] != dst.shape[0] or not np.all(counts == 1):
                 missing = np.flatnonzero(counts[: dst.shape[0]] == 0)
                 repeated = np.flatnonzero(counts > 1)
@@ -141,10 +146,6 @@ class DecodeReceiver:
                     peer="prefill",
                     pages=dst[missing] if missing.size else (),
                 )
-            t1 = time.perf_counter()
-            for d, shard in self.shards.items():
-                shard.unpack(c for o in outcomes for c in o.unpack.get(d, ()))
-            t2 = time.perf_counter()
         except BaseException:
             self._finish(request_id, ok=False)
             raise
@@ -156,9 +157,10 @@ class DecodeReceiver:
             min_entries=max(o.min_entries for o in outcomes),
             num_calls=sum(o.num_calls for o in outcomes),
             num_bytes=sum(o.num_bytes for o in outcomes),
-            staged=any(o.unpack for o in outcomes),
-            wait_s=t1 - t0,
-            unpack_s=t2 - t1,
+            staged=any(any(st.unpack.values()) for st in starts),
+            wait_s=t1 - t0 - unpack_s[1],
+            unpack_s=unpack_s[0],
+            tail_s=unpack_s[1],
         )
 
     def receive_request(self, request_id: str, dst_pages: object, **kwargs) -> ReceiveReport:
@@ -167,40 +169,80 @@ class DecodeReceiver:
         self.post_request(request_id, dst_pages, **kwargs)
         return self.wait_request(request_id, timeout_s=timeout_s)
 
-    def _wait_outcomes(self, request_id: str, dst: np.ndarray, deadline: float) -> list[SendOutcome]:
+    def _wait_outcomes(self, request_id: str, dst: np.ndarray, deadline: float):
+        """Poll every sender's start, layer-group and done keys; unpack each group as soon as it landed.
+
+        Returns ``(starts, outcomes, (unpack seconds, unpack seconds after the last done))``.
+        """
         num_prefill = len(self.prefill)
-        keys = {r: f"req/{request_id}/done/{r}" for r in range(num_prefill)}
-        got: dict[int, SendOutcome] = {}
+        starts: dict[int, SendStart] = {}
+        done: dict[int, SendOutcome] = {}
+        unpacked = dict.fromkeys(range(num_prefill), 0)  # layer groups of each sender unpacked so far
+        unpack_s = [0.0, 0.0]
+
+        def check(key: str, r: int) -> bool:
+            try:
+                return bool(self.bootstrap.store.check([key]))
+            except Exception as e:  # noqa: BLE001
+                raise TransferError(f"store unreachable: {e}", request_id=request_id, peer=f"prefill rank {r}") from e
+
+        def unpack_upto(r: int, stop: int, tail: bool) -> None:
+            st = starts[r]
+            t = time.perf_counter()
+            for c in range(unpacked[r], stop):
+                layers = slice(int(st.layer_bounds[c]), int(st.layer_bounds[c + 1]))
+                for d, shard in self.shards.items():
+                    shard.unpack(st.unpack.get(d, ()), layers)
+            unpacked[r] = max(unpacked[r], stop)
+            dt = time.perf_counter() - t
+            unpack_s[0] += dt
+            unpack_s[1] += dt if tail else 0.0
+
         delay = 0.001
-        while len(got) < num_prefill:
-            for r, key in keys.items():
-                if r in got:
+        while len(done) < num_prefill:
+            progressed = False
+            for r in range(num_prefill):
+                if r in done:
                     continue
-                try:
-                    ready = self.bootstrap.store.check([key])
-                except Exception as e:  # noqa: BLE001
-                    raise TransferError(
-                        f"store unreachable: {e}", request_id=request_id, peer=f"prefill rank {r}"
-                    ) from e
-                if not ready:
-                    continue
-                out: SendOutcome = self.bootstrap.get(key, deadline=deadline, request_id=request_id)
-                if not out.ok:
-                    raise TransferError(out.error, request_id=request_id, peer=f"prefill rank {r}", pages=dst)
-                got[r] = out
-            left = deadline - time.monotonic()
-            if len(got) < num_prefill:
-                if left <= 0:
-                    missing = sorted(set(keys) - set(got))
-                    raise TransferError(
-                        f"timed out waiting for prefill ranks {missing}",
-                        request_id=request_id,
-                        peer=f"prefill rank {missing[0]}",
-                        pages=dst,
+                prefix = f"req/{request_id}"
+                if r not in starts and check(f"{prefix}/start/{r}", r):
+                    starts[r] = self.bootstrap.get(f"{prefix}/start/{r}", deadline=deadline, request_id=request_id)
+                    progressed = True
+                if r in starts and any(starts[r].unpack.get(d) for d in self.shards):
+                    num_chunks = int(starts[r].layer_bounds.shape[0]) - 1
+                    while unpacked[r] < num_chunks - 1 and check(f"{prefix}/chunk/{r}/{unpacked[r]}", r):
+                        unpack_upto(r, unpacked[r] + 1, tail=False)
+                        progressed = True
+                if check(f"{prefix}/done/{r}", r):
+                    out: SendOutcome = self.bootstrap.get(
+                        f"{prefix}/done/{r}", deadline=deadline, request_id=request_id
                     )
-                time.sleep(min(delay, left))
-                delay = min(delay * 2, MAX_POLL_S)
-        return [got[r] for r in range(num_prefill)]
+                    if not out.ok:
+                        raise TransferError(out.error, request_id=request_id, peer=f"prefill rank {r}", pages=dst)
+                    if r not in starts:  # an ok outcome always follows its start
+                        starts[r] = self.bootstrap.get(f"{prefix}/start/{r}", deadline=deadline, request_id=request_id)
+                    done[r] = out
+                    progressed = True
+            if len(done) == num_prefill:
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(num_prefill)) - set(done))
+                raise TransferError(
+                    f"timed out waiting for prefill ranks {missing}",
+                    request_id=request_id,
+                    peer=f"prefill rank {missing[0]}",
+                    pages=dst,
+                )
+            delay = 0.001 if progressed else min(delay * 2, MAX_POLL_S)
+            time.sleep(min(delay, left))
+        for r in range(num_prefill):  # the groups not announced separately (at least the last one)
+            num_chunks = int(starts[r].layer_bounds.shape[0]) - 1
+            unpack_upto(r, num_chunks, tail=True)
+            if any(starts[r].unpack.values()):
+                self._chunks_seen[(request_id, r)] = num_chunks - 1
+        order = range(num_prefill)
+        return [starts[r] for r in order], [done[r] for r in order], unpack_s
 
     def _finish(self, request_id: str, *, ok: bool) -> None:
         self._pending.pop(request_id, None)
@@ -211,7 +253,10 @@ class DecodeReceiver:
         if ok and self.posts and len(self.shards) == len(self.decode or ()):  # no other decode process reads them
             self.bootstrap.delete(f"req/{request_id}/dst")
             for r in range(len(self.prefill or ())):
-                self.bootstrap.delete(f"req/{request_id}/done/{r}")
+                for kind in ("start", "done"):
+                    self.bootstrap.delete(f"req/{request_id}/{kind}/{r}")
+                for c in range(self._chunks_seen.pop((request_id, r), 0)):
+                    self.bootstrap.delete(f"req/{request_id}/chunk/{r}/{c}")
 
     def close(self) -> None:
         """Unregister the shards; close the engine too if this receiver created it."""

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from dtkv.ownership import PageOwnership
-from dtkv.transfer.coalesce import coalesce_entries, expand_layers, page_runs
+from dtkv.transfer.coalesce import coalesce_entries, expand_layers, layer_bounds, page_runs
 
 __all__ = [
     "BufferSpec",
@@ -122,8 +122,13 @@ class PlanOptions:
     """Local copy bandwidth used to price a staging pack or unpack."""
     meta_sender: int = 0
     """The one prefill rank that sends the replicated metadata row."""
+    layer_chunks: int = 1
+    """Pipeline depth: entries are cut into this many layer groups, sent one after the other, so that staging
+    copies of one group (pack on prefill, unpack on decode) overlap the transfer of another. ``1``: one group."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.layer_chunks, bool) or not isinstance(self.layer_chunks, int) or self.layer_chunks < 1:
+            raise ValueError(f"layer_chunks must be an int >= 1, got layer_chunks={self.layer_chunks!r}")
         if self.staging not in _STAGING:
             raise ValueError(f"staging must be one of {_STAGING}, got staging={self.staging!r}")
         if not self.entry_cost_s >= 0:
@@ -161,11 +166,20 @@ class PeerEntries:
     dst_pages: np.ndarray
     """int64 ``[k]``: their decode logical pages (for error messages)."""
     meta: bool = False
-    """Whether the entries include the replicated metadata row."""
+    """Whether the entries include the replicated metadata row (in the last chunk)."""
+    chunk_indptr: np.ndarray | None = None
+    """int64 ``[num_chunks + 1]``: entries of layer group ``c`` are ``[chunk_indptr[c], chunk_indptr[c + 1])``
+    (``None``: one group)."""
 
     @property
     def num_entries(self) -> int:
         return int(self.length.shape[0])
+
+    def chunk(self, c: int | None) -> slice:
+        """The entries of layer group ``c`` (all of them for ``None``)."""
+        if c is None or self.chunk_indptr is None:
+            return slice(0, self.num_entries)
+        return slice(int(self.chunk_indptr[c]), int(self.chunk_indptr[c + 1]))
 
     @property
     def num_bytes(self) -> int:
@@ -204,6 +218,12 @@ class RequestPlan:
     """One entry per (prefill rank, decode rank) pair exchanging pages, plus one per metadata row sent."""
     staged_bytes: int
     """Bytes copied through staging regions (packs plus unpacks)."""
+    layer_bounds: np.ndarray
+    """int64 ``[num_chunks + 1]``: layer group ``c`` covers layers ``[layer_bounds[c], layer_bounds[c + 1])``."""
+
+    @property
+    def num_chunks(self) -> int:
+        return int(self.layer_bounds.shape[0]) - 1
 
     @property
     def num_entries(self) -> int:
@@ -343,6 +363,9 @@ def plan_request(
     src_owner, src_local = _map(own_p, src)
     dst_owner, dst_local = _map(own_d, dst)
     num_layers = prefill[0].num_layers
+    bounds = layer_bounds(num_layers, opts.layer_chunks)
+    num_chunks = int(bounds.shape[0]) - 1
+    chunk_of_layer = np.searchsorted(bounds, np.arange(num_layers), side="right") - 1
     names = [b.name for b in prefill[0].buffers]
     positions = np.arange(src.shape[0], dtype=np.int64)
     src_used = [0] * len(prefill)
@@ -364,7 +387,7 @@ def plan_request(
                 nbytes = num_layers * k * bs.page_bytes
                 src_off, dst_off = _align(src_used[r], bs), _align(dst_used[d], bs)
                 mode, rel = _choose(
-                    src_local[sel], dst_local[sel], bs, bd, num_layers, opts,
+                    src_local[sel], dst_local[sel], bs, bd, chunk_of_layer, opts,
                     src_off + nbytes <= ep_p.staging_bytes, dst_off + nbytes <= ep_d.staging_bytes,
                 )  # fmt: skip
                 src_base, dst_base = bs.addr, bd.addr
@@ -379,7 +402,7 @@ def plan_request(
                     dst_base = ep_d.staging_addr + dst_off
                     dst_used[d] = dst_off + nbytes
                     staged += nbytes
-                parts.append((rel[0] + src_base, rel[1] + dst_base, rel[2]))
+                parts.append((rel[0] + src_base, rel[1] + dst_base, rel[2], rel[3]))
             has_meta = meta is not None and r == opts.meta_sender
             if has_meta:
                 row = ep_p.meta_row_bytes
@@ -388,13 +411,14 @@ def plan_request(
                         np.array([ep_p.meta_addr + src_meta_slot * row], dtype=np.int64),
                         np.array([ep_d.meta_addr + dst_meta_slot * row], dtype=np.int64),
                         np.array([row], dtype=np.int64),
+                        np.array([num_chunks - 1], dtype=np.int64),
                     )
                 )
                 min_entries += 1
             if not parts:
                 continue
             min_entries += 1 if k else 0
-            s, t, n = coalesce_entries(*(np.concatenate(x) for x in zip(*parts)))
+            s, t, n, g = coalesce_entries(*(np.concatenate(x) for x in zip(*parts)))
             peers.append(
                 PeerEntries(
                     decode_rank=d,
@@ -405,6 +429,7 @@ def plan_request(
                     positions=sel,
                     dst_pages=dst[sel],
                     meta=has_meta,
+                    chunk_indptr=np.searchsorted(g, np.arange(num_chunks + 1)).astype(np.int64),
                 )
             )
         senders.append(
@@ -417,7 +442,11 @@ def plan_request(
             )
         )
     return RequestPlan(
-        num_positions=int(src.shape[0]), senders=tuple(senders), min_entries=min_entries, staged_bytes=staged
+        num_positions=int(src.shape[0]),
+        senders=tuple(senders),
+        min_entries=min_entries,
+        staged_bytes=staged,
+        layer_bounds=bounds,
     )
 
 
@@ -445,9 +474,11 @@ def _check_meta(prefill, decode, opts, src_slot, dst_slot) -> bool | None:
     return True
 
 
-def _choose(s_loc, d_loc, bs, bd, num_layers, opts, fits_src, fits_dst):
-    """Pick (src staged, dst staged) for one (sender, receiver, buffer) triple; entries relative to bases."""
+def _choose(s_loc, d_loc, bs, bd, chunk_of_layer, opts, fits_src, fits_dst):
+    """Pick (src staged, dst staged) for one (sender, receiver, buffer) triple; entries relative to bases,
+    with the layer group of each."""
     k = int(s_loc.shape[0])
+    num_layers = int(chunk_of_layer.shape[0])
     nbytes = num_layers * k * bs.page_bytes
     modes = [(False, False)]
     if opts.staging != "off":
@@ -461,11 +492,11 @@ def _choose(s_loc, d_loc, bs, bd, num_layers, opts, fits_src, fits_dst):
     for m in modes:
         a, a_rows = (staged_idx, k) if m[0] else (s_loc, bs.num_local_pages)
         b, b_rows = (staged_idx, k) if m[1] else (d_loc, bd.num_local_pages)
-        rel = coalesce_entries(
-            *expand_layers(
-                page_runs(a, b), num_layers=num_layers, page_bytes=bs.page_bytes, src_rows=a_rows, dst_rows=b_rows
-            )
+        runs = page_runs(a, b)
+        expanded = expand_layers(
+            runs, num_layers=num_layers, page_bytes=bs.page_bytes, src_rows=a_rows, dst_rows=b_rows
         )
+        rel = coalesce_entries(*expanded, np.repeat(chunk_of_layer, runs[0].shape[0]))
         cost = rel[0].shape[0] * opts.entry_cost_s + (m[0] + m[1]) * nbytes / opts.copy_bytes_per_s
         if best is None or cost < best[0]:
             best = (cost, m, rel)

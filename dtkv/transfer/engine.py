@@ -24,7 +24,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
@@ -242,11 +242,12 @@ def _peer_name(session: str, group: Sequence[PeerEntries]) -> str:
     return f"{which} at {session}"
 
 
-def _send_session(engine, session, group, max_entries, request_id, cancel: threading.Event) -> int:
-    src = np.concatenate([p.src for p in group])
-    dst = np.concatenate([p.dst for p in group])
-    length = np.concatenate([p.length for p in group])
-    owner = np.concatenate([np.full(p.num_entries, i) for i, p in enumerate(group)])
+def _send_session(engine, session, group, chunk, max_entries, request_id, cancel: threading.Event) -> int:
+    sl = [p.chunk(chunk) for p in group]
+    src = np.concatenate([p.src[s] for p, s in zip(group, sl)])
+    dst = np.concatenate([p.dst[s] for p, s in zip(group, sl)])
+    length = np.concatenate([p.length[s] for p, s in zip(group, sl)])
+    owner = np.concatenate([np.full(s.stop - s.start, i) for i, s in enumerate(sl)])
     calls = 0
     for sl in split_batches(int(length.shape[0]), max_entries):
         if cancel.is_set():
@@ -273,6 +274,8 @@ def send_entries(
     request_id: str,
     deadline: float,
     max_entries_per_call: int = MAX_ENTRIES_PER_CALL,
+    chunk: int | None = None,
+    overlap: Callable[[], object] | None = None,
 ) -> int:
     """Send every peer's entries (blocking), one call in flight per peer session; returns the number of calls.
 
@@ -282,6 +285,8 @@ def send_entries(
         request_id: named in errors.
         deadline: ``time.monotonic()`` value by which everything must be done.
         max_entries_per_call: entries per engine call (1..1024 on Mooncake 0.3.13 TCP).
+        chunk: send only layer group ``chunk`` of each peer (:meth:`PeerEntries.chunk`); ``None``: everything.
+        overlap: called in this thread once the calls are submitted, while they run (e.g. the next pack).
 
     Raises:
         TransferError: an engine call failed, or the deadline passed (naming the peer and its pages).
@@ -290,15 +295,18 @@ def send_entries(
         raise ValueError(f"max_entries_per_call must be in [1, 65535], got max_entries_per_call={max_entries_per_call}")
     by_session: dict[str, list[PeerEntries]] = {}
     for p in peers:
-        if p.num_entries:
+        sl = p.chunk(chunk)
+        if sl.stop > sl.start:
             by_session.setdefault(p.session, []).append(p)
     cancel = threading.Event()
     futures = {
-        s: engine.executor(s).submit(_send_session, engine, s, g, max_entries_per_call, request_id, cancel)
+        s: engine.executor(s).submit(_send_session, engine, s, g, chunk, max_entries_per_call, request_id, cancel)
         for s, g in by_session.items()
     }
     calls = 0
     try:
+        if overlap is not None:
+            overlap()
         for s, fut in futures.items():
             try:
                 calls += fut.result(timeout=max(0.0, deadline - time.monotonic()))

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from dtkv._env import transfer_timeout_s
-from dtkv.transfer.bootstrap import Bootstrap, DstRequest, SendOutcome
+from dtkv.transfer.bootstrap import Bootstrap, DstRequest, SendOutcome, SendStart
 from dtkv.transfer.descriptors import (
     PlanOptions,
     RankEndpoint,
@@ -46,7 +46,9 @@ class SendReport:
     """The fewest entries any plan of the request needs (:attr:`dtkv.transfer.RequestPlan.min_entries`)."""
     plan_s: float
     pack_s: float
+    """Time spent packing staging regions (all but the first layer group overlap the sending)."""
     send_s: float
+    """The rest: engine calls not overlapped by packing, and store updates."""
 
 
 class PrefillSender:
@@ -172,28 +174,53 @@ class PrefillSender:
             raise
         t_plan = time.perf_counter()
         senders = [plan.senders[r] for r in ranks]
+        bounds = plan.layer_bounds
+        pack_s = [0.0]
+
+        def pack(c: int) -> None:
+            tp = time.perf_counter()
+            for sp in senders:
+                self.shards[sp.rank].pack(sp.pack, slice(int(bounds[c]), int(bounds[c + 1])))
+            pack_s[0] += time.perf_counter() - tp
+
+        def landed(c: int) -> None:  # layer group c is on decode: it may unpack it
+            for sp in senders:
+                if any(sp.unpack.values()):
+                    self.bootstrap.set(f"req/{request_id}/chunk/{sp.rank}/{c}", 1)
+
         try:
             for sp in senders:
-                self.shards[sp.rank].pack(sp.pack)
-            t_pack = time.perf_counter()
-            # the hosted ranks share one engine: their entries go out as one stream per peer session
-            calls = send_entries(
-                self.engine,
-                [p for sp in senders for p in sp.peers],
-                request_id=request_id,
-                deadline=deadline,
-                max_entries_per_call=self.max_entries_per_call,
-            )
+                start = SendStart(rank=sp.rank, positions=sp.positions, unpack=sp.unpack, layer_bounds=bounds)
+                self.bootstrap.set(f"req/{request_id}/start/{sp.rank}", start)
+            pack(0)
+            calls = 0
+            peers = [p for sp in senders for p in sp.peers]
+            for c in range(plan.num_chunks):
+                # while group c is in flight: announce group c - 1 and pack group c + 1
+                def overlap(c: int = c) -> None:
+                    if c > 0:
+                        landed(c - 1)
+                    if c + 1 < plan.num_chunks:
+                        pack(c + 1)
+
+                calls += send_entries(
+                    self.engine,
+                    peers,
+                    request_id=request_id,
+                    deadline=deadline,
+                    max_entries_per_call=self.max_entries_per_call,
+                    chunk=c,
+                    overlap=overlap,
+                )
         except Exception as e:
             for r in ranks:
                 self._report(request_id, SendOutcome(rank=r, ok=False, error=f"{type(e).__name__}: {e}"))
             raise
+        t_pack = t_plan + pack_s[0]
         for i, sp in enumerate(senders):
             outcome = SendOutcome(
                 rank=sp.rank,
                 ok=True,
-                positions=sp.positions,
-                unpack=sp.unpack,
                 num_entries=sp.num_entries,
                 num_calls=calls if i == 0 else 0,
                 num_bytes=sp.num_bytes,

@@ -185,17 +185,17 @@ class KVShard:
             region = raw.view(buf.dtype).view(self.num_layers, k, *buf.shape[2:])
         return pool, region, torch.from_numpy(copy.local_pages).to(buf.device)
 
-    def pack(self, copies: Iterable[StageCopy]) -> None:
-        """Copy ``buffer[:, local_pages]`` into each staging region (prefill side, before sending)."""
+    def pack(self, copies: Iterable[StageCopy], layers: slice = slice(None)) -> None:
+        """Copy ``buffer[layers, local_pages]`` into each staging region (prefill side, before sending)."""
         for c in copies:
             pool, region, idx = self._views(c)
-            torch.index_select(pool, 1, idx, out=region)
+            torch.index_select(pool[layers], 1, idx, out=region[layers])
 
-    def unpack(self, copies: Iterable[StageCopy]) -> None:
-        """Copy each staging region into ``buffer[:, local_pages]`` (decode side, after every sender is done)."""
+    def unpack(self, copies: Iterable[StageCopy], layers: slice = slice(None)) -> None:
+        """Copy each staging region into ``buffer[layers, local_pages]`` (decode side, once the bytes landed)."""
         for c in copies:
             pool, region, idx = self._views(c)
-            pool.index_copy_(1, idx, region)
+            pool[layers].index_copy_(1, idx, region[layers])
 
     def __repr__(self) -> str:
         names = ", ".join(self.buffers)
