@@ -29,7 +29,6 @@ from dtkv.transfer.descriptors import (
     SenderPlan,
     StageCopy,
     check_compatible,
-    plan_request,
 )
 from dtkv.transfer.engine import (
     MAX_ENTRIES_PER_CALL,
@@ -40,6 +39,7 @@ from dtkv.transfer.engine import (
     send_entries,
 )
 from dtkv.transfer.errors import TransferError
+from dtkv.transfer.plan import plan_request
 from dtkv.transfer.prefill import PrefillSender, SendReport
 from dtkv.transfer.shard import KVShard
 

@@ -11,17 +11,10 @@ import torch
 
 from dtkv._env import transfer_timeout_s
 from dtkv.transfer.bootstrap import Bootstrap, DstRequest, SendOutcome, SendStart
-from dtkv.transfer.descriptors import (
-    PlanOptions,
-    RankEndpoint,
-    RequestPlan,
-    as_pages,
-    check_compatible,
-    disable_staging,
-    plan_request,
-)
+from dtkv.transfer.descriptors import PlanOptions, RankEndpoint, RequestPlan, as_pages, check_compatible
 from dtkv.transfer.engine import MAX_ENTRIES_PER_CALL, MooncakeEngine, send_entries
 from dtkv.transfer.errors import TransferError
+from dtkv.transfer.plan import disable_staging, plan_request
 from dtkv.transfer.shard import KVShard
 
 __all__ = ["PrefillSender", "SendReport"]
