@@ -11,8 +11,9 @@ key                         written by   value
 ``{role}/{rank}``           each rank    its :class:`dtkv.transfer.RankEndpoint`
 ``req/{rid}/dst``           decode       decode pages, slot and staging flag of request ``rid``
 ``req/{rid}/start/{rank}``  each prefill its :class:`SendStart` (positions it sends, decode's staging copies)
-``req/{rid}/chunk/{r}/{c}`` each prefill layer group ``c`` of rank ``r`` landed (all but the last group)
 ``req/{rid}/done/{rank}``   each prefill its :class:`SendOutcome` (counts, or the error)
+``req/{rid}/progress/{r}``  each prefill a counter (``store.add``): 1 once started, +1 per layer group landed,
+                                         +:data:`DONE` once ``done`` is posted -- decode polls it, one RPC per rank
 ==========================  ===========  ===========================================================
 
 Every wait polls with ``check`` under a deadline (no wait is unbounded), and a store that cannot be reached
@@ -32,7 +33,10 @@ import torch.distributed as dist
 from dtkv.transfer.descriptors import RankEndpoint, StageCopy
 from dtkv.transfer.errors import TransferError
 
-__all__ = ["Bootstrap", "DstRequest", "SendOutcome", "SendStart", "create_store"]
+__all__ = ["DONE", "MAX_POLL_S", "Bootstrap", "DstRequest", "SendOutcome", "SendStart", "create_store"]
+
+DONE = 1 << 20
+"""Progress-counter increment that says a sender posted its :class:`SendOutcome`."""
 
 MAX_POLL_S = 0.005
 """Longest sleep between two polls of the store (the latency a waiter may add after a key appears)."""
@@ -120,6 +124,13 @@ class Bootstrap:
                 raise TransferError(f"timed out waiting for {key!r}", request_id=request_id, peer=peer)
             time.sleep(min(delay, left))
             delay = min(delay * 2, MAX_POLL_S)
+
+    def add(self, key: str, amount: int, *, request_id: str = "-", peer: str = "store") -> int:
+        """Atomically add ``amount`` to the counter ``key`` (created at 0); returns the new value (one RPC)."""
+        try:
+            return int(self.store.add(key, amount))
+        except Exception as e:  # noqa: BLE001
+            raise TransferError(f"store add {key!r} failed: {e}", request_id=request_id, peer=peer) from e
 
     def delete(self, key: str) -> None:
         try:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dtkv._env import transfer_timeout_s
-from dtkv.transfer.bootstrap import MAX_POLL_S, Bootstrap, DstRequest, SendOutcome, SendStart
+from dtkv.transfer.bootstrap import DONE, MAX_POLL_S, Bootstrap, DstRequest, SendOutcome, SendStart
 from dtkv.transfer.descriptors import RankEndpoint, as_pages, check_compatible
 from dtkv.transfer.engine import MooncakeEngine
 from dtkv.transfer.errors import TransferError, format_pages
@@ -79,7 +79,6 @@ class DecodeReceiver:
         self._pending: dict[str, tuple[np.ndarray, bool]] = {}
         self._staging_request: str | None = None
         self._staging_blocked_until = 0.0
-        self._chunks_seen: dict[tuple[str, int], int] = {}
 
     @property
     def posts(self) -> bool:
@@ -170,7 +169,7 @@ class DecodeReceiver:
         return self.wait_request(request_id, timeout_s=timeout_s)
 
     def _wait_outcomes(self, request_id: str, dst: np.ndarray, deadline: float):
-        """Poll every sender's start, layer-group and done keys; unpack each group as soon as it landed.
+        """Poll every sender's progress counter; read its start and done keys, unpack each group once it landed.
 
         Returns ``(starts, outcomes, (unpack seconds, unpack seconds after the last done))``.
         """
@@ -179,12 +178,6 @@ class DecodeReceiver:
         done: dict[int, SendOutcome] = {}
         unpacked = dict.fromkeys(range(num_prefill), 0)  # layer groups of each sender unpacked so far
         unpack_s = [0.0, 0.0]
-
-        def check(key: str, r: int) -> bool:
-            try:
-                return bool(self.bootstrap.store.check([key]))
-            except Exception as e:  # noqa: BLE001
-                raise TransferError(f"store unreachable: {e}", request_id=request_id, peer=f"prefill rank {r}") from e
 
         def unpack_upto(r: int, stop: int, tail: bool) -> None:
             st = starts[r]
@@ -198,30 +191,29 @@ class DecodeReceiver:
             unpack_s[0] += dt
             unpack_s[1] += dt if tail else 0.0
 
+        prefix = f"req/{request_id}"
         delay = 0.001
         while len(done) < num_prefill:
             progressed = False
             for r in range(num_prefill):
                 if r in done:
                     continue
-                prefix = f"req/{request_id}"
-                if r not in starts and check(f"{prefix}/start/{r}", r):
-                    starts[r] = self.bootstrap.get(f"{prefix}/start/{r}", deadline=deadline, request_id=request_id)
-                    progressed = True
-                if r in starts and any(starts[r].unpack.get(d) for d in self.shards):
-                    num_chunks = int(starts[r].layer_bounds.shape[0]) - 1
-                    while unpacked[r] < num_chunks - 1 and check(f"{prefix}/chunk/{r}/{unpacked[r]}", r):
-                        unpack_upto(r, unpacked[r] + 1, tail=False)
-                        progressed = True
-                if check(f"{prefix}/done/{r}", r):
+                peer = f"prefill rank {r}"
+                value = self.bootstrap.add(f"{prefix}/progress/{r}", 0, request_id=request_id, peer=peer)
+                if value >= DONE:
                     out: SendOutcome = self.bootstrap.get(
                         f"{prefix}/done/{r}", deadline=deadline, request_id=request_id
                     )
                     if not out.ok:
-                        raise TransferError(out.error, request_id=request_id, peer=f"prefill rank {r}", pages=dst)
-                    if r not in starts:  # an ok outcome always follows its start
-                        starts[r] = self.bootstrap.get(f"{prefix}/start/{r}", deadline=deadline, request_id=request_id)
+                        raise TransferError(out.error, request_id=request_id, peer=peer, pages=dst)
                     done[r] = out
+                    progressed = True
+                if value % DONE >= 1 and r not in starts:
+                    starts[r] = self.bootstrap.get(f"{prefix}/start/{r}", deadline=deadline, request_id=request_id)
+                    progressed = True
+                landed = value % DONE - 1
+                if r in starts and landed > unpacked[r]:
+                    unpack_upto(r, landed, tail=False)
                     progressed = True
             if len(done) == num_prefill:
                 break
@@ -237,10 +229,7 @@ class DecodeReceiver:
             delay = 0.001 if progressed else min(delay * 2, MAX_POLL_S)
             time.sleep(min(delay, left))
         for r in range(num_prefill):  # the groups not announced separately (at least the last one)
-            num_chunks = int(starts[r].layer_bounds.shape[0]) - 1
-            unpack_upto(r, num_chunks, tail=True)
-            if any(starts[r].unpack.values()):
-                self._chunks_seen[(request_id, r)] = num_chunks - 1
+            unpack_upto(r, int(starts[r].layer_bounds.shape[0]) - 1, tail=True)
         order = range(num_prefill)
         return [starts[r] for r in order], [done[r] for r in order], unpack_s
 
@@ -253,10 +242,8 @@ class DecodeReceiver:
         if ok and self.posts and len(self.shards) == len(self.decode or ()):  # no other decode process reads them
             self.bootstrap.delete(f"req/{request_id}/dst")
             for r in range(len(self.prefill or ())):
-                for kind in ("start", "done"):
+                for kind in ("start", "done", "progress"):
                     self.bootstrap.delete(f"req/{request_id}/{kind}/{r}")
-                for c in range(self._chunks_seen.pop((request_id, r), 0)):
-                    self.bootstrap.delete(f"req/{request_id}/chunk/{r}/{c}")
 
     def close(self) -> None:
         """Unregister the shards; close the engine too if this receiver created it."""

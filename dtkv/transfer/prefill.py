@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from dtkv._env import transfer_timeout_s
-from dtkv.transfer.bootstrap import Bootstrap, DstRequest, SendOutcome, SendStart
+from dtkv.transfer.bootstrap import DONE, Bootstrap, DstRequest, SendOutcome, SendStart
 from dtkv.transfer.descriptors import PlanOptions, RankEndpoint, RequestPlan, as_pages, check_compatible
 from dtkv.transfer.engine import MAX_ENTRIES_PER_CALL, MooncakeEngine, send_entries
 from dtkv.transfer.errors import TransferError
@@ -179,12 +179,13 @@ class PrefillSender:
         def landed(c: int) -> None:  # layer group c is on decode: it may unpack it
             for sp in senders:
                 if any(sp.unpack.values()):
-                    self.bootstrap.set(f"req/{request_id}/chunk/{sp.rank}/{c}", 1)
+                    self.bootstrap.add(f"req/{request_id}/progress/{sp.rank}", 1)
 
         try:
             for sp in senders:
                 start = SendStart(rank=sp.rank, positions=sp.positions, unpack=sp.unpack, layer_bounds=bounds)
                 self.bootstrap.set(f"req/{request_id}/start/{sp.rank}", start)
+                self.bootstrap.add(f"req/{request_id}/progress/{sp.rank}", 1)
             pack(0)
             calls = 0
             peers = [p for sp in senders for p in sp.peers]
@@ -242,6 +243,7 @@ class PrefillSender:
     def _report(self, request_id: str, outcome: SendOutcome) -> None:
         try:
             self.bootstrap.set(f"req/{request_id}/done/{outcome.rank}", outcome)
+            self.bootstrap.add(f"req/{request_id}/progress/{outcome.rank}", DONE)
         except TransferError as e:  # decode (or the store) may be gone; the caller's error matters more
             logger.warning("could not report request %r of prefill rank %d: %s", request_id, outcome.rank, e)
 
