@@ -209,7 +209,8 @@ class TestEntryCounts:
 
     def test_whole_pool_merges_layers(self):
         pre, dec = self._endpoints(1, 1, num_pages=16)
-        plan = plan_request(np.arange(16), np.arange(16), prefill=pre, decode=dec, options=PlanOptions(staging="off"))
+        one_group = PlanOptions(staging="off", layer_chunks=1)
+        plan = plan_request(np.arange(16), np.arange(16), prefill=pre, decode=dec, options=one_group)
         assert plan.num_entries == 2 and plan.min_entries == 1  # one per buffer: the layers are contiguous too
 
     def test_cp_prefill_to_full_decode_is_strided_without_staging(self):
@@ -226,7 +227,7 @@ class TestEntryCounts:
             rng.permutation(64)[:40],
             prefill=pre,
             decode=dec,
-            options=PlanOptions(staging="full"),
+            options=PlanOptions(staging="full", layer_chunks=1),
         )
         assert plan.num_entries == plan.min_entries == 12  # every (prefill, decode) pair once
 
@@ -237,7 +238,8 @@ class TestEntryCounts:
         strided = plan_request(pages, pages, prefill=pre, decode=dec)
         assert strided.staged_bytes > 0 and strided.num_entries < 32 * NUM_LAYERS * 2
         pre, dec = self._endpoints(2, 2, staging_bytes=1 << 20)
-        cheap = plan_request(pages, pages, prefill=pre, decode=dec, options=PlanOptions(copy_bytes_per_s=1e10))
+        fast = PlanOptions(copy_bytes_per_s=1e10, layer_chunks=1)
+        cheap = plan_request(pages, pages, prefill=pre, decode=dec, options=fast)
         assert cheap.num_entries == cheap.min_entries == 2
         slow = plan_request(pages, pages, prefill=pre, decode=dec, options=PlanOptions(copy_bytes_per_s=1e8))
         assert slow.staged_bytes == 0 and slow.num_entries == 2 * NUM_LAYERS * 2

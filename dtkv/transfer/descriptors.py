@@ -119,9 +119,10 @@ class PlanOptions:
     """Local copy bandwidth used to price a staging pack or unpack."""
     meta_sender: int = 0
     """The one prefill rank that sends the replicated metadata row."""
-    layer_chunks: int = 1
-    """Pipeline depth: entries are cut into this many layer groups, sent one after the other, so that staging
-    copies of one group (pack on prefill, unpack on decode) overlap the transfer of another. ``1``: one group."""
+    layer_chunks: int = 4
+    """Pipeline depth: entries are cut into this many layer groups (at most one per layer), sent one after the
+    other, so that staging copies of one group (pack on prefill, unpack on decode) overlap the transfer of
+    another. ``1``: one group, the fewest entries. Costs one entry per group where a single one would do."""
 
     def __post_init__(self) -> None:
         if isinstance(self.layer_chunks, bool) or not isinstance(self.layer_chunks, int) or self.layer_chunks < 1:
