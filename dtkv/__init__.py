@@ -20,7 +20,7 @@ from dtkv._env import debug_enabled, debug_mode, default_backend
 from dtkv._startup import ConfigMismatchError
 from dtkv.allocator import AllocationError, PageAllocator
 from dtkv.layouts import FP8_E4M3_MAX, IndexerFp8Layout, KVLayout, MLAFp8Layout, MLALatentLayout
-from dtkv.ownership import PageOwnership
+from dtkv.ownership import OwnershipSpec, PageOwnership, ownership_spec
 from dtkv.pool import ShardedKVPool, gather_pages
 from dtkv.split import (
     CPSplit,
@@ -52,6 +52,7 @@ __all__ = [
     "LocalSplit",
     "MLAFp8Layout",
     "MLALatentLayout",
+    "OwnershipSpec",
     "PageAllocator",
     "PageOwnership",
     "ShardedKVPool",
@@ -66,6 +67,7 @@ __all__ = [
     "handoff_pages",
     "local_locs",
     "merge_prev_next",
+    "ownership_spec",
     "pad_local",
     "plan_cp_split",
     "restore_natural",

@@ -31,7 +31,7 @@ from dtkv import _env
 from dtkv._collectives import all_gather_into, all_gather_rows, as_bytes
 from dtkv.layouts import KVLayout
 from dtkv.ops import PackPlan, pack_owned_pages, plan_pack
-from dtkv.ownership import PageOwnership
+from dtkv.ownership import OwnershipSpec, PageOwnership, ownership_spec
 
 __all__ = ["MaterializeError", "MaterializePlan", "Materializer", "gather_view", "plan_materialize", "scratch_bytes"]
 
@@ -46,6 +46,7 @@ class MaterializePlan:
 
     Attributes:
         ownership, rank: the pool's page map and this rank.
+        spec: ``ownership`` as plain ints (what compiled code passes to the ops; every torch version traces it).
         history, current: the :class:`dtkv.ops.PackPlan` of each page group (owner-major send lists).
         pages: int64 ``[k]`` every logical page the batch reads (history first), unique.
         page_map: int32 ``[num_pages]`` logical page -> view row; ``-1`` for pages the batch does not read.
@@ -53,6 +54,7 @@ class MaterializePlan:
 
     ownership: PageOwnership
     rank: int
+    spec: OwnershipSpec
     history: PackPlan
     current: PackPlan
     pages: torch.Tensor
@@ -110,7 +112,13 @@ def plan_materialize(
     hist, cur = plan_pack(h, ownership, device=device), plan_pack(c, ownership, device=device)
     page_map = torch.where(cur.page_map >= 0, cur.page_map + hist.num_gathered_rows, hist.page_map)
     return MaterializePlan(
-        ownership=ownership, rank=rank, history=hist, current=cur, pages=torch.cat((h, c)).to(device), page_map=page_map
+        ownership=ownership,
+        rank=rank,
+        spec=ownership_spec(ownership),
+        history=hist,
+        current=cur,
+        pages=torch.cat((h, c)).to(device),
+        page_map=page_map,
     )
 
 
@@ -129,8 +137,8 @@ def scratch_bytes(
     return per_layer * (2 if prefetch else 1)
 
 
-def _pack(local: torch.Tensor, group_plan: PackPlan, rank: int) -> torch.Tensor:
-    return pack_owned_pages(local, group_plan, group_plan.ownership, rank)
+def _pack(local: torch.Tensor, group_plan: PackPlan, plan: MaterializePlan) -> torch.Tensor:
+    return pack_owned_pages(local, group_plan, plan.spec, plan.rank)
 
 
 def gather_view(local: torch.Tensor, plan: MaterializePlan, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -143,7 +151,7 @@ def gather_view(local: torch.Tensor, plan: MaterializePlan, group: dist.ProcessG
     """
     parts = []
     for group_plan in (plan.history, plan.current):
-        packed = _pack(local, group_plan, plan.rank)
+        packed = _pack(local, group_plan, plan)
         parts.append(packed if group is None else all_gather_rows(packed, group))
     return torch.cat(parts, dim=0)
 
@@ -188,7 +196,7 @@ class Materializer:
 
     def _gather_into(self, layer: int, name: str, group_plan: PackPlan, lo: int, async_op: bool):
         out = self._buffers[layer % 2][name][lo : lo + group_plan.num_gathered_rows]
-        packed = _pack(self.pool.local(name, layer), group_plan, self.plan.rank)
+        packed = _pack(self.pool.local(name, layer), group_plan, self.plan)
         if self.pool.group is None:
             out.copy_(packed)
             return None

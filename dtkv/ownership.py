@@ -21,14 +21,14 @@ The map is pure arithmetic: no directory, every rank computes it, and it is inve
 
 from __future__ import annotations
 
-from typing import Literal, TypeVar, overload
+from typing import Literal, NamedTuple, TypeVar, overload
 
 import torch
 from torch.distributed.tensor.placement_types import Placement
 
 from dtkv._checks import check_int
 
-__all__ = ["Layout", "PageOwnership"]
+__all__ = ["Layout", "OwnershipSpec", "PageOwnership", "ownership_spec"]
 
 Layout = Literal["interleave", "block"]
 _LAYOUTS = ("interleave", "block")
@@ -133,11 +133,7 @@ class PageOwnership(Placement):
         Returns:
             Same type and shape (and dtype) as ``pages``; ``-1`` where ``pages`` is ``-1``.
         """
-        if self._layout == "interleave":
-            out = pages % self._cp_size
-        else:
-            out = pages // self._chunk
-        return _keep_sentinel(pages, out)
+        return _owner(pages, self._cp_size, self._chunk, self._layout)
 
     @overload
     def local_index(self, pages: int) -> int: ...
@@ -145,11 +141,7 @@ class PageOwnership(Placement):
     def local_index(self, pages: torch.Tensor) -> torch.Tensor: ...
     def local_index(self, pages):
         """Index of each logical page inside its owner's local pool (same type/shape as ``pages``; -1 kept)."""
-        if self._layout == "interleave":
-            out = pages // self._cp_size
-        else:
-            out = pages % self._chunk
-        return _keep_sentinel(pages, out)
+        return _local_index(pages, self._cp_size, self._chunk, self._layout)
 
     @overload
     def global_page(self, rank: int | torch.Tensor, local_index: int) -> int: ...
@@ -157,11 +149,7 @@ class PageOwnership(Placement):
     def global_page(self, rank: int | torch.Tensor, local_index: torch.Tensor) -> torch.Tensor: ...
     def global_page(self, rank, local_index):
         """Inverse map: the logical page stored at ``local_index`` on ``rank`` (-1 local indices kept)."""
-        if self._layout == "interleave":
-            out = local_index * self._cp_size + rank
-        else:
-            out = rank * self._chunk + local_index
-        return _keep_sentinel(local_index, out)
+        return _global_page(rank, local_index, self._cp_size, self._chunk, self._layout)
 
     def num_local_pages(self, rank: int) -> int:
         """Number of logical pages stored on ``rank``."""
@@ -197,6 +185,11 @@ class PageOwnership(Placement):
             rule = f"[{lo}, {self._num_pages})" + (" (-1 is padding)" if allow_padding else "")
             raise ValueError(f"{name} must hold logical pages in {rule}, got {name} containing {value}")
 
+    @property
+    def spec(self) -> OwnershipSpec:
+        """The same map as a plain :class:`OwnershipSpec` (what compiled code should capture on torch < 2.13)."""
+        return OwnershipSpec(self._cp_size, self._num_pages, self._layout)
+
     def to_standard(self) -> Placement:
         """The equivalent upstream placement, for cross-checks in tests only (eager, never on hot paths).
 
@@ -218,6 +211,57 @@ class PageOwnership(Placement):
         from torch.distributed.tensor.placement_types import _StridedShard
 
         return _StridedShard(0, split_factor=self._num_pages // self._cp_size)
+
+
+class OwnershipSpec(NamedTuple):
+    """A :class:`PageOwnership` as a plain named tuple, with the same ``owner``/``local_index``/``global_page``.
+
+    Every ``torch.compile`` version traces it. Compiled code on torch < 2.13 must capture this instead of the
+    placement: Dynamo 2.11 treats any ``Placement`` subclass as an opaque constant and can neither call its
+    methods nor guard on it. Every op wrapper accepts either. Build it with ``ownership.spec``.
+    """
+
+    cp_size: int
+    num_pages: int
+    layout: str  # "interleave" | "block"
+
+    @property
+    def chunk(self) -> int:
+        return -(-self.num_pages // self.cp_size)
+
+    def owner(self, pages):
+        """As :meth:`PageOwnership.owner`."""
+        return _owner(pages, self.cp_size, self.chunk, self.layout)
+
+    def local_index(self, pages):
+        """As :meth:`PageOwnership.local_index`."""
+        return _local_index(pages, self.cp_size, self.chunk, self.layout)
+
+    def global_page(self, rank, local_index):
+        """As :meth:`PageOwnership.global_page`."""
+        return _global_page(rank, local_index, self.cp_size, self.chunk, self.layout)
+
+
+def ownership_spec(ownership: PageOwnership | OwnershipSpec) -> OwnershipSpec:
+    """The :class:`OwnershipSpec` of a ``PageOwnership`` (eager; returns a spec unchanged)."""
+    if isinstance(ownership, OwnershipSpec):
+        return ownership
+    if not isinstance(ownership, PageOwnership):
+        raise TypeError(f"ownership must be a dtkv.PageOwnership or OwnershipSpec, got {type(ownership).__name__}")
+    return ownership.spec
+
+
+def _owner(pages, cp: int, chunk: int, layout: str):
+    return _keep_sentinel(pages, pages % cp if layout == "interleave" else pages // chunk)
+
+
+def _local_index(pages, cp: int, chunk: int, layout: str):
+    return _keep_sentinel(pages, pages // cp if layout == "interleave" else pages % chunk)
+
+
+def _global_page(rank, local_index, cp: int, chunk: int, layout: str):
+    out = local_index * cp + rank if layout == "interleave" else rank * chunk + local_index
+    return _keep_sentinel(local_index, out)
 
 
 def _keep_sentinel(pages, out):

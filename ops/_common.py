@@ -16,12 +16,12 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from dtkv._env import debug_enabled, get_backend
-from dtkv.ownership import PageOwnership
+from dtkv.ownership import OwnershipSpec, PageOwnership, ownership_spec
 
 __all__ = [
     "HAS_TRITON",
@@ -134,29 +134,7 @@ def should_validate(validate: bool | None) -> bool:
 
 
 # ------------------------------------------------------------------------------------------- ownership
-class OwnershipSpec(NamedTuple):
-    """The ints of a :class:`dtkv.PageOwnership`, as a plain tuple that every ``torch.compile`` version traces.
-
-    Every op wrapper takes it wherever it takes a ``PageOwnership``. Use it in compiled code on torch < 2.13:
-    there Dynamo wraps any ``Placement`` subclass as a placement constant and fails to guard on one it does not
-    know (``EQUALS_MATCH``: "Unexpected type PageOwnership"). Build it with :func:`ownership_spec`.
-    """
-
-    cp_size: int
-    num_pages: int
-    layout: str  # "interleave" | "block"
-
-
 OwnershipLike = PageOwnership | OwnershipSpec
-
-
-def ownership_spec(ownership: OwnershipLike) -> OwnershipSpec:
-    """The :class:`OwnershipSpec` of a ``PageOwnership`` (eager; returns a spec unchanged)."""
-    if isinstance(ownership, OwnershipSpec):
-        return ownership
-    if not isinstance(ownership, PageOwnership):
-        raise TypeError(f"ownership must be a dtkv.PageOwnership or OwnershipSpec, got {type(ownership).__name__}")
-    return OwnershipSpec(ownership.cp_size, ownership.num_pages, ownership.layout)
 
 
 @torch.compiler.assume_constant_result

@@ -87,19 +87,47 @@ def test_block_with_more_ranks_than_pages_has_empty_ranks():
     assert own.local_pages(3).numel() == 0
 
 
-def test_methods_compile_without_graph_breaks():
+TORCH_2_13 = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 13)
+
+
+@pytest.mark.parametrize(
+    "form",
+    [
+        "spec",
+        pytest.param(
+            "placement",
+            marks=pytest.mark.skipif(
+                not TORCH_2_13, reason="Dynamo < 2.13 cannot call methods of a Placement subclass"
+            ),
+        ),
+    ],
+)
+@pytest.mark.parametrize("layout", ["interleave", "block"])
+def test_methods_compile_without_graph_breaks(form, layout):
     from torch._dynamo.testing import CompileCounter
 
-    own = PageOwnership(3, 17, "interleave")
+    torch._dynamo.reset()
+    own = PageOwnership(3, 17, layout)
+    m = own.spec if form == "spec" else own
     counter = CompileCounter()
 
     @torch.compile(backend=counter, fullgraph=True)
     def roundtrip(pages):
-        return own.global_page(own.owner(pages), own.local_index(pages))
+        return m.global_page(m.owner(pages), m.local_index(pages)), m.owner(pages)
 
     pages = torch.tensor([-1, 0, 5, 16])
-    assert torch.equal(roundtrip(pages), pages)
+    back, owner = roundtrip(pages)
+    assert torch.equal(back, pages) and torch.equal(owner, own.owner(pages))
     assert counter.frame_count == 1
+
+
+def test_spec_is_the_same_map():
+    for own in (PageOwnership(4, 10), PageOwnership(3, 7, "block")):
+        spec = own.spec
+        pages = torch.arange(-1, own.num_pages)
+        assert torch.equal(spec.owner(pages), own.owner(pages))
+        assert torch.equal(spec.local_index(pages), own.local_index(pages))
+        assert torch.equal(spec.global_page(spec.owner(pages), spec.local_index(pages)), pages)
 
 
 def test_placement_tag_identity_and_pickling():

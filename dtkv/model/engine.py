@@ -38,7 +38,7 @@ from dtkv.materialize import MaterializePlan, Materializer, check_view, gather_v
 from dtkv.model.config import ModelConfig
 from dtkv.model.kvio import token_rows, write_rows
 from dtkv.model.model import TinyDSA
-from dtkv.ownership import PageOwnership
+from dtkv.ownership import PageOwnership, ownership_spec
 from dtkv.pool import ShardedKVPool
 from dtkv.split import allocate_for_split, plan_cp_split
 
@@ -125,6 +125,7 @@ class PrefillEngine:
         self.model = TinyDSA(cfg, self.device)
         sharded = mode in ("sharded", "sharded_direct")
         self.ownership = PageOwnership(self.cp if sharded else 1, num_pages, ownership_layout)
+        self.spec = ownership_spec(self.ownership)  # plain ints: what the compiled run passes to the ops
         self.pool = ShardedKVPool(
             cfg.layouts, self.ownership, num_layers=cfg.num_layers, group=self.group if sharded else None, device=device
         )
@@ -261,10 +262,10 @@ class PrefillEngine:
         lay = self.cfg.layouts[name]
         pool = self.pool.local(name, layer)
         if self.mode == "single":
-            write_rows(pool, lay, rows_local, plan.locs_local, self.ownership, 0)
+            write_rows(pool, lay, rows_local, plan.locs_local, self.spec, 0)
         elif self.mode in ("replicated", "sharded"):
             gathered = self._gather(rows_local, plan.max_local)
-            write_rows(pool, lay, gathered, plan.locs_gathered, self.ownership, self.pool.rank)
+            write_rows(pool, lay, gathered, plan.locs_gathered, self.spec, self.pool.rank)
         else:
             if _env.debug_enabled():
                 check_write_ownership(
@@ -276,14 +277,14 @@ class PrefillEngine:
                 lay,
                 rows_local[plan.direct_rows],
                 plan.locs_local[plan.direct_rows],
-                self.ownership,
+                self.spec,
                 self.rank,
                 direct=True,
                 page_aligned=True,
             )
             if plan.max_handoff:
                 gathered = self._gather(rows_local[plan.handoff_rows], plan.max_handoff)
-                write_rows(pool, lay, gathered, plan.handoff_locs_gathered, self.ownership, self.rank)
+                write_rows(pool, lay, gathered, plan.handoff_locs_gathered, self.spec, self.rank)
 
     def _views(self, layer: int, plan: StepPlan, mat: Materializer | None) -> dict[str, torch.Tensor]:
         if plan.mat_plan is None:

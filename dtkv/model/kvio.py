@@ -12,7 +12,7 @@ import torch
 
 from dtkv import ops
 from dtkv.layouts import IndexerFp8Layout, KVLayout, MLAFp8Layout, MLALatentLayout
-from dtkv.ownership import PageOwnership
+from dtkv.ownership import OwnershipSpec, PageOwnership
 
 __all__ = ["token_rows", "write_rows"]
 
@@ -22,7 +22,7 @@ def write_rows(
     layout: KVLayout,
     rows: torch.Tensor,
     locs: torch.Tensor,
-    ownership: PageOwnership,
+    ownership: PageOwnership | OwnershipSpec,
     rank: int,
     *,
     direct: bool = False,
