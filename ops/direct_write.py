@@ -19,10 +19,9 @@ from ._common import (
     ownership_args,
     resolve_backend,
     should_validate,
-    validate_locs,
 )
 from ._sharding import dtensor_args, register_pool_rule
-from .write_owned import _launch_rows, check_row_write, write_owned_torch
+from .write_owned import check_row_write, run_row_write, write_owned_torch
 
 __all__ = ["direct_write", "direct_write_torch"]
 
@@ -61,23 +60,7 @@ def _direct_write_op(
     validate: bool,
     backend: str,
 ) -> None:
-    check_row_write(pool, rows, locs)
-    check_ownership_ints(cp_size, num_pages, layout_code, rank)
-    if validate:
-        validate_locs(
-            locs,
-            page_size=pool.shape[1],
-            cp_size=cp_size,
-            num_pages=num_pages,
-            layout_code=layout_code,
-            rank=rank,
-            num_local_pages=pool.shape[0],
-            require_owned=True,
-        )
-    if backend == "triton":
-        _launch_rows(pool, rows.contiguous(), locs, cp_size, num_pages, layout_code, rank, filtered=False)
-    else:
-        direct_write_torch(pool, rows, locs, cp_size, num_pages, layout_code, rank)
+    run_row_write(pool, rows, locs, cp_size, num_pages, layout_code, rank, validate, backend, direct=True)
 
 
 @_direct_write_op.register_fake

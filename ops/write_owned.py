@@ -138,6 +138,31 @@ def check_row_write(pool: torch.Tensor, rows: torch.Tensor, locs: torch.Tensor) 
     check_tensor("locs", locs, dtype=(torch.int64, torch.int32), shape=(rows.shape[0],), device=pool.device)
 
 
+def run_row_write(pool, rows, locs, cp_size, num_pages, layout_code, rank, validate, backend, *, direct: bool) -> None:
+    """The body of ``dtkv::write_owned`` (``direct=False``) and ``dtkv::direct_write`` (``direct=True``).
+
+    The store is the same masked scatter of whole rows; the ops differ in what validation demands (a direct
+    write refuses foreign pages instead of skipping them) and in the kernel's filter flag.
+    """
+    check_row_write(pool, rows, locs)
+    check_ownership_ints(cp_size, num_pages, layout_code, rank)
+    if validate:
+        validate_locs(
+            locs,
+            page_size=pool.shape[1],
+            cp_size=cp_size,
+            num_pages=num_pages,
+            layout_code=layout_code,
+            rank=rank,
+            num_local_pages=pool.shape[0],
+            require_owned=direct,
+        )
+    if backend == "triton":
+        _launch_rows(pool, rows.contiguous(), locs, cp_size, num_pages, layout_code, rank, filtered=not direct)
+    else:
+        write_owned_torch(pool, rows, locs, cp_size, num_pages, layout_code, rank)
+
+
 # ----------------------------------------------------------------------------------------- registered op
 @torch.library.custom_op("dtkv::write_owned", mutates_args=("pool",))
 def _write_owned_op(
@@ -151,23 +176,7 @@ def _write_owned_op(
     validate: bool,
     backend: str,
 ) -> None:
-    check_row_write(pool, rows, locs)
-    check_ownership_ints(cp_size, num_pages, layout_code, rank)
-    if validate:
-        validate_locs(
-            locs,
-            page_size=pool.shape[1],
-            cp_size=cp_size,
-            num_pages=num_pages,
-            layout_code=layout_code,
-            rank=rank,
-            num_local_pages=pool.shape[0],
-            require_owned=False,
-        )
-    if backend == "triton":
-        _launch_rows(pool, rows.contiguous(), locs, cp_size, num_pages, layout_code, rank, filtered=True)
-    else:
-        write_owned_torch(pool, rows, locs, cp_size, num_pages, layout_code, rank)
+    run_row_write(pool, rows, locs, cp_size, num_pages, layout_code, rank, validate, backend, direct=False)
 
 
 @_write_owned_op.register_fake
