@@ -207,6 +207,11 @@ class TestEntryCounts:
         assert plan.num_entries == 2 * NUM_LAYERS * 2  # ranks x layers x buffers
         assert plan.min_entries == 2
 
+    def test_nothing_staged_means_one_layer_group(self):
+        pre, dec = self._endpoints(2, 1)
+        plan = plan_request(np.arange(8), np.arange(8), prefill=pre, decode=dec, options=PlanOptions(layer_chunks=3))
+        assert plan.staged_bytes == 0 and plan.num_chunks == 1
+
     def test_whole_pool_merges_layers(self):
         pre, dec = self._endpoints(1, 1, num_pages=16)
         one_group = PlanOptions(staging="off", layer_chunks=1)

@@ -122,7 +122,8 @@ class PlanOptions:
     layer_chunks: int = 4
     """Pipeline depth: entries are cut into this many layer groups (at most one per layer), sent one after the
     other, so that staging copies of one group (pack on prefill, unpack on decode) overlap the transfer of
-    another. ``1``: one group, the fewest entries. Costs one entry per group where a single one would do."""
+    another. ``1``: one group, the fewest entries. Costs one entry per group where a single one would do; a
+    plan that stages nothing uses one group."""
 
     def __post_init__(self) -> None:
         if isinstance(self.layer_chunks, bool) or not isinstance(self.layer_chunks, int) or self.layer_chunks < 1:

@@ -174,6 +174,16 @@ def plan_request(
                 unpack={d: tuple(c) for d, c in unpack.items()},
             )
         )
+    if staged == 0 and num_chunks > 1:  # no copy to overlap: one layer group, the fewest entries and calls
+        return plan_request(
+            src,
+            dst,
+            prefill=prefill,
+            decode=decode,
+            options=replace(opts, layer_chunks=1),
+            src_meta_slot=src_meta_slot,
+            dst_meta_slot=dst_meta_slot,
+        )
     return RequestPlan(
         num_positions=int(src.shape[0]),
         senders=tuple(senders),
