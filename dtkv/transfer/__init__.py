@@ -10,6 +10,8 @@ Entry points:
   :class:`Bootstrap` store, on a :class:`MooncakeEngine` (TCP, P2PHANDSHAKE) or the in-process
   :class:`LocalEngine`.
 - :class:`TransferError` -- every failure or timeout, naming the peer, the request and the pages.
+- :mod:`dtkv.transfer.pd` -- PD with the reference model (``send_prefilled`` / ``receive_prefilled``, the
+  ``demo --pd`` helpers); imported on demand.
 
 Position, ownership and address conventions are defined in :mod:`dtkv.transfer.descriptors`; the page-table
 format in :mod:`dtkv.page_table`.
@@ -17,8 +19,8 @@ format in :mod:`dtkv.page_table`.
 
 from __future__ import annotations
 
-from dtkv.transfer.bootstrap import Bootstrap, DstRequest, SendOutcome, create_store
-from dtkv.transfer.coalesce import coalesce_entries, expand_layers, page_runs, split_batches
+from dtkv.transfer.bootstrap import Bootstrap, DstRequest, SendOutcome, SendStart, create_store
+from dtkv.transfer.coalesce import coalesce_entries, expand_layers, layer_bounds, page_runs, split_batches
 from dtkv.transfer.decode import DecodeReceiver, ReceiveReport
 from dtkv.transfer.descriptors import (
     BufferSpec,
@@ -39,7 +41,7 @@ from dtkv.transfer.engine import (
     send_entries,
 )
 from dtkv.transfer.errors import TransferError
-from dtkv.transfer.plan import plan_request
+from dtkv.transfer.plan import disable_staging, plan_request
 from dtkv.transfer.prefill import PrefillSender, SendReport
 from dtkv.transfer.shard import KVShard
 
@@ -60,6 +62,7 @@ __all__ = [
     "RequestPlan",
     "SendOutcome",
     "SendReport",
+    "SendStart",
     "SenderPlan",
     "StageCopy",
     "TransferError",
@@ -67,7 +70,9 @@ __all__ = [
     "check_compatible",
     "coalesce_entries",
     "create_store",
+    "disable_staging",
     "expand_layers",
+    "layer_bounds",
     "mooncake_available",
     "page_runs",
     "plan_request",
