@@ -3,7 +3,9 @@
 Spawns ``--cp`` ranks (gloo on CPU; NCCL when that many GPUs are visible), runs the same prompts through the
 replicated-KV baseline (what engines do today) and through page-ownership-sharded KV, and checks that tokens,
 logits and every stored KV byte agree. Prints a table, or one JSON object with ``--json``. Exit code 1 on any
-mismatch.
+mismatch. ``--pd`` also spawns a non-CP decode process that receives every request's owned pages from
+the CP ranks over the Mooncake Transfer Engine (TCP loopback), reconstructs the full KV and continues with greedy
+decode; ``pd_parity`` is true when its KV bytes equal the replicated baseline's and its tokens equal the CP run's.
 
 ``capacity_multiplier`` is replicated KV bytes per rank over sharded KV bytes per rank (pool only);
 ``capacity_multiplier_with_scratch`` also charges the materialization scratch of this run's largest batch, which
@@ -67,6 +69,11 @@ def run_rank(rank: int, world: int, args: dict, init_file: str | None = None) ->
             dist.barrier(group)
         t0 = time.perf_counter()
         eng.prefill(args["chunk"], prefetch=True)
+        pd_report = {}
+        if mode != "replicated" and args.get("pd_port"):  # hand the prefilled requests to the decode process
+            from dtkv.transfer.pd import send_from_rank
+
+            pd_report = send_from_rank(eng, args, results["replicated"]["kv"])
         outputs = eng.decode(args["decode_steps"])
         if use_cuda:
             torch.cuda.synchronize()
@@ -82,7 +89,7 @@ def run_rank(rank: int, world: int, args: dict, init_file: str | None = None) ->
             "scratch": eng.stats["scratch_bytes"],
             "direct_rows": eng.stats["direct_rows"],
             "handoff_rows": eng.stats["handoff_rows"],
-            "engine": eng,
+            "pd": pd_report,
         }
     base, shard = results["replicated"], results[sharded_mode]
     kv_equal = all(torch.equal(a[name], b[name]) for a, b in zip(base["kv"], shard["kv"]) for name in a)
@@ -100,6 +107,7 @@ def run_rank(rank: int, world: int, args: dict, init_file: str | None = None) ->
         "scratch_bytes_per_rank": shard["scratch"],
         "direct_rows": shard["direct_rows"],
         "handoff_rows": shard["handoff_rows"],
+        **shard["pd"],
     }
     if init_file is not None:
         dist.barrier()
@@ -161,6 +169,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before the ranks are given up on")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--pd", action="store_true", help="also hand the requests to a decode process over Mooncake")
     return p
 
 
@@ -179,6 +188,13 @@ def main(argv: list[str] | None = None) -> int:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= ns.cp else "cpu"
     args = {**vars(ns), "device": device}
+    pd = None
+    if ns.pd:
+        from dtkv.model import ModelConfig
+        from dtkv.transfer.pd import start_decode
+
+        pd = start_decode(args, _prompts(ns.tokens, ns.requests, ModelConfig().vocab_size, ns.seed))
+        args.update(pd.rank_args)
     t0 = time.perf_counter()
     results = _spawn(args)
     wall = time.perf_counter() - t0
@@ -219,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
         "wall_seconds": wall,
         "generated": r0["outputs"],
     }
+    if pd is not None:
+        summary.update(pd.finish(results, timeout_s=ns.timeout))
+        parity = parity and summary["pd_parity"]
+        summary["parity"] = parity
     if ns.json:
         print(json.dumps(summary))
     else:
@@ -237,6 +257,12 @@ def main(argv: list[str] | None = None) -> int:
             ("time: replicated / sharded", f"{summary['seconds_baseline']:.2f} s / {summary['seconds_sharded']:.2f} s"),
             ("parity with replicated baseline", "OK (tokens, logits path and KV bytes)" if parity else "MISMATCH"),
         ]
+        if pd is not None:
+            pd_ok = "OK (KV bytes and tokens)" if summary["pd_parity"] else f"MISMATCH {summary.get('pd_error', '')}"
+            rows.append(("PD decode over Mooncake", pd_ok))
+            if "pd_entries" in summary:
+                sent = f"{summary['pd_entries']} ({summary['pd_min_entries']}) / {summary['pd_bytes'] / kib:,.1f} KiB"
+                rows.append(("  entries (minimum) / bytes sent", sent))
         width = max(len(k) for k, _ in rows)
         print(f"dtkv demo: cp={ns.cp} on {device}, {wall:.1f} s wall")
         for k, v in rows:
