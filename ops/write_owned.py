@@ -73,21 +73,26 @@ def _write_owned_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_W: tl.constexpr,
 ):
-    """One program copies ``BLOCK_R`` rows, ``BLOCK_W`` words at a time; skipped rows issue no memory traffic."""
+    """One program copies ``BLOCK_R`` rows, ``BLOCK_W`` words at a time; skipped rows issue no memory traffic.
+
+    A tile with no kept row (three in four under an owner filter at cp=4, since rows arrive in page runs) skips
+    its copy loop altogether (measured on an H200: 57% -> 69-77% of the copy ceiling for the owner filter).
+    """
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     keep, local, off = locate_rows(
         locs_ptr, r, num_rows, num_pages, num_local_pages, rank, PAGE_SIZE, CP, CHUNK, LAYOUT, IDX64
     )
-    dst = local * page_stride + off * ROW_STRIDE
-    src = r.to(tl.int64) * W
-    for c in tl.static_range(0, W, BLOCK_W):
-        cols = c + tl.arange(0, BLOCK_W)
-        m = keep[:, None] & (cols < W)[None, :]
-        v = tl.load(rows_ptr + src[:, None] + cols[None, :], mask=m, eviction_policy="evict_first")
-        tl.store(pool_ptr + dst[:, None] + cols[None, :], v, mask=m)
+    if tl.max(keep.to(tl.int32), axis=0) > 0:
+        dst = local * page_stride + off * ROW_STRIDE
+        src = r.to(tl.int64) * W
+        for c in tl.static_range(0, W, BLOCK_W):
+            cols = c + tl.arange(0, BLOCK_W)
+            m = keep[:, None] & (cols < W)[None, :]
+            v = tl.load(rows_ptr + src[:, None] + cols[None, :], mask=m, eviction_policy="evict_first")
+            tl.store(pool_ptr + dst[:, None] + cols[None, :], v, mask=m)
 
 
-KERNEL_CONFIG: dict[str, int] = {"block_r": 8, "block_w": 128, "num_warps": 4, "filter_block_r": 8}
+KERNEL_CONFIG: dict[str, int] = {"block_r": 8, "block_w": 128, "num_warps": 4, "filter_block_r": 32}
 """Launch parameters of the row-scatter kernel, swept by ``benchmarks/bench_ops.py`` on an H200
 (``benchmarks/results/ops_h200_2026-11-29.md``): ``block_r`` rows per program when every row is kept,
 ``filter_block_r`` for the owner filter (``0``: ``block_r * cp``, at most 64), ``block_w`` words per step (``0``: the
