@@ -19,6 +19,7 @@ runs on CPU in seconds; the defaults are the DeepSeek-V3.2 / GLM-5 geometry. The
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -32,7 +33,7 @@ FP8_E4M3_MAX = 448.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class KVLayout:
+class KVLayout(ABC):
     """Base of the stored-format specs: a page is ``page_shape`` elements of ``dtype``."""
 
     page_size: int = 64
@@ -44,12 +45,14 @@ class KVLayout:
         check_int("page_size", self.page_size, min_value=1)
 
     @property
+    @abstractmethod
     def page_shape(self) -> tuple[int, ...]:
-        raise NotImplementedError(f"{type(self).__name__} is abstract; use a concrete layout")
+        """Shape of one page (dim 0 of a pool is pages)."""
 
     @property
+    @abstractmethod
     def dtype(self) -> torch.dtype:
-        raise NotImplementedError(f"{type(self).__name__} is abstract; use a concrete layout")
+        """Element dtype of the stored page."""
 
     @property
     def page_bytes(self) -> int:

@@ -24,6 +24,7 @@ import os
 import threading
 import time
 import weakref
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -85,7 +86,7 @@ def mooncake_available() -> tuple[bool, str]:
     return True, ""
 
 
-class _EngineBase:
+class _EngineBase(ABC):
     """Shared bookkeeping: one single-thread executor per peer (one call in flight per peer)."""
 
     session: str
@@ -102,8 +103,9 @@ class _EngineBase:
                 self._executors[peer] = ex
             return ex
 
+    @abstractmethod
     def write(self, peer: str, src: list[int], dst: list[int], length: list[int]) -> int:
-        raise NotImplementedError
+        """Write ``length[i]`` bytes from local ``src[i]`` to ``peer``'s ``dst[i]``; 0 on success, else negative."""
 
     def _shutdown_executors(self) -> None:
         with self._lock:
