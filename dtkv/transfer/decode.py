@@ -8,10 +8,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dtkv._env import transfer_timeout_s
+from dtkv.transfer._side import TransferSide
 from dtkv.transfer.bootstrap import DONE, MAX_POLL_S, Bootstrap, DstRequest, SendOutcome, SendStart
-from dtkv.transfer.descriptors import RankEndpoint, as_pages, check_compatible
-from dtkv.transfer.engine import MooncakeEngine
+from dtkv.transfer.descriptors import as_pages
 from dtkv.transfer.errors import TransferError, format_pages
 from dtkv.transfer.shard import KVShard
 
@@ -40,7 +39,7 @@ class ReceiveReport:
     """Unpacking after the last sender finished (on the critical path)."""
 
 
-class DecodeReceiver:
+class DecodeReceiver(TransferSide):
     """The decode side of PD transfer for the decode ranks hosted by this process.
 
     A non-CP decode hosts one shard of ``PageOwnership(1, num_pages)``; a CP decode runs one receiver per rank,
@@ -63,19 +62,7 @@ class DecodeReceiver:
         engine=None,
         timeout_s: float | None = None,
     ) -> None:
-        shard_list = [shards] if isinstance(shards, KVShard) else list(shards)
-        if not shard_list:
-            raise ValueError("shards must hold at least one KVShard, got none")
-        self.shards = {s.rank: s for s in shard_list}
-        self.bootstrap = bootstrap
-        self.timeout_s = transfer_timeout_s() if timeout_s is None else float(timeout_s)
-        self._own_engine = engine is None
-        self.engine = MooncakeEngine(timeout_s=self.timeout_s) if engine is None else engine
-        for s in shard_list:
-            self.engine.register(s.registered_tensors())
-            bootstrap.publish(s.endpoint("decode", self.engine.session))
-        self.prefill: list[RankEndpoint] | None = None
-        self.decode: list[RankEndpoint] | None = None
+        super().__init__(shards, bootstrap, "decode", engine=engine, timeout_s=timeout_s)
         self._pending: dict[str, tuple[np.ndarray, bool]] = {}
         self._staging_request: str | None = None
         self._staging_blocked_until = 0.0
@@ -84,13 +71,6 @@ class DecodeReceiver:
     def posts(self) -> bool:
         """Whether this receiver hosts decode rank 0 (the one that posts page lists)."""
         return 0 in self.shards
-
-    def connect(self, timeout_s: float | None = None) -> None:
-        """Wait for every prefill and decode endpoint and check that they are compatible."""
-        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
-        self.prefill = self.bootstrap.endpoints("prefill", deadline=deadline)
-        self.decode = self.bootstrap.endpoints("decode", deadline=deadline)
-        check_compatible(self.prefill, self.decode)
 
     def post_request(
         self,
@@ -244,10 +224,3 @@ class DecodeReceiver:
             for r in range(len(self.prefill or ())):
                 for kind in ("start", "done", "progress"):
                     self.bootstrap.delete(f"req/{request_id}/{kind}/{r}")
-
-    def close(self) -> None:
-        """Unregister the shards; close the engine too if this receiver created it."""
-        if self._own_engine:
-            self.engine.close()
-        else:
-            self.engine.unregister([t for s in self.shards.values() for t in s.registered_tensors()])

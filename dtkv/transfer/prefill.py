@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
-from dtkv._env import transfer_timeout_s
+from dtkv.transfer._side import TransferSide
 from dtkv.transfer.bootstrap import DONE, Bootstrap, DstRequest, SendOutcome, SendStart
-from dtkv.transfer.descriptors import PlanOptions, RankEndpoint, RequestPlan, as_pages, check_compatible
-from dtkv.transfer.engine import MAX_ENTRIES_PER_CALL, MooncakeEngine, send_entries
+from dtkv.transfer.descriptors import PlanOptions, RequestPlan, as_pages
+from dtkv.transfer.engine import MAX_ENTRIES_PER_CALL, send_entries
 from dtkv.transfer.errors import TransferError
 from dtkv.transfer.plan import disable_staging, plan_request
 from dtkv.transfer.shard import KVShard
@@ -44,7 +44,7 @@ class SendReport:
     """The rest: engine calls not overlapped by packing, and store updates."""
 
 
-class PrefillSender:
+class PrefillSender(TransferSide):
     """The prefill side of PD transfer for the CP ranks hosted by this process (normally one).
 
     Registers the shards with the engine and publishes their endpoints at construction; :meth:`connect` then
@@ -71,28 +71,9 @@ class PrefillSender:
         timeout_s: float | None = None,
         max_entries_per_call: int = MAX_ENTRIES_PER_CALL,
     ) -> None:
-        shard_list = [shards] if isinstance(shards, KVShard) else list(shards)
-        if not shard_list:
-            raise ValueError("shards must hold at least one KVShard, got none")
-        self.shards = {s.rank: s for s in shard_list}
-        self.bootstrap = bootstrap
-        self.timeout_s = transfer_timeout_s() if timeout_s is None else float(timeout_s)
-        self._own_engine = engine is None
-        self.engine = MooncakeEngine(timeout_s=self.timeout_s) if engine is None else engine
+        super().__init__(shards, bootstrap, "prefill", engine=engine, timeout_s=timeout_s)
         self.options = options or PlanOptions()
         self.max_entries_per_call = max_entries_per_call
-        for s in shard_list:
-            self.engine.register(s.registered_tensors())
-            bootstrap.publish(s.endpoint("prefill", self.engine.session))
-        self.prefill: list[RankEndpoint] | None = None
-        self.decode: list[RankEndpoint] | None = None
-
-    def connect(self, timeout_s: float | None = None) -> None:
-        """Wait for every prefill and decode endpoint and check that they are compatible."""
-        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
-        self.prefill = self.bootstrap.endpoints("prefill", deadline=deadline)
-        self.decode = self.bootstrap.endpoints("decode", deadline=deadline)
-        check_compatible(self.prefill, self.decode)
 
     def plan(self, src_pages: object, req: DstRequest, src_meta_slot: int | None) -> RequestPlan:
         """The request's plan (host-side; identical on every prefill rank)."""
@@ -246,13 +227,6 @@ class PrefillSender:
             self.bootstrap.add(f"req/{request_id}/progress/{outcome.rank}", DONE)
         except TransferError as e:  # decode (or the store) may be gone; the caller's error matters more
             logger.warning("could not report request %r of prefill rank %d: %s", request_id, outcome.rank, e)
-
-    def close(self) -> None:
-        """Unregister the shards; close the engine too if this sender created it."""
-        if self._own_engine:
-            self.engine.close()
-        else:
-            self.engine.unregister([t for s in self.shards.values() for t in s.registered_tensors()])
 
 
 def _as_u8(data: bytes) -> torch.Tensor:
