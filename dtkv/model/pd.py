@@ -24,10 +24,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from dtkv.transfer.decode import DecodeReceiver, ReceiveReport
-from dtkv.transfer.errors import TransferError
-from dtkv.transfer.prefill import PrefillSender, SendReport
-from dtkv.transfer.shard import KVShard
+from dtkv.transfer import DecodeReceiver, KVShard, PrefillSender, ReceiveReport, SendReport, TransferError
 
 __all__ = [
     "META_ROW_BYTES",
@@ -149,7 +146,7 @@ def send_from_rank(engine, args: dict, baseline_kv: Sequence[dict[str, torch.Ten
     Returns:
         ``pd_entries``, ``pd_min_entries``, ``pd_calls``, ``pd_bytes`` (this rank's) and ``pd_kv_digest``.
     """
-    from dtkv.transfer.bootstrap import Bootstrap, create_store
+    from dtkv.transfer import Bootstrap, create_store
 
     store = create_store(port=args["pd_port"], is_master=False, timeout_s=args.get("timeout", 300.0))
     prompts = [r.prompt for r in engine.requests]
@@ -178,7 +175,7 @@ def _decode_main(conn, args: dict, prompts: list[list[int]], port: int, namespac
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         from dtkv.model import PrefillEngine
-        from dtkv.transfer.bootstrap import Bootstrap, create_store
+        from dtkv.transfer import Bootstrap, create_store
 
         torch.set_num_threads(1)
         cfg = _cfg(args)
@@ -246,7 +243,7 @@ class DecodeProcess:
 
 def start_decode(args: dict, prompts: Sequence[Sequence[int]]) -> DecodeProcess:
     """Host the rendezvous ``TCPStore`` on 127.0.0.1 and spawn the decode process (``demo --pd``)."""
-    from dtkv.transfer.bootstrap import create_store
+    from dtkv.transfer import create_store
 
     store = create_store(port=0, is_master=True, timeout_s=args.get("timeout", 300.0))
     namespace = uuid.uuid4().hex
