@@ -121,9 +121,11 @@ class DecodeReceiver(TransferSide):
     ) -> None:
         super().__init__(shards, bootstrap, "decode", engine=engine, timeout_s=timeout_s)
         self._pending: dict[str, _Attempt] = {}
-        self._quarantine: dict[str, _Attempt] = {}
+        self._quarantine: list[_Attempt] = []
+        """Failed attempts whose pages may still receive late bytes (a retry under the same id adds another)."""
         self._released: list[tuple[str, np.ndarray]] = []
-        self._staging_holder: dict[int, str] = {}
+        self._staging_holder: dict[int, _Attempt] = {}
+        """hosted decode rank -> the attempt its staging region is granted to."""
 
     @property
     def posts(self) -> bool:
@@ -133,7 +135,10 @@ class DecodeReceiver(TransferSide):
     @property
     def quarantined(self) -> dict[str, np.ndarray]:
         """Failed requests whose pages (hosted here) may still receive late bytes: request id -> pages."""
-        return {rid: att.mine for rid, att in self._quarantine.items()}
+        out: dict[str, np.ndarray] = {}
+        for att in self._quarantine:
+            out[att.request_id] = np.union1d(out.get(att.request_id, att.mine), att.mine)
+        return out
 
     # ------------------------------------------------------------------------------------------ post
     def post_request(
@@ -163,7 +168,8 @@ class DecodeReceiver(TransferSide):
             )
         self._refresh(deadline_after(min(self.timeout_s, 0.5)))
         mine = self._mine(dst)
-        for rid, att in self._quarantine.items():
+        for att in self._quarantine:
+            rid = att.request_id
             clash = np.intersect1d(mine, att.mine)
             if clash.size:
                 raise ValueError(
@@ -177,12 +183,12 @@ class DecodeReceiver(TransferSide):
                     f"dst_meta_slot={dst_meta_slot}"
                 )
         grants = {d: bool(staging) and d not in self._staging_holder for d in self.shards}
-        for d, granted in grants.items():
-            if granted:
-                self._staging_holder[d] = request_id
         att = _Attempt(
             request_id=request_id, dst=dst, mine=mine, num_tokens=num_tokens, meta_slot=dst_meta_slot, staging=grants
         )
+        for d, granted in grants.items():
+            if granted:
+                self._staging_holder[d] = att
         self._pending[request_id] = att
         deadline = deadline_after(self.timeout_s)
         try:
@@ -498,7 +504,7 @@ class DecodeReceiver(TransferSide):
         keys, bound = att.keys, set(att.bound)
         att.abort = self.bootstrap.post(lambda s: self._abort(s, keys, bound), what=f"abort {keys.prefix}")
         att.failed_at = time.monotonic()
-        self._quarantine[att.request_id] = att
+        self._quarantine.append(att)
         try:
             att.abort.result(timeout=_ABORT_WAIT_S)
         except Exception:  # noqa: BLE001 - a stalled store: the quarantine waits for the abort to land
@@ -540,9 +546,9 @@ class DecodeReceiver(TransferSide):
 
     def _refresh(self, deadline: float) -> None:
         """Release every quarantined attempt whose claimed senders all drained, or whose grace period passed."""
-        waiting: dict[str, list[int]] = {}
+        waiting: dict[_Attempt, list[int]] = {}
         now = time.monotonic()
-        for rid, att in list(self._quarantine.items()):
+        for att in list(self._quarantine):
             if att.abort is None or not att.abort.done():
                 continue
             try:
@@ -556,27 +562,27 @@ class DecodeReceiver(TransferSide):
             if not left or now >= grace_end:
                 self._release(att)
             else:
-                waiting[rid] = left
+                waiting[att] = left
         if not waiting or time_left(deadline) <= 0:
             return
-        probes = [(rid, r, self._quarantine[rid].keys.progress(r)) for rid, ranks in waiting.items() for r in ranks]
+        probes = [(att, r, att.keys.progress(r)) for att, ranks in waiting.items() for r in ranks]
         try:
             values = self.bootstrap.call(
                 lambda s: [s.add(k, 0) for _, _, k in probes], deadline=deadline, what="poll quarantined attempts"
             )
         except TransferError:
             return
-        for (rid, r, _), v in zip(probes, values):
+        for (att, r, _), v in zip(probes, values):
             if Progress(v).drained:
-                self._quarantine[rid].drained.add(r)
-        for rid in waiting:
-            att = self._quarantine[rid]
-            if all(r in att.drained for r in waiting[rid]):
+                att.drained.add(r)
+        for att, ranks in waiting.items():
+            if all(r in att.drained for r in ranks):
                 self._release(att)
 
     def _release(self, att: _Attempt) -> None:
         """Return a failed attempt's pages, metadata slot and staging region; finish it in the store."""
-        self._quarantine.pop(att.request_id, None)
+        if att in self._quarantine:
+            self._quarantine.remove(att)
         self._release_staging(att)
         self._released.append((att.request_id, att.dst))
         keys, weight = att.keys, len(att.bound)
@@ -592,7 +598,7 @@ class DecodeReceiver(TransferSide):
         self.bootstrap.post(job, what=f"finish {keys.prefix}")
 
     def _release_staging(self, att: _Attempt) -> None:
-        for d in [d for d, rid in self._staging_holder.items() if rid == att.request_id]:
+        for d in [d for d, holder in self._staging_holder.items() if holder is att]:
             del self._staging_holder[d]
 
     def reclaim(self, timeout_s: float = 0.0) -> list[tuple[str, np.ndarray]]:
@@ -621,7 +627,7 @@ class DecodeReceiver(TransferSide):
                 keys, bound = att.keys, set(att.bound)
                 att.abort = self.bootstrap.post(lambda s, k=keys, b=bound: self._abort(s, k, b), what="abort")
             self._release(att)
-        for att in list(self._quarantine.values()):
+        for att in list(self._quarantine):
             self._release(att)
 
     def _finish_dead(self, s: dist.Store, keys: AttemptKeys, ranks: list[int]) -> None:

@@ -109,13 +109,17 @@ def endpoint_from_fields(f: list) -> RankEndpoint:
     n = len(names)
     if not 1 <= n <= 64 or not all(len(x) == n for x in (addr, local, page_bytes, elem_bytes, layout_keys)):
         raise WireError(f"buffers must be 1..64 with one value of each field per buffer, got {n} names")
+    _arr("buffer addr", addr, 0, MAX_ADDR)
+    _arr("num_local_pages", local, 0, MAX_PAGES)
+    _arr("page_bytes", page_bytes, 1, 1 << 40)
+    _arr("elem_bytes", elem_bytes, 1, 64)
     buffers = tuple(
         BufferSpec(
             name=_text("buffer name", names[i], nonempty=True, limit=128),
-            addr=int(_arr("buffer addr", addr[i : i + 1], 0, MAX_ADDR)[0]),
-            num_local_pages=int(_arr("num_local_pages", local[i : i + 1], 0, MAX_PAGES)[0]),
-            page_bytes=int(_arr("page_bytes", page_bytes[i : i + 1], 1, 1 << 40)[0]),
-            elem_bytes=int(_arr("elem_bytes", elem_bytes[i : i + 1], 1, 64)[0]),
+            addr=int(addr[i]),
+            num_local_pages=int(local[i]),
+            page_bytes=int(page_bytes[i]),
+            elem_bytes=int(elem_bytes[i]),
             layout_key=_text("layout_key", layout_keys[i]),
         )
         for i in range(n)
