@@ -344,3 +344,38 @@ class TestCoalesce:
         assert [(s.start, s.stop) for s in split_batches(2049, 1024)] == [(0, 1024), (1024, 2048), (2048, 2049)]
         with pytest.raises(ValueError, match=r"max_entries must be >= 1, got max_entries=0"):
             split_batches(3, 0)
+
+
+class TestDeprecatedNames:
+    """The transfer vocabulary moved from "chunk" to "layer group"; the old names work for one release and warn."""
+
+    def test_old_names_warn_and_agree(self):
+        layouts = _layouts()
+        pre = [
+            KVShard.allocate(layouts, PageOwnership(2, 16), r, num_layers=NUM_LAYERS, staging_bytes=1 << 16)
+            for r in range(2)
+        ]
+        dec = [KVShard.allocate(layouts, PageOwnership(1, 16), 0, num_layers=NUM_LAYERS, staging_bytes=1 << 16)]
+        with pytest.warns(
+            DeprecationWarning, match=r"PlanOptions\(layer_chunks=...\) is deprecated.*use layer_groups="
+        ):
+            opts = PlanOptions(layer_chunks=3, staging="full")
+        assert opts == PlanOptions(layer_groups=3, staging="full")
+        with pytest.warns(DeprecationWarning, match=r"PlanOptions.layer_chunks is deprecated"):
+            assert opts.layer_chunks == 3
+        plan = plan_request(
+            np.arange(6),
+            np.arange(6),
+            prefill=[s.endpoint("prefill", "p") for s in pre],
+            decode=[s.endpoint("decode", "d") for s in dec],
+            options=opts,
+        )
+        peer = plan.senders[0].peers[0]
+        with pytest.warns(DeprecationWarning, match=r"RequestPlan.num_chunks is deprecated"):
+            assert plan.num_chunks == plan.num_layer_groups == 3
+        with pytest.warns(DeprecationWarning, match=r"PeerEntries.chunk_indptr is deprecated"):
+            assert np.array_equal(peer.chunk_indptr, peer.group_indptr)
+        with pytest.warns(DeprecationWarning, match=r"PeerEntries.chunk\(\) is deprecated"):
+            assert peer.chunk(1) == peer.group(1)
+        with pytest.raises(TypeError, match=r"got both layer_chunks= and its new name layer_groups="):
+            PlanOptions(layer_chunks=2, layer_groups=2)

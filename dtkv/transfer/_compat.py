@@ -23,9 +23,9 @@ def renamed_kwargs(cls_or_fn, owner: str, **renames: str):
     def wrapper(*args, **kwargs):
         for old, new in renames.items():
             if old in kwargs:
-                warn_renamed(f"{owner}({old}=...)", f"{new}=", stacklevel=3)
                 if new in kwargs:
                     raise TypeError(f"{owner} got both {old}= and its new name {new}=")
+                warn_renamed(f"{owner}({old}=...)", f"{new}=", stacklevel=3)
                 kwargs[new] = kwargs.pop(old)
         return target(*args, **kwargs)
 

@@ -8,8 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -22,7 +21,6 @@ from dtkv.transfer.errors import TransferError, format_pages
 from dtkv.transfer.messages import Aborted, Claim, DstRequest, Ready, SendOutcome, SendStart, SlotOpen
 from dtkv.transfer.protocol import (
     ABORT,
-    GRACE_MARGIN_S,
     MAX_POLL_S,
     AttemptKeys,
     Backoff,
@@ -33,6 +31,7 @@ from dtkv.transfer.protocol import (
     request_key,
     time_left,
 )
+from dtkv.transfer.quarantine import PostedAttempt, Quarantine
 from dtkv.transfer.shard import KVShard
 
 __all__ = ["DecodeReceiver", "ReceiveReport"]
@@ -63,28 +62,6 @@ class ReceiveReport:
     """Time unpacking staging regions (mostly overlapped with the transfer when it has several layer groups)."""
     tail_s: float
     """Unpacking after the last sender finished (on the critical path)."""
-
-
-@dataclass(eq=False)
-class _Attempt:
-    """One posted request on this receiver: its pages, grants and, once failed, its quarantine."""
-
-    request_id: str
-    dst: np.ndarray
-    """int64 ``[num_positions]``: the request's decode pages (every rank's)."""
-    mine: np.ndarray
-    """The pages of ``dst`` stored on the ranks hosted here (what a quarantine holds)."""
-    num_tokens: int | None
-    meta_slot: int | None
-    staging: dict[int, bool]
-    """hosted decode rank -> whether its staging region is granted to this attempt."""
-    keys: AttemptKeys | None = None
-    bound: tuple[int, ...] = ()
-    """Hosted ranks whose slot this receiver holds (READY)."""
-    abort: Future | None = None
-    """The queued abort: ``(claimed prefill ranks -> (claim, drained), when it took effect)``."""
-    failed_at: float = 0.0
-    drained: set[int] = field(default_factory=set)
 
 
 class DecodeReceiver(TransferSide):
@@ -120,11 +97,10 @@ class DecodeReceiver(TransferSide):
         timeout_s: float | None = None,
     ) -> None:
         super().__init__(shards, bootstrap, "decode", engine=engine, timeout_s=timeout_s)
-        self._pending: dict[str, _Attempt] = {}
-        self._quarantine: list[_Attempt] = []
-        """Failed attempts whose pages may still receive late bytes (a retry under the same id adds another)."""
+        self._pending: dict[str, PostedAttempt] = {}
+        self._quarantine = Quarantine(2 * self.timeout_s + self.engine.call_timeout_s())
         self._released: list[tuple[str, np.ndarray]] = []
-        self._staging_holder: dict[int, _Attempt] = {}
+        self._staging_holder: dict[int, PostedAttempt] = {}
         """hosted decode rank -> the attempt its staging region is granted to."""
 
     @property
@@ -135,10 +111,7 @@ class DecodeReceiver(TransferSide):
     @property
     def quarantined(self) -> dict[str, np.ndarray]:
         """Failed requests whose pages (hosted here) may still receive late bytes: request id -> pages."""
-        out: dict[str, np.ndarray] = {}
-        for att in self._quarantine:
-            out[att.request_id] = np.union1d(out.get(att.request_id, att.mine), att.mine)
-        return out
+        return self._quarantine.pages()
 
     # ------------------------------------------------------------------------------------------ post
     def post_request(
@@ -168,22 +141,9 @@ class DecodeReceiver(TransferSide):
             )
         self._refresh(deadline_after(min(self.timeout_s, 0.5)))
         mine = self._mine(dst)
-        for att in self._quarantine:
-            rid = att.request_id
-            clash = np.intersect1d(mine, att.mine)
-            if clash.size:
-                raise ValueError(
-                    f"dst_pages must not hold pages quarantined after request {rid!r} failed (its abandoned "
-                    f"engine calls may still write them; free them once reclaim() lists it), got pages "
-                    f"{format_pages(clash)}"
-                )
-            if dst_meta_slot is not None and dst_meta_slot == att.meta_slot:
-                raise ValueError(
-                    f"dst_meta_slot must not be the slot of request {rid!r}, which is quarantined, got "
-                    f"dst_meta_slot={dst_meta_slot}"
-                )
+        self._quarantine.check_free(mine, dst_meta_slot)
         grants = {d: bool(staging) and d not in self._staging_holder for d in self.shards}
-        att = _Attempt(
+        att = PostedAttempt(
             request_id=request_id, dst=dst, mine=mine, num_tokens=num_tokens, meta_slot=dst_meta_slot, staging=grants
         )
         for d, granted in grants.items():
@@ -207,10 +167,10 @@ class DecodeReceiver(TransferSide):
         owner = own.owner(torch.from_numpy(pages)).numpy()
         return np.unique(pages[np.isin(owner, list(self.shards))])
 
-    def _ready(self, keys: AttemptKeys, att: _Attempt, d: int) -> Ready:
+    def _ready(self, keys: AttemptKeys, att: PostedAttempt, d: int) -> Ready:
         return Ready(epoch=keys.epoch, rank=d, incarnation=self.incarnation, staging=att.staging[d])
 
-    def _open_attempt(self, att: _Attempt, deadline: float) -> None:
+    def _open_attempt(self, att: PostedAttempt, deadline: float) -> None:
         """(Decode rank 0.) Create the attempt's slots and counters, then point ``req/{request_id}`` at it."""
         keys = AttemptKeys(att.request_id, new_epoch(), len(self.prefill), len(self.decode))
         att.keys, att.bound = keys, tuple(sorted(self.shards))
@@ -244,7 +204,7 @@ class DecodeReceiver(TransferSide):
             job, deadline=deadline, what=f"open {keys.prefix}", request_id=att.request_id, peer="store", write=True
         )
 
-    def _bind(self, att: _Attempt, deadline: float, *, wait: bool) -> None:
+    def _bind(self, att: PostedAttempt, deadline: float, *, wait: bool) -> None:
         """(Decode ranks other than 0.) Take part in decode rank 0's current attempt: claim the hosted slots."""
         key = request_key(att.request_id)
         hosted = sorted(self.shards)
@@ -351,7 +311,7 @@ class DecodeReceiver(TransferSide):
         self.post_request(request_id, dst_pages, **kwargs)
         return self.wait_request(request_id, timeout_s=timeout_s)
 
-    def _check_coverage(self, att: _Attempt, starts: list[SendStart]) -> None:
+    def _check_coverage(self, att: PostedAttempt, starts: list[SendStart]) -> None:
         n = int(att.dst.shape[0])
         positions = np.concatenate([st.positions for st in starts] + [np.zeros(0, np.int64)])
         counts = np.bincount(positions[positions < n], minlength=n)
@@ -366,7 +326,7 @@ class DecodeReceiver(TransferSide):
                 pages=att.dst[missing] if missing.size else (),
             )
 
-    def _wait_outcomes(self, att: _Attempt, deadline: float):
+    def _wait_outcomes(self, att: PostedAttempt, deadline: float):
         """Poll every sender's progress counter; read its start and done records, unpack each group once it landed.
 
         Returns ``(starts, outcomes, (unpack seconds, unpack seconds after the last done))``.
@@ -481,7 +441,7 @@ class DecodeReceiver(TransferSide):
         return att is not None and att.staging.get(d, False)
 
     # ------------------------------------------------------------------------------------------ outcome
-    def _succeed(self, att: _Attempt) -> None:
+    def _succeed(self, att: PostedAttempt) -> None:
         self._pending.pop(att.request_id, None)
         self._release_staging(att)
         keys, weight = att.keys, len(att.bound)
@@ -495,7 +455,7 @@ class DecodeReceiver(TransferSide):
 
         self.bootstrap.post(job, what=f"finish {keys.prefix}")
 
-    def _fail(self, att: _Attempt) -> None:
+    def _fail(self, att: PostedAttempt) -> None:
         """Give the attempt up: close the open slots, tell the claimed senders, quarantine the pages."""
         self._pending.pop(att.request_id, None)
         if att.keys is None:  # nobody could have planned a transfer into these pages
@@ -503,8 +463,7 @@ class DecodeReceiver(TransferSide):
             return
         keys, bound = att.keys, set(att.bound)
         att.abort = self.bootstrap.post(lambda s: self._abort(s, keys, bound), what=f"abort {keys.prefix}")
-        att.failed_at = time.monotonic()
-        self._quarantine.append(att)
+        self._quarantine.add(att)
         try:
             att.abort.result(timeout=_ABORT_WAIT_S)
         except Exception:  # noqa: BLE001 - a stalled store: the quarantine waits for the abort to land
@@ -545,44 +504,26 @@ class DecodeReceiver(TransferSide):
                 s.delete_key(key)
 
     def _refresh(self, deadline: float) -> None:
-        """Release every quarantined attempt whose claimed senders all drained, or whose grace period passed."""
-        waiting: dict[_Attempt, list[int]] = {}
-        now = time.monotonic()
-        for att in list(self._quarantine):
-            if att.abort is None or not att.abort.done():
-                continue
-            try:
-                claimed, when = att.abort.result()
-            except Exception:  # noqa: BLE001 - claims unknown: wait as long as any sender may write
-                if now >= att.failed_at + 2 * self.timeout_s + self.engine.call_timeout_s() + GRACE_MARGIN_S:
-                    self._release(att)
-                continue
-            left = [r for r, (claim, drained) in claimed.items() if not drained and r not in att.drained]
-            grace_end = when + max((claimed[r][0].grace_s for r in left), default=0.0) + GRACE_MARGIN_S
-            if not left or now >= grace_end:
-                self._release(att)
-            else:
-                waiting[att] = left
+        """Release every quarantined attempt whose claimed senders all drained, or whose grace period passed
+        (polling their progress counters once, bounded by ``deadline``)."""
+        done, waiting = self._quarantine.due()
+        for att in done:
+            self._release(att)
         if not waiting or time_left(deadline) <= 0:
             return
-        probes = [(att, r, att.keys.progress(r)) for att, ranks in waiting.items() for r in ranks]
+        counters = [att.keys.progress(r) for att, ranks in waiting.items() for r in ranks]
         try:
             values = self.bootstrap.call(
-                lambda s: [s.add(k, 0) for _, _, k in probes], deadline=deadline, what="poll quarantined attempts"
+                lambda s: [s.add(k, 0) for k in counters], deadline=deadline, what="poll quarantined attempts"
             )
         except TransferError:
-            return
-        for (att, r, _), v in zip(probes, values):
-            if Progress(v).drained:
-                att.drained.add(r)
-        for att, ranks in waiting.items():
-            if all(r in att.drained for r in ranks):
-                self._release(att)
+            return  # still quarantined; the next call polls again
+        for att in self._quarantine.record_drained(waiting, values):
+            self._release(att)
 
-    def _release(self, att: _Attempt) -> None:
+    def _release(self, att: PostedAttempt) -> None:
         """Return a failed attempt's pages, metadata slot and staging region; finish it in the store."""
-        if att in self._quarantine:
-            self._quarantine.remove(att)
+        self._quarantine.remove(att)
         self._release_staging(att)
         self._released.append((att.request_id, att.dst))
         keys, weight = att.keys, len(att.bound)
@@ -597,7 +538,7 @@ class DecodeReceiver(TransferSide):
 
         self.bootstrap.post(job, what=f"finish {keys.prefix}")
 
-    def _release_staging(self, att: _Attempt) -> None:
+    def _release_staging(self, att: PostedAttempt) -> None:
         for d in [d for d, holder in self._staging_holder.items() if holder is att]:
             del self._staging_holder[d]
 
@@ -627,7 +568,7 @@ class DecodeReceiver(TransferSide):
                 keys, bound = att.keys, set(att.bound)
                 att.abort = self.bootstrap.post(lambda s, k=keys, b=bound: self._abort(s, k, b), what="abort")
             self._release(att)
-        for att in list(self._quarantine):
+        for att in list(self._quarantine.attempts):
             self._release(att)
 
     def _finish_dead(self, s: dist.Store, keys: AttemptKeys, ranks: list[int]) -> None:

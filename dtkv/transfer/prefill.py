@@ -419,9 +419,10 @@ class PrefillSender(TransferSide):
         """Report the attempt's outcome on every hosted rank whose slot this side holds, and finish it.
 
         On success decode learns DONE and DRAINED at once and this waits (until ``deadline``) for the report to
-        land. On failure the report is queued, and DRAINED follows once every engine call of the attempt ended;
-        only then does this side count itself finished. A slot that is not this side's (its claim never landed,
-        or decode closed it first) is left alone: whoever closed it finished it.
+        land, raising ``TransferError`` if decode gave the request up meanwhile. On failure the report is queued,
+        and DRAINED follows once every engine call of the attempt ended; only then does this side count itself
+        finished. A slot that is not this side's (its claim never landed, or decode closed it first) is left
+        alone: whoever closed it finished it.
         """
         if att.concluded:
             return
@@ -445,13 +446,15 @@ class PrefillSender(TransferSide):
             if ranks:
                 keys.finish(s, len(ranks))
 
-        def report(s: dist.Store) -> None:
+        def report(s: dist.Store) -> list[int]:
             ranks = mine(s)
+            progress = []
             for r in ranks:
                 s.set(keys.done(r), done_raw[r])
-                s.add(keys.progress(r), DONE + (0 if pending else DRAINED))
+                progress.append(s.add(keys.progress(r), DONE + (0 if pending else DRAINED)))
             if not pending:
                 finish(s, ranks)
+            return progress
 
         fut = self.bootstrap.post(report, what=f"report {keys.prefix}")
         if pending:
@@ -461,9 +464,9 @@ class PrefillSender(TransferSide):
                     lambda s: self._drained(s, mine, finish, keys), what=f"drained {keys.prefix}"
                 ),
             )
-        if outcomes and all(o.ok for o in outcomes.values()) and deadline is not None:
+        if all(o.ok for o in outcomes.values()) and deadline is not None:
             try:
-                fut.result(timeout=time_left(deadline))
+                progress = fut.result(timeout=time_left(deadline))
             except FutureTimeout:
                 raise TransferError(
                     "the store did not take the completion report in time (stalled?); decode may time out",
@@ -474,6 +477,7 @@ class PrefillSender(TransferSide):
                 raise TransferError(
                     f"posting the completion report failed: {e}", request_id=keys.request_id, peer="store"
                 ) from e
+            _check_not_aborted(keys, progress)  # decode gave up while the last layer group was in flight
 
     @staticmethod
     def _drained(s: dist.Store, mine, finish, keys: AttemptKeys) -> None:
