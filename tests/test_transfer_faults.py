@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 import torch.distributed as dist
 
 from dtkv import PageOwnership
@@ -162,6 +163,36 @@ class TestAbandonedCalls:
             receiver.close()
             sender.close()
             slow.close()
+
+
+class TestEngineBookkeeping:
+    """Every engine call is tracked until it ends; memory is never released under a running call."""
+
+    def test_close_past_its_bound_defers_the_release_until_the_call_ends(self):
+        ended = threading.Event()
+
+        class Slow(LocalEngine):
+            def write(self, peer, src, dst, length):
+                time.sleep(0.6)
+                ended.set()
+                return 0
+
+        engine = Slow(call_timeout_s=0.05)
+        engine.register([torch.zeros(64, dtype=torch.uint8)])
+        fut = engine.submit("peer", engine.write, "peer", [0], [0], [1])
+        queued = engine.submit("peer", engine.write, "peer", [0], [0], [1])
+        t0 = time.monotonic()
+        engine.close(timeout_s=0.1)
+        assert time.monotonic() - t0 < 0.5, "close() must stay bounded"
+        assert queued.cancelled(), "a call that had not started must not start after close()"
+        assert engine.registered == 1, "memory was unregistered under a running call"
+        assert fut.result(timeout=5) == 0 and ended.is_set()
+        deadline = time.monotonic() + 5
+        while engine.registered and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.registered == 0 and engine.num_inflight == 0
+        with pytest.raises(TransferError, match="the transfer engine is closed"):
+            engine.submit("peer", engine.write, "peer", [0], [0], [1])
 
 
 class TestRetries:

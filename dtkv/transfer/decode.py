@@ -21,7 +21,6 @@ from dtkv.transfer.errors import TransferError, format_pages
 from dtkv.transfer.messages import Aborted, Claim, DstRequest, Ready, SendOutcome, SendStart, SlotOpen
 from dtkv.transfer.protocol import (
     ABORT,
-    MAX_POLL_S,
     AttemptKeys,
     Backoff,
     Progress,
@@ -241,12 +240,6 @@ class DecodeReceiver(TransferSide):
             if out is not None:
                 req, keys, got = out
                 if "stale" not in got.values():  # an attempt this receiver already took part in is not this one
-                    if not np.array_equal(req.dst_pages, att.dst):
-                        raise TransferError(
-                            f"decode rank 0 posted other pages for the request: {format_pages(req.dst_pages)}",
-                            request_id=att.request_id,
-                            peer="decode rank 0",
-                        )
                     att.bound = tuple(d for d in hosted if got[d] == "bound")
                     att.keys = keys if att.bound else None  # not a party of the attempt: never touch its keys
                     if len(att.bound) < len(hosted):
@@ -254,6 +247,12 @@ class DecodeReceiver(TransferSide):
                             "decode gave the request up before this rank took part",
                             request_id=att.request_id,
                             peer="decode",
+                        )
+                    if not np.array_equal(req.dst_pages, att.dst):
+                        raise TransferError(
+                            f"decode rank 0 posted other pages for the request: {format_pages(req.dst_pages)}",
+                            request_id=att.request_id,
+                            peer="decode rank 0",
                         )
                     self._check_party_counts(keys, deadline)
                     return
@@ -548,14 +547,11 @@ class DecodeReceiver(TransferSide):
         Waits up to ``timeout_s`` for the quarantine to end (polling the store).
         """
         deadline = deadline_after(timeout_s)
-        delay = 0.001
+        backoff = Backoff(deadline)
         while True:
             self._refresh(deadline_after(min(0.5, max(time_left(deadline), 0.05))))
-            left = time_left(deadline)
-            if not self._quarantine or left <= 0:
+            if not self._quarantine or not backoff.sleep():
                 break
-            delay = min(delay * 2, MAX_POLL_S)
-            time.sleep(min(delay, left))
         out, self._released = self._released, []
         return out
 

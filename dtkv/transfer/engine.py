@@ -180,6 +180,8 @@ class _EngineBase(ABC):
             self._defer("close", self._release)
 
     def _defer(self, what: str, action: Callable[[], None]) -> None:
+        """Run ``action`` on a daemon thread once the calls in flight end (bounded: after 10 call timeouts it gives
+        up and leaves the memory registered -- a leak, never a use after free)."""
         logger.warning(
             "%s of transfer engine %s deferred: %d call(s) still running past the engine's own timeout",
             what,
@@ -188,9 +190,10 @@ class _EngineBase(ABC):
         )
 
         def later() -> None:
-            while not self.wait_idle(60.0):
-                pass
-            action()
+            if self.wait_idle(10 * self.call_timeout_s()):
+                action()
+            else:
+                logger.error("transfer engine %s: calls never ended; its memory stays registered", self.session)
 
         threading.Thread(target=later, name=f"dtkv-deferred-{what}", daemon=True).start()
 

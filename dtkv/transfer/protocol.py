@@ -116,21 +116,25 @@ class Backoff:
 
     Args:
         deadline: ``time.monotonic()`` bound.
-        on_timeout: builds the :class:`TransferError` raised once the deadline has passed.
+        on_timeout: builds the :class:`TransferError` that :meth:`wait` raises once the deadline has passed.
     """
 
-    def __init__(self, deadline: float, on_timeout: Callable[[], TransferError]) -> None:
+    def __init__(self, deadline: float, on_timeout: Callable[[], TransferError] | None = None) -> None:
         self.deadline = deadline
         self.on_timeout = on_timeout
         self._delay = 0.001
 
-    def wait(self, progressed: bool = False) -> None:
-        """Sleep before the next poll (1 ms again after progress); raise once the deadline has passed."""
+    def sleep(self, progressed: bool = False) -> bool:
+        """Sleep before the next poll (1 ms again after progress); whether time is left for another one."""
         left = self.deadline - time.monotonic()
         if left > 0:
             self._delay = 0.001 if progressed else min(self._delay * 2, MAX_POLL_S)
             time.sleep(min(self._delay, left))
-        if time.monotonic() >= self.deadline:
+        return time.monotonic() < self.deadline
+
+    def wait(self, progressed: bool = False) -> None:
+        """:meth:`sleep`, then raise ``on_timeout()`` once the deadline has passed."""
+        if not self.sleep(progressed):
             raise self.on_timeout()
 
 
