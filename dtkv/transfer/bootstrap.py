@@ -64,8 +64,9 @@ def create_store(host: str = "127.0.0.1", port: int = 0, *, is_master: bool, tim
         return dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timeout)
     sock = _listen(host, port)
     try:
+        address = sock.getsockname()[0] if host not in _ANY_HOST else "127.0.0.1"
         store = dist.TCPStore(
-            host if host not in _ANY_HOST else "127.0.0.1",
+            address,
             sock.getsockname()[1],
             is_master=True,
             wait_for_workers=False,
@@ -80,14 +81,16 @@ def create_store(host: str = "127.0.0.1", port: int = 0, *, is_master: bool, tim
 
 
 def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host`` (an address, a name -- its first IPv4 address if it has one -- or any)."""
     if host in _ANY_HOST:
         family, addr = socket.AF_INET6, ("::", port)
     else:
         try:
             ip = ipaddress.ip_address(host)
             family, addr = (socket.AF_INET6 if ip.version == 6 else socket.AF_INET), (host, port)
-        except ValueError:  # a host name: bind the address it resolves to
-            info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        except ValueError:  # a host name
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            info = next((i for i in infos if i[0] == socket.AF_INET), infos[0])
             family, addr = info[0], info[4][:2]
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
