@@ -19,11 +19,14 @@ touches the store; the keys and the protocol are :mod:`dtkv.transfer.protocol`.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import ipaddress
 import logging
 import socket
 import threading
+import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -45,6 +48,9 @@ logger = logging.getLogger(__name__)
 
 WORKER_LINGER_S = 0.25
 """Seconds the store worker thread waits for more work before it exits."""
+
+EXIT_FLUSH_S = 5.0
+"""At interpreter exit, how long queued store calls (cleanup, reports) may still take to run."""
 
 T = TypeVar("T")
 
@@ -114,6 +120,7 @@ class _StoreWorker:
         self._cv = threading.Condition()
         self._alive = False
         self._busy = False
+        _WORKERS.add(self)
 
     def submit(self, fn: Callable[[], T]) -> Future:
         fut: Future = Future()
@@ -149,6 +156,18 @@ class _StoreWorker:
         """Wait up to ``timeout_s`` until every submitted call has run; whether they all have."""
         with self._cv:
             return self._cv.wait_for(lambda: not self._queue and not self._busy, timeout=max(0.0, timeout_s))
+
+
+_WORKERS: weakref.WeakSet[_StoreWorker] = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    """Let queued store calls (a request's cleanup, a late report) run before the interpreter goes away: a daemon
+    thread still inside a store call at finalization would abort the process. Bounded by :data:`EXIT_FLUSH_S`."""
+    deadline = time.monotonic() + EXIT_FLUSH_S
+    for worker in list(_WORKERS):
+        worker.flush(deadline - time.monotonic())
 
 
 class Bootstrap:

@@ -170,7 +170,7 @@ class DecodeReceiver(TransferSide):
         return Ready(epoch=keys.epoch, rank=d, incarnation=self.incarnation, staging=att.staging[d])
 
     def _open_attempt(self, att: PostedAttempt, deadline: float) -> None:
-        """(Decode rank 0.) Create the attempt's slots and counters, then point ``req/{request_id}`` at it."""
+        """(Decode rank 0.) Create the attempt's slots, then point ``req/{request_id}`` at it."""
         keys = AttemptKeys(att.request_id, new_epoch(), len(self.prefill), len(self.decode))
         att.keys, att.bound = keys, tuple(sorted(self.shards))
         req = DstRequest(
@@ -191,8 +191,6 @@ class DecodeReceiver(TransferSide):
         raws = [(k, self.bootstrap.encode(k, m)) for k, m in values]
 
         def job(s: dist.Store) -> None:
-            for r in range(keys.num_prefill):
-                s.add(keys.progress(r), 0)
             for k, raw in raws[:-1]:
                 s.set(k, raw)
             self._hold(keys, True)

@@ -74,6 +74,15 @@ class _Attempt:
     """rank -> the exact bytes of its claim (a slot holding them is this side's)."""
     calls: list[Future] = field(default_factory=list)
     concluded: bool = False
+    polled: tuple | None = None
+    """The decode slots and own progress read right after claiming (saves the first poll's round trip)."""
+
+    def poll(self, s: dist.Store) -> tuple[list[bytes | None], list[int]]:
+        """(On the store worker.) Every decode rank's slot and this side's progress counters."""
+        slots = [self.keys.slot("decode", d) for d in range(self.keys.num_decode)]
+        return [s.get(k) if s.check([k]) else None for k in slots], [
+            s.add(self.keys.progress(r), 0) for r in self.ranks
+        ]
 
 
 class PrefillSender(TransferSide):
@@ -302,6 +311,8 @@ class PrefillSender(TransferSide):
                     if got:
                         self._hold(att.keys, True)
                         self._write_open(s)
+                    if len(got) == len(ranks):
+                        att.polled = att.poll(s)
                     return got
 
                 try:
@@ -340,16 +351,18 @@ class PrefillSender(TransferSide):
                 "timed out waiting for every decode rank to take part", request_id=keys.request_id, peer="decode"
             ),
         )
-
-        def job(s: dist.Store) -> tuple[list[bytes | None], list[int]]:
-            raws = [s.get(k) if s.check([k]) else None for k in slots]
-            return raws, [s.add(keys.progress(r), 0) for r in att.ranks]
-
         refreshed = False
         while True:
-            raws, progress = self.bootstrap.call(
-                job, deadline=deadline, what=f"poll {keys.prefix}/decode", request_id=keys.request_id, peer="decode"
-            )
+            if att.polled is not None:
+                (raws, progress), att.polled = att.polled, None
+            else:
+                raws, progress = self.bootstrap.call(
+                    att.poll,
+                    deadline=deadline,
+                    what=f"poll {keys.prefix}/decode",
+                    request_id=keys.request_id,
+                    peer="decode",
+                )
             _check_not_aborted(keys, progress)
             msgs = []
             for d, (k, raw) in enumerate(zip(slots, raws)):
@@ -446,8 +459,10 @@ class PrefillSender(TransferSide):
             if ranks:
                 keys.finish(s, len(ranks))
 
+        ok = all(o.ok for o in outcomes.values())
+
         def report(s: dist.Store) -> list[int]:
-            ranks = mine(s)
+            ranks = list(att.ranks) if ok else mine(s)  # a sender that succeeded holds every slot it claimed
             progress = []
             for r in ranks:
                 s.set(keys.done(r), done_raw[r])
@@ -464,7 +479,7 @@ class PrefillSender(TransferSide):
                     lambda s: self._drained(s, mine, finish, keys), what=f"drained {keys.prefix}"
                 ),
             )
-        if all(o.ok for o in outcomes.values()) and deadline is not None:
+        if ok and deadline is not None:
             try:
                 progress = fut.result(timeout=time_left(deadline))
             except FutureTimeout:

@@ -22,9 +22,10 @@ key                            value                                         wri
                                                                              ``P + D`` deletes ``E/*``
 =============================  ============================================  ======================================
 
-**Attempts.** Decode rank 0 opens an attempt of a request under a fresh random *epoch*: it creates every slot
-(OPEN) and progress counter of ``E``, then points ``req/{request_id}`` at it. A retry under the same request id
-is a new epoch, so a stale value of an earlier attempt (a late "done") is never read by a later one.
+**Attempts.** Decode rank 0 opens an attempt of a request under a fresh random *epoch*: it creates every slot of
+``E`` (OPEN, or READY for the decode ranks it hosts), then points ``req/{request_id}`` at it. A retry under the
+same request id is a new epoch, so a stale value of an earlier attempt (a late "done") is never read by a later
+one.
 
 **Slots** are claimed with ``compare_set(OPEN -> claim)``, which is atomic and never recreates a deleted key: a
 prefill rank sends only after claiming its slot, and a decode rank that gives up closes every still-OPEN slot
