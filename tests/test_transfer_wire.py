@@ -216,13 +216,13 @@ class TestRejects:
 
 
 class TestFuzz:
-    @settings(max_examples=300, deadline=None)
+    @settings(max_examples=200, deadline=None)
     @given(st.binary(max_size=256))
     def test_random_bytes_are_refused_cleanly(self, data):
         with pytest.raises(WireError):
             unpack(MAGIC + data, key=KEY, kinds=tuple(Kind), secret=b"k")
 
-    @settings(max_examples=300, deadline=None)
+    @settings(max_examples=200, deadline=None)
     @given(st.integers(min_value=0, max_value=7), st.integers(min_value=0), st.integers(min_value=1, max_value=255))
     def test_mutated_records_decode_or_raise_wire_error(self, which, where, flip):
         """A record with one byte changed either still decodes to in-range values or raises ``WireError``."""
