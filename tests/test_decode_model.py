@@ -287,3 +287,42 @@ def test_single_process_sharded_decode_equals_full_view_decode():
     assert [list(r.output) for r in eng.requests] == ref_outputs
     assert max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(logits, ref_logits)) <= 1e-9
     assert eng.stats["decode_comm_bytes"] == 0
+
+
+def _inject_lost_candidate(rank, world):
+    import torch.distributed as dist
+
+    import dtkv
+    import dtkv.decode.layer as layer_mod
+    from dtkv.decode import INVALID_KEY, SelectionMismatchError
+
+    eng = PrefillEngine(
+        _cfg("bf16"), mode="sharded", group=dist.group.WORLD, num_pages=NUM_PAGES, decode_mode="sharded"
+    )
+    for p in _prompts():
+        eng.add_request(p)
+    eng.prefill(CHUNK)
+    honest = layer_mod.local_topk
+
+    def lossy(keys, k):  # the bug: the last rank loses its best candidate of every query
+        top = honest(keys, k)
+        if rank == world - 1:
+            top = torch.cat((top[:, 1:], torch.full_like(top[:, :1], INVALID_KEY)), dim=1)
+        return top
+
+    layer_mod.local_topk = lossy
+    try:
+        with dtkv.debug_mode():
+            eng.decode_step([r for r in eng.requests if r.output])
+    except SelectionMismatchError as e:
+        return str(e)
+    finally:
+        layer_mod.local_topk = honest
+    return None
+
+
+@pytest.mark.multirank
+def test_debug_mode_catches_a_lost_candidate_on_every_rank(ranks3):
+    messages = ranks3.run(_inject_lost_candidate)
+    assert messages[0] is not None and len(set(messages)) == 1, messages  # the same error everywhere, no hang
+    assert messages[0].startswith("DTKV_DEBUG: sharded top-k of layer 0 differs from the full view's top-k at query")
