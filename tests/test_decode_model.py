@@ -326,3 +326,36 @@ def test_debug_mode_catches_a_lost_candidate_on_every_rank(ranks3):
     messages = ranks3.run(_inject_lost_candidate)
     assert messages[0] is not None and len(set(messages)) == 1, messages  # the same error everywhere, no hang
     assert messages[0].startswith("DTKV_DEBUG: sharded top-k of layer 0 differs from the full view's top-k at query")
+
+
+def _compiled_layer(rank, world):
+    import torch.distributed as dist
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from dtkv.decode import DecodeQueries, decode_layer
+    from dtkv.model.sharded_decode import plan_sharded_step
+
+    torch._dynamo.reset()
+    cfg = _cfg("fp8")
+    eng = PrefillEngine(cfg, mode="sharded", group=dist.group.WORLD, num_pages=NUM_PAGES, decode_mode="sharded")
+    for p in _prompts():
+        eng.add_request(p)
+    eng.prefill(CHUNK)
+    plan = plan_sharded_step(eng, eng.requests)
+    ids = torch.tensor([r.tokens[r.num_computed] for r in eng.requests])
+    q = eng.model.project(0, eng.model.embed_tokens(ids), plan.query_pos)
+    args = (eng.pool.local("kv", 0), eng.pool.local("index", 0), cfg.kv_layout, cfg.index_layout, plan)
+    queries = DecodeQueries(q["iq"], q["iw"], q["q_nope"], q["q_rope"])
+    kwargs = {"softmax_scale": 0.1, "group": dist.group.WORLD}
+    eager = decode_layer(*args, queries, **kwargs)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(decode_layer, backend=counter, fullgraph=True)(*args, queries, **kwargs)
+    return counter.frame_count, all(torch.equal(a, b) for a, b in zip(eager, compiled))
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_decode_layer_compiles_fullgraph_with_its_collectives(ranks2):
+    """aot_eager keeps eager kernels: one graph (no break, no host sync), bitwise the eager result."""
+    for frames, equal in ranks2.run(_compiled_layer):
+        assert frames == 1 and equal
