@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import importlib.util
 import json
 import math
@@ -137,6 +138,8 @@ class Result:
     """This rank's pool (all layers)."""
     scratch_bytes_per_rank: int
     """Full-view buffers (0 for sharded decode)."""
+    transient_bytes_per_rank: int
+    """Peak GPU memory above the pool during the mode's steps: views, temporaries (0 on CPU)."""
     topk_agree: float
     out_rel_diff: float
     device: str
@@ -215,7 +218,7 @@ def run_scenario(
     new_kv = [f32(batch, geom.kv_lora_rank + geom.rope_dim).to(torch.bfloat16) for _ in range(layers)]
     new_ik = [f32(batch, geom.index_head_dim).to(torch.bfloat16) for _ in range(layers)]
     kv_lay, idx_lay = pool.layouts["kv"], pool.layouts["index"]
-    scale = 1.0 / math.sqrt(128 + geom.rope_dim)
+    scale = 1.0 / math.sqrt(128 + geom.rope_dim)  # DeepSeek-V3: qk_nope_head_dim 128 + rope
     spec = own.spec
 
     def write(layer: int) -> None:
@@ -236,7 +239,24 @@ def run_scenario(
                 softmax_scale=scale, group=group,
             )  # fmt: skip
 
+    cuda = device.type == "cuda"
+
+    def mark() -> int:
+        if not cuda:
+            return 0
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device)
+
+    def above(base: int) -> int:
+        return torch.cuda.max_memory_allocated(device) - base if cuda else 0
+
+    times, transient = {}, {}
+    base = mark()
+    times["sharded"] = _timed(sharded_step, reps, warmup, device, group)
+    transient["sharded"] = above(base)
     # full view: history = every page but each request's last (written this step), current = the last pages
+    base = mark()
     hist = [p for t in tables for p in t[:-1]]
     cur = [t[-1] for t in tables]
     mat_plan = plan_materialize(hist, cur, own, rank, device=device)
@@ -255,10 +275,8 @@ def run_scenario(
                 views["kv"], views["index"], kv_lay, idx_lay, view_plan, queries[layer], softmax_scale=scale, group=None
             )
 
-    times = {
-        "sharded": _timed(sharded_step, reps, warmup, device, group),
-        "full_view": _timed(full_view_step, reps, warmup, device, group),
-    }
+    times["full_view"] = _timed(full_view_step, reps, warmup, device, group)
+    transient["full_view"] = above(base)
     a, b = last["sharded"], last["full_view"]
     agree = float((a.positions.sort(dim=1).values == b.positions.sort(dim=1).values).all(dim=1).float().mean())
     rel = float((a.out - b.out).abs().max() / b.out.abs().max().clamp(min=1e-30))
@@ -292,6 +310,7 @@ def run_scenario(
                 collectives_per_step=comm[mode].num_collectives,
                 kv_bytes_per_rank=pool.bytes_per_rank(),
                 scratch_bytes_per_rank=scratch[mode],
+                transient_bytes_per_rank=transient[mode],
                 topk_agree=agree,
                 out_rel_diff=rel,
                 device=dev_name,
@@ -315,6 +334,7 @@ def run(rank: int, world: int, opts: dict, group=None, device: torch.device | No
                 rows.append(asdict(r))
                 if rank == 0 and opts.get("print", True):
                     print(json.dumps(rows[-1]), flush=True)
+            gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # the scenario's pool and views are gone: give their memory back
     return rows
@@ -332,8 +352,8 @@ def summary_markdown(rows: list[dict], command: str) -> str:
         "included); bytes are what one rank sends to the step's collectives (it receives `cp - 1` times that).",
         "",
         "| context | batch | sharded ms | full view ms | speedup | sharded MB sent | full view MB sent | bytes ratio "
-        "| full-view scratch MB | top-k agree | out rel diff |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| KV MB per rank | transient MB sharded / full view | top-k agree | out rel diff |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     by_key = {}
     for r in rows:
@@ -344,7 +364,9 @@ def summary_markdown(rows: list[dict], command: str) -> str:
             f"| {context} | {batch} | {s['step_ms']:.2f} | {f['step_ms']:.2f} | {f['step_ms'] / s['step_ms']:.2f}x | "
             f"{s['bytes_sent_per_step'] / 1e6:.2f} | {f['bytes_sent_per_step'] / 1e6:.1f} | "
             f"{f['bytes_sent_per_step'] / max(1, s['bytes_sent_per_step']):.0f}x | "
-            f"{f['scratch_bytes_per_rank'] / 1e6:.0f} | {s['topk_agree']:.2f} | {s['out_rel_diff']:.1e} |"
+            f"{s['kv_bytes_per_rank'] / 1e6:.0f} | "
+            f"{s['transient_bytes_per_rank'] / 1e6:.0f} / {f['transient_bytes_per_rank'] / 1e6:.0f} | "
+            f"{s['topk_agree']:.2f} | {s['out_rel_diff']:.1e} |"
         )
     return "\n".join(lines) + "\n"
 
