@@ -275,6 +275,25 @@ def test_decode_mode_is_validated():
         PrefillEngine(cfg, mode="replicated", num_pages=8, decode_mode="sharded")
 
 
+def test_rejects_a_request_with_nothing_to_decode_and_a_mismatched_plan():
+    from dtkv.decode import DecodeQueries, decode_layer, plan_decode
+
+    cfg = _cfg("fp8")
+    eng = PrefillEngine(cfg, mode="single", num_pages=8, decode_mode="sharded")
+    req = eng.add_request([1, 2, 3])
+    req.num_computed = 3  # prefilled, but no first token appended
+    with pytest.raises(ValueError, match="request 0 has no token to decode"):
+        eng.decode_step([req])
+    plan = plan_decode([[0]], [2], eng.ownership, 0, page_size=2, topk=4)
+    q = DecodeQueries(torch.zeros(1, 2, 32), torch.zeros(1, 2), torch.zeros(1, 2, 64), torch.zeros(1, 2, 16))
+    kv, index = eng.pool.local("kv", 0), eng.pool.local("index", 0)
+    with pytest.raises(ValueError, match="plan.page_size must equal the layouts' page_size, got plan.page_size=2"):
+        decode_layer(kv, index, cfg.kv_layout, cfg.index_layout, plan, q, softmax_scale=1.0, group=None)
+    plan = plan_decode([[0]], [2], eng.ownership, 0, page_size=4, topk=4)
+    with pytest.raises(ValueError, match=r"kv_local must be \[pages, 4, 104\], got \[8, 4, 16\]"):
+        decode_layer(kv[..., :16], index, cfg.kv_layout, cfg.index_layout, plan, q, softmax_scale=1.0, group=None)
+
+
 def test_single_process_sharded_decode_equals_full_view_decode():
     """With one rank the sharded path is plain local decode: the same tokens, and logits to the float64 noise."""
     ref_logits, ref_outputs, _ = _full_view_reference("fp8")

@@ -56,6 +56,7 @@ def test_plan_decode_accepts_a_padded_tensor_table():
     "tables,lens,kwargs,error,match",
     [
         ([[1]], [5], {}, ValueError, r"page_tables\[0\] must hold ceil\(seq_lens\[0\] / page_size\) = 2 pages"),
+        (torch.tensor([[1, -1, 4]]), [5], {}, ValueError, r"= 2 pages \(no -1 among them\) for seq_lens\[0\]=5, got 1"),
         ([[1, 40]], [5], {}, ValueError, r"page_tables must hold logical pages in \[-1, 32\).*40"),
         ([[1, 1]], [5], {}, ValueError, r"page_tables\[0\] must not repeat a page, got \[1, 1\]"),
         ([[1]], [0], {}, ValueError, r"seq_lens\[0\] must be >= 1, got seq_lens\[0\]=0"),

@@ -109,6 +109,19 @@ def decode_layer(
     if not isinstance(index_layout, IndexerFp8Layout):
         raise TypeError(f"index_layout must be IndexerFp8Layout, got {type(index_layout).__name__}")
     ps, k, dtype = plan.page_size, plan.topk, q.iq.dtype
+    if kv_layout.page_size != ps or index_layout.page_size != ps:
+        raise ValueError(
+            f"plan.page_size must equal the layouts' page_size, got plan.page_size={ps}, "
+            f"kv_layout.page_size={kv_layout.page_size}, index_layout.page_size={index_layout.page_size}"
+        )
+    if kv_local.dim() != 3 or kv_local.shape[1:] != kv_layout.page_shape:
+        raise ValueError(
+            f"kv_local must be [pages, {', '.join(map(str, kv_layout.page_shape))}], got {list(kv_local.shape)}"
+        )
+    if index_local.dim() != 2 or index_local.shape[1:] != index_layout.page_shape:
+        raise ValueError(f"index_local must be [pages, {index_layout.page_shape[0]}], got {list(index_local.shape)}")
+    if q.iq.shape[0] != plan.num_queries:
+        raise ValueError(f"q must hold plan.num_queries={plan.num_queries} queries, got q.iq.shape={list(q.iq.shape)}")
     # 1. indexer over this rank's own pages -> local top-k -> global top-k
     keys_NSJ = _index_keys(index_local, plan, index_layout, dtype)
     offsets = torch.arange(ps, device=plan.owned_slots.device)

@@ -123,13 +123,13 @@ def plan_decode(
     need = torch.tensor([-(-n // ps) for n in lens], dtype=torch.int64)
     slots = torch.arange(table.shape[1], dtype=torch.int64)[None, :]
     used = slots < need[:, None]
-    have = (table >= 0).sum(1)
+    have = ((table >= 0) & used).sum(1)
     short = torch.nonzero(have < need).flatten()
     if short.numel():
         i = int(short[0])
         raise ValueError(
-            f"page_tables[{i}] must hold ceil(seq_lens[{i}] / page_size) = {int(need[i])} pages for "
-            f"seq_lens[{i}]={lens[i]}, got {int(have[i])}"
+            f"page_tables[{i}] must hold ceil(seq_lens[{i}] / page_size) = {int(need[i])} pages (no -1 among them) "
+            f"for seq_lens[{i}]={lens[i]}, got {int(have[i])}"
         )
     table = torch.where(used, table, torch.full_like(table, -1))
     ownership.check_pages("page_tables", table)

@@ -60,6 +60,12 @@ def plan_sharded_step(engine, reqs: Sequence) -> DecodePlan:
 def sharded_decode_step(engine, reqs: Sequence) -> torch.Tensor:
     """One greedy decode step of ``reqs`` on ``engine``'s sharded pool: logits float64 ``[len(reqs), V]``."""
     model, cfg, pool = engine.model, engine.cfg, engine.pool
+    for r in reqs:
+        if r.num_computed >= len(r.tokens):
+            raise ValueError(
+                f"request {r.rid} has no token to decode (num_computed={r.num_computed}, {len(r.tokens)} tokens): "
+                "append the next token to its output first"
+            )
     plan = plan_sharded_step(engine, reqs)
     ids = torch.tensor([r.tokens[r.num_computed] for r in reqs], dtype=torch.int64, device=engine.device)
     n = len(reqs)
