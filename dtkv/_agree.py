@@ -172,10 +172,14 @@ def agree(
             raise error
         return
     world = dist.get_world_size(group)
+    if error is None:
+        try:  # a value that cannot be serialized is this rank's failure, not a reason to skip the collective
+            canonical = _canonical(value) if value is not None else b""
+        except Exception as e:  # noqa: BLE001
+            error = e
     if error is not None:
         payload, digest = _error_payload(error), bytes(32)
     else:
-        canonical = _canonical(value) if value is not None else b""
         payload, digest = _cut(canonical), hashlib.sha256(canonical).digest()
     header = bytes([0 if error is None else 1]) + bytes(7) + len(payload).to_bytes(8, "little") + digest
     assert len(header) == _HEADER_BYTES, "agreement header size"
@@ -184,12 +188,12 @@ def agree(
     digests = [headers[r][16:] for r in range(world)]
     if not failed and all(d == digests[0] for d in digests):
         return
-    size = max(int.from_bytes(h[8:16], "little") for h in headers)
-    payloads = _all_gather_bytes(payload, min(size, MAX_PAYLOAD_BYTES), group, world)
+    size = max(int.from_bytes(h[8:16], "little") for h in headers)  # announced lengths: bounded below
+    payloads = _all_gather_bytes(payload, max(1, min(size, MAX_PAYLOAD_BYTES)), group, world)
     lengths = [min(int.from_bytes(h[8:16], "little"), MAX_PAYLOAD_BYTES) for h in headers]
     raw = [payloads[r][: lengths[r]] for r in range(world)]
     if failed:
-        texts = [b.decode("utf-8", errors="replace") for b in raw]
+        texts = [b.decode("utf-8", errors="replace").rstrip("\x00") for b in raw]
         raise _failure(what, failed, texts, world) from error
     raise _mismatch(what, raw, digests, isinstance(value, bytes), mismatch_error)
 
@@ -211,8 +215,11 @@ def _failure(what: str, failed: list[int], texts: list[str], world: int) -> Exce
             who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
             parts.append(f"{who}: {kind}: {message}")
         text = f"{what} failed on {len(failed)} of {world} ranks; " + "; ".join(parts)
-    cls = _ERROR_TYPES.get(kinds[failed[0]], RuntimeError)
-    return cls(text)
+    cls = _ERROR_TYPES.get(kinds[failed[0]], RuntimeError)  # a name looked up, never evaluated
+    try:
+        return cls(text)
+    except Exception:  # noqa: BLE001 - a registered type that needs more than a message
+        return RuntimeError(text)
 
 
 def _flatten(prefix: str, value: object, out: dict[str, object]) -> None:

@@ -55,6 +55,30 @@ def _agree_worker(rank, world, case):
                 raise ValueError("x" * (3 * MAX_PAYLOAD_BYTES))
     if case == "config_mismatch":
         agree(None, group, what="pool", value={"cp_size": world, "num_pages": 12 + (rank == world - 1) * 4})
+    if case == "unserializable":
+        value = {"ok": 1}
+        if rank == 0:
+            value["self"] = value  # json cannot encode a cycle: a local failure, not a skipped collective
+        agree(None, group, what="step", value=value)
+    if case == "malformed_length":
+        import dtkv._agree as mod
+
+        if rank == 1:  # fault injection: this rank announces an absurd payload length in its header
+            real = mod._all_gather_bytes
+
+            def lying(data, size, group_, world_):
+                if size == mod._HEADER_BYTES:
+                    data = data[:8] + (2**62).to_bytes(8, "little") + data[16:]
+                return real(data, size, group_, world_)
+
+            mod._all_gather_bytes = lying
+        try:
+            with agreement(group, what="step"):
+                if rank == 1:
+                    raise ValueError("bad")
+        finally:
+            if rank == 1:
+                mod._all_gather_bytes = real
     if case == "digest_mismatch":
         register_error(PlanDigestError)
         plan = b"pages 1 2 3" if rank == 0 else b"pages 1 2 4"
@@ -134,6 +158,22 @@ def test_long_messages_are_cut_to_the_bound(ranks2):
     assert all(type(e) is ValueError for e in out)
     assert str(out[0]) == str(out[1]) and str(out[0]).endswith("... [cut]")
     assert len(str(out[0])) < MAX_PAYLOAD_BYTES + 100
+
+
+@pytest.mark.multirank
+def test_a_value_that_cannot_be_serialized_fails_every_rank(ranks2):
+    out, _ = _run(ranks2, "unserializable")
+    assert all(type(e) is ValueError for e in out), out
+    assert {str(e) for e in out} == {"step failed on 1 of 2 ranks; rank 0: ValueError: Circular reference detected"}
+
+
+@pytest.mark.multirank
+def test_an_absurd_announced_length_is_bounded(ranks2):
+    """Fault injection: a header announcing 2**62 payload bytes makes no rank allocate more than the bound."""
+    out, seconds = _run(ranks2, "malformed_length")
+    assert all(type(e) is ValueError for e in out), out
+    assert {str(e) for e in out} == {"step failed on 1 of 2 ranks; rank 1: ValueError: bad"}
+    assert seconds < 10
 
 
 @pytest.mark.multirank
