@@ -11,10 +11,10 @@ from torch.testing._internal.common_utils import TestCase
 from dtkv import AllocationError, PageAllocator, PageOwnership
 
 
-@pytest.mark.parametrize("layout", ["interleave", "block"])
+@pytest.mark.parametrize("scheme", ["interleave", "block"])
 @pytest.mark.parametrize("cp,num_pages", [(1, 1), (2, 7), (3, 13), (4, 10)])
-def test_alloc_returns_pages_of_the_requested_owner(cp, num_pages, layout):
-    own = PageOwnership(cp, num_pages, layout)
+def test_alloc_returns_pages_of_the_requested_owner(cp, num_pages, scheme):
+    own = PageOwnership(cp, num_pages, scheme)
     alloc = PageAllocator(own)
     owners = [r for r in range(cp) for _ in range(own.num_local_pages(r))]
     pages = alloc.alloc(owners)

@@ -14,13 +14,13 @@ from torch.testing._internal.common_utils import TestCase
 from dtkv import PageOwnership
 
 CPS = st.sampled_from([1, 2, 3, 4, 8])
-LAYOUTS = st.sampled_from(["interleave", "block"])
+SCHEMES = st.sampled_from(["interleave", "block"])
 PAGES = st.one_of(st.integers(1, 9), st.integers(10, 300))
 
 
-def _reference_owner_and_local(cp: int, num_pages: int, layout: str) -> list[tuple[int, int]]:
+def _reference_owner_and_local(cp: int, num_pages: int, scheme: str) -> list[tuple[int, int]]:
     """Brute force: deal pages to ranks (interleave) or cut torch.chunk ranges (block)."""
-    if layout == "interleave":
+    if scheme == "interleave":
         table, counts = [], [0] * cp
         for p in range(num_pages):
             r = p % cp
@@ -36,12 +36,12 @@ def _reference_owner_and_local(cp: int, num_pages: int, layout: str) -> list[tup
 
 
 @settings(max_examples=60, deadline=None)
-@given(cp=CPS, num_pages=PAGES, layout=LAYOUTS)
-def test_map_matches_reference_and_is_a_bijection(cp, num_pages, layout):
-    own = PageOwnership(cp, num_pages, layout)
+@given(cp=CPS, num_pages=PAGES, scheme=SCHEMES)
+def test_map_matches_reference_and_is_a_bijection(cp, num_pages, scheme):
+    own = PageOwnership(cp, num_pages, scheme)
     pages = torch.arange(num_pages)
     owner, local = own.owner(pages), own.local_index(pages)
-    ref = _reference_owner_and_local(cp, num_pages, layout)
+    ref = _reference_owner_and_local(cp, num_pages, scheme)
     assert list(zip(owner.tolist(), local.tolist())) == ref
     assert torch.equal(own.global_page(owner, local), pages)
     # every (rank, local) slot below num_local_pages(rank) is hit exactly once
@@ -67,9 +67,9 @@ def test_interleave_counts_differ_by_at_most_one(cp, num_pages):
 
 
 @settings(max_examples=40, deadline=None)
-@given(cp=CPS, num_pages=PAGES, layout=LAYOUTS, dtype=st.sampled_from([torch.int32, torch.int64]))
-def test_sentinel_is_preserved(cp, num_pages, layout, dtype):
-    own = PageOwnership(cp, num_pages, layout)
+@given(cp=CPS, num_pages=PAGES, scheme=SCHEMES, dtype=st.sampled_from([torch.int32, torch.int64]))
+def test_sentinel_is_preserved(cp, num_pages, scheme, dtype):
+    own = PageOwnership(cp, num_pages, scheme)
     pages = torch.tensor([-1, 0, num_pages - 1, -1], dtype=dtype)
     for out in (
         own.owner(pages),
@@ -102,12 +102,12 @@ TORCH_2_13 = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 13)
         ),
     ],
 )
-@pytest.mark.parametrize("layout", ["interleave", "block"])
-def test_methods_compile_without_graph_breaks(form, layout):
+@pytest.mark.parametrize("scheme", ["interleave", "block"])
+def test_methods_compile_without_graph_breaks(form, scheme):
     from torch._dynamo.testing import CompileCounter
 
     torch._dynamo.reset()
-    own = PageOwnership(3, 17, layout)
+    own = PageOwnership(3, 17, scheme)
     m = own.spec if form == "spec" else own
     counter = CompileCounter()
 
@@ -218,7 +218,7 @@ def test_layout_alias_of_the_scheme_type_warns():
 
 
 @settings(max_examples=40, deadline=None)
-@given(cp=CPS, num_pages=PAGES, scheme=LAYOUTS)
+@given(cp=CPS, num_pages=PAGES, scheme=SCHEMES)
 def test_plain_int_arithmetic_is_the_same_map(cp, num_pages, scheme):
     """``owner_and_local`` (for code holding plain ints, e.g. the ops) with a scheme name or code."""
     from dtkv.ownership import SCHEME_CODES, owner_and_local, pages_per_rank

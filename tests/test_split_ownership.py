@@ -31,13 +31,13 @@ def _prefix_table(allocator: PageAllocator, prefix_lens: list[int], page_size: i
     return table
 
 
-@pytest.mark.parametrize("layout", ["interleave", "block"])
+@pytest.mark.parametrize("scheme", ["interleave", "block"])
 @pytest.mark.parametrize("cp", [1, 2, 4])
-def test_aligned_batch_without_prefix_writes_directly(cp, layout):
+def test_aligned_batch_without_prefix_writes_directly(cp, scheme):
     ps = 4
     split = plan_cp_split([0, 0, 0], [64, 8 * cp + 3, 41], cp_size=cp, page_size=ps)
     assert split.all_page_aligned
-    ownership = PageOwnership(cp, 128, layout)
+    ownership = PageOwnership(cp, 128, scheme)
     alloc = allocate_for_split(PageAllocator(ownership), split)
     owners = compute_owners(split, alloc.req_pages.shape[1])
     touched = owners >= 0
@@ -128,13 +128,13 @@ def test_foreign_page_fails_verification():
     cp=st.integers(1, 4),
     ps=st.sampled_from([1, 3, 4, 8]),
     reqs=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 90)), min_size=1, max_size=5),
-    layout=st.sampled_from(["interleave", "block"]),
+    scheme=st.sampled_from(["interleave", "block"]),
 )
-def test_allocation_properties(cp, ps, reqs, layout):
+def test_allocation_properties(cp, ps, reqs, scheme):
     """Aligned requests: new pages stored on their compute owner, handoff only the partly filled first page.
     Fallback requests: pages from alloc_balanced. Locations and computed pages agree with a per-token reference."""
     prefix, extend = [p for p, _ in reqs], [n for _, n in reqs]
-    ownership = PageOwnership(cp, 1024, layout)
+    ownership = PageOwnership(cp, 1024, scheme)
     allocator = PageAllocator(ownership)
     table = _prefix_table(allocator, prefix, ps)
     split = plan_cp_split(prefix, extend, cp_size=cp, page_size=ps)

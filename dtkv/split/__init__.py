@@ -44,9 +44,10 @@ rank's rows padded to ``max_local_tokens`` gives the rank-major tensor ``[cp * m
 Page ownership terms (see :mod:`dtkv.page_table` for the page-table format): a page's *compute owner* is the
 rank computing its extend tokens; its *storage owner* is ``ownership.owner(page)``. A rank may write a page
 directly only if the request is page-aligned and it is the storage owner of every page it computes
-(:func:`verify_direct_write`). Pages a rank computes but does not store are its *handoff pages*; for an aligned
-request only the partly filled first page of a request whose prefix ends mid-page can be one, because it keeps
-the owner it was allocated with.
+(:func:`verify_direct_write`). Pages a rank computes but does not store are its *handoff pages*. For an aligned
+request allocated by :func:`allocate_for_split` they are the partly filled first page of a request whose prefix
+ends mid-page (it keeps the owner it was allocated with) and, only when the rank is short of free pages (it stores
+no page at all, or its pages are taken), the pages placed elsewhere instead.
 """
 
 from __future__ import annotations

@@ -187,7 +187,8 @@ def handoff_pages(
 ) -> torch.Tensor:
     """Pages ``rank`` computes but does not store: their rows must reach the owner (owner-filtered write).
 
-    For a page-aligned request only the partly filled first page (prefix ending mid-page) can be one.
+    For a page-aligned request allocated by :func:`dtkv.split.allocate_for_split` only the partly filled first
+    page (prefix ending mid-page) can be one, unless ``rank`` was short of free pages (see there).
 
     Returns:
         int64 CPU ``[k]``, a sub-list of :func:`compute_pages` (same arguments).
