@@ -62,6 +62,7 @@ from dtkv import (  # noqa: E402
     ShardedKVPool,
     ops,
 )
+from dtkv._util import cdiv  # noqa: E402
 from dtkv.decode import (  # noqa: E402
     DecodeQueries,
     decode_layer,
@@ -193,8 +194,8 @@ def run_scenario(
     cp = 1 if group is None else dist.get_world_size(group)
     rank = 0 if group is None else dist.get_rank(group)
     ps, layers = geom.page_size, geom.num_layers
-    pages_per_req = -(-context // ps)
-    num_pages = -(-(batch * pages_per_req + cp) // cp) * cp
+    pages_per_req = cdiv(context, ps)
+    num_pages = cdiv(batch * pages_per_req + cp, cp) * cp
     own = PageOwnership(cp, num_pages)
     pool = ShardedKVPool(geom.layouts, own, num_layers=layers, group=group, device=device)
     gen = torch.Generator(device=device).manual_seed(1234 + rank)

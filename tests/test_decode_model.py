@@ -28,6 +28,7 @@ import math
 import pytest
 import torch
 
+from dtkv._util import cdiv
 from dtkv.model import ModelConfig, PrefillEngine
 
 PROMPT_LENS = (37, 9, 3, 14)  # long, shorter than top-k (24), one page, pinned to one rank
@@ -86,12 +87,12 @@ def _sharded_rank(rank, world, kv_dtype, mode, scheme):
 
     cfg = _cfg(kv_dtype)
     eng = PrefillEngine(
-        cfg, mode=mode, group=dist.group.WORLD, num_pages=NUM_PAGES, ownership_layout=scheme, decode_mode="sharded"
+        cfg, mode=mode, group=dist.group.WORLD, num_pages=NUM_PAGES, ownership_scheme=scheme, decode_mode="sharded"
     )
     for i, p in enumerate(_prompts()):
         req = eng.add_request(p)
         if i == PINNED and mode == "sharded":  # every prompt page on the last rank
-            req.pages = eng.allocator.alloc([world - 1] * -(-len(p) // cfg.page_size)).tolist()
+            req.pages = eng.allocator.alloc([world - 1] * cdiv(len(p), cfg.page_size)).tolist()
     eng.prefill(CHUNK)
     prompt_pages = [len(r.pages) for r in eng.requests]
     scratch_after_prefill = eng.stats["scratch_bytes"]

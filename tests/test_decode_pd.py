@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from dtkv import PageAllocator, PageOwnership
+from dtkv._util import cdiv
 from dtkv.model import ModelConfig, PrefillEngine
 from dtkv.transfer import Bootstrap, DecodeReceiver, KVShard, LocalEngine, PrefillSender
 
@@ -41,7 +42,7 @@ def _prefill_rank(rank, world):
     ps = CFG.page_size
     return {
         "buffers": {n: eng.pool.buffer(n).clone() for n in CFG.layouts},
-        "pages": [r.pages[: -(-len(r.prompt) // ps)] for r in eng.requests],
+        "pages": [r.pages[: cdiv(len(r.prompt), ps)] for r in eng.requests],
         "first": [r.output[0] for r in eng.requests],
     }
 
@@ -76,7 +77,7 @@ def _decode_rank(rank, world, shards, dst_pages, first, scheme):
     import dtkv
 
     eng = PrefillEngine(
-        CFG, mode="sharded", group=dist.group.WORLD, num_pages=NUM_PAGES_D, ownership_layout=scheme,
+        CFG, mode="sharded", group=dist.group.WORLD, num_pages=NUM_PAGES_D, ownership_scheme=scheme,
         decode_mode="sharded",
     )  # fmt: skip
     for name, buf in shards[rank].items():

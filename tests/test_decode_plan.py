@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dtkv import AllocationError, PageAllocator, PageOwnership
+from dtkv._util import cdiv
 from dtkv.decode import alloc_decode_pages, full_view_comm_bytes, plan_decode, sharded_decode_comm_bytes
 
 
@@ -14,7 +15,7 @@ def _brute_force(tables, lens, own, rank, ps):
     """Per request: the owned page slots in order, their local pages, and slot -> local page or -1."""
     out = []
     for pages, n in zip(tables, lens):
-        need = -(-n // ps)
+        need = cdiv(n, ps)
         slots = [j for j in range(need) if own.owner(pages[j]) == rank]
         local = [own.local_index(pages[j]) for j in slots]
         slot_map = [own.local_index(pages[j]) if j in slots else -1 for j in range(need)]
@@ -30,7 +31,7 @@ def test_plan_decode_vs_brute_force(cp, scheme, ps):
     own = PageOwnership(cp, 60, scheme)
     g = torch.Generator().manual_seed(cp * 7 + ps)
     lens = [1, ps, ps + 1, 3 * ps - 1, 11 * ps]  # one token, a full page, a partial page, ...
-    tables = [torch.randperm(60, generator=g)[: -(-n // ps) + (i % 2)].tolist() for i, n in enumerate(lens)]
+    tables = [torch.randperm(60, generator=g)[: cdiv(n, ps) + (i % 2)].tolist() for i, n in enumerate(lens)]
     for rank in range(cp):
         plan = plan_decode(tables, lens, own, rank, page_size=ps, topk=8)
         assert plan.query_pos.tolist() == [n - 1 for n in lens]

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from dtkv._checks import check_int
+from dtkv._util import cdiv
 from dtkv.allocator import AllocationError, PageAllocator
 from dtkv.decode.topk import MAX_POSITION
 from dtkv.ownership import PageOwnership
@@ -120,7 +121,7 @@ def plan_decode(
         if n - 1 > MAX_POSITION:
             raise ValueError(f"seq_lens[{i}] must be <= {MAX_POSITION + 1} (positions travel in 32 bits), got {n}")
     ps = page_size
-    need = torch.tensor([-(-n // ps) for n in lens], dtype=torch.int64)
+    need = torch.tensor([cdiv(n, ps) for n in lens], dtype=torch.int64)
     slots = torch.arange(table.shape[1], dtype=torch.int64)[None, :]
     used = slots < need[:, None]
     have = ((table >= 0) & used).sum(1)

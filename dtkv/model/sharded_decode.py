@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from dtkv import _env
+from dtkv._util import cdiv
 from dtkv.decode import (
     DecodePlan,
     DecodeQueries,
@@ -43,7 +44,7 @@ def plan_sharded_step(engine, reqs: Sequence) -> DecodePlan:
     """Allocate each request's next page if its new token needs one, then plan the step (host; SPMD)."""
     ps = engine.cfg.page_size
     seq_lens = [r.num_computed + 1 for r in reqs]
-    needs = [max(0, -(-n // ps) - len(r.pages)) for r, n in zip(reqs, seq_lens)]
+    needs = [max(0, cdiv(n, ps) - len(r.pages)) for r, n in zip(reqs, seq_lens)]
     for r, new in zip(reqs, alloc_decode_pages(engine.allocator, [r.pages for r in reqs], needs)):
         r.pages.extend(new)
     return plan_decode(
