@@ -6,9 +6,15 @@ Shape legend used by every op module:
 - ``D``: elements of one stored row; ``W``: words (int64/int32/... reinterpretations) of one row or page;
 - ``N``: rows (tokens) handed to a write; ``K``: entries of a page list.
 
-Ownership reaches a registered op as plain ints ``(cp_size, num_pages, layout_code, rank)``
-(:func:`ownership_args`) so that the op schema needs no custom class; the arithmetic is the one documented in
-:mod:`dtkv.ownership` (``layout_code`` 0 = interleave, 1 = block).
+Ownership reaches a registered op as plain ints ``(cp_size, num_pages, scheme_code, rank)``
+(:func:`ownership_args`) so that the op schema needs no custom class; the torch side calls the arithmetic of
+:mod:`dtkv.ownership` itself, the Triton side mirrors it (:func:`owner_local`); ``scheme_code`` 0 = interleave,
+1 = block.
+
+Index tensors (token locations, send lists, page maps) cross into the kernels through :func:`index_arg`, the one
+normalization step of every op on both backends: the kernels read ``ptr + i``, so a strided, transposed or
+expanded view must become contiguous first. Range masks come before any narrowing: :func:`locate_rows` and the
+torch references compare entries in the width they were given.
 """
 
 from __future__ import annotations
@@ -21,25 +27,27 @@ from typing import Any
 import torch
 
 from dtkv._env import debug_enabled, get_backend
-from dtkv.ownership import OwnershipSpec, PageOwnership, ownership_spec
+from dtkv.ownership import OwnershipSpec, PageOwnership, _local_index, _owner, ownership_spec
 
 __all__ = [
     "HAS_TRITON",
     "INTERPRET",
-    "LAYOUT_CODES",
+    "SCHEME_CODES",
     "OwnershipLike",
     "OwnershipSpec",
+    "cdiv",
     "check_ownership_ints",
+    "check_rank",
     "device_ctx",
+    "index_arg",
+    "locate_args",
     "owner_local_torch",
-    "owned_rows_torch",
     "ownership_args",
     "ownership_spec",
     "resolve_backend",
     "should_validate",
     "tl",
     "triton",
-    "validate_locs",
     "word_view",
 ]
 
@@ -79,7 +87,6 @@ except ImportError as _e:  # pragma: no cover - exercised by a subprocess test
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").strip() == "1"
 """Whether Triton kernels were defined in interpreter mode (read once, at import, as Triton does)."""
 
-LAYOUT_CODES = {"interleave": 0, "block": 1}
 _BACKENDS = ("auto", "torch", "triton")
 
 
@@ -136,6 +143,15 @@ def should_validate(validate: bool | None) -> bool:
 # ------------------------------------------------------------------------------------------- ownership
 OwnershipLike = PageOwnership | OwnershipSpec
 
+SCHEME_CODES = {"interleave": 0, "block": 1}
+"""Ownership scheme -> the ``scheme_code`` int of the op schemas."""
+_SCHEMES = tuple(SCHEME_CODES)
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ints (``b > 0``)."""
+    return -(-a // b)
+
 
 @torch.compiler.assume_constant_result
 def _placement_args(ownership: PageOwnership) -> tuple[int, int, int]:
@@ -143,109 +159,105 @@ def _placement_args(ownership: PageOwnership) -> tuple[int, int, int]:
     # (like every ``Placement``) whose equality Dynamo guards on but whose attributes it cannot read.
     if not isinstance(ownership, PageOwnership):
         raise TypeError(f"ownership must be a dtkv.PageOwnership or OwnershipSpec, got {type(ownership).__name__}")
-    return ownership.cp_size, ownership.num_pages, LAYOUT_CODES[ownership.layout]
+    spec = ownership_spec(ownership)
+    return spec[0], spec[1], SCHEME_CODES[spec[2]]
 
 
 def ownership_args(ownership: OwnershipLike) -> tuple[int, int, int]:
-    """``(cp_size, num_pages, layout_code)`` of a ``PageOwnership`` or ``OwnershipSpec``, as the ops take them."""
+    """``(cp_size, num_pages, scheme_code)`` of a ``PageOwnership`` or ``OwnershipSpec``, as the ops take them."""
     if isinstance(ownership, tuple):
-        if ownership[2] not in LAYOUT_CODES:
-            raise ValueError(f"layout must be one of {tuple(LAYOUT_CODES)}, got layout={ownership[2]!r}")
-        return ownership[0], ownership[1], LAYOUT_CODES[ownership[2]]
+        if ownership[2] not in SCHEME_CODES:
+            raise ValueError(f"scheme must be one of {_SCHEMES}, got scheme={ownership[2]!r}")
+        return ownership[0], ownership[1], SCHEME_CODES[ownership[2]]
     return _placement_args(ownership)
 
 
-def check_ownership_ints(cp_size: int, num_pages: int, layout_code: int, rank: int) -> None:
+def check_ownership_ints(cp_size: int, num_pages: int, scheme_code: int, rank: int) -> None:
     """Validate the ownership ints of a registered op (metadata only; safe in fake/meta mode)."""
     if cp_size < 1:
         raise ValueError(f"cp_size must be >= 1, got cp_size={cp_size}")
     if num_pages < 1:
         raise ValueError(f"num_pages must be >= 1, got num_pages={num_pages}")
-    if layout_code not in (0, 1):
-        raise ValueError(f"layout_code must be 0 (interleave) or 1 (block), got layout_code={layout_code}")
+    if scheme_code not in (0, 1):
+        raise ValueError(f"scheme_code must be 0 (interleave) or 1 (block), got scheme_code={scheme_code}")
+    check_rank(rank, cp_size)
+
+
+def check_rank(rank: int, cp_size: int) -> None:
+    """``rank`` must be a rank of the CP group: ``0 <= rank < cp_size``."""
     if not 0 <= rank < cp_size:
         raise ValueError(f"rank must be in [0, cp_size={cp_size}), got rank={rank}")
 
 
-def chunk_of(cp_size: int, num_pages: int) -> int:
-    """Pages per rank of the block layout (``ceil(num_pages / cp_size)``)."""
-    return -(-num_pages // cp_size)
-
-
 def owner_local_torch(
-    pages: torch.Tensor, cp_size: int, num_pages: int, layout_code: int
+    pages: torch.Tensor, cp_size: int, num_pages: int, scheme_code: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Owner rank and local page index of each (non-negative) page; the arithmetic of :mod:`dtkv.ownership`."""
-    if layout_code == 0:
-        return pages % cp_size, torch.div(pages, cp_size, rounding_mode="floor")
-    chunk = chunk_of(cp_size, num_pages)
-    return torch.div(pages, chunk, rounding_mode="floor"), pages % chunk
+    """Owner rank and local page index of each page (``-1`` kept): the map of :mod:`dtkv.ownership` itself."""
+    pages_per_rank, scheme = cdiv(num_pages, cp_size), _SCHEMES[scheme_code]
+    return _owner(pages, cp_size, pages_per_rank, scheme), _local_index(pages, cp_size, pages_per_rank, scheme)
 
 
-def owned_rows_torch(
-    locs: torch.Tensor,
-    page_size: int,
-    cp_size: int,
-    num_pages: int,
-    layout_code: int,
-    rank: int,
-    num_local_pages: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows a rank keeps: ``(row_idx, local_page, offset)``, each int64 ``[kept]`` (synchronizes on CUDA).
+# ------------------------------------------------------------------------------------------- index arguments
+def index_arg(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An index, location or page-map argument as every kernel reads it: contiguous, of ``dtype`` if given.
 
-    A row is kept when its location is not ``-1``, lies in the logical pool, its page is owned by ``rank`` and
-    the page's local index fits the pool; everything else is skipped (the kernels' mask).
+    The one normalization step at the boundary of every op, on both backends (the kernels read ``ptr + i``; a
+    slice, transpose or expanded view read that way yields other entries). Free for the usual contiguous tensor
+    of the right dtype; one small copy otherwise. Values are not touched: range masks are applied in the width
+    the entries were given (:func:`locate_rows`, :func:`dtkv.ops._row_write.owned_rows_torch`), before any
+    narrowing.
     """
-    x = locs.to(torch.int64)
-    page = torch.div(x, page_size, rounding_mode="floor")
-    owner, local = owner_local_torch(page.clamp(min=0), cp_size, num_pages, layout_code)
-    keep = (x >= 0) & (page < num_pages) & (owner == rank) & (local < num_local_pages)
-    sel = keep.nonzero().squeeze(1)
-    return sel, local[sel], (x - page * page_size)[sel]
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
+    return t.contiguous()
 
 
 if HAS_TRITON:
 
     @triton.jit
-    def owner_local(page, cp_size, chunk, LAYOUT: tl.constexpr):
+    def owner_local(page, cp_size, pages_per_rank, SCHEME: tl.constexpr):
         """Triton twin of :func:`owner_local_torch` for non-negative ``page``."""
-        if LAYOUT == 0:
+        if SCHEME == 0:
             owner = page % cp_size
             local = page // cp_size
         else:
-            owner = page // chunk
-            local = page - owner * chunk
+            owner = page // pages_per_rank
+            local = page - owner * pages_per_rank
         return owner, local
 
     @triton.jit
     def locate_rows(
-        locs_ptr,  # [N] int32/int64
+        locs_ptr,  # [N] int32/int64, contiguous (index_arg)
         r,  # [BLOCK_R] row indices
         num_rows,
-        num_pages,
+        num_locs,  # num_pages * PAGE_SIZE: the logical token locations
         num_local_pages,
         rank,
         PAGE_SIZE: tl.constexpr,
         CP: tl.constexpr,
-        CHUNK: tl.constexpr,
-        LAYOUT: tl.constexpr,
+        PAGES_PER_RANK: tl.constexpr,
+        SCHEME: tl.constexpr,
         IDX64: tl.constexpr,
     ):
         """``(keep, local_page, offset)`` of rows ``r``: the kernels' mask and destination.
 
-        Page size, cp size and chunk are compile-time constants and the arithmetic is int32 unless locations may
-        reach 2**31 (``IDX64``): divisions become shifts or multiplies instead of 64-bit division routines.
+        The range mask ``0 <= loc < num_locs`` is applied first, in the width the locations were given, so an
+        int64 location past 2**31 or 2**32 is skipped rather than narrowed onto a valid one. Only then is the
+        arithmetic done in int32 unless kept locations may reach 2**31 (``IDX64``): with page size, cp size and
+        pages per rank compile-time constants, divisions become shifts or multiplies instead of 64-bit division
+        routines.
         """
         rmask = r < num_rows
         loc = tl.load(locs_ptr + r, mask=rmask, other=-1)
+        in_range = rmask & (loc >= 0) & (loc < num_locs)
         if IDX64:
             loc = loc.to(tl.int64)
         else:
             loc = loc.to(tl.int32)
         page = loc // PAGE_SIZE
         off = loc - page * PAGE_SIZE
-        owner, local = owner_local(page, CP, CHUNK, LAYOUT)
-        keep = rmask & (loc >= 0) & (page < num_pages) & (owner == rank) & (local < num_local_pages)
+        owner, local = owner_local(page, CP, PAGES_PER_RANK, SCHEME)
+        keep = in_range & (owner == rank) & (local < num_local_pages)
         return keep, local.to(tl.int64), off.to(tl.int64)
 
     @triton.jit
@@ -278,68 +290,19 @@ else:  # pragma: no cover
     owner_local = locate_rows = e4m3_bits = bf16_rn = None
 
 
-def locate_constexprs(cp_size: int, num_pages: int, layout_code: int, page_size: int) -> dict[str, int | bool]:
-    """Compile-time arguments of :func:`locate_rows` (one kernel specialization per geometry)."""
+def locate_args(cp_size: int, num_pages: int, scheme_code: int, page_size: int) -> dict[str, int | bool]:
+    """The geometry arguments of :func:`locate_rows`, as the row kernels take them (one specialization each)."""
     return {
+        "num_locs": num_pages * page_size,
         "PAGE_SIZE": page_size,
         "CP": cp_size,
-        "CHUNK": chunk_of(cp_size, num_pages),
-        "LAYOUT": layout_code,
+        "PAGES_PER_RANK": cdiv(num_pages, cp_size),
+        "SCHEME": scheme_code,
         "IDX64": num_pages * page_size >= 2**31,
     }
 
 
-# ------------------------------------------------------------------------------------------- checks
-def validate_locs(
-    locs: torch.Tensor,
-    *,
-    page_size: int,
-    cp_size: int,
-    num_pages: int,
-    layout_code: int,
-    rank: int,
-    num_local_pages: int,
-    require_owned: bool,
-) -> None:
-    """Host check of token locations before any write (synchronizes once on CUDA).
-
-    Every entry must be ``-1`` (skipped) or a location of a logical page in ``[0, num_pages)`` whose local index
-    fits the pool; with ``require_owned`` the page must also be owned by ``rank``.
-
-    Raises:
-        ValueError: naming the first bad entry, its page, and the rule it breaks.
-    """
-    if locs.numel() == 0:
-        return
-    x = locs.to(torch.int64)
-    limit = num_pages * page_size
-    page = torch.div(x, page_size, rounding_mode="floor")
-    owner, local = owner_local_torch(page.clamp(min=0), cp_size, num_pages, layout_code)
-    bad_range = (x < -1) | (x >= limit)
-    valid = x >= 0
-    bad_local = valid & ~bad_range & (owner == rank) & (local >= num_local_pages)
-    bad_owner = valid & ~bad_range & (owner != rank) if require_owned else torch.zeros_like(valid)
-    flags = torch.stack([bad_range.any(), bad_local.any(), bad_owner.any()]).cpu().tolist()
-    if flags[0]:
-        i = int(bad_range.nonzero()[0, 0])
-        raise ValueError(
-            f"locs must hold token locations in [-1, {limit}) (num_pages={num_pages} * page_size={page_size}; "
-            f"-1 is skipped), got locs[{i}]={int(x[i])}"
-        )
-    if flags[1]:
-        i = int(bad_local.nonzero()[0, 0])
-        raise ValueError(
-            f"locs[{i}]={int(x[i])} is in logical page {int(page[i])}, local page {int(local[i])} of rank {rank}, "
-            f"but pool holds only {num_local_pages} local pages"
-        )
-    if flags[2]:
-        i = int(bad_owner.nonzero()[0, 0])
-        raise ValueError(
-            f"locs[{i}]={int(x[i])} is in logical page {int(page[i])}, owned by rank {int(owner[i])}, not by "
-            f"rank {rank}: a direct write may only target this rank's own pages (page-aligned split)"
-        )
-
-
+# ------------------------------------------------------------------------------------------- word views
 _WORD_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
 
