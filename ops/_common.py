@@ -1,4 +1,5 @@
-"""Shared plumbing of the ``dtkv`` custom ops: Triton availability, backend choice, ownership arithmetic, checks.
+"""Shared plumbing of the ``dtkv`` custom ops: Triton availability, backend choice, ownership arithmetic, index
+arguments, Triton helpers of the row kernels, fp8 rounding and word views.
 
 Shape legend used by every op module:
 
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 
 from dtkv._env import debug_enabled, get_backend
+from dtkv.layouts import FP8_E4M3_MAX
 from dtkv.ownership import OwnershipSpec, PageOwnership, _local_index, _owner, ownership_spec
 
 __all__ = [
@@ -39,6 +41,7 @@ __all__ = [
     "check_ownership_ints",
     "check_rank",
     "device_ctx",
+    "e4m3_blocks_torch",
     "index_arg",
     "locate_args",
     "owner_local_torch",
@@ -300,6 +303,20 @@ def locate_args(cp_size: int, num_pages: int, scheme_code: int, page_size: int) 
         "SCHEME": scheme_code,
         "IDX64": num_pages * page_size >= 2**31,
     }
+
+
+# ------------------------------------------------------------------------------------------- fp8 (torch side)
+def e4m3_blocks_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize float32 blocks ``[..., B]``: (e4m3 bytes uint8 ``[..., B]``, fp32 scales ``amax / 448`` ``[...]``).
+
+    ``x * (448 / amax)`` rounded to nearest even, saturating; an all-zero block gets scale 0 and zeros. The torch
+    twin of the kernels' ``amax -> scale, 1 / scale`` and :func:`e4m3_bits`, with the same IEEE operations.
+    """
+    amax = x.abs().amax(dim=-1)
+    scale = amax / torch.full_like(amax, FP8_E4M3_MAX)  # a tensor divisor: CUDA multiplies by 1/scalar instead
+    inv = torch.where(amax > 0, torch.full_like(amax, FP8_E4M3_MAX) / amax, torch.ones_like(amax))
+    q = (x * inv[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.view(torch.uint8), scale
 
 
 # ------------------------------------------------------------------------------------------- word views

@@ -74,6 +74,14 @@ def check_rows_contiguous(pool: torch.Tensor, dim: int, what: str) -> None:
         raise ValueError(f"pool {what} must be contiguous (stride 1 in dim {dim}), got pool.stride()={pool.stride()}")
 
 
+def _locate_torch(locs, page_size, cp_size, num_pages, scheme_code):
+    """``(loc, page, owner, local)`` of each entry, int64 (owner and local of page 0 for negative entries)."""
+    x = locs.to(torch.int64)
+    page = torch.div(x, page_size, rounding_mode="floor")
+    owner, local = owner_local_torch(page.clamp(min=0), cp_size, num_pages, scheme_code)
+    return x, page, owner, local
+
+
 def owned_rows_torch(
     locs: torch.Tensor,
     page_size: int,
@@ -89,9 +97,7 @@ def owned_rows_torch(
     are skipped), its page is owned by ``rank`` and the page's local index fits the pool: the mask of the
     kernels' :func:`dtkv.ops._common.locate_rows`, computed in int64.
     """
-    x = locs.to(torch.int64)
-    page = torch.div(x, page_size, rounding_mode="floor")
-    owner, local = owner_local_torch(page.clamp(min=0), cp_size, num_pages, scheme_code)
+    x, page, owner, local = _locate_torch(locs, page_size, cp_size, num_pages, scheme_code)
     keep = (x >= 0) & (x < num_pages * page_size) & (owner == rank) & (local < num_local_pages)
     sel = keep.nonzero().squeeze(1)
     return sel, local[sel], (x - page * page_size)[sel]
@@ -111,17 +117,16 @@ def validate_locs(
     """Host check of token locations before any write (synchronizes once on CUDA).
 
     Every entry must be ``-1`` (skipped) or a location of a logical page in ``[0, num_pages)`` whose local index
-    fits the pool; for a ``direct`` write the page must also be owned by ``rank``.
+    fits the pool; for a ``direct`` write the page must also be owned by ``rank``. These are exactly the rows
+    :func:`owned_rows_torch` and the kernels skip besides ``-1`` and, without ``direct``, foreign rows.
 
     Raises:
         ValueError: naming the first bad entry, its page, and the rule it breaks.
     """
     if locs.numel() == 0:
         return
-    x = locs.to(torch.int64)
+    x, page, owner, local = _locate_torch(locs, page_size, cp_size, num_pages, scheme_code)
     limit = num_pages * page_size
-    page = torch.div(x, page_size, rounding_mode="floor")
-    owner, local = owner_local_torch(page.clamp(min=0), cp_size, num_pages, scheme_code)
     bad_range = (x < -1) | (x >= limit)
     valid = x >= 0
     bad_local = valid & ~bad_range & (owner == rank) & (local >= num_local_pages)

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from dtkv._checks import check_tensor
-from dtkv.layouts import FP8_E4M3_MAX, IndexerFp8Layout
+from dtkv.layouts import IndexerFp8Layout
 
-from ._common import INTERPRET, OwnershipLike, e4m3_bits, locate_rows, tl, triton
+from ._common import INTERPRET, OwnershipLike, e4m3_bits, e4m3_blocks_torch, locate_rows, tl, triton
 from ._row_write import (
     UNSET,
     RowWriteOp,
@@ -49,12 +49,7 @@ _K_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def quantize_indexer_fp8(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token fp8 quantization of keys ``[N, H]`` (bf16/fp16/fp32): (e4m3 bytes uint8 ``[N, H]``, fp32 ``[N]``)."""
     check_tensor("k", k, dtype=_K_DTYPES, ndim=2)
-    x = k.float()
-    amax = x.abs().amax(dim=1)
-    scale = amax / torch.full_like(amax, FP8_E4M3_MAX)  # a tensor divisor: CUDA multiplies by 1/scalar instead
-    inv = torch.where(amax > 0, torch.full_like(amax, FP8_E4M3_MAX) / amax, torch.ones_like(amax))
-    q = (x * inv[:, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-    return q.view(torch.uint8), scale
+    return e4m3_blocks_torch(k.float())
 
 
 def quantize_write_indexer_fp8_torch(

@@ -26,9 +26,9 @@ from typing import Any
 import torch
 
 from dtkv._checks import check_tensor
-from dtkv.layouts import FP8_E4M3_MAX, MLAFp8Layout
+from dtkv.layouts import MLAFp8Layout
 
-from ._common import INTERPRET, OwnershipLike, bf16_rn, e4m3_bits, locate_rows, tl, triton
+from ._common import INTERPRET, OwnershipLike, bf16_rn, e4m3_bits, e4m3_blocks_torch, locate_rows, tl, triton
 from ._row_write import (
     UNSET,
     RowWriteOp,
@@ -50,13 +50,9 @@ _KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def quantize_mla_fp8_torch(kv: torch.Tensor, kv_lora_rank: int, rope_dim: int, quant_block: int) -> torch.Tensor:
     """Quantize rows ``[N, L + R]`` to fp8 rows, uint8 ``[N, row_bytes]`` (the format in the module docstring)."""
     n, L = kv.shape[0], kv_lora_rank
-    x = kv[:, :L].float().reshape(n, L // quant_block, quant_block)
-    amax = x.abs().amax(dim=-1)  # [N, NB]
-    scale = amax / torch.full_like(amax, FP8_E4M3_MAX)  # a tensor divisor: CUDA multiplies by 1/scalar instead
-    inv = torch.where(amax > 0, torch.full_like(amax, FP8_E4M3_MAX) / amax, torch.ones_like(amax))
-    q = (x * inv[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    q, scale = e4m3_blocks_torch(kv[:, :L].float().reshape(n, L // quant_block, quant_block))  # scale: [N, NB]
     rope = kv[:, L : L + rope_dim].to(torch.bfloat16).contiguous()
-    return torch.cat([q.view(torch.uint8).reshape(n, L), scale.view(torch.uint8), rope.view(torch.uint8)], dim=1)
+    return torch.cat([q.reshape(n, L), scale.view(torch.uint8), rope.view(torch.uint8)], dim=1)
 
 
 def quantize_write_mla_fp8_torch(
