@@ -241,7 +241,7 @@ def direct_from_require_owned(direct: bool, require_owned: Any, where: str) -> b
             DeprecationWarning,
             stacklevel=3,
         )
-    return require_owned
+    return bool(require_owned)
 
 
 def call_row_write(

@@ -40,9 +40,8 @@ def direct_write_torch(
 ) -> None:
     """Reference: ``pool[local(page), offset] = row`` for every non-``-1`` row (an ``index_put_``).
 
-    Meant for rows already validated as owned; a foreign row is skipped exactly as in
-    :func:`dtkv.ops.write_owned_torch`, which this is (a direct write differs in what it promises, not in the
-    store).
+    Meant for rows already validated as owned; a foreign row is skipped exactly as in ``write_owned_torch``
+    (``ops/write_owned.py``), which this is (a direct write differs in what it promises, not in the store).
     """
     write_owned_torch(pool, rows, locs, cp_size, num_pages, scheme_code, rank)
 

@@ -52,7 +52,7 @@ WIDE = [2**31, 2**31 + 5, 2**32, 2**32 + 5, -(2**32) + 3, -(2**31) - 1, 2**63 - 
 
 
 def _examples(device: str) -> int:
-    return 60 if device == "cuda" else 20
+    return 30 if device == "cuda" else 20
 
 
 def _settings(device: str):

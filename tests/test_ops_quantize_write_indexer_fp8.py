@@ -2,7 +2,7 @@
 
 Tolerances: none for the stored bytes (same float32 IEEE arithmetic and round-to-nearest-even as the independent
 table-driven reference). Round trip: ``|k̂ - k| <= |k| / 16 + amax_token / 2**18``, derived in
-:mod:`dtkv.ops.quantize_write_indexer_fp8` (half an e4m3 ulp, the subnormal step, fp32 slack).
+the docstring of ``ops/quantize_write_indexer_fp8.py`` (half an e4m3 ulp, the subnormal step, fp32 slack).
 """
 
 from __future__ import annotations

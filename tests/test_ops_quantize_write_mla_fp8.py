@@ -2,7 +2,7 @@
 
 Tolerances: none for the stored bytes. The reference quantizes with float32 IEEE arithmetic (``amax / 448``,
 ``x / s``) and a table-driven round-to-nearest-even onto e4m3, and every backend does the same arithmetic, so the
-bytes agree exactly. The round trip is checked against the bound derived in :mod:`dtkv.ops.quantize_write_mla_fp8`:
+bytes agree exactly. The round trip is checked against the bound derived in ``ops/quantize_write_mla_fp8.py``:
 ``|x̂ - x| <= |x| / 16 + amax_block / 2**18`` (half an e4m3 ulp relative, the subnormal step, fp32 slack), and
 ``|x| / 2**8`` (half a bf16 ulp) on rope dims for fp32 input, exact for bf16 input.
 """
