@@ -158,7 +158,9 @@ def _all_gather_many(outs: list[torch.Tensor], ins: list[torch.Tensor], group, a
     """Rank-major all-gather of each ``ins[k]`` into ``outs[k]`` as one collective where the backend coalesces."""
     if len(outs) == 1:
         return all_gather_into(outs[0], ins[0], group, async_op=async_op)
-    coalesced = getattr(group, "allgather_into_tensor_coalesced", None)
+    coalesced = getattr(group, "all_gather_single_coalesced", None) or getattr(  # torch 2.13 name, then 2.11
+        group, "allgather_into_tensor_coalesced", None
+    )
     if coalesced is not None and _COALESCED.get(group.group_name, True):
         try:
             work = coalesced(outs, ins)
