@@ -25,14 +25,28 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
 
 
 def init(device_kind: str = "auto") -> tuple[int, int, torch.device]:
-    """Join the torchrun group: NCCL with one GPU per rank when CUDA is there (and not refused), else gloo."""
+    """Join the torchrun group: NCCL with one GPU per rank when CUDA is there (and not refused), else gloo.
+
+    A process group that already exists (tests) is used as it is; :func:`finish` then leaves it alone.
+    """
+    global _OWNED
     cuda = torch.cuda.is_available() and device_kind != "cpu"
     if not dist.is_initialized():
+        _OWNED = True
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if cuda else "gloo")
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     return dist.get_rank(), dist.get_world_size(), dev
+
+
+_OWNED = False
+
+
+def finish() -> None:
+    """Destroy the process group if :func:`init` created it."""
+    if _OWNED and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def hardware_tag(device: torch.device, world: int) -> str:

@@ -304,7 +304,7 @@ def summary(rows: list[dict], title: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="bitwise checks of every backend and path, then exit")
     ap.add_argument("--summary", help="print the markdown summary of a results file and exit (no process group)")
@@ -317,7 +317,7 @@ def main() -> int:
     ap.add_argument("--gemm", type=int, nargs=3, help="M K N of the GEMMs (default GPU 4096 7168 14336)")
     ap.add_argument("--no-graphs", dest="graphs", action="store_false", help="skip the CUDA-graph variants")
     ap.add_argument("--out-dir", help="where results go (default $OUT, else benchmarks/results)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.summary:
         print(summary(db.read_jsonl(Path(args.summary)), Path(args.summary).stem))
         return 0
@@ -325,7 +325,7 @@ def main() -> int:
     gpu = dev.type == "cuda"
     if args.check:
         ok = check(rank, world, dev, args.backends or ["all_gather", "copy_engine"])
-        dist.destroy_process_group()
+        db.finish()
         return 0 if ok else 1
     args.backends = args.backends or (["all_gather", "copy_engine"] if gpu else ["all_gather"])
     args.tokens = args.tokens or ([32768, 131072, 262144, 1048576] if gpu else [2048])
@@ -345,7 +345,7 @@ def main() -> int:
         (out / f"{name}.md").write_text(text)
         print(text)
         print(f"wrote {out / name}.jsonl and .md")
-    dist.destroy_process_group()
+    db.finish()
     return 0
 
 

@@ -195,8 +195,9 @@ class _Works:
 class AllGatherGather:
     """``local`` and ``all_gather`` backends (see the module table)."""
 
-    def __init__(self, *, pool, names, geoms, views, group, pack: str) -> None:
+    def __init__(self, *, pool, names, geoms, views, group, pack: str, history_group=None) -> None:
         self.group = group
+        self._groups = {HISTORY: group if history_group is None else history_group, CURRENT: group}
         self._pack = make_packer(pack)
         self._send_bufs: dict[int, list[list[torch.Tensor]]] = {}
         self._ins: dict[int, list[list[torch.Tensor]]] = {}  # [channel][layer] -> per layout bytes
@@ -244,7 +245,7 @@ class AllGatherGather:
             for o, i in zip(outs, ins):
                 o.copy_(i)
             return None
-        return _all_gather_many(outs, ins, self.group, async_op)
+        return _all_gather_many(outs, ins, self._groups[g.channel], async_op)
 
 
 class _Workspace:
@@ -320,7 +321,7 @@ def _align(n: int, to: int = 256) -> int:
 class CopyEngineGather:
     """``copy_engine`` backend (see the module table)."""
 
-    def __init__(self, *, pool, names, geoms, views, group, pack: str) -> None:
+    def __init__(self, *, pool, names, geoms, views, group, pack: str, history_group=None) -> None:
         self.group = group
         self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self._pack = make_packer(pack)

@@ -75,6 +75,9 @@ class Materializer:
             use is :attr:`backend`: ``"local"`` without a CP group.
         pack: kernel of the pack launches, ``"auto"`` | ``"torch"`` (``index_select`` per layout) |
             ``"triton"`` (one launch for every layout; the default on CUDA).
+        history_group: a process group over the same ranks for the history all-gathers (default: the pool's).
+            A dedicated communicator keeps prefetches off the queue of the model's own collectives (NCCL runs
+            a communicator's collectives in issue order); build it once, e.g. with ``dist.new_group``.
     """
 
     def __init__(
@@ -85,6 +88,7 @@ class Materializer:
         names: Sequence[str] | None = None,
         backend: GatherBackend = "auto",
         pack: str = "auto",
+        history_group=None,
     ) -> None:
         if plan.ownership != pool.ownership or plan.rank != pool.rank:
             raise ValueError(
@@ -95,6 +99,14 @@ class Materializer:
         unknown = [n for n in self.names if n not in pool.layouts]
         if unknown or not self.names:
             raise ValueError(f"names must be a non-empty subset of {sorted(pool.layouts)}, got names={names!r}")
+        if history_group is not None:
+            import torch.distributed as dist
+
+            if pool.group is None or dist.get_world_size(history_group) != dist.get_world_size(pool.group):
+                raise ValueError(
+                    "history_group must span the pool's CP group, got a group of "
+                    f"{dist.get_world_size(history_group)} ranks for a pool with group={pool.group!r}"
+                )
         agree_plan(plan, pool.group)
         self.pool, self.plan = pool, plan
         dev = pool.device
@@ -116,7 +128,7 @@ class Materializer:
         impl = CopyEngineGather if self.backend == "copy_engine" else AllGatherGather
         self._impl = impl(
             pool=pool, names=self.names, geoms=self._geoms, views=self._views, group=pool.group,
-            pack=resolve_backend(pack, dev),
+            pack=resolve_backend(pack, dev), history_group=history_group,
         )  # fmt: skip
         self._cuda = dev.type == "cuda"
         self._hist_stream, self._cur_stream = _streams(dev) if self._cuda else (None, None)
