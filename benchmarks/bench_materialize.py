@@ -94,6 +94,7 @@ def check(rank: int, world: int, dev: torch.device, backends: list[str]) -> bool
         "write_current": ("interleave", 40, list(range(31)), list(range(31, 35)), True),
     }  # fmt: skip
     results = []
+    history_group = dist.new_group(list(range(world)))  # prefetches on their own communicator (graphs need it)
     for case, (scheme, num_pages, hist, cur, write_current) in cases.items():
         own = PageOwnership(world, num_pages, scheme)
         pool = ShardedKVPool(lays, own, num_layers=num_layers, group=dist.group.WORLD, device=dev)
@@ -102,7 +103,7 @@ def check(rank: int, world: int, dev: torch.device, backends: list[str]) -> bool
         for backend in backends:
             for graphs in (False, True) if dev.type == "cuda" else (False,):
                 for prefetch in (False, True):
-                    mat = Materializer(pool, plan, backend=backend)
+                    mat = Materializer(pool, plan, backend=backend, history_group=history_group)
                     if graphs and not _capture(mat, rank):
                         results.append((case, f"{backend} -> {mat.backend}", prefetch, graphs, False))
                         continue
@@ -145,6 +146,7 @@ def sweep(rank: int, world: int, dev: torch.device, args) -> list[dict]:
     per_page = sum(lay.page_bytes for lay in lays.values())
     max_layers = max(args.layers)
     mm = _gemms(dev, *args.gemm)
+    history_group = dist.new_group(list(range(world)))  # prefetches on their own communicator (graphs need it)
     rows = []
     for tokens in args.tokens:
         pages = -(-tokens // PS)
@@ -170,7 +172,7 @@ def sweep(rank: int, world: int, dev: torch.device, args) -> list[dict]:
             plan = plan_materialize(orders[order], [], own, rank, device=dev, group=group)
             for backend in args.backends:
                 for graphs in (False, True) if (dev.type == "cuda" and args.graphs) else (False,):
-                    mat = Materializer(pool, plan, backend=backend)
+                    mat = Materializer(pool, plan, backend=backend, history_group=history_group)
                     if graphs and not _capture(mat, rank):
                         continue
                     for num_layers in args.layers:

@@ -109,18 +109,21 @@ def run_context(T: int, args, d: Dims, w: Weights, dev, cal: dict, history_group
     base = torch.randn(C, d.hidden, generator=g, device=dev).to(args.dtype)
     templates = template_pages(d, dev)
     rows = []
-    for mode in args.modes:
+    runs = [(m, b) for m in args.modes for b in (args.backend if m != "replicated" else ["-"])]
+    for mode, backend in runs:
         runner = Runner(mode, d, w, num_layers=args.layers, num_pages=num_pages, group=dist.group.WORLD, device=dev,
-                        attention=cal["attention"], indexer_config=cal.get("indexer_config"), backend=args.backend,
-                        history_group=history_group)  # fmt: skip
+                        attention=cal["attention"], indexer_config=cal.get("indexer_config"),
+                        backend="auto" if backend == "-" else backend, history_group=history_group)  # fmt: skip
         runner.fill_history(templates)
+        if runner.sharded:  # size the copy-engine workspace for the largest view now, not mid-run
+            runner.plan(prefixes[-1], C)
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         db.barrier(dev)
-        marks, x, backend = [], None, "local"
+        marks, x, backend_used = [], None, "none"
         for s, prefix in enumerate(prefixes):
             plan = runner.plan(prefix, C)
-            backend = plan.mat.backend if plan.mat is not None else "none"
+            backend_used = plan.mat.backend if plan.mat is not None else "none"
             marks.append(_mark(dev))
             x = runner.step(plan, base[: plan.positions.numel()], record=s >= warm)
         marks.append(_mark(dev))
@@ -138,13 +141,13 @@ def run_context(T: int, args, d: Dims, w: Weights, dev, cal: dict, history_group
             "peak_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
             "scratch_bytes": runner.stats["scratch_bytes"],
             "view_bytes_per_layer": runner.stats["gathered_bytes"] // args.layers if runner.sharded else 0,
-            "materialize_backend": backend, **{k: v for k, v in cal.items() if k != "indexer_config"},
+            "materialize_backend": backend_used, **{k: v for k, v in cal.items() if k != "indexer_config"},
         }  # fmt: skip
         if args.verify:
             row["x_digest"] = _digest(x)
             row["kv_digest"] = _pool_digest(runner)
         if args.profile and T == max(args.contexts):
-            _profile(runner, prefixes[-1], C, base, dev, args, mode, T)
+            _profile(runner, prefixes[-1], C, base, dev, args, f"{mode}-{backend_used}", T)
         rows.append(row)
         del runner, plan
         if dev.type == "cuda":
@@ -258,9 +261,9 @@ def trace_summary(path: Path) -> dict:
 # ------------------------------------------------------------------------------------------- outputs
 def summary(rows: list[dict], title: str, extra: str = "") -> str:
     lines = [f"# {title}", "", extra, "",
-             "| context | mode | step ms (median) | p90 | overhead vs replicated | exposed gather ms/layer | "
+             "| context | mode | backend | step ms (median) | p90 | overhead vs replicated | exposed gather ms/layer | "
              "view MB/layer | gathered MB/step (views + KV rows) | KV GB/rank | peak GB | scratch / view |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in rows:
         ov = "" if r["overhead_vs_replicated"] is None else f"{100 * r['overhead_vs_replicated']:+.2f}%"
         view = r["view_bytes_per_layer"]
@@ -268,7 +271,7 @@ def summary(rows: list[dict], title: str, extra: str = "") -> str:
         peak = "" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 1e9:.2f}"
         gathered = (r["view_gathered_bytes_per_step"] + r["kv_rows_gathered_bytes_per_step"]) / 1e6
         lines.append(
-            f"| {r['context']} | {r['mode']} | {r['step_ms_median']} | {r['step_ms_p90']} | {ov} | "
+            f"| {r['context']} | {r['mode']} | {r['materialize_backend']} | {r['step_ms_median']} | {r['step_ms_p90']} | {ov} | "
             f"{r['exposed_gather_ms_per_layer']} | {view / 1e6:.1f} | {gathered:.1f} | "
             f"{r['kv_bytes_per_rank'] / 1e9:.3f} | {peak} | {ratio} |"
         )
@@ -296,10 +299,11 @@ def figure(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for mode in ("sharded_prefetch", "sharded"):
-        pts = sorted((r["context"], r["overhead_vs_replicated"]) for r in rows if r["mode"] == mode)
+    for mode, backend in sorted({(r["mode"], r["materialize_backend"]) for r in rows if r["mode"] != "replicated"}):
+        pts = sorted((r["context"], r["overhead_vs_replicated"]) for r in rows
+                     if (r["mode"], r["materialize_backend"]) == (mode, backend))  # fmt: skip
         if pts and all(p[1] is not None for p in pts):
-            ax.plot([p[0] / 1024 for p in pts], [100 * p[1] for p in pts], marker="o", label=mode)
+            ax.plot([p[0] / 1024 for p in pts], [100 * p[1] for p in pts], marker="o", label=f"{mode} ({backend})")
     ax.axhline(1.0, color="gray", linestyle="--", linewidth=1, label="target +1%")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context (K tokens)")
@@ -319,7 +323,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timed-chunks", type=int, help="chunks timed per context and mode (default 6; --tiny 2)")
     ap.add_argument("--warmup-chunks", type=int, help="chunks run before them (default 2; --tiny 1)")
     ap.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES)
-    ap.add_argument("--backend", default="auto", help="Materializer backend: auto, all_gather, copy_engine")
+    ap.add_argument(
+        "--backend",
+        nargs="*",
+        default=["auto"],
+        help="Materializer backends the sharded modes run with: auto, all_gather, copy_engine",
+    )
     ap.add_argument("--attention", default="auto", choices=["auto", "triton", "standin", "torch"])
     ap.add_argument(
         "--no-dedicated-history-group",

@@ -54,7 +54,8 @@ def test_modes_store_the_same_kv_and_compute_the_same_activations(ranks2, tmp_pa
         assert rep["overhead_vs_replicated"] == 0.0 and rep["timed_chunks"] == 2
     assert (tmp_path / jsonl.name.replace(".jsonl", ".md")).read_text().count("| 40 |") == 3
     assert (tmp_path / jsonl.name.replace(".jsonl", ".png")).stat().st_size > 0
-    assert list(tmp_path.glob("prefill_trace_sharded_prefetch_64.json"))
+    assert list(tmp_path.glob("prefill_trace_sharded_prefetch-all_gather_64.json"))
+    assert "sharded_prefetch-all_gather" in next(tmp_path.glob("prefill_profile_cpux2_*.md")).read_text()
 
 
 def _indexer_case(seed):

@@ -15,8 +15,9 @@ backend            per (group, layer)
 
 Copy-engine send slots live in one symmetric workspace per (group, device), shared by every Materializer: two
 slots per page group used alternately (three when an odd number of layers is captured into CUDA graphs), so a
-slot is rewritten only after a later barrier proved every peer done with it. Growing the workspace synchronizes
-the device and the ranks once.
+slot is rewritten only after a later barrier proved every peer done with it (a gather's pack follows the previous
+gather's barrier, which every peer reaches only after finishing its copies of the gather before). Growing the
+workspace synchronizes the device and the ranks once; outgrown buffers stay mapped for graphs recorded on them.
 """
 
 from __future__ import annotations
@@ -257,10 +258,11 @@ class _Workspace:
         self.group, self.device = group, device
         self.slot_bytes = [0, 0]  # per channel
         self.num_slots = 2
-        self.last_slot = [-1, -1]
         self.tensor: torch.Tensor | None = None
         self.handle = None
         self.generation = 0
+        self.last_slot: dict[int, list[int]] = {}  # per generation: the slot each channel's last gather used
+        self._retired: list[tuple[torch.Tensor, object]] = []  # outgrown buffers: captured graphs may read them
 
     @classmethod
     def get(cls, group: dist.ProcessGroup, device: torch.device) -> _Workspace:
@@ -280,8 +282,9 @@ class _Workspace:
             return
         if self.tensor is not None:  # grow by at least half, so chunked prefill does not regrow every step
             want = [max(w, s + s // 2) if w > s else s for w, s in zip(want, self.slot_bytes)]
-            torch.cuda.synchronize(self.device)  # no local copy still reads or writes the old slots ...
+            torch.cuda.synchronize(self.device)  # the new slots start empty: no copy may still be in flight ...
             exchange_votes(Vote(digest=b"", ok=True), self.group)  # ... on any rank
+            self._retired.append((self.tensor, self.handle))
         symm_mem = _symm_mem()
         total = max(1, slots * sum(want))
         tensor = symm_mem.empty(total, dtype=torch.uint8, device=self.device)
@@ -294,8 +297,8 @@ class _Workspace:
             handle = symm_mem.rendezvous(tensor, self.group.group_name)
         self.tensor, self.handle = tensor, handle
         self.slot_bytes, self.num_slots = want, slots
-        self.last_slot = [-1, -1]
         self.generation += 1
+        self.last_slot[self.generation] = [-1, -1]
         logger.debug("copy-engine workspace of %s: %d bytes (%s per slot)", self.group.group_name, total, want)
 
 
@@ -348,6 +351,8 @@ class CopyEngineGather:
             need[g.channel] = sum(self._region_bytes(g))
         self.ws.reserve(need, num_slots)
         self._generation = self.ws.generation
+        self._handle = self.ws.handle  # captured graphs keep using the buffers they were recorded with
+        self._last = self.ws.last_slot[self._generation]
         self._bufs: dict[tuple[int, int], tuple[list, list]] = {}
         for g in self._geoms:
             m, sizes = g.rows_per_rank, self._region_bytes(g)
@@ -358,7 +363,7 @@ class CopyEngineGather:
                     flat = self.ws.tensor[off : off + m * lay.page_bytes]
                     mine.append(flat.view(lay.dtype).view(m, *lay.page_shape))
                     for p in range(self.cp):
-                        peers[p].append(self.ws.handle.get_buffer(p, (m * lay.page_bytes,), torch.uint8, off))
+                        peers[p].append(self._handle.get_buffer(p, (m * lay.page_bytes,), torch.uint8, off))
                     off += size
                 self._bufs[(g.channel, slot)] = (mine, peers)
 
@@ -382,23 +387,23 @@ class CopyEngineGather:
     def before_replay(self, g: GroupGeometry, layer: int) -> None:
         """Before replaying a captured gather: a barrier when its slot is the one read last (eager use between)."""
         slot = self._graph_slots[(g.channel, layer)]
-        if self.ws.last_slot[g.channel] == slot:
-            self.ws.handle.barrier(channel=g.channel, timeout_ms=BARRIER_TIMEOUT_MS)
-        self.ws.last_slot[g.channel] = slot
+        if self._last[g.channel] == slot:
+            self._handle.barrier(channel=g.channel, timeout_ms=BARRIER_TIMEOUT_MS)
+        self._last[g.channel] = slot
 
     def launch(self, g: GroupGeometry, layer: int, parity: int, async_op: bool, *, captured: bool = False):
         """Pack, barrier, copy every peer's rows into the views (on the current stream); returns None."""
-        if self._generation != self.ws.generation:  # another Materializer grew the workspace
-            self._prepare(num_slots=self.ws.num_slots)
         if captured:
             slot = self._graph_slots[(g.channel, layer)]
         else:
-            slot = next_slot(self.ws.last_slot[g.channel])
-            self.ws.last_slot[g.channel] = slot
+            if self._generation != self.ws.generation:  # another Materializer grew the workspace: move along
+                self._prepare(num_slots=self.ws.num_slots)
+            slot = next_slot(self._last[g.channel])
+            self._last[g.channel] = slot
         mine, peers = self._bufs[(g.channel, slot)]
         if g.count:
             self._pack([b[: g.count] for b in mine], self._srcs[layer], g.send_idx)
-        self.ws.handle.barrier(channel=g.channel, timeout_ms=BARRIER_TIMEOUT_MS)
+        self._handle.barrier(channel=g.channel, timeout_ms=BARRIER_TIMEOUT_MS)
         for k, per_peer in enumerate(self._outs[(g.channel, parity)]):
             for p, out in enumerate(per_peer):
                 out.copy_(peers[p][k], non_blocking=True)

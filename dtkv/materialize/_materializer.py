@@ -109,6 +109,7 @@ class Materializer:
                 )
         agree_plan(plan, pool.group)
         self.pool, self.plan = pool, plan
+        self._history_group = history_group
         dev = pool.device
         self._views = [
             {
@@ -241,11 +242,22 @@ class Materializer:
         launches). One eager pass over every layer runs first (communicators, kernels and handles must exist
         before capture). Call it on every rank, with no gather in flight.
 
+        With the ``all_gather`` backend the history gathers need their own communicator (``history_group``):
+        replayed NCCL kernels bypass the process group's internal stream, so they must not share a communicator
+        with collectives that may run at the same time (the current-page gathers and the model's own collectives
+        stay ordered with the compute stream).
+
         Raises:
-            RuntimeError: the pool is not on a CUDA device, or a gather is in flight.
+            RuntimeError: the pool is not on a CUDA device, a gather is in flight, or the ``all_gather`` backend
+                has no dedicated ``history_group``.
         """
         if not self._cuda:
             raise RuntimeError(f"capture() records CUDA graphs; this pool is on {self.pool.device}")
+        if self.backend == "all_gather" and self._history is not None and self._history_group is None:
+            raise RuntimeError(
+                "capture() with the all_gather backend needs a dedicated history_group (a communicator used by "
+                "nothing else while a prefetch may run); pass history_group= to the Materializer"
+            )
         if self._pending:
             raise RuntimeError(f"capture() needs no gather in flight, got layers {sorted(self._pending)} pending")
         if self._graphs is not None:
