@@ -141,6 +141,9 @@ class Runner:
         self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.sharded = mode != "replicated"
         self.own = PageOwnership(self.cp if self.sharded else 1, num_pages, "interleave")
+        # writes into a view address it as a one-rank pool; a fixed page count keeps the write kernels' compile-time
+        # constants fixed across steps (rows past the view's pages are skipped by the kernels' range mask)
+        self.view_own = PageOwnership(1, num_pages + self.cp, "interleave")
         lays = {"kv": d.kv_layout, "index": d.index_layout}
         self.pool = ShardedKVPool(lays, self.own, num_layers=num_layers, group=group if self.sharded else None,
                                   device=device)  # fmt: skip
@@ -226,8 +229,7 @@ class Runner:
             if self.mode == "sharded_prefetch":
                 plan.mat.prefetch(layer + 1)
             kv_pages, idx_pages = views["kv"], views["index"]
-            view_own = PageOwnership(1, kv_pages.shape[0])
-            self._write(kv_pages, idx_pages, g_kv, g_ik, plan.view_locs_gathered, view_own, 0)
+            self._write(kv_pages, idx_pages, g_kv, g_ik, plan.view_locs_gathered, self.view_own, 0)
         # indexer over every key the request has, top-k, remap into the coordinates the KV is read in
         iq8 = iq.float().view(n, d.index_heads, d.index_dim).clamp(-448, 448).to(torch.float8_e4m3fn)
         iw = iw.float() / math.sqrt(d.index_heads * d.index_dim)

@@ -136,7 +136,7 @@ class Materializer:
         if self._cuda:  # buffers are used on the gather streams: the allocator must not reuse them early
             used = [t for parity in self._views for t in parity.values()] + self._impl.tensors()
             used += [g.send_idx for g in self._geoms]
-            for t in used:
+            for t in (t for t in used if t.numel()):
                 t.record_stream(self._hist_stream)
                 t.record_stream(self._cur_stream)
         self._pending: dict[int, object] = {}

@@ -187,11 +187,12 @@ def plan_materialize(
         ownership: the pool's page map.
         rank: this rank, in ``[0, ownership.cp_size)``.
         device: where the plan's tensors live (the pool's device).
-        group: the CP group. When given, the call is collective: the ranks exchange their plans' digests (one
-            256-byte all-gather on a CPU channel, about 0.1 ms per batch on one host, plus hashing the page lists)
-            and every rank raises the same :class:`MaterializeError` if any rank's input was invalid or the page
-            lists differ -- instead of a collective hanging or aborting later. Without it the check runs at the
-            plan's first collective use (:class:`Materializer`, eager :func:`gather_view`).
+        group: the CP group. When given, the call is collective: the ranks exchange their plans' digests (per
+            batch: hashing the page lists, 8 bytes per page, and one 256-byte-per-rank all-gather on a CPU channel,
+            so the check never waits for the GPU) and every rank raises the same :class:`MaterializeError` if any
+            rank's input was invalid or the page lists differ -- instead of a collective hanging or aborting
+            later. Without it the check runs at the plan's first collective use (:class:`Materializer`, eager
+            :func:`gather_view`).
         write_current: the caller writes this step's rows into the view itself (every rank holds them, e.g. after
             the all-gather of an owner-filtered write). Current pages are then gathered with the history, a layer
             ahead (their earlier tokens come from the owners), nothing is gathered after the writes, and the
