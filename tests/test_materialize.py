@@ -193,7 +193,7 @@ def test_copy_engine_slots_never_repeat_back_to_back():
 
 
 def test_agreement_records_round_trip_and_survive_malformed_bytes():
-    from dtkv.materialize._agree import PAYLOAD_BYTES, Vote
+    from dtkv.materialize._exchange import PAYLOAD_BYTES, Vote
 
     v = Vote(digest=bytes(range(16)), ok=False, summary="s" * 100, message="é" * 500)
     raw = v.encode()
@@ -384,12 +384,14 @@ def _diverged(rank, world, how):
             Materializer(pool, plan_materialize(history, [6], own, rank)).view(0)
         elif how == "gather_view":
             gather_view(pool.local("kv", 0), plan_materialize(history, [6], own, rank), dist.group.WORLD)
+        elif how == "same-sizes":  # equal counts, different pages: only the digest tells
+            plan_materialize([0, 1, 2 + rank % 2], [6], own, rank, group=dist.group.WORLD)
         elif how == "bad-rank":
             plan_materialize([0, 1], [2], own, -1 if rank == 1 else rank, group=dist.group.WORLD)
         elif how == "bad-page":
             plan_materialize([0, 1] + ([99] if rank == 0 else []), [2], own, rank, group=dist.group.WORLD)
-    except MaterializeError as e:
-        return str(e)
+    except (MaterializeError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
     return None
 
 
@@ -398,9 +400,17 @@ def _diverged(rank, world, how):
 def test_diverged_plans_raise_the_same_error_on_every_rank(ranks, how):
     messages = ranks.run(_diverged, how)
     assert len(set(messages)) == 1 and messages[0] is not None, messages
-    assert messages[0].startswith("materialization plans differ across the CP group")
-    assert f"rank {ranks.world_size - 1}: 7 pages, rows per rank" in messages[0]
-    assert "rank 0: 5 pages, rows per rank" in messages[0]
+    others = ", ".join(f"rank {r}: 4" for r in range(ranks.world_size - 1))
+    assert messages[0] == (
+        "MaterializeError: CP ranks disagree on the materialization plan configuration: field 'history_pages' "
+        f"differs ({others}, rank {ranks.world_size - 1}: 6)"
+    )
+
+
+@pytest.mark.multirank
+def test_plans_of_equal_sizes_differ_by_their_digest(ranks2):
+    messages = ranks2.run(_diverged, "same-sizes")
+    assert len(set(messages)) == 1 and "field '~digest' differs" in messages[0], messages
 
 
 @pytest.mark.multirank
@@ -408,11 +418,11 @@ def test_one_rank_s_bad_input_raises_on_every_rank(ranks):
     messages = ranks.run(_diverged, "bad-rank")
     assert len(set(messages)) == 1, messages
     assert messages[0] == (
-        f"materialization plan rejected on rank 1 of {ranks.world_size}: ValueError: rank must be in "
-        f"[0, cp_size={ranks.world_size}), got rank=-1"
+        f"ValueError: materialization plan failed on 1 of {ranks.world_size} ranks; rank 1: ValueError: rank must be "
+        f"in [0, cp_size={ranks.world_size}), got rank=-1"
     )
     messages = ranks.run(_diverged, "bad-page")
-    assert len(set(messages)) == 1 and "rejected on rank 0" in messages[0]
+    assert len(set(messages)) == 1 and "failed on 1 of" in messages[0] and "rank 0: ValueError" in messages[0]
     assert (
         "history_pages must hold logical pages in [-1, 16) (-1 is padding), got history_pages containing 99"
         in (messages[0])

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from dtkv._collectives import all_gather_into, as_bytes
 
-from ._agree import Vote, exchange_votes
+from ._exchange import Vote, exchange_votes
 
 __all__ = ["COPY_ENGINE_MIN_BYTES", "GatherBackend", "GroupGeometry", "copy_engine_usable", "resolve_gather_backend"]
 

@@ -9,11 +9,13 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from dtkv._agree import agree
+from dtkv._util import cdiv, unique_in_order
 from dtkv.layouts import KVLayout
 from dtkv.ops import PackPlan, plan_pack
 from dtkv.ownership import OwnershipSpec, PageOwnership, ownership_spec
 
-from ._agree import Vote, exchange_votes
+from ._exchange import cpu_channel
 
 __all__ = ["MaterializeError", "MaterializePlan", "agree_plan", "plan_materialize", "scratch_bytes"]
 
@@ -25,11 +27,6 @@ class MaterializeError(RuntimeError):
     (:func:`plan_materialize` with ``group``, or the first collective use of a plan), and by the ``DTKV_DEBUG``
     check when a view differs from the owners' bytes.
     """
-
-
-def _scheme(ownership: PageOwnership) -> str:
-    scheme = getattr(type(ownership), "scheme", None)
-    return ownership.scheme if isinstance(scheme, property) else ownership.layout
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -89,15 +86,6 @@ class MaterializePlan:
         return bool(getattr(self, "_agreed", False))
 
 
-def _unique_in_order(p: torch.Tensor) -> torch.Tensor:
-    if p.numel() == 0:
-        return p
-    uniq, inverse = torch.unique(p, return_inverse=True)
-    first = torch.full((uniq.numel(),), p.numel(), dtype=torch.int64)
-    first.scatter_reduce_(0, inverse, torch.arange(p.numel()), reduce="amin")
-    return uniq[torch.argsort(first)]
-
-
 def _check_rank(rank: object, cp_size: int) -> int:
     if isinstance(rank, bool) or not isinstance(rank, int):
         raise TypeError(f"rank must be an int, got rank={rank!r} ({type(rank).__name__})")
@@ -120,7 +108,7 @@ def _slice_start(send_row: torch.Tensor, count: int, rows_per_rank: int, num_loc
 
 def _digest(ownership: PageOwnership, h: torch.Tensor, c: torch.Tensor, w: torch.Tensor) -> bytes:
     d = hashlib.blake2b(digest_size=16)
-    d.update(f"{ownership.cp_size},{ownership.num_pages},{_scheme(ownership)};".encode())
+    d.update(f"{ownership.cp_size},{ownership.num_pages},{ownership.scheme};".encode())
     for t in (h, c, w):
         d.update(t.numel().to_bytes(8, "little"))
         d.update(t.numpy().tobytes())
@@ -137,8 +125,8 @@ def _build(
     c = torch.as_tensor(current_pages, dtype=torch.int64).flatten().cpu()
     ownership.check_pages("history_pages", h)
     ownership.check_pages("current_pages", c)
-    c = _unique_in_order(c[c >= 0])
-    h = _unique_in_order(h[h >= 0])
+    c = unique_in_order(c[c >= 0])
+    h = unique_in_order(h[h >= 0])
     h = h[~torch.isin(h, c)]
     w = torch.zeros(0, dtype=torch.int64)
     if write_current:  # current pages travel with the history; the caller writes this step's rows into the view
@@ -187,12 +175,12 @@ def plan_materialize(
         ownership: the pool's page map.
         rank: this rank, in ``[0, ownership.cp_size)``.
         device: where the plan's tensors live (the pool's device).
-        group: the CP group. When given, the call is collective: the ranks exchange their plans' digests (per
-            batch: hashing the page lists, 8 bytes per page, and one 256-byte-per-rank all-gather on a CPU channel,
-            so the check never waits for the GPU) and every rank raises the same :class:`MaterializeError` if any
-            rank's input was invalid or the page lists differ -- instead of a collective hanging or aborting
-            later. Without it the check runs at the plan's first collective use (:class:`Materializer`, eager
-            :func:`gather_view`).
+        group: the CP group. When given, the call is collective (:func:`dtkv._agree.agree` on a CPU channel, so
+            it never waits for the GPU; per batch: hashing the page lists, 8 bytes per page, and one 48-byte
+            all-gather per rank when the ranks agree): a rank's invalid input raises that error on every rank, and
+            plans that differ raise :class:`MaterializeError` on every rank -- instead of a collective hanging or
+            aborting later. Without it the check runs at the plan's first collective use (:class:`Materializer`,
+            eager :func:`gather_view`).
         write_current: the caller writes this step's rows into the view itself (every rank holds them, e.g. after
             the all-gather of an owner-filtered write). Current pages are then gathered with the history, a layer
             ahead (their earlier tokens come from the owners), nothing is gathered after the writes, and the
@@ -200,9 +188,10 @@ def plan_materialize(
             :meth:`Materializer.view` returned.
 
     Raises:
-        TypeError / ValueError: (without ``group``) ``rank`` is not in ``[0, cp_size)`` or a page is outside
-            ``[0, num_pages)``.
-        MaterializeError: (with ``group``) on every rank, when any rank's input was invalid or the plans differ.
+        TypeError / ValueError: ``rank`` is not in ``[0, cp_size)`` or a page is outside ``[0, num_pages)`` -- with
+            ``group``, on every rank, naming the failing ranks (:func:`dtkv._agree.agree`).
+        MaterializeError: (with ``group``) on every rank, when the plans differ, naming the first differing size
+            (or the digest) and each rank's value.
     """
     if group is None:
         return _build(history_pages, current_pages, ownership, rank, device, write_current)
@@ -216,52 +205,43 @@ def plan_materialize(
             )
         if rank != dist.get_rank(group):
             raise ValueError(f"rank must be this process's rank in group ({dist.get_rank(group)}), got rank={rank}")
-        vote = _vote(plan)
     except (TypeError, ValueError) as e:
-        error, vote = e, Vote(digest=b"", ok=False, message=f"{type(e).__name__}: {e}")
-    _decide(exchange_votes(vote, group), error)
-    object.__setattr__(plan, "_agreed", True)
+        error = e
+    _agree_plan(plan, group, error)
     return plan
 
 
-def _vote(plan: MaterializePlan) -> Vote:
-    written = f" ({plan.write_pages.numel()} written by the caller)" if plan.write_pages.numel() else ""
-    summary = (
-        f"{plan.pages.numel()} pages{written}, rows per rank {plan.history_rows_per_rank} + "
-        f"{plan.current_rows_per_rank}"
-    )
-    return Vote(digest=plan.digest, ok=True, summary=summary)
+def _summary(plan: MaterializePlan | None) -> dict[str, object] | None:
+    """What the ranks compare: sizes first (they name the difference best), then the digest of the page lists."""
+    if plan is None:
+        return None
+    return {
+        "history_pages": int(plan.history.rows.numel()),
+        "current_pages": int(plan.current.rows.numel()),
+        "pages_written_by_caller": int(plan.write_pages.numel()),
+        "rows_per_rank": [plan.history_rows_per_rank, plan.current_rows_per_rank],
+        "~digest": plan.digest.hex(),
+    }
 
 
-def _decide(votes: list[Vote], cause: BaseException | None) -> None:
-    bad = [(r, v) for r, v in enumerate(votes) if not v.ok]
-    if bad:
-        first, vote = bad[0]
-        others = f" (also failed on ranks {[r for r, _ in bad[1:]]})" if len(bad) > 1 else ""
-        raise MaterializeError(
-            f"materialization plan rejected on rank {first} of {len(votes)}{others}: {vote.message}"
-        ) from cause
-    if any(v.digest != votes[0].digest for v in votes):
-        per_rank = "; ".join(f"rank {r}: {v.summary} (digest {v.digest.hex()[:12]})" for r, v in enumerate(votes))
-        raise MaterializeError(
-            "materialization plans differ across the CP group (every rank must plan the same history and current "
-            f"page lists with the same ownership): {per_rank}"
-        )
+def _agree_plan(plan: MaterializePlan | None, group: dist.ProcessGroup, error: Exception | None) -> None:
+    """Fail together (:func:`dtkv._agree.agree`) on the CPU channel of ``group``; marks the plan agreed."""
+    agree(error, cpu_channel(group), what="materialization plan", value=_summary(plan), mismatch_error=MaterializeError)
+    object.__setattr__(plan, "_agreed", True)
 
 
 def agree_plan(plan: MaterializePlan, group: dist.ProcessGroup | None) -> None:
-    """Check once (collectively) that every rank of ``group`` holds a plan with this digest.
+    """Check once (collectively) that every rank of ``group`` holds a plan with the same page lists.
 
     A no-op for a plan already agreed, and without a group. Called by :class:`Materializer` and eager
     :func:`gather_view`; every rank must reach it.
 
     Raises:
-        MaterializeError: on every rank, when the digests differ.
+        MaterializeError: on every rank, when the plans differ.
     """
     if plan.agreed or group is None or dist.get_world_size(group) == 1:
         return
-    _decide(exchange_votes(_vote(plan), group), None)
-    object.__setattr__(plan, "_agreed", True)
+    _agree_plan(plan, group, None)
 
 
 def scratch_bytes(
@@ -275,6 +255,6 @@ def scratch_bytes(
     upper bound: send buffers are not allocated where the pool's pages already sit in send order.
     """
     slack = cp if slack_pages is None else slack_pages
-    m = -(-max_pages // cp) + slack
+    m = cdiv(max_pages, cp) + slack
     per_layer = sum((cp * m + m) * lay.page_bytes for lay in layouts.values())
     return per_layer * (2 if prefetch else 1)

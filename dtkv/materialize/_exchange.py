@@ -1,10 +1,11 @@
-"""Fail together: a fixed-size exchange of ``(digest, verdict, message)`` over a CP group.
+"""Host-side exchanges of the materialization path over a CPU channel, so that none of them waits for the GPU.
 
-Every rank contributes one :data:`PAYLOAD_BYTES`-byte record, so the exchange can never hang on mismatched sizes,
-and every rank sees every rank's verdict and raises the same error. The records travel on a CPU channel -- the
-group itself when it has a gloo backend, otherwise a gloo mirror of the group built once (``new_group`` with
-local synchronization) -- so a check never waits for the GPU. Received bytes are parsed field by field (fixed
-offsets, bounded lengths, UTF-8 with replacement), never unpickled.
+:func:`cpu_channel` gives a process group over the CP group's ranks that moves CPU tensors: the group itself when it
+has a gloo backend, otherwise a gloo mirror built once (``new_group`` with local synchronization). The plan check
+(:func:`dtkv._agree.agree`) runs on it; on an NCCL group its own collectives would wait for the GPU to drain, which
+in chunked prefill exposes the next step's host work. :func:`exchange_votes` all-gathers one fixed-size
+:data:`PAYLOAD_BYTES`-byte record per rank (the copy-engine topology probe); received bytes are parsed field by field
+(fixed offsets, bounded lengths, UTF-8 with replacement), never unpickled.
 """
 
 from __future__ import annotations
