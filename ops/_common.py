@@ -9,8 +9,8 @@ Shape legend used by every op module:
 
 Ownership reaches a registered op as plain ints ``(cp_size, num_pages, scheme_code, rank)``
 (:func:`ownership_args`) so that the op schema needs no custom class; the torch side calls the arithmetic of
-:mod:`dtkv.ownership` itself, the Triton side mirrors it (:func:`owner_local`); ``scheme_code`` 0 = interleave,
-1 = block.
+:mod:`dtkv.ownership` itself (:func:`dtkv.ownership.owner_and_local`), the Triton side mirrors it
+(:func:`owner_local`); ``scheme_code`` 0 = interleave, 1 = block (:data:`dtkv.ownership.SCHEME_CODES`).
 
 Index tensors (token locations, send lists, page maps) cross into the kernels through :func:`index_arg`, the one
 normalization step of every op on both backends: the kernels read ``ptr + i``, so a strided, transposed or
@@ -28,8 +28,17 @@ from typing import Any
 import torch
 
 from dtkv._env import debug_enabled, get_backend
+from dtkv._util import cdiv
 from dtkv.layouts import FP8_E4M3_MAX
-from dtkv.ownership import OwnershipSpec, PageOwnership, _local_index, _owner, ownership_spec
+from dtkv.ownership import (
+    SCHEME_CODES,
+    SCHEMES,
+    OwnershipSpec,
+    PageOwnership,
+    owner_and_local,
+    ownership_spec,
+    pages_per_rank,
+)
 
 __all__ = [
     "HAS_TRITON",
@@ -44,7 +53,7 @@ __all__ = [
     "e4m3_blocks_torch",
     "index_arg",
     "locate_args",
-    "owner_local_torch",
+    "owner_and_local",
     "ownership_args",
     "ownership_spec",
     "resolve_backend",
@@ -146,15 +155,6 @@ def should_validate(validate: bool | None) -> bool:
 # ------------------------------------------------------------------------------------------- ownership
 OwnershipLike = PageOwnership | OwnershipSpec
 
-SCHEME_CODES = {"interleave": 0, "block": 1}
-"""Ownership scheme -> the ``scheme_code`` int of the op schemas."""
-_SCHEMES = tuple(SCHEME_CODES)
-
-
-def cdiv(a: int, b: int) -> int:
-    """``ceil(a / b)`` for ints (``b > 0``)."""
-    return -(-a // b)
-
 
 @torch.compiler.assume_constant_result
 def _placement_args(ownership: PageOwnership) -> tuple[int, int, int]:
@@ -170,7 +170,7 @@ def ownership_args(ownership: OwnershipLike) -> tuple[int, int, int]:
     """``(cp_size, num_pages, scheme_code)`` of a ``PageOwnership`` or ``OwnershipSpec``, as the ops take them."""
     if isinstance(ownership, tuple):
         if ownership[2] not in SCHEME_CODES:
-            raise ValueError(f"scheme must be one of {_SCHEMES}, got scheme={ownership[2]!r}")
+            raise ValueError(f"scheme must be one of {SCHEMES}, got scheme={ownership[2]!r}")
         return ownership[0], ownership[1], SCHEME_CODES[ownership[2]]
     return _placement_args(ownership)
 
@@ -192,14 +192,6 @@ def check_rank(rank: int, cp_size: int) -> None:
         raise ValueError(f"rank must be in [0, cp_size={cp_size}), got rank={rank}")
 
 
-def owner_local_torch(
-    pages: torch.Tensor, cp_size: int, num_pages: int, scheme_code: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Owner rank and local page index of each page (``-1`` kept): the map of :mod:`dtkv.ownership` itself."""
-    pages_per_rank, scheme = cdiv(num_pages, cp_size), _SCHEMES[scheme_code]
-    return _owner(pages, cp_size, pages_per_rank, scheme), _local_index(pages, cp_size, pages_per_rank, scheme)
-
-
 # ------------------------------------------------------------------------------------------- index arguments
 def index_arg(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """An index, location or page-map argument as every kernel reads it: contiguous, of ``dtype`` if given.
@@ -219,7 +211,7 @@ if HAS_TRITON:
 
     @triton.jit
     def owner_local(page, cp_size, pages_per_rank, SCHEME: tl.constexpr):
-        """Triton twin of :func:`owner_local_torch` for non-negative ``page``."""
+        """Triton twin of :func:`dtkv.ownership.owner_and_local` for non-negative ``page``."""
         if SCHEME == 0:
             owner = page % cp_size
             local = page // cp_size
@@ -299,7 +291,7 @@ def locate_args(cp_size: int, num_pages: int, scheme_code: int, page_size: int) 
         "num_locs": num_pages * page_size,
         "PAGE_SIZE": page_size,
         "CP": cp_size,
-        "PAGES_PER_RANK": cdiv(num_pages, cp_size),
+        "PAGES_PER_RANK": pages_per_rank(cp_size, num_pages),
         "SCHEME": scheme_code,
         "IDX64": num_pages * page_size >= 2**31,
     }

@@ -22,7 +22,6 @@ skipped when not (``-1`` is always skipped), so the same rows are written with a
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +29,7 @@ from typing import Any
 import torch
 
 from dtkv._checks import check_tensor
+from dtkv._util import warn_deprecated
 
 from ._common import (
     OwnershipLike,
@@ -38,7 +38,7 @@ from ._common import (
     device_ctx,
     index_arg,
     locate_args,
-    owner_local_torch,
+    owner_and_local,
     ownership_args,
     resolve_backend,
     should_validate,
@@ -78,7 +78,7 @@ def _locate_torch(locs, page_size, cp_size, num_pages, scheme_code):
     """``(loc, page, owner, local)`` of each entry, int64 (owner and local of page 0 for negative entries)."""
     x = locs.to(torch.int64)
     page = torch.div(x, page_size, rounding_mode="floor")
-    owner, local = owner_local_torch(page.clamp(min=0), cp_size, num_pages, scheme_code)
+    owner, local = owner_and_local(page.clamp(min=0), cp_size, num_pages, scheme_code)
     return x, page, owner, local
 
 
@@ -236,11 +236,7 @@ def direct_from_require_owned(direct: bool, require_owned: Any, where: str) -> b
     if direct:
         raise TypeError(f"{where} got both direct= and the deprecated require_owned=; pass direct= only")
     if not torch.compiler.is_compiling():
-        warnings.warn(
-            f"{where}(require_owned=...) is deprecated; use direct= (the same switch as write_owned's)",
-            DeprecationWarning,
-            stacklevel=3,
-        )
+        warn_deprecated(f"{where}(require_owned=...)", f"{where}(direct=...)", stacklevel=4)
     return bool(require_owned)
 
 

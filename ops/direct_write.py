@@ -16,10 +16,11 @@ Legend: ``P`` local pages, ``S`` page size, ``D`` elements per row, ``N`` rows.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
+
+from dtkv._util import warn_deprecated
 
 from ._common import OwnershipLike
 from ._row_write import UNSET
@@ -85,11 +86,6 @@ def direct_write(
                 f"direct_write needs a page-aligned CP split (each page computed by its owner), got "
                 f"page_aligned={page_aligned!r}; gather the chunk and use write_owned instead"
             )
-        if not torch.compiler.is_compiling():
-            warnings.warn(
-                "direct_write(page_aligned=True) is deprecated: a direct write states a page-aligned split; "
-                "drop the argument (or call write_owned(..., direct=True))",
-                DeprecationWarning,
-                stacklevel=2,
-            )
+        if not torch.compiler.is_compiling():  # a direct write states a page-aligned split by itself
+            warn_deprecated("direct_write(page_aligned=True)", "direct_write(...) without page_aligned")
     write_owned(pool, rows, locs, ownership, rank, direct=True, validate=validate, backend=backend)

@@ -22,12 +22,12 @@ Legend: ``P`` local pages, ``M`` rows_per_rank, ``K`` list length.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import torch
 
 from dtkv._checks import check_tensor
+from dtkv._util import warn_deprecated
 from dtkv.ownership import PageOwnership
 
 from ._common import (
@@ -74,7 +74,7 @@ class PackPlan:
     def max_count(self) -> int:
         """Deprecated name of :attr:`rows_per_rank`."""
         if not torch.compiler.is_compiling():
-            warnings.warn("PackPlan.max_count is deprecated; use rows_per_rank", DeprecationWarning, stacklevel=2)
+            warn_deprecated("PackPlan.max_count", "PackPlan.rows_per_rank")
         return self.rows_per_rank
 
 

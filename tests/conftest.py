@@ -1,4 +1,4 @@
-"""Shared fixtures: long-lived gloo rank groups of sizes 2 and 4 (one per test session)."""
+"""Shared fixtures: long-lived gloo rank groups of sizes 2, 3 and 4 (one per test session)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,13 @@ from tests._multirank import RankGroup
 @pytest.fixture(scope="session")
 def ranks2():
     group = RankGroup(2)
+    yield group
+    group.close()
+
+
+@pytest.fixture(scope="session")
+def ranks3():
+    group = RankGroup(3)
     yield group
     group.close()
 

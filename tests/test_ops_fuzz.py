@@ -19,11 +19,12 @@ same properties run with more examples: ``python -m pytest tests/test_ops_fuzz.p
 
 from __future__ import annotations
 
+import functools
 import re
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from dtkv import IndexerFp8Layout, MLAFp8Layout, PageOwnership
@@ -177,32 +178,57 @@ def row_write_cases(draw):
     return own, rank, num_local, page_size, locs, draw(st.booleans()), draw(st.integers(0, 2**16))
 
 
+def _fuzz_row_write(case, device, table, initial, pool_view, reference, write) -> None:
+    """One example of a row write: rows ``table[loc mod T]`` at the drawn ``locs``, on a pool ``pool_view(buffer)``
+    of a fresh copy of ``initial``; ``reference(start, rows, kept_locs)`` gives the expected pool."""
+    own, rank, _, ps, (values, idx_dtype, layout), direct, _ = case
+    src = _rows_for(values, table).to(device)
+    locs = as_layout(values, idx_dtype, layout, device)
+    kept, bad = _expected_outcome(values, own, rank, ps, direct)
+    expect = reference(pool_view(initial).clone(), src.cpu(), torch.tensor(kept, dtype=torch.int64))
+
+    def make_pool():
+        buf = initial.to(device)
+        return pool_view(buf), buf
+
+    def call(pool, backend, validate):
+        write(pool, src, locs, own, rank, direct=direct, validate=validate, backend=backend)
+
+    _check_row_write(make_pool, call, expect, bad)
+
+
+# Anchors run before the drawn examples: a strided int64 locs whose wide entries narrow onto owned locations
+# (2**32 + 1 -> 1, 3 - 2**32 -> 3, 2**33 + 8 -> 8), and an int32 column of a matrix under ``direct``.
+ANCHORS = [
+    (PageOwnership(2, 4, "interleave"), 0, 2, 4, ([0, 9, 2**32 + 1, 8, -1, 3 - 2**32, 1, 2**33 + 8], torch.int64, "step"),
+     False, 0),
+    (PageOwnership(3, 7, "block"), 1, 3, 2, ([6, 7, 8, -1, 9, 10, 6], torch.int32, "column"), True, 1),
+]  # fmt: skip
+
+
+def _spread_table(rows: int, dim: int, g: torch.Generator) -> torch.Tensor:
+    """float32 rows spanning 8 decades (fp8 subnormals, ties, saturation-free large values)."""
+    return torch.randn(rows, dim, generator=g) * 10 ** torch.empty(rows, 1).uniform_(-5, 3, generator=g)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_write_owned_any_index_layout(device):
     _skip_unless_triton(device)
 
     @_settings(device)
     @given(case=row_write_cases(), dim=st.sampled_from([1, 3, 8]), dtype=st.sampled_from([torch.float32, torch.uint8]))
+    @example(case=ANCHORS[0], dim=3, dtype=torch.float32)
+    @example(case=ANCHORS[1], dim=8, dtype=torch.uint8)
     def run(case, dim, dtype):
-        own, rank, num_local, ps, (values, idx_dtype, layout), direct, seed = case
+        own, rank, num_local, ps, _, _, seed = case
         g = torch.Generator().manual_seed(seed)
-        table = torch.randint(0, 256, (7, dim), generator=g, dtype=torch.uint8)
-        table = table if dtype == torch.uint8 else torch.randn(7, dim, generator=g)
-        initial = torch.randint(0, 256, (num_local, ps, dim), generator=g, dtype=torch.uint8)
-        initial = initial if dtype == torch.uint8 else torch.randn(num_local, ps, dim, generator=g)
-        rows = _rows_for(values, table).to(device)
-        locs = as_layout(values, idx_dtype, layout, device)
-        kept, bad = _expected_outcome(values, own, rank, ps, direct)
-        expect = ref_write_rows(initial, rows.cpu(), torch.tensor(kept, dtype=torch.int64), own, rank)
-
-        def make_pool():
-            pool = initial.to(device)
-            return pool, pool
-
-        def call(pool, backend, validate):
-            write_owned(pool, rows, locs, own, rank, direct=direct, validate=validate, backend=backend)
-
-        _check_row_write(make_pool, call, expect, bad)
+        if dtype == torch.uint8:
+            table = torch.randint(0, 256, (7, dim), generator=g, dtype=torch.uint8)
+            initial = torch.randint(0, 256, (num_local, ps, dim), generator=g, dtype=torch.uint8)
+        else:
+            table, initial = torch.randn(7, dim, generator=g), torch.randn(num_local, ps, dim, generator=g)
+        _fuzz_row_write(case, device, table, initial, lambda buf: buf,
+                        lambda start, rows, kept: ref_write_rows(start, rows, kept, own, rank), write_owned)  # fmt: skip
 
     run()
 
@@ -218,29 +244,23 @@ def test_quantize_write_mla_fp8_any_index_layout(device):
         dtype=st.sampled_from([torch.bfloat16, torch.float32]),
         page_pad=st.sampled_from([0, 4]),
     )
+    @example(case=ANCHORS[0], dims=(8, 2, 8), dtype=torch.bfloat16, page_pad=4)
+    @example(case=ANCHORS[1], dims=(16, 4, 4), dtype=torch.float32, page_pad=0)
     def run(case, dims, dtype, page_pad):
-        own, rank, num_local, ps, (values, idx_dtype, layout), direct, seed = case
+        own, rank, num_local, ps, _, _, seed = case
         lay = MLAFp8Layout(page_size=ps, kv_lora_rank=dims[0], rope_dim=dims[1], quant_block=dims[2])
         g = torch.Generator().manual_seed(seed)
-        table = torch.randn(5, lay.row_dim, generator=g) * 10 ** torch.empty(5, 1).uniform_(-5, 3, generator=g)
+        table = _spread_table(5, lay.row_dim, g).to(dtype)
         initial = torch.randint(0, 256, (num_local, ps * lay.row_bytes + page_pad), generator=g, dtype=torch.uint8)
-        kv = _rows_for(values, table.to(dtype)).to(device)
-        locs = as_layout(values, idx_dtype, layout, device)
-        kept, bad = _expected_outcome(values, own, rank, ps, direct)
-        start = initial[:, : ps * lay.row_bytes].reshape(num_local, ps, lay.row_bytes)
-        expect = ref_write_rows(
-            start, quantize_mla_fp8(kv.cpu(), lay), torch.tensor(kept, dtype=torch.int64), own, rank
-        )
 
-        def make_pool():  # page stride padded by page_pad bytes
-            buf = initial.to(device)
-            return buf[:, : ps * lay.row_bytes].view(num_local, ps, lay.row_bytes), buf
+        def pool_view(buf):  # the page stride is padded by page_pad bytes
+            return buf[:, : ps * lay.row_bytes].view(num_local, ps, lay.row_bytes)
 
-        def call(pool, backend, validate):
-            quantize_write_mla_fp8(pool, kv, locs, own, rank, layout=lay, direct=direct, validate=validate,
-                                   backend=backend)  # fmt: skip
+        def reference(start, kv, kept):
+            return ref_write_rows(start, quantize_mla_fp8(kv, lay), kept, own, rank)
 
-        _check_row_write(make_pool, call, expect, bad)
+        _fuzz_row_write(case, device, table, initial, pool_view, reference,
+                        functools.partial(quantize_write_mla_fp8, layout=lay))  # fmt: skip
 
     run()
 
@@ -255,26 +275,17 @@ def test_quantize_write_indexer_fp8_any_index_layout(device):
         head_dim=st.sampled_from([4, 8, 12]),
         dtype=st.sampled_from([torch.bfloat16, torch.float32]),
     )
+    @example(case=ANCHORS[0], head_dim=8, dtype=torch.bfloat16)
+    @example(case=ANCHORS[1], head_dim=4, dtype=torch.float32)
     def run(case, head_dim, dtype):
-        own, rank, num_local, ps, (values, idx_dtype, layout), direct, seed = case
+        own, rank, num_local, ps, _, _, seed = case
         lay = IndexerFp8Layout(page_size=ps, head_dim=head_dim)
         g = torch.Generator().manual_seed(seed)
-        table = torch.randn(5, head_dim, generator=g) * 10 ** torch.empty(5, 1).uniform_(-5, 3, generator=g)
+        table = _spread_table(5, head_dim, g).to(dtype)
         initial = torch.randint(0, 256, (num_local, *lay.page_shape), generator=g, dtype=torch.uint8)
-        k = _rows_for(values, table.to(dtype)).to(device)
-        locs = as_layout(values, idx_dtype, layout, device)
-        kept, bad = _expected_outcome(values, own, rank, ps, direct)
-        expect = ref_indexer_write(initial, k.cpu(), torch.tensor(kept, dtype=torch.int64), own, rank, lay)
-
-        def make_pool():
-            pool = initial.to(device)
-            return pool, pool
-
-        def call(pool, backend, validate):
-            quantize_write_indexer_fp8(pool, k, locs, own, rank, layout=lay, direct=direct, validate=validate,
-                                       backend=backend)  # fmt: skip
-
-        _check_row_write(make_pool, call, expect, bad)
+        _fuzz_row_write(case, device, table, initial, lambda buf: buf,
+                        lambda start, k, kept: ref_indexer_write(start, k, kept, own, rank, lay),
+                        functools.partial(quantize_write_indexer_fp8, layout=lay))  # fmt: skip
 
     run()
 

@@ -32,13 +32,14 @@ import torch.distributed as dist
 
 from dtkv import _env, ops
 from dtkv._collectives import all_gather_rows, group_rank, group_size
+from dtkv._util import warn_deprecated
 from dtkv.allocator import PageAllocator
 from dtkv.debug import check_write_ownership
 from dtkv.materialize import MaterializePlan, Materializer, check_view, gather_view, plan_materialize
 from dtkv.model.config import ModelConfig
 from dtkv.model.kvio import token_rows, write_rows
 from dtkv.model.model import TinyDSA
-from dtkv.ownership import PageOwnership, ownership_spec
+from dtkv.ownership import OwnershipScheme, PageOwnership, ownership_spec
 from dtkv.pool import ShardedKVPool
 from dtkv.split import allocate_for_split, plan_cp_split
 
@@ -94,7 +95,8 @@ class PrefillEngine:
         split: CP split, ``"zigzag"`` (page-aligned when possible) or ``"round_robin"``.
         group: the CP process group (ignored for ``single``).
         num_pages: logical pages of the pool.
-        ownership_layout: page map of the sharded modes.
+        ownership_scheme: ownership scheme of the sharded modes' page map (``"interleave"`` or ``"block"``).
+        ownership_layout: deprecated name of ``ownership_scheme`` (warns).
         device: where pools and compute live.
     """
 
@@ -106,9 +108,13 @@ class PrefillEngine:
         split: Literal["zigzag", "round_robin"] = "zigzag",
         group: dist.ProcessGroup | None = None,
         num_pages: int,
-        ownership_layout: Literal["interleave", "block"] = "interleave",
+        ownership_scheme: OwnershipScheme = "interleave",
+        ownership_layout: OwnershipScheme | None = None,
         device: torch.device | str = "cpu",
     ) -> None:
+        if ownership_layout is not None:
+            warn_deprecated("PrefillEngine(ownership_layout=...)", "PrefillEngine(ownership_scheme=...)")
+            ownership_scheme = ownership_layout
         if mode not in _MODES:
             raise ValueError(f"mode must be one of {_MODES}, got mode={mode!r}")
         if split not in ("zigzag", "round_robin"):
@@ -124,13 +130,13 @@ class PrefillEngine:
         self.device = torch.device(device)
         self.model = TinyDSA(cfg, self.device)
         sharded = mode in ("sharded", "sharded_direct")
-        self.ownership = PageOwnership(self.cp if sharded else 1, num_pages, ownership_layout)
+        self.ownership = PageOwnership(self.cp if sharded else 1, num_pages, ownership_scheme)
         self.spec = ownership_spec(self.ownership)  # plain ints: what the compiled run passes to the ops
         self.pool = ShardedKVPool(
             cfg.layouts, self.ownership, num_layers=cfg.num_layers, group=self.group if sharded else None, device=device
         )
         # Allocation is SPMD over the logical pages; owner-aware for direct writes.
-        self.alloc_ownership = PageOwnership(self.cp, num_pages, ownership_layout)
+        self.alloc_ownership = PageOwnership(self.cp, num_pages, ownership_scheme)
         self.allocator = PageAllocator(self.alloc_ownership if sharded else self.ownership)
         self.requests: list[Request] = []
         self.stats = {"steps": 0, "kv_rows_gathered": 0, "direct_rows": 0, "handoff_rows": 0, "scratch_bytes": 0}
@@ -361,9 +367,16 @@ class PrefillEngine:
         return [first[r.rid] for r in self.requests if r.rid in first]
 
     def decode(self, steps: int) -> list[list[int]]:
-        """``steps`` greedy decode steps for every request (one query each, reading the paged KV)."""
+        """``steps`` greedy decode steps for every request (one query each, reading the paged KV).
+
+        Requests without a first token (not prefilled yet) are not decoded. With nothing to decode (no request,
+        or none prefilled) the call is a no-op on every rank -- no step, no collective -- and returns the outputs
+        as they are, as an idle scheduler iteration would.
+        """
         for _ in range(steps):
             reqs = [r for r in self.requests if r.output]
+            if not reqs:
+                break
             logits = self.step(reqs, [1] * len(reqs))
             for r, row in zip(reqs, logits):
                 r.output.append(int(row.argmax()))
