@@ -13,6 +13,8 @@ Entry points (each takes ``backend="auto" | "torch" | "triton"``):
   :func:`quantize_indexer_fp8`, :func:`dequantize_indexer_pages`.
 - :func:`plan_pack` (plan) + :func:`pack_owned_pages` (run) -- owner-major all-gather send buffers
   (``dtkv::pack_owned_pages``), with :func:`gathered_page_table`.
+- :func:`pack_layer_pages` (registered op ``dtkv::pack_layer_pages``) and :func:`pack_layer_pages_into` (eager,
+  preallocated outputs) -- one send list packed out of every layout of a layer in one launch.
 - :func:`remap` -- logical indices to gathered-buffer coordinates (``dtkv::remap``).
 
 Ownership is a :class:`dtkv.PageOwnership` or its :class:`OwnershipSpec` (:func:`ownership_spec`), a plain tuple that
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 from dtkv.ops._common import HAS_TRITON, OwnershipSpec, ownership_spec
 from dtkv.ops.direct_write import direct_write
+from dtkv.ops.pack_layer_pages import pack_layer_pages, pack_layer_pages_into
 from dtkv.ops.pack_owned_pages import PackPlan, gathered_page_table, pack_owned_pages, plan_pack
 from dtkv.ops.quantize_write_indexer_fp8 import (
     dequantize_indexer_pages,
@@ -47,6 +50,8 @@ __all__ = [
     "direct_write",
     "gathered_page_table",
     "ownership_spec",
+    "pack_layer_pages",
+    "pack_layer_pages_into",
     "pack_owned_pages",
     "plan_pack",
     "quantize_indexer_fp8",

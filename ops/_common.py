@@ -48,6 +48,7 @@ __all__ = [
     "OwnershipSpec",
     "cdiv",
     "check_ownership_ints",
+    "check_pages_contiguous",
     "check_rank",
     "device_ctx",
     "e4m3_blocks_torch",
@@ -309,6 +310,21 @@ def e4m3_blocks_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     inv = torch.where(amax > 0, torch.full_like(amax, FP8_E4M3_MAX) / amax, torch.ones_like(amax))
     q = (x * inv[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     return q.view(torch.uint8), scale
+
+
+# ------------------------------------------------------------------------------------------- pools of pages
+def check_pages_contiguous(name: str, pool: torch.Tensor) -> None:
+    """``pool`` ``[P, ...]``: a tensor of >= 2 dims whose pages are contiguous (any page stride, so a layer view of
+    a layered buffer is fine): what the page-copy kernels read as ``[P, W]`` words."""
+    if not isinstance(pool, torch.Tensor) or pool.dim() < 2:
+        got = list(pool.shape) if isinstance(pool, torch.Tensor) else type(pool).__name__
+        raise ValueError(f"{name} must be a tensor [num_local_pages, ...] with >= 2 dims, got {got}")
+    inner = pool.shape[1:]
+    want = [1] * len(inner)
+    for d in range(len(inner) - 2, -1, -1):
+        want[d] = want[d + 1] * inner[d + 1]
+    if any(s != w and n > 1 for s, w, n in zip(pool.stride()[1:], want, inner)):
+        raise ValueError(f"{name} pages must be contiguous (any page stride), got {name}.stride()={pool.stride()}")
 
 
 # ------------------------------------------------------------------------------------------- word views

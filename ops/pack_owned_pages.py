@@ -33,6 +33,7 @@ from dtkv.ownership import PageOwnership
 from ._common import (
     OwnershipLike,
     cdiv,
+    check_pages_contiguous,
     check_rank,
     device_ctx,
     index_arg,
@@ -158,15 +159,8 @@ def _pack_owned_pages_kernel(
 
 
 def _check(pool: torch.Tensor, send_idx: torch.Tensor) -> None:
+    check_pages_contiguous("pool", pool)
     check_tensor("send_idx", send_idx, dtype=(torch.int64, torch.int32), ndim=1, device=pool.device)
-    if not isinstance(pool, torch.Tensor) or pool.dim() < 2:
-        raise ValueError(f"pool must be a tensor [num_local_pages, ...] with >= 2 dims, got {type(pool).__name__}")
-    inner = pool.shape[1:]
-    want = [1] * len(inner)
-    for d in range(len(inner) - 2, -1, -1):
-        want[d] = want[d + 1] * inner[d + 1]
-    if any(s != w and n > 1 for s, w, n in zip(pool.stride()[1:], want, inner)):
-        raise ValueError(f"pool pages must be contiguous (any page stride), got pool.stride()={pool.stride()}")
 
 
 KERNEL_CONFIG: dict[str, int] = {"block": 4096, "num_warps": 4}

@@ -166,6 +166,20 @@ def spread_rows(n: int, dim: int, dtype: torch.dtype, *, seed: int = 0, neg_zero
     return x.to(dtype)
 
 
+def layer_pools(num_local: int, seed: int, kinds) -> list[torch.Tensor]:
+    """Pools of one layer out of layered buffers ``[3, P, ...]`` (page stride != page size), one per kind."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"fp8-row": ((5, 656), torch.uint8), "bf16-row": ((3, 24), torch.bfloat16),
+              "indexer": ((4 * 132,), torch.uint8), "odd": ((7,), torch.uint8)}  # fmt: skip
+    pools = []
+    for kind in kinds:
+        shape, dtype = shapes[kind]
+        raw = torch.randint(0, 256, (3, num_local, *shape[:-1], shape[-1] * dtype.itemsize), generator=g,
+                            dtype=torch.uint8)  # fmt: skip
+        pools.append(raw.view(dtype)[1])
+    return pools
+
+
 def snapshot(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone()
 

@@ -26,6 +26,7 @@ from dtkv.ops import (
     dequantize_indexer_pages,
     dequantize_mla_fp8,
     direct_write,
+    pack_layer_pages,
     pack_owned_pages,
     plan_pack,
     quantize_write_indexer_fp8,
@@ -39,6 +40,7 @@ from tests.ops_reference import (
     as_kind,
     assert_same_bytes,
     backend_ok,
+    layer_pools,
     scattered_locs,
     skip_unless,
     spread_rows,
@@ -120,6 +122,13 @@ def _pack_step(backend, own):
     return step
 
 
+def _pack_layer_step(backend, own):
+    def step(a, b, idx):
+        return tuple(pack_layer_pages([a, b], idx, backend=backend))
+
+    return step
+
+
 def _remap_step(backend, own):
     page_map = torch.tensor([1, -1, 0], dtype=torch.int32)
 
@@ -181,6 +190,11 @@ def _index_indexer(backend, view):
 def _index_pack(backend, view):
     pool = torch.randn(4, 3, 5, generator=_gen())
     return (torch.ops.dtkv.pack_owned_pages(pool, view(torch.tensor([3, -1, 0, 2, 1, -1])), backend),)
+
+
+def _index_pack_layer(backend, view):
+    pools = layer_pools(5, 3, ("fp8-row", "indexer"))
+    return tuple(pack_layer_pages(pools, view(torch.tensor([4, -1, 0, 3, 7, 1])), backend=backend))
 
 
 def _index_remap(backend, view):
@@ -414,6 +428,15 @@ CASES = [
         step=_pack_step,
         with_index=_index_pack,
         inputs=lambda: (torch.randn(4, 4, 6, generator=_gen()), torch.tensor([[24, 25, -1], [17, 4, 13]])),
+    ),
+    OpCase(
+        name="pack_layer_pages",
+        op=torch.ops.dtkv.pack_layer_pages.default,
+        sample=lambda be: (layer_pools(4, 0, ("fp8-row", "bf16-row")), torch.tensor([2, -1, 0, 3]), be),
+        step=_pack_layer_step,
+        inputs=lambda: (*layer_pools(5, 1, ("fp8-row", "indexer")), torch.tensor([4, 0, -1])),
+        uses_ownership=False,
+        with_index=_index_pack_layer,
     ),
     OpCase(
         name="remap",

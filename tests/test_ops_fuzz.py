@@ -9,7 +9,8 @@ negatives and, in int64, locations past 2**31 and 2**32 (and ``2**63 - 1``). Emp
   rows are a function of their location, so duplicate locations write the same bytes); validated, they raise
   with the pool untouched when the reference sees a bad row (out of range, or foreign under ``direct``) and
   write the same bytes otherwise.
-- ``pack_owned_pages``: the op on any ``send_idx`` and the planned pack of any page list on every rank.
+- ``pack_owned_pages`` and ``pack_layer_pages``: the ops on any ``send_idx``, and the planned pack of any page list on
+  every rank.
 - ``remap``: any ``indices`` and ``page_map`` layouts.
 
 Bitwise, no tolerance: the writes copy bytes, the fp8 writes do the same IEEE arithmetic on every backend.
@@ -29,6 +30,8 @@ from hypothesis import strategies as st
 
 from dtkv import IndexerFp8Layout, MLAFp8Layout, PageOwnership
 from dtkv.ops import (
+    pack_layer_pages,
+    pack_layer_pages_into,
     pack_owned_pages,
     plan_pack,
     quantize_mla_fp8,
@@ -291,8 +294,17 @@ def test_quantize_write_indexer_fp8_any_index_layout(device):
 
 
 # ----------------------------------------------------------------------------------------- pack
+def _take_pages(pool: torch.Tensor, values: list[int]) -> torch.Tensor:
+    """The pack reference: ``pool[v]`` per send row, a zero page where ``v`` is outside ``[0, P)``."""
+    out = torch.zeros((len(values), *pool.shape[1:]), dtype=pool.dtype)
+    for m, v in enumerate(values):
+        if 0 <= v < pool.shape[0]:
+            out[m] = pool[v].cpu()
+    return out
+
+
 @pytest.mark.parametrize("device", DEVICES)
-def test_pack_owned_pages_any_index_layout(device):
+def test_pack_ops_any_index_layout(device):
     _skip_unless_triton(device)
 
     @_settings(device)
@@ -314,10 +326,17 @@ def test_pack_owned_pages_any_index_layout(device):
         values = index_values(idx.draw, n, num_local + 1, idx_dtype, list(range(num_local)))
         values = values[:1] * n if layout == "expanded" else values
         send = as_layout(values, idx_dtype, layout, device)
-        expect = torch.stack([pool.cpu()[v] if 0 <= v < num_local else torch.zeros(page_shape) for v in values]
-                             ) if values else torch.zeros(0, *page_shape)  # fmt: skip
+        second = torch.randint(0, 256, (3, num_local, 6), generator=g, dtype=torch.uint8).to(device)[1]  # a layer view
+        expect, expect2 = _take_pages(pool, values), _take_pages(second, values)
         for backend in ("torch", "triton"):
             assert_same_bytes(torch.ops.dtkv.pack_owned_pages(pool, send, backend), expect, backend)
+            outs = pack_layer_pages([pool, second], send, backend=backend)
+            assert_same_bytes(outs[0], expect, f"{backend} pack_layer_pages")
+            assert_same_bytes(outs[1], expect2, f"{backend} pack_layer_pages")
+            into = [torch.full_like(o, 7) for o in outs]
+            pack_layer_pages_into(into, [pool, second], send, backend=backend)
+            assert_same_bytes(into[0], expect, f"{backend} pack_layer_pages_into")
+            assert_same_bytes(into[1], expect2, f"{backend} pack_layer_pages_into")
         # the planned pack of a page list on every rank (empty ranks included)
         pages = [p if p < own.num_pages else -1 for p in pages]
         full = torch.randn(own.num_pages, *page_shape, generator=g)
