@@ -20,7 +20,7 @@ import torch
 
 from dtkv._checks import check_tensor
 
-from ._common import device_ctx, resolve_backend, tl, triton, word_view
+from ._common import cdiv, check_pages_contiguous, device_ctx, index_arg, resolve_backend, tl, triton, word_view
 
 __all__ = ["MAX_LAYOUTS", "pack_layer_pages", "pack_layer_pages_into", "pack_layer_pages_torch"]
 
@@ -112,7 +112,7 @@ def launch_pack(
     for i in range(MAX_LAYOUTS):
         j = min(i, k - 1)  # unused slots repeat the last layout; the kernel never reads them
         args += [dsts[j], srcs[j], srcs[j].stride(0), dsts[j].shape[1]]
-    grid = (m, k, triton.cdiv(max(d.shape[1] for d in dsts), block))
+    grid = (m, k, cdiv(max(d.shape[1] for d in dsts), block))
     with device_ctx(send_idx.device):
         _pack_layer_pages_kernel[grid](
             send_idx, num_local_pages, *args, NUM_LAYOUTS=k, BLOCK=block, num_warps=KERNEL_CONFIG["num_warps"]
@@ -125,25 +125,19 @@ def _check(pools: Sequence[torch.Tensor], send_idx: torch.Tensor) -> None:
     check_tensor("send_idx", send_idx, dtype=(torch.int64, torch.int32), ndim=1)
     for i, pool in enumerate(pools):
         check_tensor(f"pools[{i}]", pool, device=send_idx.device)
-        if pool.dim() < 2:
-            raise ValueError(f"pools[{i}] must be [num_local_pages, ...] with >= 2 dims, got shape {list(pool.shape)}")
+        check_pages_contiguous(f"pools[{i}]", pool)
         if pool.shape[0] != pools[0].shape[0]:
             raise ValueError(
                 f"pools must share their local page count, got pools[0].shape[0]={pools[0].shape[0]} and "
                 f"pools[{i}].shape[0]={pool.shape[0]}"
             )
-        inner = pool.shape[1:]
-        want = [1] * len(inner)
-        for d in range(len(inner) - 2, -1, -1):
-            want[d] = want[d + 1] * inner[d + 1]
-        if any(s != w and n > 1 for s, w, n in zip(pool.stride()[1:], want, inner)):
-            raise ValueError(f"pools[{i}] pages must be contiguous (any page stride), got stride {pool.stride()}")
 
 
 # ----------------------------------------------------------------------------------------- registered op
 @torch.library.custom_op("dtkv::pack_layer_pages", mutates_args=())
 def _pack_layer_pages_op(pools: list[torch.Tensor], send_idx: torch.Tensor, backend: str) -> list[torch.Tensor]:
     _check(pools, send_idx)
+    send_idx = index_arg(send_idx, torch.int64)
     if backend != "triton":
         return pack_layer_pages_torch(pools, send_idx)
     outs = [p.new_empty((send_idx.shape[0], *p.shape[1:])) for p in pools]
@@ -161,7 +155,7 @@ def _launch_checked(outs: Sequence[torch.Tensor], pools: Sequence[torch.Tensor],
     if not pools or outs[0].numel() == 0:
         return
     pairs = [_words(o, p) for o, p in zip(outs, pools)]
-    launch_pack([d for d, _ in pairs], [s for _, s in pairs], send_idx.to(torch.int64).contiguous(), pools[0].shape[0])
+    launch_pack([d for d, _ in pairs], [s for _, s in pairs], index_arg(send_idx, torch.int64), pools[0].shape[0])
 
 
 # ----------------------------------------------------------------------------------------- public wrappers
@@ -173,7 +167,8 @@ def pack_layer_pages(
     Args:
         pools: one tensor per layout, ``[P, *page_shape_k]`` (pages contiguous, any page stride, any dtype),
             all with the same ``P``; 1 to :data:`MAX_LAYOUTS` of them.
-        send_idx: int32/int64 ``[M]``: the local page of each send row; ``-1`` (or ``>= P``) gives a zero page.
+        send_idx: int32/int64 ``[M]``, any strides: the local page of each send row; ``-1`` (or any value outside
+            ``[0, P)``) gives a zero page.
         backend: ``"auto"`` | ``"torch"`` | ``"triton"`` (one launch for every layout).
 
     Returns:

@@ -1,17 +1,17 @@
 """``dtkv::pack_layer_pages``: one launch packs the same send list out of every layout of a layer.
 
 Contract: ``out_k[m]`` holds the bytes of ``pools_k[send_idx[m]]``, a zero page where ``send_idx[m]`` is ``-1`` or
-``>= P``; pages are copied as words, never converted. Checked bitwise against a loop over rows.
+``>= P``; pages are copied as words, never converted. Checked bitwise against a loop over rows. opcheck, fullgraph
+compile and strided ``send_idx``: ``tests/test_ops_contracts.py``.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from torch._dynamo.testing import CompileCounterWithBackend
 
 from dtkv.ops.pack_layer_pages import MAX_LAYOUTS, pack_layer_pages, pack_layer_pages_into
-from tests.ops_reference import BACKENDS, DEVICES, assert_same_bytes, backend_ok, skip_unless
+from tests.ops_reference import BACKENDS, DEVICES, assert_same_bytes, layer_pools, skip_unless
 
 
 def _reference(pools, send_idx):
@@ -23,20 +23,6 @@ def _reference(pools, send_idx):
                 out[m] = pool[page]
         outs.append(out)
     return outs
-
-
-def _layer_pools(num_local, seed, kinds):
-    """Pools of one layer out of layered buffers ``[3, P, ...]`` (page stride != page size), one per kind."""
-    g = torch.Generator().manual_seed(seed)
-    shapes = {"fp8-row": ((5, 656), torch.uint8), "bf16-row": ((3, 24), torch.bfloat16),
-              "indexer": ((4 * 132,), torch.uint8), "odd": ((7,), torch.uint8)}  # fmt: skip
-    pools = []
-    for kind in kinds:
-        shape, dtype = shapes[kind]
-        raw = torch.randint(0, 256, (3, num_local, *shape[:-1], shape[-1] * dtype.itemsize), generator=g,
-                            dtype=torch.uint8)  # fmt: skip
-        pools.append(raw.view(dtype)[1])
-    return pools
 
 
 CASES = [
@@ -53,7 +39,7 @@ CASES = [
 @pytest.mark.parametrize(("num_local", "send", "kinds"), CASES)
 def test_pack_layer_pages_vs_reference(device, backend, num_local, send, kinds):
     skip_unless(backend, device)
-    pools = _layer_pools(num_local, len(send), kinds)
+    pools = layer_pools(num_local, len(send), kinds)
     idx = torch.tensor(send, dtype=torch.int64)
     want = _reference(pools, send)
     got = pack_layer_pages([p.to(device) for p in pools], idx.to(device), backend=backend)
@@ -68,31 +54,8 @@ def test_pack_layer_pages_vs_reference(device, backend, num_local, send, kinds):
         assert_same_bytes(o.cpu(), w)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_opcheck(backend):
-    skip_unless(backend, "cpu")
-    pools = _layer_pools(4, 0, ("fp8-row", "bf16-row"))
-    torch.library.opcheck(torch.ops.dtkv.pack_layer_pages.default, (pools, torch.tensor([2, -1, 0, 3]), backend))
-
-
-def test_compiles_without_graph_breaks():
-    backend = "triton" if backend_ok("triton", "cpu") else "torch"
-    pools = _layer_pools(5, 1, ("fp8-row", "indexer"))
-    idx = torch.tensor([4, 0, -1])
-    cnt = CompileCounterWithBackend("aot_eager")
-
-    def run(a, b, i):
-        return pack_layer_pages([a, b], i, backend=backend)
-
-    eager = run(*pools, idx)
-    compiled = torch.compile(run, backend=cnt, fullgraph=True)(*pools, idx)
-    assert cnt.frame_count == 1
-    for c, e in zip(compiled, eager):
-        assert_same_bytes(c, e)
-
-
 def test_rejects_bad_input_and_leaves_outputs_untouched():
-    pools = _layer_pools(4, 2, ("fp8-row", "indexer"))
+    pools = layer_pools(4, 2, ("fp8-row", "indexer"))
     with pytest.raises(ValueError, match="pools must share their local page count, got pools\\[0\\].shape\\[0\\]=4"):
         pack_layer_pages([pools[0], pools[1][:3]], torch.tensor([0]))
     with pytest.raises(ValueError, match=f"pools must be a list of 1 to {MAX_LAYOUTS} tensors"):
