@@ -16,9 +16,11 @@ and per layer writes the ``B`` new rows (owner-filtered fp8 quantize-writes, bot
 
 - ``sharded``: :func:`dtkv.decode.decode_layer` -- indexer over the rank's own pages, local top-k, candidate
   all-gather, global top-k, attention over the owned selected rows, LSE merge of the all-gathered partials; or
-- ``full_view``: today's path -- the layer's full view of the batch's pages gathered by
-  :class:`dtkv.materialize.Materializer` (next layer prefetched on a side stream), then the same
-  :func:`dtkv.decode.decode_layer` over the view as one rank (identical math, nothing to merge).
+- ``full_view``: today's path at its best -- the layer's full view of the batch's pages gathered by
+  :class:`dtkv.materialize.Materializer` a layer ahead on a side stream (``write_current=True``: the new rows are
+  written into the view as well, so nothing is gathered after the writes; all-gather or copy engines, as the
+  Materializer picks), then the same :func:`dtkv.decode.decode_layer` over the view as one rank (identical math,
+  nothing to merge).
 
 Both run eager (host launch overhead included), float32 scoring and attention on fp8/bf16 KV, top-k 2048, 128
 heads, ``kv_lora_rank`` 512 + 64 rope, 64 indexer heads x 128. Per scenario: ``--warmup`` steps, then ``--reps``
@@ -141,6 +143,8 @@ class Result:
     """Full-view buffers (0 for sharded decode)."""
     transient_bytes_per_rank: int
     """Peak GPU memory above the pool during the mode's steps: views, temporaries (0 on CPU)."""
+    gather_backend: str
+    """How the mode moves bytes: ``all_gather`` (candidates, partials) or the Materializer's backend."""
     topk_agree: float
     out_rel_diff: float
     device: str
@@ -188,9 +192,20 @@ def _timed(step, reps: int, warmup: int, device: torch.device, group) -> list[fl
 
 
 def run_scenario(
-    context: int, batch: int, geom: Geometry, *, group, device: torch.device, reps: int, warmup: int
+    context: int,
+    batch: int,
+    geom: Geometry,
+    *,
+    group,
+    device: torch.device,
+    reps: int,
+    warmup: int,
+    verify: bool = False,
 ) -> list[Result]:
-    """Both modes of one (context, batch) on this rank (collective over ``group``)."""
+    """Both modes of one (context, batch) on this rank (collective over ``group``).
+
+    With ``verify`` one extra full-view step checks every view row against the owners' bytes (tests).
+    """
     cp = 1 if group is None else dist.get_world_size(group)
     rank = 0 if group is None else dist.get_rank(group)
     ps, layers = geom.page_size, geom.num_layers
@@ -256,15 +271,18 @@ def run_scenario(
     base = mark()
     times["sharded"] = _timed(sharded_step, reps, warmup, device, group)
     transient["sharded"] = above(base)
-    # full view: history = every page but each request's last (written this step), current = the last pages
+    # full view, the engine's best: every page a layer ahead (write_current: the step's rows are written into the
+    # view too, so nothing is gathered after the writes); the Materializer picks all-gather or copy engines
     base = mark()
     hist = [p for t in tables for p in t[:-1]]
     cur = [t[-1] for t in tables]
-    mat_plan = plan_materialize(hist, cur, own, rank, device=device)
+    mat_plan = plan_materialize(hist, cur, own, rank, device=device, group=group, write_current=True)
     view_tables = mat_plan.page_map.to("cpu", torch.int64)[torch.tensor(tables)]
     view_own = PageOwnership(1, mat_plan.num_view_pages)
     view_plan = plan_decode(view_tables, seq_lens, view_own, 0, page_size=ps, topk=geom.topk, device=device)
+    view_locs = ops.remap(plan.new_locs, mat_plan.page_map, page_size=ps)
     mat = Materializer(pool, mat_plan)
+    check = False
 
     def full_view_step() -> None:
         mat.prefetch(0)
@@ -272,6 +290,14 @@ def run_scenario(
             write(layer)
             mat.prefetch(layer + 1)
             views = mat.view(layer)
+            ops.quantize_write_mla_fp8(
+                views["kv"], new_kv[layer], view_locs, view_own.spec, 0, layout=kv_lay, validate=False
+            )
+            ops.quantize_write_indexer_fp8(
+                views["index"], new_ik[layer], view_locs, view_own.spec, 0, layout=idx_lay, validate=False
+            )
+            if check:  # every view row equals its owner's bytes, the rows written into the view included
+                mat.check(layer)
             last["full_view"] = decode_layer(
                 views["kv"], views["index"], kv_lay, idx_lay, view_plan, queries[layer], softmax_scale=scale, group=None
             )
@@ -281,17 +307,24 @@ def run_scenario(
     a, b = last["sharded"], last["full_view"]
     agree = float((a.positions.sort(dim=1).values == b.positions.sort(dim=1).values).all(dim=1).float().mean())
     rel = float((a.out - b.out).abs().max() / b.out.abs().max().clamp(min=1e-30))
+    if verify:  # one more step with new rows, checked (collective, synchronizing: never timed)
+        for t in new_kv + new_ik:
+            t.copy_(torch.randn(t.shape, generator=g).to(t))
+        check = True
+        full_view_step()
     page_bytes = sum(lay.page_bytes for lay in geom.layouts.values())
     comm = {
         "sharded": sharded_decode_comm_bytes(
             num_queries=batch, topk=geom.topk, num_heads=geom.num_heads, kv_lora_rank=geom.kv_lora_rank, cp_size=cp
         ).scaled(layers),
         "full_view": full_view_comm_bytes(
-            max_pages_per_rank=mat_plan.history.max_count + mat_plan.current.max_count, page_bytes=page_bytes,
-            cp_size=cp, num_collectives=2 * len(geom.layouts),
+            max_pages_per_rank=mat_plan.history_rows_per_rank + mat_plan.current_rows_per_rank,
+            page_bytes=page_bytes, cp_size=cp,
+            num_collectives=int(mat_plan.history_rows_per_rank > 0) + int(mat_plan.current_rows_per_rank > 0),
         ).scaled(layers),
     }  # fmt: skip
     scratch = {"sharded": 0, "full_view": mat.scratch_bytes()}
+    backend = {"sharded": "all_gather", "full_view": mat.backend}
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     out = []
     for mode in ("sharded", "full_view"):
@@ -312,6 +345,7 @@ def run_scenario(
                 kv_bytes_per_rank=pool.bytes_per_rank(),
                 scratch_bytes_per_rank=scratch[mode],
                 transient_bytes_per_rank=transient[mode],
+                gather_backend=backend[mode],
                 topk_agree=agree,
                 out_rel_diff=rel,
                 device=dev_name,
@@ -330,7 +364,14 @@ def run(rank: int, world: int, opts: dict, group=None, device: torch.device | No
     for context in opts["contexts"]:
         for batch in opts["batches"]:
             for r in run_scenario(
-                context, batch, geom, group=group, device=device, reps=opts["reps"], warmup=opts["warmup"]
+                context,
+                batch,
+                geom,
+                group=group,
+                device=device,
+                reps=opts["reps"],
+                warmup=opts["warmup"],
+                verify=opts.get("verify", False),
             ):
                 rows.append(asdict(r))
                 if rank == 0 and opts.get("print", True):

@@ -1,6 +1,6 @@
 """CPU smoke of ``benchmarks/bench_decode.py`` on 2 gloo ranks (tiny geometry): both modes run on the same pool
-and agree, sharded traffic is the candidates plus the partials whatever the context, the full view's grows with
-it, and the result files are written.
+and agree, the full-view baseline's views equal the owners' bytes (``verify``), sharded traffic is the candidates
+plus the partials whatever the context, the full view's grows with it, and the result files are written.
 
 Agreement: the two modes score the same fp8/bf16 bytes in float32 over differently shaped GEMMs (~1e-7 relative
 noise); with 48 of at most 160 keys selected, a swap at the K-th place needs two scores within that noise (~1e-5
@@ -18,7 +18,7 @@ import pytest
 from dtkv.decode import sharded_decode_comm_bytes
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_decode.py"
-OPTS = {"contexts": [40, 160], "batches": [1, 3], "reps": 1, "warmup": 0, "smoke": True, "print": False}
+OPTS = {"contexts": [40, 160], "batches": [1, 3], "reps": 1, "warmup": 0, "smoke": True, "print": False, "verify": True}
 
 
 def _load():

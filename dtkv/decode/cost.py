@@ -80,7 +80,7 @@ def full_view_comm_bytes(
 
     Args:
         max_pages_per_rank: the largest number of the batch's pages one rank owns (the gather's padded count;
-            ``MaterializePlan``'s ``history.max_count + current.max_count``).
+            ``MaterializePlan.history_rows_per_rank + MaterializePlan.current_rows_per_rank``).
         page_bytes: bytes of one page over every layout gathered (e.g. 41 984 + 8 448).
         cp_size: ranks in the group.
         num_collectives: all-gather calls per layer (one per layout and page group).
