@@ -324,7 +324,7 @@ def run_scenario(
         ).scaled(layers),
     }  # fmt: skip
     scratch = {"sharded": 0, "full_view": mat.scratch_bytes()}
-    backend = {"sharded": "all_gather", "full_view": mat.backend}
+    backend = {"sharded": "all_gather" if cp > 1 else "local", "full_view": mat.backend}
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     out = []
     for mode in ("sharded", "full_view"):
