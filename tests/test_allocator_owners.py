@@ -156,3 +156,12 @@ def test_balanced_alloc_skips_exhausted_owners_and_stays_balanced_among_the_rest
     assert alloc.num_free() == 0
     with pytest.raises(AllocationError):
         alloc.alloc_balanced(1)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_balanced_alloc_on_a_fresh_interleave_pool_hands_out_consecutive_pages(cp):
+    """The rotation runs upward (0, 1, ..., cp-1, 0, ...), so under ``interleave`` successive balanced requests get
+    consecutive logical pages: a request's pages form one run, the case transfer coalescing merges best."""
+    alloc = PageAllocator(PageOwnership(cp, 40))
+    got = [alloc.alloc_balanced(n).tolist() for n in (3, 5, 1, 7)]
+    assert got == [[0, 1, 2], [3, 4, 5, 6, 7], [8], [9, 10, 11, 12, 13, 14, 15]]
