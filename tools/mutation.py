@@ -62,15 +62,6 @@ TARGETS: dict[str, Target] = {
         files=("dtkv/ownership.py",),
         tests=("tests/test_ownership.py", "tests/test_allocator.py", "tests/test_allocator_owners.py"),
     ),
-    "split": Target(
-        files=tuple(f"dtkv/split/{m}.py" for m in ("_plan", "_ownership", "_alloc", "_local", "_index")),
-        tests=(
-            "tests/test_split.py",
-            "tests/test_split_ownership.py",
-            "tests/test_split_properties.py",
-            "tests/test_split_reference.py",
-        ),
-    ),
     "materialize": Target(files=("dtkv/materialize.py",), tests=("tests/test_materialize.py",)),
     "transfer": Target(
         files=("dtkv/transfer/plan.py", "dtkv/transfer/coalesce.py"),
@@ -80,6 +71,15 @@ TARGETS: dict[str, Target] = {
         files=tuple(f"dtkv/ops/{m}.py" for m in ("_common", "write_owned", *_OPS)),
         tests=tuple(f"tests/test_ops_{m}.py" for m in ("common", "write_owned", *_OPS)),
         mutants=("dtkv.ops.*.x_*_torch__mutmut_*", "dtkv.ops.*.x_quantize_indexer_fp8__mutmut_*"),
+    ),
+    "split": Target(
+        files=tuple(f"dtkv/split/{m}.py" for m in ("_plan", "_ownership", "_alloc", "_local", "_index")),
+        tests=(
+            "tests/test_split.py",
+            "tests/test_split_ownership.py",
+            "tests/test_split_properties.py",
+            "tests/test_split_reference.py",
+        ),
     ),
 }
 
@@ -122,6 +122,7 @@ def _scratch(name: str, target: Target, workdir: Path, tests_ref: str | None, *,
         f"pytest_add_cli_args = {_toml_list(FAST + PYTEST_ARGS)}\n"
         'process_isolation = "forkserver"\n'
         "timeout_multiplier = 3.0\n"
+        "timeout_constant = 40.0\n"
     )
     (dest / "pyproject.toml").write_text(pyproject)
     return dest
