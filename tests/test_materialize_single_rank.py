@@ -116,3 +116,17 @@ def test_debug_check_names_the_first_wrong_page():
         f"materialized view of layer 1 layout 'kv' differs from the owner's bytes at logical page 11 "
         f"(owner rank 0, view row {row})"
     )
+
+
+def test_scratch_bytes_vs_formula():
+    """Per layout ``(cp * M + M) * page_bytes`` with ``M = ceil(max_pages / cp) + slack`` (default slack ``cp``),
+    doubled with prefetch; an int, exact."""
+    from dtkv.materialize import scratch_bytes
+
+    for max_pages, cp in [(1, 1), (10, 2), (11, 2), (13, 4), (5, 8)]:
+        for slack_pages in (None, 0, 3):
+            for prefetch in (True, False):
+                m = -(-max_pages // cp) + (cp if slack_pages is None else slack_pages)
+                want = sum((cp + 1) * m * lay.page_bytes for lay in LAYOUTS.values()) * (2 if prefetch else 1)
+                got = scratch_bytes(LAYOUTS, max_pages=max_pages, cp=cp, prefetch=prefetch, slack_pages=slack_pages)
+                assert type(got) is int and got == want, (max_pages, cp, slack_pages, prefetch)
