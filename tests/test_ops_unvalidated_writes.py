@@ -107,3 +107,19 @@ def test_quantize_writes_skip_rows_outside_this_ranks_pool(backend, own):
         want = ref_indexer_write(pool, k[keep], locs[keep], own, rank, INDEXER)
         quantize_write_indexer_fp8(pool, k, locs, own, rank, layout=INDEXER, validate=False, backend=backend)
         assert_same_bytes(pool, want, f"indexer, rank {rank}")
+
+
+@pytest.mark.parametrize("own", OWNERSHIPS, ids=repr)
+def test_direct_write_torch_reference_matches_the_loop(own):
+    """The documented torch reference of ``dtkv::direct_write`` (the op itself stores through ``write_owned``'s)."""
+    from dtkv.ops.direct_write import direct_write_torch
+
+    locs = _locs(own)
+    rows = torch.randn(locs.shape[0], 4, generator=torch.Generator().manual_seed(3))
+    code = 0 if own.layout == "interleave" else 1
+    for rank, num_local in [(r, n) for r in range(own.cp_size) for n in _sizes(own, r)]:
+        pool = torch.randn(num_local, PAGE_SIZE, 4)
+        keep = _kept(locs, own, rank, num_local)
+        want = ref_write_rows(pool, rows[keep], locs[keep], own, rank)
+        direct_write_torch(pool, rows, locs, own.cp_size, own.num_pages, code, rank)
+        assert_same_bytes(pool, want, f"rank {rank}")

@@ -74,7 +74,7 @@ TARGETS: dict[str, Target] = {
     ),
     "transfer": Target(
         files=("dtkv/transfer/plan.py", "dtkv/transfer/coalesce.py"),
-        tests=("tests/test_transfer_coalesce.py", "tests/test_transfer_descriptors.py"),
+        tests=("tests/test_transfer_coalesce.py", "tests/test_transfer_plan.py", "tests/test_transfer_descriptors.py"),
     ),
     "ops": Target(
         files=tuple(f"dtkv/ops/{m}.py" for m in ("_common", "write_owned", *_OPS)),
