@@ -13,10 +13,10 @@ from dtkv.transfer.descriptors import PlanOptions
 from dtkv.transfer.plan import disable_staging, plan_request
 from dtkv.transfer.shard import KVShard
 
-# page bytes: latents 3 * 5 * 2 = 30 and 3 * 7 * 2 = 42 (not whole words, bf16 elements); indexer 3 * (4 + 4) = 24
+# page bytes: latents 3 * 5 * 2 = 30 and 3 * 6 * 2 = 36 (not whole words, bf16 elements); indexer 3 * (4 + 4) = 24
 LAYOUTS = {
     "a_latent": MLALatentLayout(page_size=3, kv_lora_rank=3, rope_dim=2),
-    "b_latent": MLALatentLayout(page_size=3, kv_lora_rank=5, rope_dim=2),
+    "b_latent": MLALatentLayout(page_size=3, kv_lora_rank=4, rope_dim=2),
     "c_index": IndexerFp8Layout(page_size=3, head_dim=4),
 }
 
