@@ -187,15 +187,16 @@ def _retry(scratch: Path, target: Target, prev: dict, left: int, env: dict) -> t
     """``--resume``: each survivor of ``prev`` against the test files added or changed since (in one process).
 
     A survivor passed every test of the previous run, so with deterministic tests it is killed now exactly when
-    one of the new or changed test files fails; mutants killed before stay killed.
+    one of the new or changed test files fails; mutants killed before stay killed. ``<scratch>/tests`` keeps the
+    tests the survivors were last tried against; a run cut short by the budget leaves it as it was.
     """
     old = scratch / "tests"
     changed = [t for t in target.tests if (ROOT / t).exists()
                and (not (scratch / t).exists() or (scratch / t).read_bytes() != (ROOT / t).read_bytes())]  # fmt: skip
-    shutil.rmtree(old)
-    shutil.copytree(ROOT / "tests", old, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     shutil.rmtree(scratch / "mutants" / "tests", ignore_errors=True)
-    shutil.copytree(old, scratch / "mutants" / "tests")
+    shutil.copytree(
+        ROOT / "tests", scratch / "mutants" / "tests", ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
+    )
     (scratch / "mutants" / "retry.json").unlink(missing_ok=True)
     before = prev["survivors"] if isinstance(prev["survivors"], dict) else _tally(scratch, target)[1]
     names = list(before)
@@ -205,6 +206,9 @@ def _retry(scratch: Path, target: Target, prev: dict, left: int, env: dict) -> t
                json.dumps(names), json.dumps(changed), json.dumps(FAST + PYTEST_ARGS), "300"]  # fmt: skip
         with open(scratch / "retry.log", "w") as log:
             rc = subprocess.run(cmd, cwd=scratch / "mutants", env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    if rc == 0:
+        shutil.rmtree(old)
+        shutil.copytree(scratch / "mutants" / "tests", old)
     record = scratch / "mutants" / "retry.json"
     done = json.loads(record.read_text()) if record.exists() else {}
     per_file = {f: dict(c) for f, c in prev["files"].items()}
