@@ -70,15 +70,10 @@ def test_reserved_pages_leave_their_owner_class(layout):
         alloc.alloc([0])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug in dtkv/allocator.py: PageAllocator.free() accepts a reserved page (it checks only the free bitmap, "
-    "where reserved pages read as allocated), files it in its owner's free list, and a later alloc hands it out",
-)
 @pytest.mark.parametrize("layout", ["interleave", "block"])
 def test_free_rejects_a_reserved_page(layout):
     alloc = PageAllocator(PageOwnership(2, 6, layout), reserved=[0])
-    with pytest.raises(ValueError, match="not allocated"):
+    with pytest.raises(ValueError, match="reserved"):
         alloc.free([0])  # a reserved page was never allocated
     assert 0 not in alloc.alloc_balanced(alloc.num_free()).tolist()
 

@@ -63,7 +63,9 @@ def test_views_hold_each_layers_pages_and_both_buffers_stay_valid(prefetch):
     mat = Materializer(pool, plan)
     assert mat.names == ("index", "kv")
     per_page = sum(lay.page_bytes for lay in LAYOUTS.values())
-    assert mat.scratch_bytes() == 2 * plan.num_view_pages * per_page
+    # double-buffered views plus double-buffered send buffers of each group (the pages are not in pool order)
+    send_rows = plan.history.rows_per_rank + plan.current.rows_per_rank
+    assert mat.scratch_bytes() == 2 * (plan.num_view_pages + send_rows) * per_page
     if prefetch:
         mat.prefetch(0)
         mat.prefetch(0)  # a second prefetch of the same layer is a no-op
@@ -96,8 +98,8 @@ def test_materializer_rejects_a_plan_of_another_pool():
     with pytest.raises(ValueError) as e:
         Materializer(pool, plan)
     assert str(e.value) == (
-        "plan was built for PageOwnership(cp_size=1, num_pages=14, layout='interleave') rank 0, "
-        "but pool has PageOwnership(cp_size=1, num_pages=13, layout='interleave') rank 0"
+        "plan was built for PageOwnership(cp_size=1, num_pages=14, scheme='interleave') rank 0, "
+        "but pool has PageOwnership(cp_size=1, num_pages=13, scheme='interleave') rank 0"
     )
 
 

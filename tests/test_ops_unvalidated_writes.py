@@ -79,7 +79,7 @@ def test_direct_write_skips_rows_outside_this_ranks_pool(backend, own):
         pool = torch.randn(num_local, PAGE_SIZE, 5, generator=g)
         keep = _kept(locs, own, rank, num_local)
         want = ref_write_rows(pool, rows[keep], locs[keep], own, rank)
-        direct_write(pool, rows, locs, own, rank, page_aligned=True, validate=False, backend=backend)
+        direct_write(pool, rows, locs, own, rank, validate=False, backend=backend)
         assert_same_bytes(pool, want, f"rank {rank}")
 
 
@@ -116,7 +116,7 @@ def test_direct_write_torch_reference_matches_the_loop(own):
 
     locs = _locs(own)
     rows = torch.randn(locs.shape[0], 4, generator=torch.Generator().manual_seed(3))
-    code = 0 if own.layout == "interleave" else 1
+    code = 0 if own.scheme == "interleave" else 1
     for rank, num_local in [(r, n) for r in range(own.cp_size) for n in _sizes(own, r)]:
         pool = torch.randn(num_local, PAGE_SIZE, 4)
         keep = _kept(locs, own, rank, num_local)

@@ -27,13 +27,13 @@ def test_check_pages_accepts_exactly_the_pool_and_the_padding(layout):
 def test_hash_covers_every_field():
     tags = [PageOwnership(cp, n, lay) for cp in (1, 2, 3) for n in (5, 6) for lay in ("interleave", "block")]
     assert len({hash(t) for t in tags}) == len(tags)
-    assert all(hash(t) == hash(PageOwnership(t.cp_size, t.num_pages, t.layout)) for t in tags)
+    assert all(hash(t) == hash(PageOwnership(t.cp_size, t.num_pages, t.scheme)) for t in tags)
 
 
 def test_fx_repr_rebuilds_the_tag():
     own = PageOwnership(4, 10, "block")
     text, names = own.__fx_repr__()
-    assert (text, names) == ("PageOwnership(cp_size=4, num_pages=10, layout='block')", {"PageOwnership": PageOwnership})
+    assert (text, names) == ("PageOwnership(cp_size=4, num_pages=10, scheme='block')", {"PageOwnership": PageOwnership})
     assert eval(text, {}, names) == own
 
 
@@ -45,14 +45,14 @@ def test_to_standard_for_one_rank_is_shard0():
     with pytest.raises(ValueError) as e:
         PageOwnership(2, 5).to_standard()
     assert str(e.value) == (
-        "to_standard() for layout='interleave' needs num_pages % cp_size == 0, got num_pages=5, cp_size=2"
+        "to_standard() for scheme='interleave' needs num_pages % cp_size == 0, got num_pages=5, cp_size=2"
     )
 
 
 def test_ownership_spec_converts_placements_and_keeps_specs():
     own = PageOwnership(3, 8, "block")
     spec = ownership_spec(own)
-    assert spec == OwnershipSpec(3, 8, "block") == own.spec and spec.chunk == 3
+    assert spec == OwnershipSpec(3, 8, "block") == own.spec and spec.pages_per_rank == 3
     assert ownership_spec(spec) is spec
     with pytest.raises(TypeError) as e:
         ownership_spec((3, 8, "block"))
