@@ -1,6 +1,6 @@
 """Sharded decode against full-view decode at DeepSeek-V3.2 geometry: step time and bytes moved per step.
 
-GPU (the measurement, 2 H200 with NCCL; about 2 minutes)::
+GPU (the measurement, 2 H200 with NCCL; about 2 minutes; ``--view-backend all_gather`` pins the baseline's gather)::
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 torchrun --nproc-per-node 2 benchmarks/bench_decode.py
 
@@ -201,6 +201,7 @@ def run_scenario(
     reps: int,
     warmup: int,
     verify: bool = False,
+    view_backend: str = "auto",
 ) -> list[Result]:
     """Both modes of one (context, batch) on this rank (collective over ``group``).
 
@@ -281,7 +282,7 @@ def run_scenario(
     view_own = PageOwnership(1, mat_plan.num_view_pages)
     view_plan = plan_decode(view_tables, seq_lens, view_own, 0, page_size=ps, topk=geom.topk, device=device)
     view_locs = ops.remap(plan.new_locs, mat_plan.page_map, page_size=ps)
-    mat = Materializer(pool, mat_plan)
+    mat = Materializer(pool, mat_plan, backend=view_backend)
     check = False
 
     def full_view_step() -> None:
@@ -372,6 +373,7 @@ def run(rank: int, world: int, opts: dict, group=None, device: torch.device | No
                 reps=opts["reps"],
                 warmup=opts["warmup"],
                 verify=opts.get("verify", False),
+                view_backend=opts.get("view_backend", "auto"),
             ):
                 rows.append(asdict(r))
                 if rank == 0 and opts.get("print", True):
@@ -445,6 +447,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=DSV32.num_layers)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument(
+        "--view-backend",
+        choices=("auto", "all_gather", "copy_engine"),
+        default="auto",
+        help="how the full-view baseline gathers (the Materializer's backend; auto picks by size and topology)",
+    )
     p.add_argument("--smoke", action="store_true", help="CPU: spawn 2 gloo ranks, tiny geometry and contexts")
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     return p
@@ -459,6 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         "reps": ns.reps,
         "warmup": ns.warmup,
         "smoke": ns.smoke,
+        "view_backend": ns.view_backend,
     }
     command = "python " + " ".join([Path(sys.argv[0]).as_posix()] + (argv if argv is not None else sys.argv[1:]))
     if ns.smoke and "RANK" not in os.environ:
