@@ -298,7 +298,7 @@ class TestRejects:
             plan_request([0, 1], [0, 8], prefill=pre, decode=dec)
         with pytest.raises(ValueError, match=r"src_pages must not repeat a page, got page 1 more than once"):
             plan_request([1, 1], [0, 2], prefill=pre, decode=dec)
-        with pytest.raises(TypeError, match=r"src_pages must hold integers"):
+        with pytest.raises(TypeError, match=r"src_pages must hold ints, got 0.5"):
             plan_request([0.5], [0], prefill=pre, decode=dec)
 
     def test_rejects_layout_and_layer_mismatch(self):

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from dtkv._util import cdiv
 from dtkv.transfer import DecodeReceiver, KVShard, PrefillSender, ReceiveReport, SendReport, TransferError
 
 __all__ = [
@@ -47,7 +48,7 @@ def shard_for_engine(engine, *, staging_bytes: int = 0) -> KVShard:
 
 
 def _prompt_pages(req, page_size: int) -> list[int]:
-    return req.pages[: -(-len(req.prompt) // page_size)]
+    return req.pages[: cdiv(len(req.prompt), page_size)]
 
 
 def send_prefilled(engine, sender: PrefillSender, *, tag: str = "", timeout_s: float | None = None) -> list[SendReport]:
@@ -96,7 +97,7 @@ def receive_prefilled(
     reports = []
     for prompt in prompts:
         req = engine.add_request(prompt)
-        req.pages = engine.allocator.alloc_balanced(-(-len(req.prompt) // ps)).tolist()
+        req.pages = engine.allocator.alloc_balanced(cdiv(len(req.prompt), ps)).tolist()
         rid = f"{tag}req-{req.rid}"
         meta.zero_()
         reports.append(
@@ -132,7 +133,7 @@ def _cfg(args: dict):
 
 def _request_bytes(cfg, prompts) -> int:
     per_page = cfg.num_layers * sum(lay.page_bytes for lay in cfg.layouts.values())
-    return max(-(-len(p) // cfg.page_size) for p in prompts) * per_page
+    return max(cdiv(len(p), cfg.page_size) for p in prompts) * per_page
 
 
 def send_from_rank(engine, args: dict, baseline_kv: Sequence[dict[str, torch.Tensor]] | None = None) -> dict:
@@ -180,7 +181,7 @@ def _decode_main(conn, args: dict, prompts: list[list[int]], port: int, namespac
         torch.set_num_threads(1)
         cfg = _cfg(args)
         steps = args["decode_steps"]
-        num_pages = sum(-(-(len(p) + steps + 1) // cfg.page_size) + 1 for p in prompts) + 1
+        num_pages = sum(cdiv(len(p) + steps + 1, cfg.page_size) + 1 for p in prompts) + 1
         engine = PrefillEngine(cfg, mode="single", num_pages=num_pages)
         store = create_store(port=port, is_master=False, timeout_s=args.get("timeout", 300.0))
         receiver = DecodeReceiver(

@@ -1,18 +1,12 @@
-"""Old transfer names that keep working for one release, with a ``DeprecationWarning``."""
+"""Old keyword names of transfer callables that keep working for one release, with a ``DeprecationWarning``."""
 
 from __future__ import annotations
 
 import functools
-import warnings
 
-__all__ = ["renamed_kwargs", "warn_renamed"]
+from dtkv._util import warn_deprecated
 
-
-def warn_renamed(old: str, new: str, *, stacklevel: int = 3) -> None:
-    """Emit the ``DeprecationWarning`` of a renamed public name."""
-    warnings.warn(
-        f"{old} is deprecated and will be removed in the next release; use {new}", DeprecationWarning, stacklevel
-    )
+__all__ = ["renamed_kwargs"]
 
 
 def renamed_kwargs(cls_or_fn, owner: str, **renames: str):
@@ -25,7 +19,7 @@ def renamed_kwargs(cls_or_fn, owner: str, **renames: str):
             if old in kwargs:
                 if new in kwargs:
                     raise TypeError(f"{owner} got both {old}= and its new name {new}=")
-                warn_renamed(f"{owner}({old}=...)", f"{new}=", stacklevel=3)
+                warn_deprecated(f"{owner}({old}=...)", f"{new}=", stacklevel=3)
                 kwargs[new] = kwargs.pop(old)
         return target(*args, **kwargs)
 

@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
-import torch
 
+from dtkv._util import as_int_array, warn_deprecated
 from dtkv.ownership import PageOwnership
-from dtkv.transfer._compat import renamed_kwargs, warn_renamed
+from dtkv.transfer._compat import renamed_kwargs
 
 __all__ = [
     "BufferSpec",
@@ -153,12 +153,12 @@ class PeerEntries:
     @property
     def chunk_indptr(self) -> np.ndarray | None:
         """Deprecated name of :attr:`group_indptr`."""
-        warn_renamed("PeerEntries.chunk_indptr", "PeerEntries.group_indptr")
+        warn_deprecated("PeerEntries.chunk_indptr", "PeerEntries.group_indptr")
         return self.group_indptr
 
     def chunk(self, c: int | None) -> slice:
         """Deprecated name of :meth:`group`."""
-        warn_renamed("PeerEntries.chunk()", "PeerEntries.group()")
+        warn_deprecated("PeerEntries.chunk()", "PeerEntries.group()")
         return self.group(c)
 
     @property
@@ -208,7 +208,7 @@ class RequestPlan:
     @property
     def num_chunks(self) -> int:
         """Deprecated name of :attr:`num_layer_groups`."""
-        warn_renamed("RequestPlan.num_chunks", "RequestPlan.num_layer_groups")
+        warn_deprecated("RequestPlan.num_chunks", "RequestPlan.num_layer_groups")
         return self.num_layer_groups
 
     @property
@@ -236,20 +236,8 @@ renamed_kwargs(PeerEntries, "PeerEntries", chunk_indptr="group_indptr")
 
 
 def as_pages(name: str, pages: object) -> np.ndarray:
-    """A 1-D int64 numpy copy of a page list (list, numpy array or integer tensor)."""
-    if isinstance(pages, torch.Tensor):
-        if pages.dtype.is_floating_point or pages.dtype == torch.bool:
-            raise TypeError(f"{name} must hold integers, got {name}.dtype={pages.dtype}")
-        arr = pages.detach().cpu().numpy()
-    else:
-        arr = np.asarray(pages)
-        if arr.size == 0:
-            arr = arr.astype(np.int64)
-        if arr.dtype.kind not in "iu":
-            raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
-    if arr.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got {name}.shape={list(arr.shape)}")
-    return arr.astype(np.int64, copy=True)
+    """A 1-D int64 numpy copy of a page list (list, numpy array or integer tensor): :func:`dtkv._util.as_int_array`."""
+    return as_int_array(name, pages, shape_hint="[num_positions]")
 
 
 def check_compatible(prefill: Sequence[RankEndpoint], decode: Sequence[RankEndpoint]) -> None:

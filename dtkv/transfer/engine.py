@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from dtkv._env import transfer_timeout_s
-from dtkv.transfer._compat import warn_renamed
+from dtkv._util import warn_deprecated
 from dtkv.transfer.coalesce import split_batches
 from dtkv.transfer.descriptors import PeerEntries
 from dtkv.transfer.errors import TransferError
@@ -418,7 +418,7 @@ def send_entries(
             did not start are cancelled; a running one is abandoned and ends by the engine's own timeout.
     """
     if chunk is not None:
-        warn_renamed("send_entries(chunk=...)", "group=")
+        warn_deprecated("send_entries(chunk=...)", "group=")
         group = chunk
     if not 1 <= max_entries_per_call <= 65535:
         raise ValueError(f"max_entries_per_call must be in [1, 65535], got max_entries_per_call={max_entries_per_call}")

@@ -68,11 +68,6 @@ def _opt(v: int | None) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------- endpoints
-def _scheme(ownership: PageOwnership) -> str:
-    scheme = getattr(ownership, "scheme", None)
-    return scheme if isinstance(scheme, str) else ownership.layout
-
-
 def endpoint_fields(ep: RankEndpoint) -> list:
     bufs = ep.buffers
     return [
@@ -82,7 +77,7 @@ def endpoint_fields(ep: RankEndpoint) -> list:
         ep.incarnation,
         ep.ownership.cp_size,
         ep.ownership.num_pages,
-        _scheme(ep.ownership),
+        ep.ownership.scheme,
         ep.num_layers,
         [b.name for b in bufs],
         [b.addr for b in bufs],

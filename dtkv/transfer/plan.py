@@ -17,8 +17,9 @@ from typing import Literal
 import numpy as np
 import torch
 
+from dtkv._util import cdiv, warn_deprecated
 from dtkv.ownership import PageOwnership
-from dtkv.transfer._compat import renamed_kwargs, warn_renamed
+from dtkv.transfer._compat import renamed_kwargs
 from dtkv.transfer.coalesce import coalesce_entries, expand_layers, page_runs
 from dtkv.transfer.descriptors import (
     BufferSpec,
@@ -69,7 +70,7 @@ class PlanOptions:
     @property
     def layer_chunks(self) -> int:
         """Deprecated name of :attr:`layer_groups`."""
-        warn_renamed("PlanOptions.layer_chunks", "PlanOptions.layer_groups")
+        warn_deprecated("PlanOptions.layer_chunks", "PlanOptions.layer_groups")
         return self.layer_groups
 
 
@@ -104,7 +105,7 @@ def _align(n: int, buf: BufferSpec) -> int:
     """Start of a staging region at or after byte ``n``: 8-byte aligned for pages of whole words (fast copies),
     else aligned to the element size."""
     align = 8 if buf.page_bytes % 8 == 0 else buf.elem_bytes
-    return -(-n // align) * align
+    return cdiv(n, align) * align
 
 
 def plan_request(

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
+from dtkv._util import cdiv
 from dtkv.transfer._side import TransferSide
 from dtkv.transfer.bootstrap import Bootstrap
 from dtkv.transfer.descriptors import RequestPlan, as_pages
@@ -178,7 +179,7 @@ class PrefillSender(TransferSide):
             src = as_pages("src_pages", src_pages)
             if req.num_tokens is not None:
                 page_size = next(iter(self.shards.values())).page_size
-                want = -(-req.num_tokens // page_size)
+                want = cdiv(req.num_tokens, page_size)
                 if src.shape[0] != want:
                     raise ValueError(
                         f"src_pages must hold ceil(num_tokens / page_size) = {want} pages for num_tokens="
