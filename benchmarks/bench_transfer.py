@@ -13,7 +13,7 @@ Per scenario, one verified warm-up and ``--reps`` timed repetitions, each timing
   the same two engines, timed right before the transfer (the transport's ceiling on this machine).
 - ``e2e``: prefill ``send_request`` (plan + staging pack + every engine call, each returning only once decode
   acknowledged the bytes) plus decode's staging unpack left after the last sender finished (``tail``; with
-  ``--layer-chunks`` > 1 the other layer groups are packed and unpacked while later groups are in flight).
+  ``--layer-groups`` > 1 the other layer groups are packed and unpacked while later groups are in flight).
   Store polling between the two sides is excluded (protocol latency, not transfer) but shows in ``wall``
   (decode done - prefill start).
 - ``best`` = best ceiling time / best e2e time; ``median`` = median of the per-repetition ratios (robust to
@@ -67,8 +67,8 @@ class Scenario:
     """Decode page allocation: ``contiguous`` or ``fragmented``."""
     staging: str
     """Planner staging policy (``off``, ``auto``)."""
-    chunks: int = 1
-    """Pipeline layer groups (``PlanOptions.layer_chunks``)."""
+    groups: int = 1
+    """Pipeline layer groups (``PlanOptions.layer_groups``)."""
 
     @property
     def name(self) -> str:
@@ -196,11 +196,11 @@ def run(args: argparse.Namespace) -> list[Result]:
         Scenario(cp_p=2, cp_d=2, layout_d="interleave", alloc="contiguous", staging="auto"),
         Scenario(cp_p=4, cp_d=2, layout_d="block", alloc="fragmented", staging="auto"),
     ]
-    scenarios = [Scenario(**{**asdict(s), "chunks": args.layer_chunks}) for s in base]
-    scenarios += [Scenario(**{**asdict(s), "chunks": 1}) for s in base] if args.layer_chunks != 1 else []
+    scenarios = [Scenario(**{**asdict(s), "groups": args.layer_groups}) for s in base]
+    scenarios += [Scenario(**{**asdict(s), "groups": 1}) for s in base] if args.layer_groups != 1 else []
     scenarios += [Scenario(**{**asdict(s), "staging": "off"}) for s in base]
     if args.only:
-        scenarios = [s for s in scenarios if args.only in f"{s.name} {s.staging}/{s.chunks}"]
+        scenarios = [s for s in scenarios if args.only in f"{s.name} {s.staging}/{s.groups}"]
     results = []
     for sc in scenarios:
         nbytes = n_req * args.layers * sum(lay.page_bytes for lay in LAYOUTS.values())
@@ -216,7 +216,7 @@ def run(args: argparse.Namespace) -> list[Result]:
             shards,
             Bootstrap(store, namespace=namespace),
             engine=engine,
-            options=PlanOptions(staging=sc.staging, layer_chunks=sc.chunks),
+            options=PlanOptions(staging=sc.staging, layer_groups=sc.groups),
         )
         _ask(conn, "setup", asdict(sc), namespace, nbytes)
         sender.connect()
@@ -233,7 +233,7 @@ def run(args: argparse.Namespace) -> list[Result]:
             if engine.write(session, [ceil_src.data_ptr()], [ceil_dst], [nbytes]) != 0:
                 raise RuntimeError("the ceiling transfer failed")
             ceiling = time.monotonic() - t
-            rid = f"{sc.name}-{sc.staging}-{sc.chunks}-{rep}"
+            rid = f"{sc.name}-{sc.staging}-{sc.groups}-{rep}"
             _ask(conn, "post", rid, dst, sc.staging != "off")
             t0 = time.monotonic()
             sent = sender.send_request(rid, src)
@@ -252,7 +252,7 @@ def run(args: argparse.Namespace) -> list[Result]:
         results.append(
             Result(
                 scenario=sc.name,
-                staging=sc.staging if sc.staging == "off" else f"{sc.staging}/{sc.chunks}",
+                staging=sc.staging if sc.staging == "off" else f"{sc.staging}/{sc.groups}",
                 entries=got.num_entries,
                 min_entries=got.min_entries,
                 calls=got.num_calls,
@@ -298,7 +298,9 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=32768)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--layer-chunks", type=int, default=4, help="pipeline layer groups of the auto rows")
+    p.add_argument(
+        "--layer-groups", "--layer-chunks", type=int, default=4, help="pipeline layer groups of the auto rows"
+    )
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--only", default=None, help="run the scenarios whose name and staging contain this text")
     args = p.parse_args()

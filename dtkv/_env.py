@@ -6,6 +6,7 @@
 | ``DTKV_BACKEND`` | auto/torch/triton | auto | default op backend (``auto``: Triton on CUDA, else torch) |
 | ``DTKV_LOGLEVEL`` | a ``logging`` level name | WARNING | level of the ``dtkv`` logger |
 | ``DTKV_TRANSFER_TIMEOUT_S`` | float seconds | 30 | bound on every wait of the Mooncake transfer path |
+| ``DTKV_TRANSFER_SECRET`` | a string | unset | shared key: rendezvous-store values are HMAC-SHA256 signed and checked |
 
 Variables are read once, at import. Tests flip switches through the context managers below
 (:func:`debug_mode`, :func:`default_backend`), never by editing ``os.environ``.
@@ -19,7 +20,15 @@ import os
 from collections.abc import Iterator
 from typing import Literal
 
-__all__ = ["Backend", "debug_enabled", "debug_mode", "default_backend", "get_backend", "transfer_timeout_s"]
+__all__ = [
+    "Backend",
+    "debug_enabled",
+    "debug_mode",
+    "default_backend",
+    "get_backend",
+    "transfer_secret",
+    "transfer_timeout_s",
+]
 
 Backend = Literal["auto", "torch", "triton"]
 _BACKENDS = ("auto", "torch", "triton")
@@ -58,6 +67,7 @@ _state = {
     "debug": _read_bool("DTKV_DEBUG"),
     "backend": _read_backend(),
     "transfer_timeout_s": _read_float("DTKV_TRANSFER_TIMEOUT_S", 30.0),
+    "transfer_secret": os.environ.get("DTKV_TRANSFER_SECRET", "").encode() or None,
 }
 
 logging.getLogger("dtkv").setLevel(os.environ.get("DTKV_LOGLEVEL", "WARNING").strip().upper() or "WARNING")
@@ -76,6 +86,11 @@ def get_backend() -> Backend:
 def transfer_timeout_s() -> float:
     """Bound in seconds on every wait of the transfer path (``DTKV_TRANSFER_TIMEOUT_S``)."""
     return _state["transfer_timeout_s"]
+
+
+def transfer_secret() -> bytes | None:
+    """The shared secret authenticating rendezvous-store values (``DTKV_TRANSFER_SECRET``; ``None`` when unset)."""
+    return _state["transfer_secret"]
 
 
 @contextlib.contextmanager

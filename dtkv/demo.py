@@ -82,7 +82,7 @@ def run_rank(rank: int, world: int, args: dict, init_file: str | None = None) ->
         eng.prefill(args["chunk"], prefetch=True)
         pd_report = {}
         if mode != "replicated" and args.get("pd_port"):  # hand the prefilled requests to the decode process
-            from dtkv.transfer.pd import send_from_rank
+            from dtkv.model.pd import send_from_rank
 
             pd_report = send_from_rank(eng, args, results["replicated"]["kv"])
         decode_logits = []
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     pd = None
     if ns.pd:
         from dtkv.model import ModelConfig
-        from dtkv.transfer.pd import start_decode
+        from dtkv.model.pd import start_decode
 
         pd = start_decode(args, _prompts(ns.tokens, ns.requests, ModelConfig().vocab_size, ns.seed))
         args.update(pd.rank_args)

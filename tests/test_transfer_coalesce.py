@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dtkv.transfer.coalesce import coalesce_entries, expand_layers, layer_bounds, page_runs, split_batches
+from dtkv.transfer.coalesce import coalesce_entries, expand_layers, page_runs, split_batches
+from dtkv.transfer.plan import layer_bounds
 
 
 def _ref_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
@@ -125,15 +126,15 @@ def test_coalesce_entries_single_and_empty(with_group):
 
 
 @pytest.mark.parametrize("num_layers", [1, 2, 5, 7, 61])
-@pytest.mark.parametrize("num_chunks", [0, 1, 2, 3, 8, 100])
-def test_layer_bounds_vs_reference(num_layers, num_chunks):
-    chunks = max(1, min(num_chunks, num_layers))
-    b = layer_bounds(num_layers, num_chunks)
+@pytest.mark.parametrize("num_groups", [0, 1, 2, 3, 8, 100])
+def test_layer_bounds_vs_reference(num_layers, num_groups):
+    groups = max(1, min(num_groups, num_layers))
+    b = layer_bounds(num_layers, num_groups)
     assert b.dtype == np.int64 and b.tolist()[0] == 0 and b.tolist()[-1] == num_layers
-    assert len(b) == chunks + 1
+    assert len(b) == groups + 1
     sizes = np.diff(b).tolist()
     assert all(s >= 1 for s in sizes) and max(sizes) - min(sizes) <= 1
-    assert b.tolist() == [c * num_layers // chunks for c in range(chunks + 1)]
+    assert b.tolist() == [g * num_layers // groups for g in range(groups + 1)]
 
 
 @pytest.mark.parametrize("num_entries,max_entries", [(0, 1), (1, 1), (5, 1), (5, 2), (6, 3), (7, 100), (2049, 1024)])

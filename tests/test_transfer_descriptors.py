@@ -77,13 +77,13 @@ def apply_plan(plan, pre, dec):
     destination byte written twice over the request), unpack it. An entry filed under the wrong group would
     reach decode after its group was unpacked, and the comparison would fail."""
     written = []
-    for c in range(plan.num_chunks):
+    for c in range(plan.num_layer_groups):
         layers = slice(int(plan.layer_bounds[c]), int(plan.layer_bounds[c + 1]))
         for sp in plan.senders:
             pre[sp.rank].pack(sp.pack, layers)
             for peer in sp.peers:
                 src_regions, dst_regions = _regions(pre[sp.rank]), _regions(dec[peer.decode_rank])
-                sl = peer.chunk(c)
+                sl = peer.group(c)
                 for a, b, n in zip(peer.src[sl].tolist(), peer.dst[sl].tolist(), peer.length[sl].tolist()):
                     assert n > 0 and _inside(a, n, src_regions), f"source entry {a}+{n} outside prefill {sp.rank}"
                     assert _inside(b, n, dst_regions), f"destination entry {b}+{n} outside decode {peer.decode_rank}"
@@ -122,7 +122,7 @@ def run_oracle(
         dst,
         prefill=[s.endpoint("prefill", "p") for s in pre],
         decode=[s.endpoint("decode", "d") for s in dec],
-        options=PlanOptions(staging=staging, layer_chunks=chunks),
+        options=PlanOptions(staging=staging, layer_groups=chunks),
     )
     apply_plan(plan, pre, dec)
     got = _reassemble(dec, own_d)
@@ -164,10 +164,10 @@ class TestOracle:
     def test_layer_groups_vs_reference(self, cp_p, decode, staging, chunks):
         """Pipelined plans: each layer group's entries, packs and unpacks stand alone."""
         plan = run_oracle(cp_p, "interleave", decode, 19 * PAGE_SIZE - 2, staging, chunks=chunks)
-        assert plan.num_chunks == min(chunks, NUM_LAYERS)
+        assert plan.num_layer_groups == min(chunks, NUM_LAYERS)
         for sp in plan.senders:
             for peer in sp.peers:
-                assert peer.chunk_indptr[-1] == peer.num_entries and np.all(np.diff(peer.chunk_indptr) > 0)
+                assert peer.group_indptr[-1] == peer.num_entries and np.all(np.diff(peer.group_indptr) > 0)
 
     def test_latent_bf16_layout(self):
         run_oracle(2, "interleave", (1, "interleave"), 41, "full", latent=True)
@@ -209,12 +209,12 @@ class TestEntryCounts:
 
     def test_nothing_staged_means_one_layer_group(self):
         pre, dec = self._endpoints(2, 1)
-        plan = plan_request(np.arange(8), np.arange(8), prefill=pre, decode=dec, options=PlanOptions(layer_chunks=3))
-        assert plan.staged_bytes == 0 and plan.num_chunks == 1
+        plan = plan_request(np.arange(8), np.arange(8), prefill=pre, decode=dec, options=PlanOptions(layer_groups=3))
+        assert plan.staged_bytes == 0 and plan.num_layer_groups == 1
 
     def test_whole_pool_merges_layers(self):
         pre, dec = self._endpoints(1, 1, num_pages=16)
-        one_group = PlanOptions(staging="off", layer_chunks=1)
+        one_group = PlanOptions(staging="off", layer_groups=1)
         plan = plan_request(np.arange(16), np.arange(16), prefill=pre, decode=dec, options=one_group)
         assert plan.num_entries == 2 and plan.min_entries == 1  # one per buffer: the layers are contiguous too
 
@@ -232,7 +232,7 @@ class TestEntryCounts:
             rng.permutation(64)[:40],
             prefill=pre,
             decode=dec,
-            options=PlanOptions(staging="full", layer_chunks=1),
+            options=PlanOptions(staging="full", layer_groups=1),
         )
         assert plan.num_entries == plan.min_entries == 12  # every (prefill, decode) pair once
 
@@ -243,7 +243,7 @@ class TestEntryCounts:
         strided = plan_request(pages, pages, prefill=pre, decode=dec)
         assert strided.staged_bytes > 0 and strided.num_entries < 32 * NUM_LAYERS * 2
         pre, dec = self._endpoints(2, 2, staging_bytes=1 << 20)
-        fast = PlanOptions(copy_bytes_per_s=1e10, layer_chunks=1)
+        fast = PlanOptions(copy_bytes_per_s=1e10, layer_groups=1)
         cheap = plan_request(pages, pages, prefill=pre, decode=dec, options=fast)
         assert cheap.num_entries == cheap.min_entries == 2
         slow = plan_request(pages, pages, prefill=pre, decode=dec, options=PlanOptions(copy_bytes_per_s=1e8))
@@ -298,7 +298,7 @@ class TestRejects:
             plan_request([0, 1], [0, 8], prefill=pre, decode=dec)
         with pytest.raises(ValueError, match=r"src_pages must not repeat a page, got page 1 more than once"):
             plan_request([1, 1], [0, 2], prefill=pre, decode=dec)
-        with pytest.raises(TypeError, match=r"src_pages must hold integers"):
+        with pytest.raises(TypeError, match=r"src_pages must hold ints, got 0.5"):
             plan_request([0.5], [0], prefill=pre, decode=dec)
 
     def test_rejects_layout_and_layer_mismatch(self):
@@ -344,3 +344,38 @@ class TestCoalesce:
         assert [(s.start, s.stop) for s in split_batches(2049, 1024)] == [(0, 1024), (1024, 2048), (2048, 2049)]
         with pytest.raises(ValueError, match=r"max_entries must be >= 1, got max_entries=0"):
             split_batches(3, 0)
+
+
+class TestDeprecatedNames:
+    """The transfer vocabulary moved from "chunk" to "layer group"; the old names work for one release and warn."""
+
+    def test_old_names_warn_and_agree(self):
+        layouts = _layouts()
+        pre = [
+            KVShard.allocate(layouts, PageOwnership(2, 16), r, num_layers=NUM_LAYERS, staging_bytes=1 << 16)
+            for r in range(2)
+        ]
+        dec = [KVShard.allocate(layouts, PageOwnership(1, 16), 0, num_layers=NUM_LAYERS, staging_bytes=1 << 16)]
+        with pytest.warns(
+            DeprecationWarning, match=r"PlanOptions\(layer_chunks=...\) is deprecated.*use layer_groups="
+        ):
+            opts = PlanOptions(layer_chunks=3, staging="full")
+        assert opts == PlanOptions(layer_groups=3, staging="full")
+        with pytest.warns(DeprecationWarning, match=r"PlanOptions.layer_chunks is deprecated"):
+            assert opts.layer_chunks == 3
+        plan = plan_request(
+            np.arange(6),
+            np.arange(6),
+            prefill=[s.endpoint("prefill", "p") for s in pre],
+            decode=[s.endpoint("decode", "d") for s in dec],
+            options=opts,
+        )
+        peer = plan.senders[0].peers[0]
+        with pytest.warns(DeprecationWarning, match=r"RequestPlan.num_chunks is deprecated"):
+            assert plan.num_chunks == plan.num_layer_groups == 3
+        with pytest.warns(DeprecationWarning, match=r"PeerEntries.chunk_indptr is deprecated"):
+            assert np.array_equal(peer.chunk_indptr, peer.group_indptr)
+        with pytest.warns(DeprecationWarning, match=r"PeerEntries.chunk\(\) is deprecated"):
+            assert peer.chunk(1) == peer.group(1)
+        with pytest.raises(TypeError, match=r"got both layer_chunks= and its new name layer_groups="):
+            PlanOptions(layer_chunks=2, layer_groups=2)

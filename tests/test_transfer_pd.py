@@ -39,7 +39,7 @@ def _engine(cfg, mode, group):
 def _prefill_rank(rank, world, args, mode):
     import torch.distributed as dist
 
-    from dtkv.transfer.pd import send_from_rank
+    from dtkv.model.pd import send_from_rank
 
     cfg = ModelConfig(kv_dtype=args["kv_dtype"], page_size=args["page_size"])
     base = _engine(cfg, "replicated", dist.group.WORLD)
@@ -54,7 +54,7 @@ def _prefill_rank(rank, world, args, mode):
     ids=["world2-direct-fp8", "world4-bf16"],
 )
 def test_pd_decode_matches_baseline_and_reference(ranks2, ranks4, world, mode, kv_dtype):
-    from dtkv.transfer.pd import start_decode
+    from dtkv.model.pd import start_decode
 
     ranks = ranks2 if world == 2 else ranks4
     args = {"page_size": 4, "kv_dtype": kv_dtype, "decode_steps": STEPS, "timeout": 60.0}

@@ -9,8 +9,7 @@ import dataclasses
 import numpy as np
 
 from dtkv import IndexerFp8Layout, MLALatentLayout, PageOwnership
-from dtkv.transfer.descriptors import PlanOptions
-from dtkv.transfer.plan import disable_staging, plan_request
+from dtkv.transfer.plan import PlanOptions, disable_staging, plan_request
 from dtkv.transfer.shard import KVShard
 
 # page bytes: latents 3 * 5 * 2 = 30 and 3 * 6 * 2 = 36 (not whole words, bf16 elements); indexer 3 * (4 + 4) = 24

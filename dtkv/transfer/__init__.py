@@ -4,28 +4,30 @@ Entry points:
 
 - :func:`plan_request` -- pure, placement-aware descriptors: per prefill rank, coalesced
   ``(src, dst, length)`` entries for its owned pages only, to a non-CP decode or a decode with its own
-  :class:`dtkv.PageOwnership` of any cp size and layout, with optional staging (:class:`PlanOptions`).
+  :class:`dtkv.PageOwnership` of any cp size and ownership scheme, with optional staging and layer groups
+  (:class:`PlanOptions`).
 - :class:`KVShard` -- one rank's registered buffers (``KVShard.from_pool(pool)``), staging and metadata rows.
 - :class:`PrefillSender` / :class:`DecodeReceiver` -- ``send_request`` / ``receive_request`` over a
   :class:`Bootstrap` store, on a :class:`MooncakeEngine` (TCP, P2PHANDSHAKE) or the in-process
-  :class:`LocalEngine`.
+  :class:`LocalEngine`; a failed request's decode pages stay quarantined until :meth:`DecodeReceiver.reclaim`
+  returns them.
 - :class:`TransferError` -- every failure or timeout, naming the peer, the request and the pages.
-- :mod:`dtkv.transfer.pd` -- PD with the reference model (``send_prefilled`` / ``receive_prefilled``, the
-  ``demo --pd`` helpers); imported on demand.
 
-Position, ownership and address conventions are defined in :mod:`dtkv.transfer.descriptors`; the page-table
-format in :mod:`dtkv.page_table`.
+What a plan is: :mod:`dtkv.transfer.descriptors`; how it is chosen: :mod:`dtkv.transfer.plan`; the store keys,
+deadlines and the protocol: :mod:`dtkv.transfer.protocol`; the byte format of stored values (no pickle, optional
+HMAC): :mod:`dtkv.transfer.wire`. PD with the reference model (the ``demo --pd`` wiring) is :mod:`dtkv.model.pd`.
+The page-table format is in :mod:`dtkv.page_table`.
 """
 
 from __future__ import annotations
 
-from dtkv.transfer.bootstrap import Bootstrap, DstRequest, SendOutcome, SendStart, create_store
-from dtkv.transfer.coalesce import coalesce_entries, expand_layers, layer_bounds, page_runs, split_batches
+from dtkv.transfer._side import TransferSide
+from dtkv.transfer.bootstrap import Bootstrap, create_store
+from dtkv.transfer.coalesce import coalesce_entries, expand_layers, page_runs, split_batches
 from dtkv.transfer.decode import DecodeReceiver, ReceiveReport
 from dtkv.transfer.descriptors import (
     BufferSpec,
     PeerEntries,
-    PlanOptions,
     RankEndpoint,
     RequestPlan,
     SenderPlan,
@@ -41,7 +43,8 @@ from dtkv.transfer.engine import (
     send_entries,
 )
 from dtkv.transfer.errors import TransferError
-from dtkv.transfer.plan import disable_staging, plan_request
+from dtkv.transfer.messages import DstRequest, SendOutcome, SendStart
+from dtkv.transfer.plan import PlanOptions, disable_staging, layer_bounds, plan_request
 from dtkv.transfer.prefill import PrefillSender, SendReport
 from dtkv.transfer.shard import KVShard
 
@@ -66,6 +69,7 @@ __all__ = [
     "SenderPlan",
     "StageCopy",
     "TransferError",
+    "TransferSide",
     "apply_mooncake_env",
     "check_compatible",
     "coalesce_entries",

@@ -1,24 +1,36 @@
-"""What the prefill sender and the decode receiver share: shards, engine, registration, rendezvous."""
+"""What the prefill sender and the decode receiver share: shards, engine, registration, rendezvous, open attempts."""
 
 from __future__ import annotations
 
-import time
+import logging
+import secrets
+import threading
 from collections.abc import Sequence
 from typing import Literal
+
+import torch.distributed as dist
 
 from dtkv._env import transfer_timeout_s
 from dtkv.transfer.bootstrap import Bootstrap
 from dtkv.transfer.descriptors import RankEndpoint, check_compatible
 from dtkv.transfer.engine import MooncakeEngine
+from dtkv.transfer.errors import TransferError
+from dtkv.transfer.messages import OpenList
+from dtkv.transfer.protocol import AttemptKeys, deadline_after, open_key, time_left
 from dtkv.transfer.shard import KVShard
 
 __all__ = ["TransferSide"]
+
+logger = logging.getLogger(__name__)
 
 
 class TransferSide:
     """One side of a PD transfer hosting one or more ranks' :class:`KVShard` on one engine.
 
-    Registers every shard with the engine and publishes its endpoint under ``role`` in the bootstrap store.
+    Construction registers every shard with the engine, finishes the attempts a dead earlier incarnation of these
+    ranks left open (``{role}/{rank}/open``, see :mod:`dtkv.transfer.protocol`) and publishes each rank's endpoint
+    under a fresh random incarnation. If any step fails, what was done is undone (registrations, the engine it
+    created) before the error propagates.
 
     Args:
         shards: the ranks this process hosts.
@@ -27,6 +39,8 @@ class TransferSide:
         engine: a :class:`MooncakeEngine` (default: a new one on 127.0.0.1) or :class:`LocalEngine`.
         timeout_s: bound on every wait (default ``DTKV_TRANSFER_TIMEOUT_S``).
     """
+
+    role: Literal["prefill", "decode"]
 
     def __init__(
         self,
@@ -42,25 +56,138 @@ class TransferSide:
             raise ValueError("shards must hold at least one KVShard, got none")
         self.shards = {s.rank: s for s in shard_list}
         self.bootstrap = bootstrap
+        self.role = role
         self.timeout_s = transfer_timeout_s() if timeout_s is None else float(timeout_s)
-        self._own_engine = engine is None
-        self.engine = MooncakeEngine(timeout_s=self.timeout_s) if engine is None else engine
-        for s in shard_list:
-            self.engine.register(s.registered_tensors())
-            bootstrap.publish(s.endpoint(role, self.engine.session))
+        self.incarnation = secrets.randbits(62)
+        """Random id of this side (published with every endpoint; a restarted rank gets a new one)."""
+        self.uid = f"{role}-{self.incarnation:016x}"
         self.prefill: list[RankEndpoint] | None = None
         self.decode: list[RankEndpoint] | None = None
+        self._open: dict[tuple[str, str], AttemptKeys] = {}
+        self._open_lock = threading.Lock()
+        self._closed = False
+        self._own_engine = engine is None
+        self.engine = None
+        registered: list[KVShard] = []
+        try:
+            self.engine = MooncakeEngine(timeout_s=self.timeout_s) if engine is None else engine
+            for s in shard_list:
+                self.engine.register(s.registered_tensors())
+                registered.append(s)
+            deadline = deadline_after(self.timeout_s)
+            self._adopt(deadline)
+            for s in shard_list:
+                bootstrap.publish(self.endpoint(s.rank), deadline=deadline)
+        except BaseException:
+            self._unwind(registered)
+            raise
 
+    def endpoint(self, rank: int) -> RankEndpoint:
+        """The endpoint hosted rank ``rank`` publishes."""
+        return self.shards[rank].endpoint(self.role, self.engine.session, self.incarnation)
+
+    def _unwind(self, registered: list[KVShard]) -> None:
+        try:
+            if self.engine is None:
+                return
+            if self._own_engine:
+                self.engine.close()
+            elif registered:
+                self.engine.unregister([t for s in registered for t in s.registered_tensors()])
+        except Exception as e:  # noqa: BLE001 - the construction error matters more
+            logger.warning("undoing a failed %s construction failed: %s", self.role, e)
+
+    # ------------------------------------------------------------------------------------------ rendezvous
     def connect(self, timeout_s: float | None = None) -> None:
         """Wait for every prefill and decode endpoint and check that they are compatible."""
-        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        deadline = deadline_after(self.timeout_s if timeout_s is None else timeout_s)
         self.prefill = self.bootstrap.endpoints("prefill", deadline=deadline)
         self.decode = self.bootstrap.endpoints("decode", deadline=deadline)
         check_compatible(self.prefill, self.decode)
 
+    def _check_party_counts(self, keys: AttemptKeys, deadline: float) -> None:
+        """Re-read the endpoints when the attempt names other party counts than ours (a side was resized)."""
+        if (keys.num_prefill, keys.num_decode) != (len(self.prefill), len(self.decode)):
+            self.connect(time_left(deadline))
+        if (keys.num_prefill, keys.num_decode) != (len(self.prefill), len(self.decode)):
+            raise TransferError(
+                f"the request was posted for {keys.num_prefill} prefill and {keys.num_decode} decode ranks, but "
+                f"{len(self.prefill)} and {len(self.decode)} are published",
+                request_id=keys.request_id,
+                peer="decode rank 0",
+            )
+
+    # ------------------------------------------------------------------------------------------ open attempts
+    def _hold(self, keys: AttemptKeys, held: bool) -> None:
+        """Add ``keys`` to (or drop it from) the attempts this side holds open; :meth:`_write_open` records them."""
+        with self._open_lock:
+            if held:
+                self._open[(keys.request_id, keys.epoch)] = keys
+            else:
+                self._open.pop((keys.request_id, keys.epoch), None)
+
+    def _open_list(self) -> OpenList:
+        with self._open_lock:
+            held = list(self._open.values())
+        return OpenList(attempts=tuple((k.request_id, k.epoch, k.num_prefill, k.num_decode) for k in held))
+
+    def _write_open(self, store: dist.Store) -> None:
+        """(On the store worker.) Record this side's open attempts under every hosted rank's ``open`` key."""
+        listing = self._open_list()
+        for rank in self.shards:
+            key = open_key(self.role, rank)
+            if listing.attempts:
+                store.set(key, self.bootstrap.encode(key, listing))
+            else:
+                store.delete_key(key)
+
+    def _adopt(self, deadline: float) -> None:
+        """Finish the attempts a dead earlier incarnation of the hosted ranks left open."""
+        seen: dict[tuple[str, str], tuple[AttemptKeys, list[int]]] = {}
+        for rank in self.shards:
+            key = open_key(self.role, rank)
+            listing = self.bootstrap.try_get(key, OpenList, deadline=deadline, peer=f"{self.role} rank {rank}")
+            if listing is None:
+                continue
+            for rid, epoch, num_p, num_d in listing.attempts:
+                keys = AttemptKeys(rid, epoch, num_p, num_d)
+                seen.setdefault((rid, epoch), (keys, []))[1].append(rank)
+        for keys, ranks in seen.values():
+            logger.warning(
+                "%s ranks %s restarted: finishing request %r (attempt %s) they left open",
+                self.role,
+                ranks,
+                keys.request_id,
+                keys.epoch,
+            )
+            self.bootstrap.post(lambda s, k=keys, r=ranks: self._finish_dead(s, k, r), what="adopt")
+        if seen:
+            self.bootstrap.post(self._write_open, what="open attempts")
+
+    def _finish_dead(self, store: dist.Store, keys: AttemptKeys, ranks: list[int]) -> None:
+        """(On the store worker.) Finish ``keys`` for ``ranks`` of a dead incarnation of this side."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------------------------------ close
+    def _release_attempts(self) -> None:
+        """Hook: finish every attempt this side still holds (called once the memory is unregistered)."""
+
     def close(self) -> None:
-        """Unregister the shards; close the engine too if this side created it."""
+        """Unregister the shards once no engine call touches them (bounded), finish open attempts, unpublish the
+        endpoints; close the engine too if this side created it. Idempotent."""
+        if self._closed or self.engine is None:
+            return
+        self._closed = True
         if self._own_engine:
             self.engine.close()
         else:
             self.engine.unregister([t for s in self.shards.values() for t in s.registered_tensors()])
+        self._release_attempts()
+        self.bootstrap.flush(self.timeout_s)
+        for rank in self.shards:
+            self.bootstrap.unpublish(self.endpoint(rank))
+        self.bootstrap.post(self._write_open, what="open attempts")
+        if not self.bootstrap.flush(self.timeout_s):
+            logger.warning(
+                "%s close: store calls still queued after %.1f s (store stalled?)", self.role, self.timeout_s
+            )

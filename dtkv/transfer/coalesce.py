@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["coalesce_entries", "expand_layers", "layer_bounds", "page_runs", "split_batches"]
+__all__ = ["coalesce_entries", "expand_layers", "page_runs", "split_batches"]
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -73,7 +73,7 @@ def coalesce_entries(
     """Merge entries whose byte ranges continue each other on both sides; sorted by (group, source address).
 
     Entry ``b`` extends entry ``a`` when ``src[a] + length[a] == src[b]`` and ``dst[a] + length[a] == dst[b]``
-    (and both have the same ``group``, e.g. the pipeline chunk). Zero-length entries are dropped.
+    (and both have the same ``group``, e.g. the layer group). Zero-length entries are dropped.
 
     Returns:
         ``(src, dst, length)``, plus the ``group`` of each merged entry when ``group`` is given.
@@ -89,12 +89,6 @@ def coalesce_entries(
         src, dst, grp, length = src[starts], dst[starts], grp[starts], np.add.reduceat(length, starts)
     out = (src.astype(np.int64), dst.astype(np.int64), length.astype(np.int64))
     return out if group is None else (*out, grp.astype(np.int64))
-
-
-def layer_bounds(num_layers: int, num_chunks: int) -> np.ndarray:
-    """Layer boundaries of ``min(num_chunks, num_layers)`` near-equal pipeline chunks: int64 ``[chunks + 1]``."""
-    chunks = max(1, min(num_chunks, num_layers))
-    return np.array([c * num_layers // chunks for c in range(chunks + 1)], dtype=np.int64)
 
 
 def split_batches(num_entries: int, max_entries: int) -> list[slice]:

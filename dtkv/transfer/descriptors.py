@@ -22,9 +22,10 @@ ranks needs a single entry, which is the minimum any plan can reach (:attr:`Requ
 Replicated payloads (a per-request metadata row) have exactly one sender, ``PlanOptions.meta_sender``, which
 writes the row to every decode rank.
 
-:func:`dtkv.transfer.plan_request` (in :mod:`dtkv.transfer.plan`) is a pure function of the request's page
-lists and the exchanged :class:`RankEndpoint` s: every prefill rank computes the same plan and executes its own
-:class:`SenderPlan`.
+:func:`dtkv.transfer.plan_request` (in :mod:`dtkv.transfer.plan`, with its :class:`dtkv.transfer.PlanOptions`) is
+a pure function of the request's page lists and the exchanged :class:`RankEndpoint` s: every prefill rank computes
+the same plan and executes its own :class:`SenderPlan`. The entry arithmetic (page runs, layer expansion, merging,
+batching) is in :mod:`dtkv.transfer.coalesce`. This module holds only what a plan *is*.
 """
 
 from __future__ import annotations
@@ -34,14 +35,14 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
-import torch
 
+from dtkv._util import as_int_array, warn_deprecated
 from dtkv.ownership import PageOwnership
+from dtkv.transfer._compat import renamed_kwargs
 
 __all__ = [
     "BufferSpec",
     "PeerEntries",
-    "PlanOptions",
     "RankEndpoint",
     "RequestPlan",
     "SenderPlan",
@@ -49,9 +50,6 @@ __all__ = [
     "as_pages",
     "check_compatible",
 ]
-
-Staging = Literal["auto", "off", "full"]
-_STAGING = ("auto", "off", "full")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -82,6 +80,8 @@ class RankEndpoint:
     """CP rank within its side."""
     session: str
     """Transfer-engine address of the process hosting this rank (Mooncake: ``"ip:rpc_port"``)."""
+    incarnation: int = 0
+    """Random id of the process instance hosting the rank (a restarted rank publishes a new one)."""
     ownership: PageOwnership
     """The page map of this side's pool (``cp_size`` = number of ranks of this side)."""
     num_layers: int
@@ -104,36 +104,6 @@ class RankEndpoint:
             if b.name == name:
                 return b
         raise KeyError(f"name must be one of {[b.name for b in self.buffers]}, got name={name!r}")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class PlanOptions:
-    """How :func:`plan_request` trades entries against local staging copies."""
-
-    staging: Staging = "auto"
-    """``"auto"``: stage a side when ``entries * entry_cost_s`` saved exceeds the copy time; ``"off"``: never;
-    ``"full"``: stage both sides whenever capacity allows (minimum entries), else as ``"auto"``."""
-    entry_cost_s: float = 30e-6
-    """Cost of one engine entry (measured 25-40 us on Mooncake 0.3.13 TCP loopback)."""
-    copy_bytes_per_s: float = 10e9
-    """Local copy bandwidth used to price a staging pack or unpack."""
-    meta_sender: int = 0
-    """The one prefill rank that sends the replicated metadata row."""
-    layer_chunks: int = 4
-    """Pipeline depth: entries are cut into this many layer groups (at most one per layer), sent one after the
-    other, so that staging copies of one group (pack on prefill, unpack on decode) overlap the transfer of
-    another. ``1``: one group, the fewest entries. Costs one entry per group where a single one would do; a
-    plan that stages nothing uses one group."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.layer_chunks, bool) or not isinstance(self.layer_chunks, int) or self.layer_chunks < 1:
-            raise ValueError(f"layer_chunks must be an int >= 1, got layer_chunks={self.layer_chunks!r}")
-        if self.staging not in _STAGING:
-            raise ValueError(f"staging must be one of {_STAGING}, got staging={self.staging!r}")
-        if not self.entry_cost_s >= 0:
-            raise ValueError(f"entry_cost_s must be >= 0, got entry_cost_s={self.entry_cost_s}")
-        if not self.copy_bytes_per_s > 0:
-            raise ValueError(f"copy_bytes_per_s must be > 0, got copy_bytes_per_s={self.copy_bytes_per_s}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
@@ -165,20 +135,31 @@ class PeerEntries:
     dst_pages: np.ndarray
     """int64 ``[k]``: their decode logical pages (for error messages)."""
     meta: bool = False
-    """Whether the entries include the replicated metadata row (in the last chunk)."""
-    chunk_indptr: np.ndarray | None = None
-    """int64 ``[num_chunks + 1]``: entries of layer group ``c`` are ``[chunk_indptr[c], chunk_indptr[c + 1])``
-    (``None``: one group)."""
+    """Whether the entries include the replicated metadata row (in the last layer group)."""
+    group_indptr: np.ndarray | None = None
+    """int64 ``[num_layer_groups + 1]``: entries of layer group ``g`` are
+    ``[group_indptr[g], group_indptr[g + 1])`` (``None``: one group)."""
 
     @property
     def num_entries(self) -> int:
         return int(self.length.shape[0])
 
-    def chunk(self, c: int | None) -> slice:
-        """The entries of layer group ``c`` (all of them for ``None``)."""
-        if c is None or self.chunk_indptr is None:
+    def group(self, g: int | None) -> slice:
+        """The entries of layer group ``g`` (all of them for ``None``)."""
+        if g is None or self.group_indptr is None:
             return slice(0, self.num_entries)
-        return slice(int(self.chunk_indptr[c]), int(self.chunk_indptr[c + 1]))
+        return slice(int(self.group_indptr[g]), int(self.group_indptr[g + 1]))
+
+    @property
+    def chunk_indptr(self) -> np.ndarray | None:
+        """Deprecated name of :attr:`group_indptr`."""
+        warn_deprecated("PeerEntries.chunk_indptr", "PeerEntries.group_indptr")
+        return self.group_indptr
+
+    def chunk(self, c: int | None) -> slice:
+        """Deprecated name of :meth:`group`."""
+        warn_deprecated("PeerEntries.chunk()", "PeerEntries.group()")
+        return self.group(c)
 
     @property
     def num_bytes(self) -> int:
@@ -194,9 +175,9 @@ class SenderPlan:
     """int64: positions this rank owns and sends, ascending (the explicit logical positions)."""
     peers: tuple[PeerEntries, ...]
     pack: tuple[StageCopy, ...]
-    """Copies into this rank's staging buffer, done before any entry is sent."""
+    """Copies into this rank's staging buffer, one layer group at a time, before the group is sent."""
     unpack: dict[int, tuple[StageCopy, ...]] = field(default_factory=dict)
-    """decode rank -> copies out of its staging buffer, done after every sender finished."""
+    """decode rank -> copies out of its staging buffer, one layer group at a time, once the group landed."""
 
     @property
     def num_entries(self) -> int:
@@ -218,11 +199,17 @@ class RequestPlan:
     staged_bytes: int
     """Bytes copied through staging regions (packs plus unpacks)."""
     layer_bounds: np.ndarray
-    """int64 ``[num_chunks + 1]``: layer group ``c`` covers layers ``[layer_bounds[c], layer_bounds[c + 1])``."""
+    """int64 ``[num_layer_groups + 1]``: layer group ``g`` covers layers ``[layer_bounds[g], layer_bounds[g + 1])``."""
+
+    @property
+    def num_layer_groups(self) -> int:
+        return int(self.layer_bounds.shape[0]) - 1
 
     @property
     def num_chunks(self) -> int:
-        return int(self.layer_bounds.shape[0]) - 1
+        """Deprecated name of :attr:`num_layer_groups`."""
+        warn_deprecated("RequestPlan.num_chunks", "RequestPlan.num_layer_groups")
+        return self.num_layer_groups
 
     @property
     def num_entries(self) -> int:
@@ -245,21 +232,12 @@ class RequestPlan:
         }
 
 
+renamed_kwargs(PeerEntries, "PeerEntries", chunk_indptr="group_indptr")
+
+
 def as_pages(name: str, pages: object) -> np.ndarray:
-    """A 1-D int64 numpy copy of a page list (list, numpy array or integer tensor)."""
-    if isinstance(pages, torch.Tensor):
-        if pages.dtype.is_floating_point or pages.dtype == torch.bool:
-            raise TypeError(f"{name} must hold integers, got {name}.dtype={pages.dtype}")
-        arr = pages.detach().cpu().numpy()
-    else:
-        arr = np.asarray(pages)
-        if arr.size == 0:
-            arr = arr.astype(np.int64)
-        if arr.dtype.kind not in "iu":
-            raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
-    if arr.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got {name}.shape={list(arr.shape)}")
-    return arr.astype(np.int64, copy=True)
+    """A 1-D int64 numpy copy of a page list (list, numpy array or integer tensor): :func:`dtkv._util.as_int_array`."""
+    return as_int_array(name, pages, shape_hint="[num_positions]")
 
 
 def check_compatible(prefill: Sequence[RankEndpoint], decode: Sequence[RankEndpoint]) -> None:

@@ -7,7 +7,9 @@ Both expose the same small surface -- ``session``, ``register(tensors)``, ``writ
 - one call in flight per peer session (each peer has one worker thread; peers proceed in parallel);
 - a deadline bounds every wait: a call that does not finish in time raises :class:`TransferError` at once
   (the engine's own ``MC_TRANSFER_TIMEOUT`` then ends the abandoned call), and so does a call that fails;
-  a dead peer fails fast (-1 within ~50 ms on TCP loopback), so a dead decode never hangs prefill.
+  a dead peer fails fast (-1 within ~50 ms on TCP loopback), so a dead decode never hangs prefill;
+- every call is tracked until it ends: ``close()`` and ``unregister()`` wait for the calls in flight (bounded by
+  the engine's own call timeout) before releasing memory, and a sender learns when its abandoned calls ended.
 
 Mooncake environment defaults (set with ``os.environ.setdefault`` before the engine starts, so explicit
 settings win): ``MC_FORCE_TCP=1``, ``MC_LOG_LEVEL=ERROR``, ``MC_TRANSFER_TIMEOUT`` = the dtkv timeout (>= 5 s),
@@ -26,16 +28,18 @@ import time
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import numpy as np
 import torch
 
 from dtkv._env import transfer_timeout_s
+from dtkv._util import warn_deprecated
 from dtkv.transfer.coalesce import split_batches
 from dtkv.transfer.descriptors import PeerEntries
 from dtkv.transfer.errors import TransferError
+from dtkv.transfer.protocol import time_left
 
 __all__ = [
     "LocalEngine",
@@ -87,35 +91,119 @@ def mooncake_available() -> tuple[bool, str]:
 
 
 class _EngineBase(ABC):
-    """Shared bookkeeping: one single-thread executor per peer (one call in flight per peer)."""
+    """Shared bookkeeping: one single-thread executor per peer (one call in flight per peer), the calls in flight.
+
+    Every call goes through :meth:`submit`, which tracks it until it ends, so that :meth:`close` and
+    :meth:`unregister` never release memory a running call still reads or writes, and a sender knows when the
+    calls it abandoned after a timeout have ended (:data:`dtkv.transfer.protocol.DRAINED`).
+    """
 
     session: str
 
     def __init__(self) -> None:
         self._executors: dict[str, ThreadPoolExecutor] = {}
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._inflight: set[Future] = set()
+        self._closed = False
 
-    def executor(self, peer: str) -> ThreadPoolExecutor:
+    def submit(self, peer: str, fn: Callable[..., object], *args: object) -> Future:
+        """Run ``fn(*args)`` on ``peer``'s worker (after the calls already queued for it); tracked until it ends."""
         with self._lock:
+            if self._closed:
+                raise TransferError("the transfer engine is closed", request_id="-", peer=self.session)
             ex = self._executors.get(peer)
             if ex is None:
                 ex = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"dtkv-transfer-{peer}")
                 self._executors[peer] = ex
-            return ex
+            fut = ex.submit(fn, *args)
+            self._inflight.add(fut)
+        fut.add_done_callback(self._call_ended)
+        return fut
+
+    def _call_ended(self, fut: Future) -> None:
+        with self._lock:
+            self._inflight.discard(fut)
+            if not self._inflight:
+                self._idle.notify_all()
+
+    @property
+    def num_inflight(self) -> int:
+        """Calls submitted and not ended (running or queued)."""
+        with self._lock:
+            return len(self._inflight)
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` until no call is in flight; whether none is."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._inflight, timeout=max(0.0, timeout_s))
+
+    @abstractmethod
+    def call_timeout_s(self) -> float:
+        """The longest one engine call can run before the engine itself ends it."""
 
     @abstractmethod
     def write(self, peer: str, src: list[int], dst: list[int], length: list[int]) -> int:
         """Write ``length[i]`` bytes from local ``src[i]`` to ``peer``'s ``dst[i]``; 0 on success, else negative."""
 
-    def _shutdown_executors(self) -> None:
+    @abstractmethod
+    def _unregister_now(self, tensors: Sequence[torch.Tensor]) -> None: ...
+
+    @abstractmethod
+    def _release(self) -> None:
+        """Drop the engine's own resources (every call has ended)."""
+
+    def unregister(self, tensors: Sequence[torch.Tensor], *, timeout_s: float | None = None) -> None:
+        """Unregister ``tensors`` once no call is in flight (waiting up to ``timeout_s``, default
+        :meth:`call_timeout_s`); a call still running then defers it to when the calls end (tensors kept alive)."""
+        tensors = list(tensors)
+        if self.wait_idle(self.call_timeout_s() if timeout_s is None else timeout_s):
+            self._unregister_now(tensors)
+        else:
+            self._defer("unregister", lambda: self._unregister_now(tensors))
+
+    def close(self, *, timeout_s: float | None = None) -> None:
+        """Refuse new calls, cancel queued ones, wait (bounded) for running ones, then unregister everything and
+        release the engine; idempotent. A call still running after ``timeout_s`` (default :meth:`call_timeout_s`)
+        defers the release to when it ends, so memory is never unregistered under a running call."""
         with self._lock:
-            for ex in self._executors.values():
-                ex.shutdown(wait=False, cancel_futures=True)
+            if self._closed:
+                return
+            self._closed = True
+            executors = list(self._executors.values())
             self._executors.clear()
+        for ex in executors:
+            ex.shutdown(wait=False, cancel_futures=True)
+        if self.wait_idle(self.call_timeout_s() if timeout_s is None else timeout_s):
+            self._release()
+        else:
+            self._defer("close", self._release)
+
+    def _defer(self, what: str, action: Callable[[], None]) -> None:
+        """Run ``action`` on a daemon thread once the calls in flight end (bounded: after 10 call timeouts it gives
+        up and leaves the memory registered -- a leak, never a use after free)."""
+        logger.warning(
+            "%s of transfer engine %s deferred: %d call(s) still running past the engine's own timeout",
+            what,
+            self.session,
+            self.num_inflight,
+        )
+
+        def later() -> None:
+            if self.wait_idle(10 * self.call_timeout_s()):
+                action()
+            else:
+                logger.error("transfer engine %s: calls never ended; its memory stays registered", self.session)
+
+        threading.Thread(target=later, name=f"dtkv-deferred-{what}", daemon=True).start()
 
 
 class MooncakeEngine(_EngineBase):
     """``mooncake.engine.TransferEngine`` in P2PHANDSHAKE mode over TCP, on ``hostname`` (loopback by default).
+
+    Mooncake 0.3.13 listens on every interface whatever ``hostname`` is (its handshake port binds ``0.0.0.0``,
+    its data port ``[::]``), on ports in ``[MC_MIN_RPC_PORT, MC_MAX_RPC_PORT]``: see the README's Security
+    section before running it on a machine reachable from an untrusted network.
 
     Args:
         hostname: the address peers reach this process at; its session is ``f"{hostname}:{rpc_port}"``.
@@ -128,7 +216,9 @@ class MooncakeEngine(_EngineBase):
 
     def __init__(self, hostname: str = "127.0.0.1", *, timeout_s: float | None = None) -> None:
         super().__init__()
-        apply_mooncake_env(timeout_s)
+        self.session = hostname
+        env = apply_mooncake_env(timeout_s)
+        self._transfer_timeout_s = float(env["MC_TRANSFER_TIMEOUT"])
         try:
             from mooncake.engine import TransferEngine
         except ImportError as e:
@@ -136,12 +226,24 @@ class MooncakeEngine(_EngineBase):
                 "MooncakeEngine needs `pip install mooncake-transfer-engine-non-cuda==0.3.13.post1` and Debian's "
                 f"`libibverbs1`; importing mooncake.engine failed: {e}"
             ) from e
-        self._engine = TransferEngine()
-        rc = self._engine.initialize(hostname, "P2PHANDSHAKE", "tcp", "")
+        engine = TransferEngine()
+        rc = engine.initialize(hostname, "P2PHANDSHAKE", "tcp", "")
         if rc != 0:
             raise TransferError(f"TransferEngine.initialize returned {rc}", request_id="-", peer=hostname)
-        self.session = f"{hostname}:{self._engine.get_rpc_port()}"
-        self._registered: list[int] = []
+        self._engine = engine
+        self.session = f"{hostname}:{engine.get_rpc_port()}"
+        self._regions: dict[int, torch.Tensor] = {}
+        """Registered base address -> tensor (kept alive while registered)."""
+
+    @property
+    def registered(self) -> int:
+        """Number of registered regions (bookkeeping: returns to 0 once every side closed)."""
+        return len(self._regions)
+
+    def call_timeout_s(self) -> float:
+        """``MC_TRANSFER_TIMEOUT`` + 1 ns per registered byte + 1 s: no call outlives it."""
+        nbytes = sum(t.numel() * t.element_size() for t in self._regions.values())
+        return self._transfer_timeout_s + nbytes * 1e-9 + 1.0
 
     def register(self, tensors: Sequence[torch.Tensor]) -> None:
         """Register each tensor's storage (contiguous, host memory) for transfers in both directions."""
@@ -151,16 +253,18 @@ class MooncakeEngine(_EngineBase):
         rc = self._engine.batch_register_memory(ptrs, lens)
         if rc != 0:
             raise TransferError(
-                f"batch_register_memory returned {rc} (overlapping region?)", request_id="-", peer=self.session
+                f"batch_register_memory returned {rc} (-7: a region overlaps one registered already)",
+                request_id="-",
+                peer=self.session,
             )
-        self._registered += ptrs
+        self._regions.update(zip(ptrs, tensors))
 
-    def unregister(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Unregister tensors registered with :meth:`register` (unknown ones are ignored)."""
-        ptrs = [t.data_ptr() for t in tensors if t.numel() and t.data_ptr() in self._registered]
-        if ptrs:
+    def _unregister_now(self, tensors: Sequence[torch.Tensor]) -> None:
+        ptrs = [t.data_ptr() for t in tensors if t.numel() and t.data_ptr() in self._regions]
+        if ptrs and self._engine is not None:
             self._engine.batch_unregister_memory(ptrs)
-            self._registered = [p for p in self._registered if p not in ptrs]
+        for p in ptrs:
+            self._regions.pop(p, None)
 
     def write(self, peer: str, src: list[int], dst: list[int], length: list[int]) -> int:
         return int(self._engine.batch_transfer_sync_write(peer, src, dst, length))
@@ -169,14 +273,12 @@ class MooncakeEngine(_EngineBase):
         """Whether ``peer`` answers (``send_probe``)."""
         return self._engine.send_probe(peer) == 0
 
-    def close(self) -> None:
-        """Unregister every region and drop the engine (about 1 s); idempotent."""
-        self._shutdown_executors()
+    def _release(self) -> None:
         if getattr(self, "_engine", None) is None:
             return
-        if self._registered:
-            self._engine.batch_unregister_memory(self._registered)
-            self._registered = []
+        if self._regions:
+            self._engine.batch_unregister_memory(list(self._regions))
+            self._regions.clear()
         self._engine = None
 
 
@@ -190,14 +292,26 @@ class LocalEngine(_EngineBase):
     Peers are other ``LocalEngine`` objects of the same process, addressed by their ``session``. Like Mooncake's
     TCP server it returns -1 (and copies nothing) when any entry leaves a registered region or the peer is gone
     (closed), which makes it the engine of single-process tests and of the descriptor oracle.
+
+    Args:
+        call_timeout_s: what :meth:`call_timeout_s` reports (a subclass whose ``write`` is slow raises it).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, call_timeout_s: float = 1.0) -> None:
         super().__init__()
         self.session = f"local:{next(_LOCAL_IDS)}"
+        self._call_timeout_s = float(call_timeout_s)
         self._regions = np.zeros((0, 2), dtype=np.int64)
         self._keep: list[torch.Tensor] = []
         _LOCAL_ENGINES[self.session] = self
+
+    @property
+    def registered(self) -> int:
+        """Number of registered regions."""
+        return int(self._regions.shape[0])
+
+    def call_timeout_s(self) -> float:
+        return self._call_timeout_s
 
     def register(self, tensors: Sequence[torch.Tensor]) -> None:
         new = [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors if t.numel()]
@@ -205,7 +319,7 @@ class LocalEngine(_EngineBase):
         regions = np.concatenate([self._regions, np.array(new, dtype=np.int64).reshape(-1, 2)])
         self._regions = regions[np.argsort(regions[:, 0])]
 
-    def unregister(self, tensors: Sequence[torch.Tensor]) -> None:
+    def _unregister_now(self, tensors: Sequence[torch.Tensor]) -> None:
         ptrs = {t.data_ptr() for t in tensors}
         self._regions = self._regions[~np.isin(self._regions[:, 0], list(ptrs))]
         self._keep = [t for t in self._keep if t.data_ptr() not in ptrs]
@@ -214,12 +328,13 @@ class LocalEngine(_EngineBase):
         """Whether every ``[addr, addr + length)`` lies inside one registered region."""
         if addr.size == 0:
             return True
-        if self._regions.shape[0] == 0:
+        regions = self._regions
+        if regions.shape[0] == 0:
             return False
-        i = np.searchsorted(self._regions[:, 0], addr, side="right") - 1
+        i = np.searchsorted(regions[:, 0], addr, side="right") - 1
         ok = i >= 0
         i = np.maximum(i, 0)
-        return bool(np.all(ok & (addr + length <= self._regions[i, 0] + self._regions[i, 1])))
+        return bool(np.all(ok & (addr + length <= regions[i, 0] + regions[i, 1])))
 
     def write(self, peer: str, src: list[int], dst: list[int], length: list[int]) -> int:
         target = _LOCAL_ENGINES.get(peer)
@@ -230,40 +345,44 @@ class LocalEngine(_EngineBase):
             ctypes.memmove(b, a, c)
         return 0
 
-    def close(self) -> None:
-        """Leave the registry: later writes to this session return -1 (a dead peer)."""
-        self._shutdown_executors()
+    def close(self, *, timeout_s: float | None = None) -> None:
+        """Leave the registry at once (later writes to this session return -1, a dead peer), then close."""
         _LOCAL_ENGINES.pop(self.session, None)
+        super().close(timeout_s=timeout_s)
+
+    def _release(self) -> None:
         self._regions = np.zeros((0, 2), dtype=np.int64)
         self._keep = []
 
 
-def _peer_name(session: str, group: Sequence[PeerEntries]) -> str:
-    ranks = sorted({p.decode_rank for p in group})
+def _peer_name(session: str, peers: Sequence[PeerEntries]) -> str:
+    ranks = sorted({p.decode_rank for p in peers})
     which = f"decode rank {ranks[0]}" if len(ranks) == 1 else f"decode ranks {ranks}"
     return f"{which} at {session}"
 
 
-def _send_session(engine, session, group, chunk, max_entries, request_id, cancel: threading.Event) -> int:
-    sl = [p.chunk(chunk) for p in group]
-    src = np.concatenate([p.src[s] for p, s in zip(group, sl)])
-    dst = np.concatenate([p.dst[s] for p, s in zip(group, sl)])
-    length = np.concatenate([p.length[s] for p, s in zip(group, sl)])
+def _send_session(engine, session, peers, group, max_entries, request_id, cancel, deadline) -> int:
+    """Send one layer group of ``peers`` (all at ``session``) in calls of at most ``max_entries``; no call is
+    issued once ``cancel`` is set or ``deadline`` has passed (the sender's send window)."""
+    sl = [p.group(group) for p in peers]
+    src = np.concatenate([p.src[s] for p, s in zip(peers, sl)])
+    dst = np.concatenate([p.dst[s] for p, s in zip(peers, sl)])
+    length = np.concatenate([p.length[s] for p, s in zip(peers, sl)])
     owner = np.concatenate([np.full(s.stop - s.start, i) for i, s in enumerate(sl)])
     calls = 0
     for sl in split_batches(int(length.shape[0]), max_entries):
-        if cancel.is_set():
+        if cancel.is_set() or time.monotonic() >= deadline:
             return calls
         rc = engine.write(session, src[sl].tolist(), dst[sl].tolist(), length[sl].tolist())
         calls += 1
         if rc != 0:
             unconfirmed = np.unique(owner[sl.start :])
-            pages = np.concatenate([group[i].dst_pages for i in unconfirmed])
+            pages = np.concatenate([peers[i].dst_pages for i in unconfirmed])
             raise TransferError(
                 f"engine write returned {rc} on call {calls} ({sl.stop - sl.start} entries, "
                 f"{int(length[sl].sum())} bytes)",
                 request_id=request_id,
-                peer=_peer_name(session, group),
+                peer=_peer_name(session, peers),
                 pages=pages,
             )
     return calls
@@ -276,8 +395,10 @@ def send_entries(
     request_id: str,
     deadline: float,
     max_entries_per_call: int = MAX_ENTRIES_PER_CALL,
-    chunk: int | None = None,
+    group: int | None = None,
     overlap: Callable[[], object] | None = None,
+    track: list[Future] | None = None,
+    chunk: int | None = None,
 ) -> int:
     """Send every peer's entries (blocking), one call in flight per peer session; returns the number of calls.
 
@@ -285,43 +406,53 @@ def send_entries(
         engine: a :class:`MooncakeEngine` or :class:`LocalEngine`.
         peers: the entries of one sender (:attr:`dtkv.transfer.SenderPlan.peers`).
         request_id: named in errors.
-        deadline: ``time.monotonic()`` value by which everything must be done.
+        deadline: ``time.monotonic()`` value by which everything must be done; no engine call starts after it.
         max_entries_per_call: entries per engine call (1..1024 on Mooncake 0.3.13 TCP).
-        chunk: send only layer group ``chunk`` of each peer (:meth:`PeerEntries.chunk`); ``None``: everything.
+        group: send only layer group ``group`` of each peer (:meth:`PeerEntries.group`); ``None``: everything.
         overlap: called in this thread once the calls are submitted, while they run (e.g. the next pack).
+        track: receives the submitted calls (futures), so that the caller learns when abandoned ones end.
+        chunk: deprecated name of ``group``.
 
     Raises:
-        TransferError: an engine call failed, or the deadline passed (naming the peer and its pages).
+        TransferError: an engine call failed, or the deadline passed (naming the peer and its pages). Calls that
+            did not start are cancelled; a running one is abandoned and ends by the engine's own timeout.
     """
+    if chunk is not None:
+        warn_deprecated("send_entries(chunk=...)", "group=")
+        group = chunk
     if not 1 <= max_entries_per_call <= 65535:
         raise ValueError(f"max_entries_per_call must be in [1, 65535], got max_entries_per_call={max_entries_per_call}")
     by_session: dict[str, list[PeerEntries]] = {}
     for p in peers:
-        sl = p.chunk(chunk)
+        sl = p.group(group)
         if sl.stop > sl.start:
             by_session.setdefault(p.session, []).append(p)
     cancel = threading.Event()
-    futures = {
-        s: engine.executor(s).submit(_send_session, engine, s, g, chunk, max_entries_per_call, request_id, cancel)
-        for s, g in by_session.items()
-    }
+    futures: dict[str, Future] = {}
     calls = 0
     try:
+        for s, g in by_session.items():
+            args = (engine, s, g, group, max_entries_per_call, request_id, cancel, deadline)
+            futures[s] = engine.submit(s, _send_session, *args)
+            if track is not None:
+                track.append(futures[s])
         if overlap is not None:
             overlap()
         for s, fut in futures.items():
             try:
-                calls += fut.result(timeout=max(0.0, deadline - time.monotonic()))
+                calls += fut.result(timeout=time_left(deadline))
             except FutureTimeout:
-                group = by_session[s]
+                group_peers = by_session[s]
                 raise TransferError(
-                    "timed out waiting for the engine (the call is abandoned; later calls to this peer queue "
-                    "behind it)",
+                    "timed out waiting for the engine (the call is abandoned; it ends by the engine's own timeout "
+                    "and decode keeps the pages quarantined until it has)",
                     request_id=request_id,
-                    peer=_peer_name(s, group),
-                    pages=np.concatenate([p.dst_pages for p in group]),
+                    peer=_peer_name(s, group_peers),
+                    pages=np.concatenate([p.dst_pages for p in group_peers]),
                 ) from None
     except BaseException:
         cancel.set()
+        for fut in futures.values():
+            fut.cancel()
         raise
     return calls

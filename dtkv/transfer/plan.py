@@ -1,25 +1,29 @@
-"""``plan_request``: the planner behind the descriptors (conventions in :mod:`dtkv.transfer.descriptors`).
+"""``plan_request`` and its :class:`PlanOptions`: how a plan is chosen (what it is: :mod:`dtkv.transfer.descriptors`).
 
 For each (prefill rank, decode rank, buffer) it picks one of four shapes -- direct page runs, or a staging region
 packed on the source, the destination or both -- by pricing entries (``PlanOptions.entry_cost_s``) against
 local copies (``PlanOptions.copy_bytes_per_s``) within the staging capacity left, in a fixed order so that every
-prefill rank computes the same plan. Vectorized numpy; no loop over pages.
+prefill rank computes the same plan. Entries are cut into *layer groups* (:func:`layer_bounds`) sent one
+after the other, so that staging copies of one group overlap the transfer of another. Vectorized numpy; no loop
+over pages.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Literal
 
 import numpy as np
 import torch
 
+from dtkv._util import cdiv, warn_deprecated
 from dtkv.ownership import PageOwnership
-from dtkv.transfer.coalesce import coalesce_entries, expand_layers, layer_bounds, page_runs
+from dtkv.transfer._compat import renamed_kwargs
+from dtkv.transfer.coalesce import coalesce_entries, expand_layers, page_runs
 from dtkv.transfer.descriptors import (
     BufferSpec,
     PeerEntries,
-    PlanOptions,
     RankEndpoint,
     RequestPlan,
     SenderPlan,
@@ -28,7 +32,55 @@ from dtkv.transfer.descriptors import (
     check_compatible,
 )
 
-__all__ = ["disable_staging", "plan_request"]
+__all__ = ["PlanOptions", "disable_staging", "layer_bounds", "plan_request"]
+
+Staging = Literal["auto", "off", "full"]
+_STAGING = ("auto", "off", "full")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanOptions:
+    """How :func:`plan_request` trades entries against local staging copies."""
+
+    staging: Staging = "auto"
+    """``"auto"``: stage a side when ``entries * entry_cost_s`` saved exceeds the copy time; ``"off"``: never;
+    ``"full"``: stage both sides whenever capacity allows (minimum entries), else as ``"auto"``."""
+    entry_cost_s: float = 30e-6
+    """Cost of one engine entry (measured 25-40 us on Mooncake 0.3.13 TCP loopback)."""
+    copy_bytes_per_s: float = 10e9
+    """Local copy bandwidth used to price a staging pack or unpack."""
+    meta_sender: int = 0
+    """The one prefill rank that sends the replicated metadata row."""
+    layer_groups: int = 4
+    """Pipeline depth: entries are cut into this many layer groups (at most one per layer), sent one after the
+    other, so that staging copies of one group (pack on prefill, unpack on decode) overlap the transfer of
+    another. ``1``: one group, the fewest entries. Costs one entry per group where a single one would do; a
+    plan that stages nothing uses one group."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.layer_groups, bool) or not isinstance(self.layer_groups, int) or self.layer_groups < 1:
+            raise ValueError(f"layer_groups must be an int >= 1, got layer_groups={self.layer_groups!r}")
+        if self.staging not in _STAGING:
+            raise ValueError(f"staging must be one of {_STAGING}, got staging={self.staging!r}")
+        if not self.entry_cost_s >= 0:
+            raise ValueError(f"entry_cost_s must be >= 0, got entry_cost_s={self.entry_cost_s}")
+        if not self.copy_bytes_per_s > 0:
+            raise ValueError(f"copy_bytes_per_s must be > 0, got copy_bytes_per_s={self.copy_bytes_per_s}")
+
+    @property
+    def layer_chunks(self) -> int:
+        """Deprecated name of :attr:`layer_groups`."""
+        warn_deprecated("PlanOptions.layer_chunks", "PlanOptions.layer_groups")
+        return self.layer_groups
+
+
+renamed_kwargs(PlanOptions, "PlanOptions", layer_chunks="layer_groups")
+
+
+def layer_bounds(num_layers: int, num_groups: int) -> np.ndarray:
+    """Layer boundaries of ``min(num_groups, num_layers)`` near-equal layer groups: int64 ``[groups + 1]``."""
+    groups = max(1, min(num_groups, num_layers))
+    return np.array([g * num_layers // groups for g in range(groups + 1)], dtype=np.int64)
 
 
 def _map(ownership: PageOwnership, pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -53,7 +105,7 @@ def _align(n: int, buf: BufferSpec) -> int:
     """Start of a staging region at or after byte ``n``: 8-byte aligned for pages of whole words (fast copies),
     else aligned to the element size."""
     align = 8 if buf.page_bytes % 8 == 0 else buf.elem_bytes
-    return -(-n // align) * align
+    return cdiv(n, align) * align
 
 
 def plan_request(
@@ -96,9 +148,9 @@ def plan_request(
     src_owner, src_local = _map(own_p, src)
     dst_owner, dst_local = _map(own_d, dst)
     num_layers = prefill[0].num_layers
-    bounds = layer_bounds(num_layers, opts.layer_chunks)
-    num_chunks = int(bounds.shape[0]) - 1
-    chunk_of_layer = np.searchsorted(bounds, np.arange(num_layers), side="right") - 1
+    bounds = layer_bounds(num_layers, opts.layer_groups)
+    num_groups = int(bounds.shape[0]) - 1
+    group_of_layer = np.searchsorted(bounds, np.arange(num_layers), side="right") - 1
     names = [b.name for b in prefill[0].buffers]
     positions = np.arange(src.shape[0], dtype=np.int64)
     src_used = [0] * len(prefill)
@@ -120,7 +172,7 @@ def plan_request(
                 nbytes = num_layers * k * bs.page_bytes
                 src_off, dst_off = _align(src_used[r], bs), _align(dst_used[d], bs)
                 mode, rel = _choose(
-                    src_local[sel], dst_local[sel], bs, bd, chunk_of_layer, opts,
+                    src_local[sel], dst_local[sel], bs, bd, group_of_layer, opts,
                     src_off + nbytes <= ep_p.staging_bytes, dst_off + nbytes <= ep_d.staging_bytes,
                 )  # fmt: skip
                 src_base, dst_base = bs.addr, bd.addr
@@ -144,7 +196,7 @@ def plan_request(
                         np.array([ep_p.meta_addr + src_meta_slot * row], dtype=np.int64),
                         np.array([ep_d.meta_addr + dst_meta_slot * row], dtype=np.int64),
                         np.array([row], dtype=np.int64),
-                        np.array([num_chunks - 1], dtype=np.int64),
+                        np.array([num_groups - 1], dtype=np.int64),
                     )
                 )
                 min_entries += 1
@@ -162,7 +214,7 @@ def plan_request(
                     positions=sel,
                     dst_pages=dst[sel],
                     meta=has_meta,
-                    chunk_indptr=np.searchsorted(g, np.arange(num_chunks + 1)).astype(np.int64),
+                    group_indptr=np.searchsorted(g, np.arange(num_groups + 1)).astype(np.int64),
                 )
             )
         senders.append(
@@ -174,13 +226,13 @@ def plan_request(
                 unpack={d: tuple(c) for d, c in unpack.items()},
             )
         )
-    if staged == 0 and num_chunks > 1:  # no copy to overlap: one layer group, the fewest entries and calls
+    if staged == 0 and num_groups > 1:  # no copy to overlap: one layer group, the fewest entries and calls
         return plan_request(
             src,
             dst,
             prefill=prefill,
             decode=decode,
-            options=replace(opts, layer_chunks=1),
+            options=replace(opts, layer_groups=1),
             src_meta_slot=src_meta_slot,
             dst_meta_slot=dst_meta_slot,
         )
@@ -217,11 +269,11 @@ def _check_meta(prefill, decode, opts, src_slot, dst_slot) -> bool | None:
     return True
 
 
-def _choose(s_loc, d_loc, bs, bd, chunk_of_layer, opts, fits_src, fits_dst):
+def _choose(s_loc, d_loc, bs, bd, group_of_layer, opts, fits_src, fits_dst):
     """Pick (src staged, dst staged) for one (sender, receiver, buffer) triple; entries relative to bases,
     with the layer group of each."""
     k = int(s_loc.shape[0])
-    num_layers = int(chunk_of_layer.shape[0])
+    num_layers = int(group_of_layer.shape[0])
     nbytes = num_layers * k * bs.page_bytes
     modes = [(False, False)]
     if opts.staging != "off":
@@ -239,7 +291,7 @@ def _choose(s_loc, d_loc, bs, bd, chunk_of_layer, opts, fits_src, fits_dst):
         expanded = expand_layers(
             runs, num_layers=num_layers, page_bytes=bs.page_bytes, src_rows=a_rows, dst_rows=b_rows
         )
-        rel = coalesce_entries(*expanded, np.repeat(chunk_of_layer, runs[0].shape[0]))
+        rel = coalesce_entries(*expanded, np.repeat(group_of_layer, runs[0].shape[0]))
         cost = rel[0].shape[0] * opts.entry_cost_s + (m[0] + m[1]) * nbytes / opts.copy_bytes_per_s
         if best is None or cost < best[0]:
             best = (cost, m, rel)

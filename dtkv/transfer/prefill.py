@@ -1,20 +1,41 @@
-"""``PrefillSender``: each prefill CP rank sends the pages it owns, with their positions, to decode."""
+"""``PrefillSender``: each prefill CP rank sends the pages it owns, with their positions, to decode.
+
+The protocol (keys, slots, progress, quarantine, cleanup) is :mod:`dtkv.transfer.protocol`.
+"""
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field, replace
 
 import torch
+import torch.distributed as dist
 
+from dtkv._util import cdiv
 from dtkv.transfer._side import TransferSide
-from dtkv.transfer.bootstrap import DONE, Bootstrap, DstRequest, SendOutcome, SendStart
-from dtkv.transfer.descriptors import PlanOptions, RequestPlan, as_pages
+from dtkv.transfer.bootstrap import Bootstrap
+from dtkv.transfer.descriptors import RequestPlan, as_pages
 from dtkv.transfer.engine import MAX_ENTRIES_PER_CALL, send_entries
 from dtkv.transfer.errors import TransferError
-from dtkv.transfer.plan import disable_staging, plan_request
+from dtkv.transfer.messages import Aborted, Claim, DstRequest, Ready, SendOutcome, SendStart, SlotOpen
+from dtkv.transfer.plan import PlanOptions, plan_request
+from dtkv.transfer.protocol import (
+    DONE,
+    DRAINED,
+    STARTED,
+    AttemptKeys,
+    Backoff,
+    Progress,
+    check_request_id,
+    deadline_after,
+    request_key,
+    time_left,
+)
 from dtkv.transfer.shard import KVShard
 
 __all__ = ["PrefillSender", "SendReport"]
@@ -44,19 +65,41 @@ class SendReport:
     """The rest: engine calls not overlapped by packing, and store updates."""
 
 
+@dataclass(eq=False)
+class _Attempt:
+    """This process's share of one attempt: its ranks' claims and the engine calls it submitted."""
+
+    keys: AttemptKeys
+    ranks: tuple[int, ...]
+    claims: dict[int, bytes]
+    """rank -> the exact bytes of its claim (a slot holding them is this side's)."""
+    calls: list[Future] = field(default_factory=list)
+    concluded: bool = False
+    polled: tuple | None = None
+    """The decode slots and own progress read right after claiming (saves the first poll's round trip)."""
+
+    def poll(self, s: dist.Store) -> tuple[list[bytes | None], list[int]]:
+        """(On the store worker.) Every decode rank's slot and this side's progress counters."""
+        slots = [self.keys.slot("decode", d) for d in range(self.keys.num_decode)]
+        return [s.get(k) if s.check([k]) else None for k in slots], [
+            s.add(self.keys.progress(r), 0) for r in self.ranks
+        ]
+
+
 class PrefillSender(TransferSide):
     """The prefill side of PD transfer for the CP ranks hosted by this process (normally one).
 
     Registers the shards with the engine and publishes their endpoints at construction; :meth:`connect` then
     waits for every prefill and decode endpoint. Each prefill rank calls :meth:`send_request` for a request
-    (SPMD, with the same ``src_pages``); it waits for decode's page list, computes the shared
-    :class:`dtkv.transfer.RequestPlan`, packs its staging regions, sends its entries and reports its positions.
+    (SPMD, with the same ``src_pages``); it waits for decode's attempt, claims its slot, waits until every decode
+    rank took part, computes the shared :class:`dtkv.transfer.RequestPlan`, packs its staging regions, sends its
+    entries and reports its positions.
 
     Args:
         shards: this process's prefill ranks (:class:`dtkv.transfer.KVShard`, e.g. ``KVShard.from_pool(pool)``).
         bootstrap: the rendezvous store shared with decode.
         engine: a :class:`MooncakeEngine` (default: a new one on 127.0.0.1) or :class:`LocalEngine`.
-        options: planner options (staging policy, metadata sender).
+        options: planner options (staging policy, metadata sender, layer groups).
         timeout_s: bound on every wait (default ``DTKV_TRANSFER_TIMEOUT_S``).
         max_entries_per_call: entries per engine call (<= 1024 for Mooncake 0.3.13 TCP).
     """
@@ -75,11 +118,19 @@ class PrefillSender(TransferSide):
         self.options = options or PlanOptions()
         self.max_entries_per_call = max_entries_per_call
 
-    def plan(self, src_pages: object, req: DstRequest, src_meta_slot: int | None) -> RequestPlan:
-        """The request's plan (host-side; identical on every prefill rank)."""
+    def plan(
+        self, src_pages: object, req: DstRequest, src_meta_slot: int | None, *, staging: Sequence[bool] | None = None
+    ) -> RequestPlan:
+        """The request's plan (host-side; identical on every prefill rank).
+
+        Args:
+            staging: per decode rank, whether its staging region was granted (default: all of them).
+        """
         if self.prefill is None or self.decode is None:
             self.connect()
-        decode = self.decode if req.staging else disable_staging(self.decode)
+        decode = [
+            ep if staging is None or staging[d] else replace(ep, staging_bytes=0) for d, ep in enumerate(self.decode)
+        ]
         return plan_request(
             src_pages,
             req.dst_pages,
@@ -102,31 +153,33 @@ class PrefillSender(TransferSide):
         """Send this process's owned pages of one request to decode (blocking).
 
         Args:
-            request_id: unique per bootstrap namespace; decode posts its pages under the same id.
+            request_id: the id decode posted the request under (no ``/``); a retry after a failure reuses it.
             src_pages: int ``[num_positions]``: the request's logical prefill pages in token order (identical on
                 every prefill rank).
             meta: the replicated metadata row; only ``options.meta_sender`` sends it (to every decode rank).
             src_meta_slot: the metadata row of the sender that stages ``meta``.
-            timeout_s: bound on the whole call (default: the sender's).
+            timeout_s: bound on the whole call (default: the sender's); no engine call starts after it.
 
         Returns:
             A :class:`SendReport`.
 
         Raises:
-            TransferError: decode did not post its pages in time, an engine call failed or timed out (decode is
-                told through the store so it does not wait for its own timeout).
+            TransferError: decode did not post the request in time or gave it up, an engine call failed or timed
+                out, or the store did not answer in time (decode is told through the store whenever it can be).
         """
-        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        request_id = check_request_id(request_id)
+        deadline = deadline_after(self.timeout_s if timeout_s is None else timeout_s)
         t0 = time.perf_counter()
+        if self.prefill is None or self.decode is None:
+            self.connect(time_left(deadline))
         ranks = tuple(sorted(self.shards))
-        req: DstRequest = self.bootstrap.get(
-            f"req/{request_id}/dst", deadline=deadline, request_id=request_id, peer="decode"
-        )
+        req, att = self._claim(request_id, ranks, deadline)
+        keys = att.keys
         try:
             src = as_pages("src_pages", src_pages)
             if req.num_tokens is not None:
                 page_size = next(iter(self.shards.values())).page_size
-                want = -(-req.num_tokens // page_size)
+                want = cdiv(req.num_tokens, page_size)
                 if src.shape[0] != want:
                     raise ValueError(
                         f"src_pages must hold ceil(num_tokens / page_size) = {want} pages for num_tokens="
@@ -141,42 +194,37 @@ class PrefillSender(TransferSide):
                     )
                 row[src_meta_slot].zero_()
                 row[src_meta_slot, : len(meta)].copy_(_as_u8(meta))
-            plan = self.plan(src, req, src_meta_slot if meta is not None else None)
-        except Exception as e:
-            for r in ranks:
-                self._report(request_id, SendOutcome(rank=r, ok=False, error=f"{type(e).__name__}: {e}"))
-            raise
-        t_plan = time.perf_counter()
-        senders = [plan.senders[r] for r in ranks]
-        bounds = plan.layer_bounds
-        pack_s = [0.0]
+            ready = self._wait_ready(att, deadline)
+            plan = self.plan(src, req, src_meta_slot if meta is not None else None, staging=[r.staging for r in ready])
+            t_plan = time.perf_counter()
+            senders = [plan.senders[r] for r in ranks]
+            bounds = plan.layer_bounds
+            pack_s = [0.0]
 
-        def pack(c: int) -> None:
-            tp = time.perf_counter()
-            for sp in senders:
-                self.shards[sp.rank].pack(sp.pack, slice(int(bounds[c]), int(bounds[c + 1])))
-            pack_s[0] += time.perf_counter() - tp
+            def pack(g: int) -> None:
+                tp = time.perf_counter()
+                for sp in senders:
+                    self.shards[sp.rank].pack(sp.pack, slice(int(bounds[g]), int(bounds[g + 1])))
+                pack_s[0] += time.perf_counter() - tp
 
-        def landed(c: int) -> None:  # layer group c is on decode: it may unpack it
-            for sp in senders:
-                if any(sp.unpack.values()):
-                    self.bootstrap.add(f"req/{request_id}/progress/{sp.rank}", 1)
-
-        try:
-            for sp in senders:
-                start = SendStart(rank=sp.rank, positions=sp.positions, unpack=sp.unpack, layer_bounds=bounds)
-                self.bootstrap.set(f"req/{request_id}/start/{sp.rank}", start)
-                self.bootstrap.add(f"req/{request_id}/progress/{sp.rank}", 1)
+            starts = {
+                sp.rank: self.bootstrap.encode(
+                    keys.start(sp.rank),
+                    SendStart(rank=sp.rank, positions=sp.positions, unpack=sp.unpack, layer_bounds=bounds),
+                )
+                for sp in senders
+            }
+            self._advance(att, deadline, starts=starts)
             pack(0)
             calls = 0
             peers = [p for sp in senders for p in sp.peers]
-            for c in range(plan.num_chunks):
-                # while group c is in flight: announce group c - 1 and pack group c + 1
-                def overlap(c: int = c) -> None:
-                    if c > 0:
-                        landed(c - 1)
-                    if c + 1 < plan.num_chunks:
-                        pack(c + 1)
+            for g in range(plan.num_layer_groups):
+                # while group g is in flight: announce group g - 1 (decode unpacks it) and pack group g + 1
+                def overlap(g: int = g) -> None:
+                    if g > 0:
+                        self._advance(att, deadline)
+                    if g + 1 < plan.num_layer_groups:
+                        pack(g + 1)
 
                 calls += send_entries(
                     self.engine,
@@ -184,16 +232,16 @@ class PrefillSender(TransferSide):
                     request_id=request_id,
                     deadline=deadline,
                     max_entries_per_call=self.max_entries_per_call,
-                    chunk=c,
+                    group=g,
                     overlap=overlap,
+                    track=att.calls,
                 )
-        except Exception as e:
-            for r in ranks:
-                self._report(request_id, SendOutcome(rank=r, ok=False, error=f"{type(e).__name__}: {e}"))
+        except BaseException as e:
+            self._conclude(att, error=f"{type(e).__name__}: {e}")
             raise
         t_pack = t_plan + pack_s[0]
-        for i, sp in enumerate(senders):
-            outcome = SendOutcome(
+        outcomes = {
+            sp.rank: SendOutcome(
                 rank=sp.rank,
                 ok=True,
                 num_entries=sp.num_entries,
@@ -202,18 +250,17 @@ class PrefillSender(TransferSide):
                 plan_entries=plan.num_entries,
                 min_entries=plan.min_entries,
             )
-            self._report(request_id, outcome)
-        entries = sum(sp.num_entries for sp in senders)
-        nbytes = sum(sp.num_bytes for sp in senders)
-        positions = sum(int(sp.positions.shape[0]) for sp in senders)
+            for i, sp in enumerate(senders)
+        }
+        self._conclude(att, outcomes=outcomes, deadline=deadline)
         t_end = time.perf_counter()
         return SendReport(
             request_id=request_id,
             ranks=ranks,
-            num_positions=positions,
-            num_entries=entries,
+            num_positions=sum(int(sp.positions.shape[0]) for sp in senders),
+            num_entries=sum(sp.num_entries for sp in senders),
             num_calls=calls,
-            num_bytes=nbytes,
+            num_bytes=sum(sp.num_bytes for sp in senders),
             plan_entries=plan.num_entries,
             min_entries=plan.min_entries,
             plan_s=t_plan - t0,
@@ -221,12 +268,281 @@ class PrefillSender(TransferSide):
             send_s=t_end - t_pack,
         )
 
-    def _report(self, request_id: str, outcome: SendOutcome) -> None:
-        try:
-            self.bootstrap.set(f"req/{request_id}/done/{outcome.rank}", outcome)
-            self.bootstrap.add(f"req/{request_id}/progress/{outcome.rank}", DONE)
-        except TransferError as e:  # decode (or the store) may be gone; the caller's error matters more
-            logger.warning("could not report request %r of prefill rank %d: %s", request_id, outcome.rank, e)
+    # ------------------------------------------------------------------------------------------ protocol steps
+    def _claim(self, request_id: str, ranks: tuple[int, ...], deadline: float) -> tuple[DstRequest, _Attempt]:
+        """Wait for decode's current attempt of ``request_id`` and claim every hosted rank's slot in it.
+
+        An attempt whose slots decode already closed (it gave up) is skipped; the wait goes on for a newer one.
+        """
+        key = request_key(request_id)
+        peer = "decode rank 0"
+        backoff = Backoff(
+            deadline, lambda: TransferError(f"timed out waiting for {key!r}", request_id=request_id, peer="decode")
+        )
+        refused: set[str] = set()
+        call_ms = int(self.engine.call_timeout_s() * 1e3) + 1
+        while True:
+            req = self.bootstrap.try_get(key, DstRequest, deadline=deadline, request_id=request_id, peer=peer)
+            if req is not None and req.epoch not in refused:
+                keys = AttemptKeys(request_id, req.epoch, req.num_prefill, req.num_decode)
+                self._check_party_counts(keys, deadline)
+                window_ms = int(time_left(deadline) * 1e3) + 1
+                claims, opens = {}, {}
+                for r in ranks:
+                    slot = keys.slot("prefill", r)
+                    claim = Claim(
+                        epoch=req.epoch,
+                        rank=r,
+                        incarnation=self.incarnation,
+                        window_ms=window_ms,
+                        call_timeout_ms=call_ms,
+                    )
+                    claims[r], opens[r] = (
+                        self.bootstrap.encode(slot, claim),
+                        self.bootstrap.encode(slot, SlotOpen(epoch=req.epoch)),
+                    )
+                att = _Attempt(keys=keys, ranks=ranks, claims=claims)
+
+                def claim_job(s: dist.Store, att: _Attempt = att, opens: dict = opens) -> list[int]:
+                    got = [
+                        r
+                        for r in ranks
+                        if s.compare_set(att.keys.slot("prefill", r), opens[r], att.claims[r]) == att.claims[r]
+                    ]
+                    if got:
+                        self._hold(att.keys, True)
+                        self._write_open(s)
+                    if len(got) == len(ranks):
+                        att.polled = att.poll(s)
+                    return got
+
+                try:
+                    mine = self.bootstrap.call(
+                        claim_job,
+                        deadline=deadline,
+                        what=f"claim {keys.prefix}",
+                        request_id=request_id,
+                        peer=peer,
+                        write=True,
+                    )
+                except TransferError as e:  # the claim may still land: conclude it whenever it does
+                    self._conclude(att, error=f"TransferError: {e}")
+                    raise
+                if len(mine) == len(ranks):
+                    return req, att
+                if mine:
+                    error = TransferError(
+                        f"prefill ranks {sorted(set(ranks) - set(mine))} found their slots closed (decode gave the "
+                        "request up)",
+                        request_id=request_id,
+                        peer="decode",
+                    )
+                    self._conclude(att, error=f"TransferError: {error}")
+                    raise error
+                refused.add(req.epoch)
+            backoff.wait()
+
+    def _wait_ready(self, att: _Attempt, deadline: float) -> list[Ready]:
+        """Wait until every decode rank took part in the attempt (its slot READY, with its staging grant)."""
+        keys = att.keys
+        slots = [keys.slot("decode", d) for d in range(keys.num_decode)]
+        backoff = Backoff(
+            deadline,
+            lambda: TransferError(
+                "timed out waiting for every decode rank to take part", request_id=keys.request_id, peer="decode"
+            ),
+        )
+        refreshed = False
+        while True:
+            if att.polled is not None:
+                (raws, progress), att.polled = att.polled, None
+            else:
+                raws, progress = self.bootstrap.call(
+                    att.poll,
+                    deadline=deadline,
+                    what=f"poll {keys.prefix}/decode",
+                    request_id=keys.request_id,
+                    peer="decode",
+                )
+            _check_not_aborted(keys, progress)
+            msgs = []
+            for d, (k, raw) in enumerate(zip(slots, raws)):
+                if raw is None:
+                    raise TransferError(
+                        f"key {k!r} is missing (the attempt was cleaned up)",
+                        request_id=keys.request_id,
+                        peer=f"decode rank {d}",
+                    )
+                msg = self.bootstrap.decode(
+                    k, raw, SlotOpen, Ready, Aborted, request_id=keys.request_id, peer=f"decode rank {d}"
+                )
+                if isinstance(msg, Aborted):
+                    raise TransferError(
+                        "decode gave the request up before every decode rank took part",
+                        request_id=keys.request_id,
+                        peer=f"decode rank {d}",
+                    )
+                msgs.append(msg)
+            if all(isinstance(m, Ready) and m.epoch == keys.epoch for m in msgs):
+                stale = [d for d, m in enumerate(msgs) if m.incarnation != self.decode[d].incarnation]
+                if not stale:
+                    return msgs
+                if refreshed:
+                    raise TransferError(
+                        f"decode ranks {stale} took part under incarnations not published in the store",
+                        request_id=keys.request_id,
+                        peer=f"decode rank {stale[0]}",
+                    )
+                self.connect(time_left(deadline))  # a decode rank restarted: its buffers moved
+                refreshed = True
+                continue
+            backoff.wait()
+
+    def _advance(self, att: _Attempt, deadline: float, *, starts: dict[int, bytes] | None = None) -> None:
+        """Post the ranks' starts (+STARTED), or announce one more layer group landed (+1); stop on ABORT."""
+        keys = att.keys
+
+        def job(s: dist.Store) -> list[int]:
+            if starts is None:
+                return [s.add(keys.progress(r), 1) for r in att.ranks]
+            out = []
+            for r in att.ranks:
+                s.set(keys.start(r), starts[r])
+                out.append(s.add(keys.progress(r), STARTED))
+            return out
+
+        what = "post start" if starts is not None else "announce a layer group"
+        progress = self.bootstrap.call(
+            job,
+            deadline=deadline,
+            what=f"{what} of {keys.prefix}",
+            request_id=keys.request_id,
+            peer="decode",
+            write=True,
+        )
+        _check_not_aborted(keys, progress)
+
+    def _conclude(
+        self,
+        att: _Attempt,
+        *,
+        outcomes: dict[int, SendOutcome] | None = None,
+        error: str = "",
+        deadline: float | None = None,
+    ) -> None:
+        """Report the attempt's outcome on every hosted rank whose slot this side holds, and finish it.
+
+        On success decode learns DONE and DRAINED at once and this waits (until ``deadline``) for the report to
+        land, raising ``TransferError`` if decode gave the request up meanwhile. On failure the report is queued,
+        and DRAINED follows once every engine call of the attempt ended; only then does this side count itself
+        finished. A slot that is not this side's (its claim never landed, or decode closed it first) is left
+        alone: whoever closed it finished it.
+        """
+        if att.concluded:
+            return
+        att.concluded = True
+        keys = att.keys
+        if outcomes is None:
+            outcomes = {r: SendOutcome(rank=r, ok=False, error=error) for r in att.ranks}
+        done_raw = {r: self.bootstrap.encode(keys.done(r), o) for r, o in outcomes.items()}
+        pending = [f for f in att.calls if not f.done()]
+
+        def mine(s: dist.Store) -> list[int]:
+            return [
+                r
+                for r in att.ranks
+                if s.check([keys.slot("prefill", r)]) and s.get(keys.slot("prefill", r)) == att.claims[r]
+            ]
+
+        def finish(s: dist.Store, ranks: list[int]) -> None:
+            self._hold(keys, False)
+            self._write_open(s)
+            if ranks:
+                keys.finish(s, len(ranks))
+
+        ok = all(o.ok for o in outcomes.values())
+
+        def report(s: dist.Store) -> list[int]:
+            ranks = list(att.ranks) if ok else mine(s)  # a sender that succeeded holds every slot it claimed
+            progress = []
+            for r in ranks:
+                s.set(keys.done(r), done_raw[r])
+                progress.append(s.add(keys.progress(r), DONE + (0 if pending else DRAINED)))
+            if not pending:
+                finish(s, ranks)
+            return progress
+
+        fut = self.bootstrap.post(report, what=f"report {keys.prefix}")
+        if pending:
+            self._when_ended(
+                pending,
+                lambda: self.bootstrap.post(
+                    lambda s: self._drained(s, mine, finish, keys), what=f"drained {keys.prefix}"
+                ),
+            )
+        if ok and deadline is not None:
+            try:
+                progress = fut.result(timeout=time_left(deadline))
+            except FutureTimeout:
+                raise TransferError(
+                    "the store did not take the completion report in time (stalled?); decode may time out",
+                    request_id=keys.request_id,
+                    peer="store",
+                ) from None
+            except Exception as e:  # noqa: BLE001
+                raise TransferError(
+                    f"posting the completion report failed: {e}", request_id=keys.request_id, peer="store"
+                ) from e
+            _check_not_aborted(keys, progress)  # decode gave up while the last layer group was in flight
+
+    @staticmethod
+    def _drained(s: dist.Store, mine, finish, keys: AttemptKeys) -> None:
+        ranks = mine(s)
+        for r in ranks:
+            s.add(keys.progress(r), DRAINED)
+        finish(s, ranks)
+
+    @staticmethod
+    def _when_ended(calls: list[Future], then) -> None:
+        """Run ``then()`` once every future of ``calls`` is done (on the thread that ends the last one)."""
+        left = [len(calls)]
+        lock = threading.Lock()
+
+        def one(_: Future) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                then()
+
+        for f in calls:
+            f.add_done_callback(one)
+
+    def _finish_dead(self, s: dist.Store, keys: AttemptKeys, ranks: list[int]) -> None:
+        """(On the store worker.) A dead incarnation claimed these ranks' slots: report its failure, finish."""
+        mine = []
+        for r in ranks:
+            slot = keys.slot("prefill", r)
+            if not s.check([slot]):
+                continue
+            msg = self.bootstrap.decode(slot, s.get(slot), SlotOpen, Claim, Aborted)
+            if not isinstance(msg, Claim) or msg.incarnation == self.incarnation:
+                continue
+            mine.append(r)
+            progress = Progress(s.add(keys.progress(r), 0))
+            if not progress.done:
+                raw = self.bootstrap.encode(keys.done(r), SendOutcome(rank=r, ok=False, error="prefill rank restarted"))
+                s.set(keys.done(r), raw)
+            s.add(keys.progress(r), (0 if progress.done else DONE) + (0 if progress.drained else DRAINED))
+        if mine:
+            keys.finish(s, len(mine))
+
+
+def _check_not_aborted(keys: AttemptKeys, progress: list[int]) -> None:
+    if any(Progress(v).aborted for v in progress):
+        raise TransferError(
+            "decode gave the request up (it failed or timed out)", request_id=keys.request_id, peer="decode"
+        )
 
 
 def _as_u8(data: bytes) -> torch.Tensor:

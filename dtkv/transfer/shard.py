@@ -13,6 +13,7 @@ from dtkv.layouts import KVLayout
 from dtkv.ownership import PageOwnership
 from dtkv.pool import ShardedKVPool
 from dtkv.transfer.descriptors import BufferSpec, RankEndpoint, StageCopy
+from dtkv.transfer.errors import format_pages
 
 __all__ = ["KVShard", "layout_key"]
 
@@ -129,7 +130,7 @@ class KVShard:
         return next(iter(self.layouts.values())).page_size
 
     # ------------------------------------------------------------------------------------------ exchange
-    def endpoint(self, role: Literal["prefill", "decode"], session: str) -> RankEndpoint:
+    def endpoint(self, role: Literal["prefill", "decode"], session: str, incarnation: int = 0) -> RankEndpoint:
         """The :class:`RankEndpoint` this rank publishes (addresses of the registered tensors)."""
         specs = tuple(
             BufferSpec(
@@ -146,6 +147,7 @@ class KVShard:
             role=role,
             rank=self.rank,
             session=session,
+            incarnation=incarnation,
             ownership=self.ownership,
             num_layers=self.num_layers,
             buffers=specs,
@@ -184,6 +186,25 @@ class KVShard:
             pool = buf
             region = raw.view(buf.dtype).view(self.num_layers, k, *buf.shape[2:])
         return pool, region, torch.from_numpy(copy.local_pages).to(buf.device)
+
+    def check_copies(self, copies: Iterable[StageCopy]) -> None:
+        """Raise ``ValueError`` unless every copy names a buffer of this rank, lies inside its staging buffer and
+        holds local pages in range (what decode checks before unpacking copies a sender announced)."""
+        staging = 0 if self.staging is None else self.staging.numel()
+        for c in copies:
+            if c.name not in self.buffers:
+                raise ValueError(f"copy buffer must be one of {sorted(self.buffers)}, got {c.name!r}")
+            n_local = int(self.buffers[c.name].shape[1])
+            pages = c.local_pages
+            if pages.size and (int(pages.min()) < 0 or int(pages.max()) >= n_local):
+                raise ValueError(f"copy local pages must be in [0, {n_local}), got {format_pages(pages)}")
+            nbytes = self.num_layers * int(pages.shape[0]) * self.layouts[c.name].page_bytes
+            if c.offset < 0 or c.offset + nbytes > staging:
+                raise ValueError(
+                    f"copy region [{c.offset}, {c.offset + nbytes}) must lie in the {staging}-byte staging buffer"
+                )
+            if c.offset % self.buffers[c.name].element_size():
+                raise ValueError(f"copy offset must be a multiple of the element size, got {c.offset}")
 
     def pack(self, copies: Iterable[StageCopy], layers: slice = slice(None)) -> None:
         """Copy ``buffer[layers, local_pages]`` into each staging region (prefill side, before sending)."""

@@ -24,10 +24,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from dtkv.transfer.decode import DecodeReceiver, ReceiveReport
-from dtkv.transfer.errors import TransferError
-from dtkv.transfer.prefill import PrefillSender, SendReport
-from dtkv.transfer.shard import KVShard
+from dtkv._util import cdiv
+from dtkv.transfer import DecodeReceiver, KVShard, PrefillSender, ReceiveReport, SendReport, TransferError
 
 __all__ = [
     "META_ROW_BYTES",
@@ -50,7 +48,7 @@ def shard_for_engine(engine, *, staging_bytes: int = 0) -> KVShard:
 
 
 def _prompt_pages(req, page_size: int) -> list[int]:
-    return req.pages[: -(-len(req.prompt) // page_size)]
+    return req.pages[: cdiv(len(req.prompt), page_size)]
 
 
 def send_prefilled(engine, sender: PrefillSender, *, tag: str = "", timeout_s: float | None = None) -> list[SendReport]:
@@ -99,7 +97,7 @@ def receive_prefilled(
     reports = []
     for prompt in prompts:
         req = engine.add_request(prompt)
-        req.pages = engine.allocator.alloc_balanced(-(-len(req.prompt) // ps)).tolist()
+        req.pages = engine.allocator.alloc_balanced(cdiv(len(req.prompt), ps)).tolist()
         rid = f"{tag}req-{req.rid}"
         meta.zero_()
         reports.append(
@@ -135,7 +133,7 @@ def _cfg(args: dict):
 
 def _request_bytes(cfg, prompts) -> int:
     per_page = cfg.num_layers * sum(lay.page_bytes for lay in cfg.layouts.values())
-    return max(-(-len(p) // cfg.page_size) for p in prompts) * per_page
+    return max(cdiv(len(p), cfg.page_size) for p in prompts) * per_page
 
 
 def send_from_rank(engine, args: dict, baseline_kv: Sequence[dict[str, torch.Tensor]] | None = None) -> dict:
@@ -149,7 +147,7 @@ def send_from_rank(engine, args: dict, baseline_kv: Sequence[dict[str, torch.Ten
     Returns:
         ``pd_entries``, ``pd_min_entries``, ``pd_calls``, ``pd_bytes`` (this rank's) and ``pd_kv_digest``.
     """
-    from dtkv.transfer.bootstrap import Bootstrap, create_store
+    from dtkv.transfer import Bootstrap, create_store
 
     store = create_store(port=args["pd_port"], is_master=False, timeout_s=args.get("timeout", 300.0))
     prompts = [r.prompt for r in engine.requests]
@@ -178,12 +176,12 @@ def _decode_main(conn, args: dict, prompts: list[list[int]], port: int, namespac
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         from dtkv.model import PrefillEngine
-        from dtkv.transfer.bootstrap import Bootstrap, create_store
+        from dtkv.transfer import Bootstrap, create_store
 
         torch.set_num_threads(1)
         cfg = _cfg(args)
         steps = args["decode_steps"]
-        num_pages = sum(-(-(len(p) + steps + 1) // cfg.page_size) + 1 for p in prompts) + 1
+        num_pages = sum(cdiv(len(p) + steps + 1, cfg.page_size) + 1 for p in prompts) + 1
         engine = PrefillEngine(cfg, mode="single", num_pages=num_pages)
         store = create_store(port=port, is_master=False, timeout_s=args.get("timeout", 300.0))
         receiver = DecodeReceiver(
@@ -246,7 +244,7 @@ class DecodeProcess:
 
 def start_decode(args: dict, prompts: Sequence[Sequence[int]]) -> DecodeProcess:
     """Host the rendezvous ``TCPStore`` on 127.0.0.1 and spawn the decode process (``demo --pd``)."""
-    from dtkv.transfer.bootstrap import create_store
+    from dtkv.transfer import create_store
 
     store = create_store(port=0, is_master=True, timeout_s=args.get("timeout", 300.0))
     namespace = uuid.uuid4().hex

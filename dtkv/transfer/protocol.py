@@ -1,0 +1,253 @@
+"""The PD transfer protocol, in one place: every store key, the deadline and the backoff loop.
+
+Prefill ranks and decode ranks are not in one process group; they meet in a ``torch.distributed`` store
+(:class:`dtkv.transfer.Bootstrap`). Every value is a fixed-schema record (:mod:`dtkv.transfer.wire`,
+:mod:`dtkv.transfer.messages`), never a pickle. Keys, under the bootstrap namespace (``P`` prefill ranks, ``D``
+decode ranks, ``E`` = ``req/{request_id}/{epoch}``):
+
+=============================  ============================================  ======================================
+key                            value                                         written by
+=============================  ============================================  ======================================
+``{role}/{rank}``              :class:`RankEndpoint` (with an incarnation)   the rank (a restart replaces it)
+``{role}/{rank}/open``         the attempts the rank holds open              the rank (adopted by its restart)
+``req/{request_id}``           :class:`DstRequest`: the current attempt      decode rank 0
+``E/prefill/{r}``              slot: OPEN -> CLAIM (r) or ABORTED            decode rank 0 / prefill rank r / a
+                                                                             failing decode
+``E/decode/{d}``               slot: OPEN -> READY (d, staging grant)        decode rank 0 / decode rank d / a
+                               or ABORTED                                    failing decode
+``E/start/{r}``                :class:`SendStart`                            prefill rank r
+``E/done/{r}``                 :class:`SendOutcome`                          prefill rank r
+``E/progress/{r}``             counter (:class:`Progress`)                   prefill rank r; decode adds ABORT
+``E/finished``                 counter of the parties done with ``E``        every rank; the one reaching
+                                                                             ``P + D`` deletes ``E/*``
+=============================  ============================================  ======================================
+
+**Attempts.** Decode rank 0 opens an attempt of a request under a fresh random *epoch*: it creates every slot of
+``E`` (OPEN, or READY for the decode ranks it hosts), then points ``req/{request_id}`` at it. A retry under the
+same request id is a new epoch, so a stale value of an earlier attempt (a late "done") is never read by a later
+one.
+
+**Slots** are claimed with ``compare_set(OPEN -> claim)``, which is atomic and never recreates a deleted key: a
+prefill rank sends only after claiming its slot, and a decode rank that gives up closes every still-OPEN slot
+(``OPEN -> ABORTED``) and adds :data:`ABORT` to the progress counter of every claimed one. The compare-and-set
+decides, once, whether each rank takes part; the party that closes a slot finishes the attempt on its behalf.
+
+**Progress** (one ``add`` per poll): prefill adds :data:`STARTED` once its ``start`` is posted, 1 per layer group
+landed (decode may unpack it), :data:`DONE` once ``done`` is posted and :data:`DRAINED` once none of its engine
+calls for the attempt is running any more (at once on success; after a timeout, when the abandoned calls end).
+Prefill checks the value it gets back for :data:`ABORT` between layer groups and stops sending.
+
+**Quarantine.** When an attempt fails on decode, its decode pages, metadata slot and staging region stay out of
+use until every claimed prefill rank is DRAINED, or until a grace period has passed since the abort: the
+prefill rank's send window (it issues no engine call after its own deadline, announced in its claim) plus its
+engine's longest call (``MC_TRANSFER_TIMEOUT`` + 1 ns per byte) plus :data:`GRACE_MARGIN_S`. Late bytes of an
+abandoned call can therefore never land in pages handed to another request.
+
+**Cleanup.** Each party adds its number of ranks to ``E/finished`` after its last write to ``E`` (decode: after
+its quarantine ended); the add that reaches ``P + D`` deletes every key of ``E``; decode rank 0 deletes
+``req/{request_id}`` when its own wait ends. Store calls of one process run in order on one worker thread, so a
+call that timed out during a store stall still lands, in order, when the store answers again; the key count
+returns to its baseline. A rank that dies leaves its open attempts in ``{role}/{rank}/open``; its restart
+finishes them (:meth:`dtkv.transfer.TransferSide.__init__`).
+
+**Deadlines.** Every wait is bounded by :func:`deadline_after` and polls with :class:`Backoff`; every store call
+is bounded by the remaining time (:meth:`dtkv.transfer.Bootstrap.call`).
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from dtkv.transfer.errors import TransferError
+
+__all__ = [
+    "ABORT",
+    "DONE",
+    "DRAINED",
+    "GRACE_MARGIN_S",
+    "MAX_POLL_S",
+    "STARTED",
+    "AttemptKeys",
+    "Backoff",
+    "Progress",
+    "check_request_id",
+    "deadline_after",
+    "endpoint_key",
+    "new_epoch",
+    "open_key",
+    "request_key",
+    "time_left",
+]
+
+MAX_POLL_S = 0.005
+"""Longest sleep between two polls of the store (the latency a waiter may add after a key appears)."""
+
+STARTED = 1
+"""Progress increment: the prefill rank's ``start`` is posted (layer groups landed count on top of it)."""
+DONE = 1 << 20
+"""Progress increment: the prefill rank's ``done`` is posted."""
+DRAINED = 1 << 30
+"""Progress increment: none of the prefill rank's engine calls for the attempt is running any more."""
+ABORT = 1 << 40
+"""Progress increment: a decode rank gave the attempt up (the sender stops at its next layer group)."""
+
+GRACE_MARGIN_S = 1.0
+"""Added to the quarantine grace period (scheduling and clock-rate slack)."""
+
+_EPOCH = re.compile(r"[0-9a-f]{16}")
+_FIELD = (1 << 20) - 1
+
+
+def deadline_after(timeout_s: float) -> float:
+    """The ``time.monotonic()`` instant ``timeout_s`` from now (the one deadline expression)."""
+    return time.monotonic() + float(timeout_s)
+
+
+def time_left(deadline: float) -> float:
+    """Seconds until ``deadline``: never negative, at most a year (what thread waits accept)."""
+    return min(max(0.0, deadline - time.monotonic()), 3.2e7)
+
+
+class Backoff:
+    """The one polling loop: sleep 1 ms, doubling up to :data:`MAX_POLL_S`, until the deadline.
+
+    Args:
+        deadline: ``time.monotonic()`` bound.
+        on_timeout: builds the :class:`TransferError` that :meth:`wait` raises once the deadline has passed.
+    """
+
+    def __init__(self, deadline: float, on_timeout: Callable[[], TransferError] | None = None) -> None:
+        self.deadline = deadline
+        self.on_timeout = on_timeout
+        self._delay = 0.001
+
+    def sleep(self, progressed: bool = False) -> bool:
+        """Sleep before the next poll (1 ms again after progress); whether time is left for another one."""
+        left = self.deadline - time.monotonic()
+        if left > 0:
+            self._delay = 0.001 if progressed else min(self._delay * 2, MAX_POLL_S)
+            time.sleep(min(self._delay, left))
+        return time.monotonic() < self.deadline
+
+    def wait(self, progressed: bool = False) -> None:
+        """:meth:`sleep`, then raise ``on_timeout()`` once the deadline has passed."""
+        if not self.sleep(progressed):
+            raise self.on_timeout()
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """A prefill rank's progress counter, decoded (see the module docstring)."""
+
+    value: int
+
+    @property
+    def started(self) -> bool:
+        return (self.value & _FIELD) >= STARTED
+
+    @property
+    def groups_landed(self) -> int:
+        """Layer groups announced as landed (decode may unpack them)."""
+        return max(0, (self.value & _FIELD) - STARTED)
+
+    @property
+    def done(self) -> bool:
+        return (self.value >> 20) & 0x3FF > 0
+
+    @property
+    def drained(self) -> bool:
+        return (self.value >> 30) & 0x3FF > 0
+
+    @property
+    def aborted(self) -> bool:
+        return self.value >= ABORT
+
+
+def check_request_id(request_id: object) -> str:
+    """``request_id`` if it can name store keys: a non-empty str of at most 256 characters without ``/``."""
+    if not isinstance(request_id, str) or not 0 < len(request_id) <= 256 or "/" in request_id:
+        raise ValueError(
+            f"request_id must be a non-empty str of at most 256 characters without '/', got request_id={request_id!r}"
+        )
+    if any(ord(c) < 32 for c in request_id):
+        raise ValueError(f"request_id must not hold control characters, got request_id={request_id!r}")
+    return request_id
+
+
+def new_epoch() -> str:
+    """A fresh attempt epoch: 16 random hex digits."""
+    return secrets.token_hex(8)
+
+
+def check_epoch(epoch: str) -> bool:
+    """Whether ``epoch`` has the form :func:`new_epoch` produces."""
+    return bool(_EPOCH.fullmatch(epoch))
+
+
+def endpoint_key(role: str, rank: int) -> str:
+    return f"{role}/{rank}"
+
+
+def open_key(role: str, rank: int) -> str:
+    return f"{role}/{rank}/open"
+
+
+def request_key(request_id: str) -> str:
+    return f"req/{request_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptKeys:
+    """The keys of one attempt ``req/{request_id}/{epoch}`` between ``num_prefill`` and ``num_decode`` ranks."""
+
+    request_id: str
+    epoch: str
+    num_prefill: int
+    num_decode: int
+
+    @property
+    def prefix(self) -> str:
+        return f"req/{self.request_id}/{self.epoch}"
+
+    def slot(self, role: str, rank: int) -> str:
+        return f"{self.prefix}/{role}/{rank}"
+
+    def start(self, rank: int) -> str:
+        return f"{self.prefix}/start/{rank}"
+
+    def done(self, rank: int) -> str:
+        return f"{self.prefix}/done/{rank}"
+
+    def progress(self, rank: int) -> str:
+        return f"{self.prefix}/progress/{rank}"
+
+    @property
+    def finished(self) -> str:
+        return f"{self.prefix}/finished"
+
+    @property
+    def num_parties(self) -> int:
+        """``P + D``: what ``finished`` reaches once every rank is done with the attempt."""
+        return self.num_prefill + self.num_decode
+
+    def all(self) -> list[str]:
+        """Every key of the attempt (``req/{request_id}`` excluded: decode rank 0 owns it)."""
+        keys = [self.slot("decode", d) for d in range(self.num_decode)]
+        for r in range(self.num_prefill):
+            keys += [self.slot("prefill", r), self.start(r), self.done(r), self.progress(r)]
+        return [*keys, self.finished]
+
+    def finish(self, store, weight: int) -> bool:
+        """Add ``weight`` parties to ``finished`` (runs on the store worker); the last one deletes every key.
+
+        Returns whether this call deleted the attempt.
+        """
+        if store.add(self.finished, weight) < self.num_parties:
+            return False
+        for key in self.all():
+            store.delete_key(key)
+        return True

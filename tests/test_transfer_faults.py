@@ -1,0 +1,344 @@
+"""Faults a PD deployment meets, each injected: a corrupted page is never reported OK, no wait outlives its bound,
+nothing leaks.
+
+- staging shared by two decode ranks (one receiver per rank) is not reused before both unpacked;
+- engine calls abandoned after a timeout keep their decode pages quarantined until they end, and ``close()``
+  waits for them before unregistering (Mooncake TCP loopback, with a delay injected before the real write);
+- a retry under the same request id never accepts the earlier attempt's "done";
+- a stalled store (``SIGSTOP``) turns every wait into a ``TransferError`` within timeout + 1 s;
+- a construction that fails unwinds its registrations and the engine it created;
+- the store's key count returns to its baseline after successes and failures alike.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from dtkv import PageOwnership
+from dtkv.transfer import (
+    Bootstrap,
+    DecodeReceiver,
+    LocalEngine,
+    PlanOptions,
+    PrefillSender,
+    TransferError,
+    mooncake_available,
+)
+from tests._transfer import StoreHost, run_bounded, same_pages, shards
+
+_MC, _MC_WHY = mooncake_available()
+needs_mooncake = [
+    pytest.mark.mooncake,
+    pytest.mark.skipif(not _MC, reason=f"Mooncake transfer engine unavailable: {_MC_WHY}"),
+]
+
+
+def _post_all(receivers, rid, dst, **kw):
+    for r in receivers:
+        r.post_request(rid, dst, **kw)
+
+
+class TestStagingAcrossDecodeRanks:
+    def test_staging_is_not_reused_before_every_decode_rank_unpacked(self):
+        """Decode rank 0 unpacked A and the next request B is posted while decode rank 1 has not unpacked A yet:
+        B must not land in rank 1's staging region, and A must arrive intact on rank 1."""
+        boot = Bootstrap(dist.HashStore(), namespace="stg")
+        pre = shards(PageOwnership(2, 40), seed=1, staging_bytes=1 << 20)
+        dec = shards(PageOwnership(2, 30), staging_bytes=1 << 20)
+        sender = PrefillSender(pre, boot, engine=LocalEngine(), timeout_s=5, options=PlanOptions(staging="full"))
+        receivers = [DecodeReceiver(d, boot, engine=LocalEngine(), timeout_s=5) for d in dec]
+        for side in (sender, *receivers):
+            side.connect()
+        src_a, dst_a = np.arange(0, 12), np.arange(0, 12)  # both requests span both decode ranks
+        src_b, dst_b = np.arange(20, 32), np.arange(12, 24)
+        _post_all(receivers, "A", dst_a)
+        assert sender.send_request("A", src_a).num_entries > 0
+        receivers[0].wait_request("A")  # rank 0 unpacked A; rank 1 has not yet
+        _post_all(receivers, "B", dst_b)
+        sender.send_request("B", src_b)
+        receivers[1].wait_request("A")
+        receivers[1].wait_request("B")
+        receivers[0].wait_request("B")
+        assert same_pages(pre, src_a, dec, dst_a), "request A was reported OK with another request's bytes"
+        assert same_pages(pre, src_b, dec, dst_b)
+
+
+class _SlowMooncake:
+    """A MooncakeEngine whose next ``delay_calls`` writes sleep ``delay_s`` before the real write (a slow link)."""
+
+    def __new__(cls, delay_s: float, delay_calls: int = 1):
+        from dtkv.transfer import MooncakeEngine
+
+        class Slow(MooncakeEngine):
+            def write(self, peer, src, dst, length):
+                with self.lock:
+                    slow = self.delay_calls > 0
+                    self.delay_calls -= 1
+                if slow:
+                    time.sleep(self.delay_s)
+                rc = super().write(peer, src, dst, length)
+                if slow:
+                    self.late_write_done.set()
+                return rc
+
+        eng = Slow(timeout_s=10)
+        eng.delay_s, eng.delay_calls, eng.lock = delay_s, delay_calls, threading.Lock()
+        eng.late_write_done = threading.Event()
+        return eng
+
+
+@pytest.mark.parametrize("_", [0], ids=["mooncake"])
+class TestAbandonedCalls:
+    pytestmark = needs_mooncake
+
+    def test_late_bytes_never_land_in_pages_of_another_request(self, _):
+        """Prefill rank 0's call for A outlives its timeout and writes 2 s later. A fails; its pages must not be
+        handed to B (sent by rank 1 alone) until that call ended, so B stays bitwise intact after it lands."""
+        from dtkv.transfer import MooncakeEngine
+
+        boot = Bootstrap(dist.HashStore(), namespace="late")
+        pre = shards(PageOwnership(2, 16), seed=3)
+        dec = shards(PageOwnership(1, 16))
+        slow, fast, engine_d = _SlowMooncake(2.0), MooncakeEngine(timeout_s=10), MooncakeEngine(timeout_s=10)
+        senders = [
+            PrefillSender(pre[0], boot, engine=slow, timeout_s=5),
+            PrefillSender(pre[1], boot, engine=fast, timeout_s=5),
+        ]
+        receiver = DecodeReceiver(dec, boot, engine=engine_d, timeout_s=5)
+        try:
+            for side in (*senders, receiver):
+                side.connect()
+            receiver.post_request("A", [4, 5, 6, 7])  # positions 0 and 2 (pages 4, 6) are prefill rank 0's
+            with pytest.raises(TransferError, match="timed out waiting for the engine"):
+                senders[0].send_request("A", [0, 1, 2, 3], timeout_s=0.5)
+            senders[1].send_request("A", [0, 1, 2, 3])
+            with pytest.raises(TransferError):
+                receiver.wait_request("A")
+            try:  # B reuses A's pages 4 and 6, for positions prefill rank 1 owns
+                receiver.post_request("B", [4, 6])
+            except ValueError as e:
+                assert "quarantined after request 'A' failed" in str(e)
+                released = receiver.reclaim(timeout_s=10)
+                assert [rid for rid, _ in released] == ["A"]
+                assert slow.late_write_done.is_set(), "A's pages were released while its abandoned call still ran"
+                receiver.post_request("B", [4, 6])
+            for sender in senders:
+                sender.send_request("B", [1, 3])
+            receiver.wait_request("B")
+            assert slow.late_write_done.wait(10)
+            time.sleep(0.2)
+            assert same_pages(pre, [1, 3], dec, [4, 6]), "request B was reported OK, then overwritten by A's late bytes"
+        finally:
+            for side in (*senders, receiver):
+                side.close()
+            for e in (slow, fast, engine_d):
+                e.close()
+
+    def test_close_waits_for_calls_in_flight(self, _):
+        """``close()`` must not unregister (or drop the engine) while an abandoned call still reads the pool."""
+        boot = Bootstrap(dist.HashStore(), namespace="close")
+        pre = shards(PageOwnership(1, 16), seed=4)
+        dec = shards(PageOwnership(1, 16))
+        slow = _SlowMooncake(1.5)
+        sender = PrefillSender(pre, boot, engine=slow, timeout_s=5)
+        receiver = DecodeReceiver(dec, boot, timeout_s=5)
+        try:
+            sender.connect()
+            receiver.connect()
+            receiver.post_request("A", [1, 2])
+            with pytest.raises(TransferError):
+                sender.send_request("A", [3, 4], timeout_s=0.3)
+            sender.close()
+            assert slow.late_write_done.is_set(), "close() unregistered the pool under a running call"
+            assert slow.registered == 0
+            slow.close()
+            assert slow.num_inflight == 0
+        finally:
+            receiver.close()
+            sender.close()
+            slow.close()
+
+
+class TestEngineBookkeeping:
+    """Every engine call is tracked until it ends; memory is never released under a running call."""
+
+    def test_close_past_its_bound_defers_the_release_until_the_call_ends(self):
+        ended = threading.Event()
+
+        class Slow(LocalEngine):
+            def write(self, peer, src, dst, length):
+                time.sleep(0.6)
+                ended.set()
+                return 0
+
+        engine = Slow(call_timeout_s=0.05)
+        engine.register([torch.zeros(64, dtype=torch.uint8)])
+        fut = engine.submit("peer", engine.write, "peer", [0], [0], [1])
+        queued = engine.submit("peer", engine.write, "peer", [0], [0], [1])
+        t0 = time.monotonic()
+        engine.close(timeout_s=0.1)
+        assert time.monotonic() - t0 < 0.5, "close() must stay bounded"
+        assert queued.cancelled(), "a call that had not started must not start after close()"
+        assert engine.registered == 1, "memory was unregistered under a running call"
+        assert fut.result(timeout=5) == 0 and ended.is_set()
+        deadline = time.monotonic() + 5
+        while engine.registered and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.registered == 0 and engine.num_inflight == 0
+        with pytest.raises(TransferError, match="the transfer engine is closed"):
+            engine.submit("peer", engine.write, "peer", [0], [0], [1])
+
+
+class TestRetries:
+    def test_retry_under_the_same_id_never_accepts_a_stale_done(self):
+        boot = Bootstrap(dist.HashStore(), namespace="retry")
+        pre = shards(PageOwnership(2, 40), seed=5)
+        dec = shards(PageOwnership(1, 30))
+        sender = PrefillSender(pre, boot, engine=LocalEngine(), timeout_s=5)
+        receiver = DecodeReceiver(dec, boot, engine=LocalEngine(), timeout_s=5)
+        sender.connect()
+        receiver.connect()
+        src = np.arange(3, 9)
+        receiver.post_request("r", np.arange(0, 6))
+        with pytest.raises(TransferError, match="timed out waiting for prefill ranks"):
+            receiver.wait_request("r", timeout_s=0.2)  # attempt 1: prefill is late
+        try:
+            sender.send_request("r", src, timeout_s=0.3)  # late for attempt 1, too early for attempt 2
+        except TransferError:
+            pass
+        receiver.reclaim()
+        receiver.post_request("r", np.arange(10, 16))  # attempt 2: new pages
+        try:
+            receiver.wait_request("r", timeout_s=0.3)
+        except TransferError:
+            pass  # nobody sent attempt 2 yet: the only correct outcome besides pages that are right
+        else:
+            assert same_pages(pre, src, dec, np.arange(10, 16)), "the retry returned OK with the first attempt's done"
+        receiver.reclaim()
+        receiver.post_request("r", np.arange(20, 26))  # attempt 3, sent this time
+        sender.send_request("r", src)
+        receiver.wait_request("r")
+        assert same_pages(pre, src, dec, np.arange(20, 26))
+
+
+class TestStoreStalls:
+    def test_stalled_store_fails_every_wait_within_timeout_plus_1s(self):
+        host = StoreHost()
+        try:
+            pre = shards(PageOwnership(2, 40), seed=6)
+            dec = shards(PageOwnership(1, 30))
+            sender = PrefillSender(pre, Bootstrap(host.client(), namespace="stall"), engine=LocalEngine(), timeout_s=5)
+            receiver = DecodeReceiver(
+                dec, Bootstrap(host.client(), namespace="stall"), engine=LocalEngine(), timeout_s=5
+            )
+            sender.connect()
+            receiver.connect()
+            receiver.post_request("a", [1, 2, 3])
+            host.stop()
+            for name, fn in [
+                ("send_request", lambda: sender.send_request("a", [4, 5, 6], timeout_s=1.0)),
+                ("wait_request", lambda: receiver.wait_request("a", timeout_s=1.0)),
+            ]:
+                elapsed, result = run_bounded(fn, limit_s=8.0)
+                if elapsed == float("inf"):
+                    host.cont()
+                    pytest.fail(f"{name} was still blocked on the stalled store after 8 s")
+                assert isinstance(result, TransferError), f"{name} returned {result!r}"
+                assert elapsed < 2.0, f"{name} took {elapsed:.2f} s with timeout_s=1"
+            host.cont()
+            receiver.reclaim(timeout_s=5)
+            receiver.post_request("b", [7, 8, 9])  # the store answers again: the next request goes through
+            sender.send_request("b", [10, 11, 12])
+            receiver.wait_request("b")
+            assert same_pages(pre, [10, 11, 12], dec, [7, 8, 9])
+            sender.close()
+            receiver.close()
+        finally:
+            host.close()
+
+
+@pytest.mark.parametrize("_", [0], ids=["mooncake"])
+class TestConstruction:
+    pytestmark = needs_mooncake
+
+    def test_failed_construction_unwinds_its_registration(self, _):
+        from dtkv.transfer import MooncakeEngine
+
+        host = StoreHost()
+        broken = Bootstrap(host.client(), namespace="ctor")
+        host.kill()  # a store blip
+        engine = MooncakeEngine(timeout_s=10)
+        pre = shards(PageOwnership(1, 16), seed=7)
+        try:
+            with pytest.raises(TransferError):
+                PrefillSender(pre, broken, engine=engine, timeout_s=1.0)
+            healthy = Bootstrap(dist.HashStore(), namespace="ctor")
+            sender = PrefillSender(pre, healthy, engine=engine, timeout_s=1.0)  # the same memory registers again
+            sender.close()
+            assert engine.registered == 0
+        finally:
+            engine.close()
+
+    def test_failed_construction_closes_the_engine_it_created(self, _, monkeypatch):
+        import dtkv.transfer._side as side
+        from dtkv.transfer import MooncakeEngine
+
+        made = []
+
+        class Recorded(MooncakeEngine):
+            def __init__(self, *a, **k):
+                super().__init__(*a, **k)
+                made.append(self)
+
+        monkeypatch.setattr(side, "MooncakeEngine", Recorded)
+        host = StoreHost()
+        broken = Bootstrap(host.client(), namespace="ctor2")
+        host.kill()
+        with pytest.raises(TransferError):
+            DecodeReceiver(shards(PageOwnership(1, 16)), broken, timeout_s=1.0)
+        assert len(made) == 1 and made[0]._engine is None, "the engine the receiver created is still open"
+
+
+class TestKeyCleanup:
+    def test_key_count_returns_to_baseline_with_one_receiver_per_decode_rank(self):
+        store = dist.HashStore()
+        empty = store.num_keys()
+        boot = Bootstrap(store, namespace="keys")
+        pre = shards(PageOwnership(2, 40), seed=8, staging_bytes=1 << 20)
+        dec = shards(PageOwnership(2, 30), staging_bytes=1 << 20)
+        sender = PrefillSender(pre, boot, engine=LocalEngine(), timeout_s=5)
+        receivers = [DecodeReceiver(d, boot, engine=LocalEngine(), timeout_s=5) for d in dec]
+        for side in (sender, *receivers):
+            side.connect()
+        boot.flush(5)
+        baseline = store.num_keys()
+        for i in range(6):
+            dst = np.arange(4 * (i % 3), 4 * (i % 3) + 4)
+            _post_all(receivers, f"ok{i}", dst)
+            sender.send_request(f"ok{i}", np.arange(i, i + 4))
+            for r in receivers:
+                r.wait_request(f"ok{i}")
+        _post_all(receivers, "bad", [20, 21], num_tokens=99)  # prefill refuses: both decode ranks fail
+        with pytest.raises(ValueError):
+            sender.send_request("bad", [1, 2])
+        for r in receivers:
+            with pytest.raises(TransferError):
+                r.wait_request("bad")
+        _post_all(receivers, "late", [22, 23])  # prefill never sends: decode times out
+        for r in receivers:
+            with pytest.raises(TransferError):
+                r.wait_request("late", timeout_s=0.2)
+        for r in receivers:
+            r.reclaim(timeout_s=5)
+        boot.flush(5)
+        assert store.num_keys() == baseline, "a finished or failed request left keys behind"
+        for side in (sender, *receivers):
+            side.close()
+        boot.flush(5)
+        assert store.num_keys() == empty

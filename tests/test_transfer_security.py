@@ -1,0 +1,201 @@
+"""Nothing read from the rendezvous store runs code; values can be authenticated; the store listens where told.
+
+Also pins what cannot be restricted from dtkv (Mooncake 0.3.13 listens on every interface and lets any peer that
+reaches it write into registered regions), so that the README's Security section stays true.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import pickle
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from dtkv import PageOwnership
+from dtkv.transfer import (
+    Bootstrap,
+    DecodeReceiver,
+    DstRequest,
+    LocalEngine,
+    PrefillSender,
+    SendStart,
+    TransferError,
+    create_store,
+    mooncake_available,
+)
+from dtkv.transfer.protocol import STARTED, AttemptKeys
+from tests._transfer import non_loopback_addresses, reachable, same_pages, shards
+
+
+class _Plant:
+    """Unpickling this writes ``path``: what an attacker who reaches the store could plant."""
+
+    def __init__(self, path: pathlib.Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (pathlib.Path.write_text, (self.path, "code from the store ran"))
+
+
+def _sides(store, *, secret=None, timeout_s=1.0, namespace="ns"):
+    pre = shards(PageOwnership(2, 16), seed=0)
+    dec = shards(PageOwnership(1, 16))
+    sender = PrefillSender(
+        pre, Bootstrap(store, namespace=namespace, secret=secret), engine=LocalEngine(), timeout_s=timeout_s
+    )
+    receiver = DecodeReceiver(
+        dec, Bootstrap(store, namespace=namespace, secret=secret), engine=LocalEngine(), timeout_s=timeout_s
+    )
+    return sender, receiver, pre, dec
+
+
+class TestNoCodeFromTheStore:
+    def test_planted_pickle_never_runs_and_names_the_key(self, tmp_path):
+        """A pickled object planted under every key a sender reads is refused as malformed, never unpickled."""
+        probe = tmp_path / "probe"
+        pickle.loads(pickle.dumps(_Plant(probe)))  # the payload is live: unpickling it does write a file
+        assert probe.exists()
+        marker = tmp_path / "marker"
+        payload = pickle.dumps(_Plant(marker))
+        store = dist.HashStore()
+        sender, receiver, _, _ = _sides(store)
+        for key in ("decode/0", "decode/size"):
+            store.set(f"ns/{key}", payload)
+        with pytest.raises(Exception) as info:  # noqa: B017 - the type is checked once the marker is
+            sender.connect(timeout_s=1.0)
+        assert not marker.exists(), "a value read from the store ran code"
+        assert isinstance(info.value, TransferError)
+        assert "malformed value under key ns/decode/0: value must start with b'DTKV'" in str(info.value)
+        receiver.bootstrap.publish(receiver.endpoint(0), deadline=float("inf"))  # the genuine endpoint again
+        for key in ("req/r", "req/r/dst"):
+            store.set(f"ns/{key}", payload)
+        with pytest.raises(Exception) as info:  # noqa: B017
+            sender.send_request("r", [0, 1], timeout_s=1.0)
+        assert not marker.exists(), "a value read from the store ran code"
+        assert isinstance(info.value, TransferError)
+        assert "malformed value under key ns/req/r: value must start with b'DTKV'" in str(info.value)
+
+    def test_planted_start_is_refused_by_decode(self, tmp_path):
+        marker = tmp_path / "marker"
+        store = dist.HashStore()
+        sender, receiver, _, _ = _sides(store)
+        receiver.connect(1.0)
+        receiver.post_request("r", [3, 4])
+        req = receiver.bootstrap.try_get("req/r", DstRequest, deadline=float("inf"))
+        keys = AttemptKeys("r", req.epoch, 2, 1)
+        store.set(f"ns/{keys.start(0)}", pickle.dumps(_Plant(marker)))
+        store.add(f"ns/{keys.progress(0)}", STARTED)
+        with pytest.raises(TransferError, match=rf"malformed value under key ns/{keys.start(0)}"):
+            receiver.wait_request("r", timeout_s=1.0)
+        assert not marker.exists()
+
+    def test_rejects_out_of_range_values_from_a_sender(self):
+        """A well-formed start whose copies leave decode's staging buffer is refused before any copy runs."""
+        store = dist.HashStore()
+        sender, receiver, _, dec = _sides(store)
+        receiver.connect(1.0)
+        receiver.post_request("r", [3, 4])
+        req = receiver.bootstrap.try_get("req/r", DstRequest, deadline=float("inf"))
+        keys = AttemptKeys("r", req.epoch, 2, 1)
+        from dtkv.transfer import StageCopy
+
+        bad = SendStart(
+            rank=0,
+            positions=np.array([0]),
+            layer_bounds=np.array([0, 2]),
+            unpack={0: (StageCopy(name="kv", offset=0, local_pages=np.array([10**6])),)},
+        )
+        receiver.bootstrap.set(keys.start(0), bad, deadline=float("inf"))
+        store.add(f"ns/{keys.progress(0)}", STARTED)
+        before = [b.clone() for b in dec[0].buffers.values()]
+        with pytest.raises(TransferError, match=r"copy local pages must be in \[0, 16\)"):
+            receiver.wait_request("r", timeout_s=1.0)
+        assert all(torch.equal(a, b) for a, b in zip(before, dec[0].buffers.values()))
+
+
+class TestSharedSecret:
+    def test_round_trip_with_a_secret(self):
+        sender, receiver, pre, dec = _sides(dist.HashStore(), secret="s3cret")
+        receiver.post_request("r", [5, 9, 2])
+        sender.send_request("r", [1, 2, 3])
+        receiver.wait_request("r")
+        assert same_pages(pre, [1, 2, 3], dec, [5, 9, 2])
+
+    @pytest.mark.parametrize(
+        "writer_secret,match",
+        [
+            (None, r"value must be signed \(DTKV_TRANSFER_SECRET is set\), got an unsigned value"),
+            (b"other", r"value's HMAC does not verify"),
+        ],
+        ids=["unsigned", "forged"],
+    )
+    def test_rejects_unsigned_and_forged_values(self, writer_secret, match):
+        store = dist.HashStore()
+        sender, _, _, _ = _sides(store, secret=b"k")
+        forger = Bootstrap(store, namespace="ns", secret=writer_secret)
+        dec = shards(PageOwnership(1, 16))[0]
+        forger.publish(dec.endpoint("decode", "attacker:1"), deadline=float("inf"))
+        with pytest.raises(TransferError, match=rf"malformed value under key ns/decode/0: {match}"):
+            sender.connect(timeout_s=1.0)
+
+    def test_rejects_a_value_moved_to_another_key(self):
+        store = dist.HashStore()
+        sender, receiver, _, _ = _sides(store, secret=b"k")
+        store.set("ns/decode/0", store.get("ns/prefill/1"))  # a genuine value, replayed under another key
+        with pytest.raises(TransferError, match=r"ns/decode/0: value's HMAC does not verify"):
+            sender.connect(timeout_s=1.0)
+
+    def test_signed_values_need_the_secret_on_both_sides(self):
+        store = dist.HashStore()
+        sender, _, _, _ = _sides(store, secret=b"k")
+        plain = Bootstrap(store, namespace="ns", secret=None)
+        with pytest.raises(TransferError, match=r"value is signed but no DTKV_TRANSFER_SECRET is set here"):
+            plain.endpoints("prefill", deadline=float("inf"))
+
+
+class TestListening:
+    def test_store_for_loopback_listens_on_loopback_only(self):
+        store = create_store("127.0.0.1", port=0, is_master=True, timeout_s=5)
+        client = create_store("127.0.0.1", port=store.port, is_master=False, timeout_s=5)
+        client.set("k", b"v")
+        assert store.get("k") == b"v"
+        others = non_loopback_addresses()
+        if not others:
+            pytest.skip("this machine has no non-loopback address to probe")
+        for addr in others:
+            assert not reachable(addr, store.port), f"the store for 127.0.0.1 answers on {addr}:{store.port}"
+
+    def test_store_can_be_asked_to_listen_everywhere(self):
+        others = non_loopback_addresses()
+        if not others:
+            pytest.skip("this machine has no non-loopback address to probe")
+        store = create_store("0.0.0.0", port=0, is_master=True, timeout_s=5)
+        assert reachable(others[0], store.port)
+
+    @pytest.mark.mooncake
+    @pytest.mark.skipif(not mooncake_available()[0], reason="Mooncake transfer engine unavailable")
+    def test_mooncake_exposure_is_as_documented(self):
+        """Pins the README: an engine made for 127.0.0.1 still answers on other addresses, and a peer that
+        reaches it can write into its registered regions (dtkv cannot restrict this; deploy behind a firewall)."""
+        from dtkv.transfer import MooncakeEngine
+
+        others = non_loopback_addresses()
+        if not others:
+            pytest.skip("this machine has no non-loopback address to probe")
+        victim, peer = MooncakeEngine(), MooncakeEngine()
+        try:
+            pool = torch.zeros(4096, dtype=torch.uint8)
+            victim.register([pool])
+            src = torch.full((64,), 7, dtype=torch.uint8)
+            peer.register([src])
+            port = int(victim.session.rsplit(":", 1)[1])
+            assert reachable(others[0], port), "Mooncake's handshake port no longer listens on every interface"
+            session = f"{others[0]}:{port}"
+            assert peer.write(session, [src.data_ptr()], [pool.data_ptr() + 128], [64]) == 0
+            assert int(pool[128:192].sum()) == 7 * 64 and int(pool[:128].sum()) == 0
+        finally:
+            victim.close()
+            peer.close()
