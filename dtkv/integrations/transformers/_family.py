@@ -119,18 +119,14 @@ def geometry_of(model: torch.nn.Module) -> DSAGeometry:
 
     Raises:
         TypeError: not a supported model.
-        ValueError: ``q_lora_rank`` is None (the indexer reads the low-rank query) or an odd rope dim.
+        ValueError: the first layer shares a top-k (``indexer_types[0] == "shared"``): there is none to share.
     """
     family_of(model)
     cfg = model.config
-    if cfg.q_lora_rank is None:
-        raise ValueError("model.config.q_lora_rank must be set (the DSA indexer reads the low-rank query), got None")
-    if cfg.qk_rope_head_dim % 2:
-        raise ValueError(f"qk_rope_head_dim must be even (rotary pairs), got {cfg.qk_rope_head_dim}")
     types = getattr(cfg, "indexer_types", None) or ["full"] * cfg.num_hidden_layers
     indexer_layers = tuple(t == "full" for t in types[: cfg.num_hidden_layers])
     if not indexer_layers[0]:
-        raise ValueError(f"the first layer must run its own indexer, got indexer_types={list(types)}")
+        raise ValueError(f"indexer_types[0] must be 'full' (layer 0 has no top-k to share), got {list(types)}")
     return DSAGeometry(
         num_layers=cfg.num_hidden_layers,
         kv_lora_rank=cfg.kv_lora_rank,
