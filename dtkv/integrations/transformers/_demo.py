@@ -22,17 +22,19 @@ TOLERANCE = {
     ("float32", "fp32"): 1e-5,
     ("float32", "fp8"): 1e-4,
     ("float32", "bf16"): 2e-3,
-    ("bfloat16", "fp32"): 5e-2,
-    ("bfloat16", "fp8"): 5e-2,
-    ("bfloat16", "bf16"): 5e-2,
+    ("bfloat16", "fp32"): 3e-2,
+    ("bfloat16", "fp8"): 3e-2,
+    ("bfloat16", "bf16"): 3e-2,
 }
 """Per-position logit tolerance against the reference, by (model dtype, KV dtype). Float32 models: float32
-summation-order noise, amplified by the stored format's rounding (the test module
-``tests/test_integration_transformers.py`` states the measurements). bfloat16 models: the logits themselves are
-bf16 (an ulp is 2**-8 of their magnitude) and every matmul differs in the last bits between row counts."""
-MIN_WITHIN = 0.97
-"""Fraction of positions that must be within the tolerance: summation noise can move a bf16/fp8 rounding, an
-MoE routing choice or an index top-k choice at an isolated position (a jump, not a drift)."""
+summation-order noise, amplified by the stored format's rounding (measurements in
+``tests/test_integration_transformers.py``). bfloat16 models: the logits themselves are bf16, so a last-bit
+difference anywhere shows as an ulp of the logits (2**-7 at magnitude 1); measured on CPU: <= 7.8e-3."""
+MIN_WITHIN = {"float32": 0.97, "bfloat16": 0.90}
+"""Fraction of positions that must be within the tolerance, by model dtype. The model is discontinuous (MoE
+top-2 routing, index top-k): noise flips a near-tie at an isolated position, and the logits there jump. A bf16
+model's noise is the last bit of every op (the sparse attention sums in another order than SDPA), so such
+positions are more frequent (CPU measurements: 94.8-100% within 3e-2, tokens always equal)."""
 MAX_DIFF = 1.0
 """Bound on any position's logit difference."""
 
@@ -43,11 +45,13 @@ def parity_of(model_dtype: str, kv_dtype: str, diffs: torch.Tensor, tokens_equal
     within = float((diffs <= tol).float().mean()) if diffs.numel() else 1.0
     worst = float(diffs.max()) if diffs.numel() else 0.0
     return {
-        "parity": bool(tokens_equal and within >= MIN_WITHIN and worst <= MAX_DIFF),
+        "parity": bool(tokens_equal and within >= MIN_WITHIN[model_dtype] and worst <= MAX_DIFF),
         "tokens_equal": bool(tokens_equal),
         "max_abs_logit_diff": worst,
+        "mean_abs_logit_diff": float(diffs.mean()) if diffs.numel() else 0.0,
         "within_tolerance": within,
         "tolerance": tol,
+        "min_within_tolerance": MIN_WITHIN[model_dtype],
     }
 
 
@@ -129,8 +133,10 @@ def summary(args: dict, results: list[dict], wall: float, device: str) -> dict:
     return {
         "parity": bool(r0["parity"] and agree),
         "max_abs_logit_diff": r0["max_abs_logit_diff"],
+        "mean_abs_logit_diff": r0["mean_abs_logit_diff"],
         "within_tolerance": r0["within_tolerance"],
         "tolerance": r0["tolerance"],
+        "min_within_tolerance": r0["min_within_tolerance"],
         "tokens_equal": r0["tokens_equal"],
         "reference": "the model's own forward (stable index top-k ties, keys in the pools' formats)",
         "max_abs_logit_diff_full_precision": r0["max_abs_logit_diff_full_precision"],

@@ -23,7 +23,8 @@ def send_from_rank(runner, args: dict) -> dict:
     """Prefill-rank side: send every request of ``runner`` to the decode process (after prefill).
 
     Returns ``pd_entries``, ``pd_min_entries``, ``pd_calls``, ``pd_bytes`` (this rank's) and ``pd_kv_digest``
-    (a hash of the requests' stored prompt KV; collective over the runner's group).
+    (a hash of the requests' stored prompt KV; collective over the runner's group). Every wait is bounded by
+    ``args["timeout"]`` (the demo's ``--timeout``; the decode process may still be loading the model).
     """
     from dtkv.integrations.transformers.pd import kv_digest, request_bytes, send_prefilled, shard_for_runner
     from dtkv.transfer import Bootstrap, PrefillSender, create_store
@@ -32,7 +33,7 @@ def send_from_rank(runner, args: dict) -> dict:
     digest = kv_digest([runner.kv_bytes(r.rid) for r in runner.requests], [len(p) for p in prompts])
     store = create_store(port=args["pd_port"], is_master=False, timeout_s=args.get("timeout", 300.0))
     shard = shard_for_runner(runner, staging_bytes=request_bytes(runner, [len(p) for p in prompts]))
-    sender = PrefillSender(shard, Bootstrap(store, namespace=args["pd_namespace"]))
+    sender = PrefillSender(shard, Bootstrap(store, namespace=args["pd_namespace"]), timeout_s=args.get("timeout"))
     try:
         sender.connect()
         reports = send_prefilled(runner, sender)
@@ -63,7 +64,7 @@ def _decode_main(conn, args: dict, prompts: list[list[int]], port: int, namespac
         runner = DSAModelRunner(lm, num_pages=num_pages, page_size=args["page_size"], kv_dtype=args["kv_dtype"])
         store = create_store(port=port, is_master=False, timeout_s=args.get("timeout", 300.0))
         shard = shard_for_runner(runner, staging_bytes=request_bytes(runner, [len(p) for p in prompts]))
-        receiver = DecodeReceiver(shard, Bootstrap(store, namespace=namespace))
+        receiver = DecodeReceiver(shard, Bootstrap(store, namespace=namespace), timeout_s=args.get("timeout"))
         try:
             receiver.connect()
             reports = receive_prefilled(runner, receiver, prompts)

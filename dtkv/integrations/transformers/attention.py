@@ -189,11 +189,12 @@ def dsa_attention(attn, ctx: AttentionContext, hidden_states: torch.Tensor, posi
     key, value = attn.expand_kv(sel[..., :r], sel[..., r:])  # [1, H, N*k, nope + E], [1, H, N*k, v]
     key = key.view(h, n, k, attn.qk_head_dim)
     value = value.view(h, n, k, attn.v_head_dim)
-    logits_HNK = torch.einsum("hnc,hnkc->hnk", query_HNC, key) * attn.scaling
+    # float32 inside, one rounding at the end: what SDPA kernels do for half-precision inputs
+    logits_HNK = torch.einsum("hnc,hnkc->hnk", query_HNC.float(), key.float()) * attn.scaling
     logits_HNK = logits_HNK.masked_fill((topk_NK < 0)[None], float("-inf"))
-    probs = torch.softmax(logits_HNK, dim=-1, dtype=torch.float32).to(query_HNC.dtype)
-    out = torch.einsum("hnk,hnkv->nhv", probs, value).reshape(1, n, h * attn.v_head_dim)
-    return attn.o_proj(out), topk_NK
+    probs = torch.softmax(logits_HNK, dim=-1)
+    out = torch.einsum("hnk,hnkv->nhv", probs, value.float()).to(hidden_states.dtype)
+    return attn.o_proj(out.reshape(1, n, h * attn.v_head_dim)), topk_NK
 
 
 def install(model: torch.nn.Module, ctx: AttentionContext) -> None:
