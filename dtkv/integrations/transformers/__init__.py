@@ -20,7 +20,7 @@ attention module's forward, so that forward is what the runner binds (per instan
 
 **transformers 5.17's DSA forward is not length-invariant, and why.** With ``index_topk=16`` the logits of
 a 200-token forward differ from the first 200 rows of a 300-token forward, and a chunked forward with a cache
-differs from the full forward (measured on the tiny models: up to 0.39 / 0.52 for DeepSeek-V3.2, 0.56 / 0.66
+differs from the full forward (measured on :func:`tiny_model`: up to 0.53 / 0.95 for DeepSeek-V3.2, 0.62 / 0.91
 for GLM-5). The cause is *ties in the indexer's top-k*: scores are ``sum_h w_h * relu(q_h . k)``, so a key for
 which every indexer head's dot product is negative scores exactly ``0.0``; with 4 indexer heads about one key
 in 16 does. When the ``index_topk``-th best score is such a zero, ``torch.topk`` picks among the tied keys in
@@ -36,14 +36,14 @@ an order that depends on the row length. Minimal repro (a query at position 81 s
         print(sorted(rows(T)[None].topk(16, dim=-1).indices[0, 81].tolist())[-2:])
     # torch 2.13 CPU: [59, 60] for T=100, [58, 59] for T=200
 
-In the model, the layer-0 index scores of both forwards are bitwise equal on causal keys, yet position 81
-keeps keys {.., 40, 63} in one and {.., 34, 53} in the other; later layers then differ everywhere. The
+In the tiny DeepSeek-V3.2 model, layer 0's index scores of a 200- and a 300-token forward are bitwise equal on
+causal keys, yet at position 80 one keeps key 76 and the other the tied key 78; later layers then differ. The
 selection of masked future keys for queries whose causal window is shorter than ``index_topk`` (also true) is
 harmless: the top-k mask is combined with the causal mask, so those keys never get attention weight.
 
 **The comparison.** The reference is the model's own forward with that one call made deterministic
 (:func:`stable_topk`: highest score first, ties to the lowest position). With it both quirks vanish (tiny
-models: 200 vs 300 tokens and chunked vs full agree to 7e-7). The runner's indexer implements the same rule, so
+models: 200 vs 300 tokens and chunked vs full agree to 8.4e-7). The runner's indexer implements the same rule, so
 parity tests compare dtkv with a well-defined forward of the unmodified model, not with an accident of tie
 order.
 """
