@@ -267,7 +267,13 @@ def test_runner_rejects_bad_input_and_close_restores_the_model():
         runner.add_request([1, 2, 3])
         with pytest.raises(ValueError, match="chunk_size must be an int >= 1, got chunk_size=0"):
             runner.prefill(0)
-        assert runner.requests[0].num_computed == 0 and runner.requests[0].pages == []
+        with pytest.raises(ValueError, match=r"extend_lens must be ints in \[1, tokens not yet computed\], got 4"):
+            runner.step(runner.requests, [4])
+        with pytest.raises(ValueError, match="extend_lens must hold one length per request"):
+            runner.step(runner.requests, [1, 1])
+        assert runner.requests[0].num_computed == 0 and runner.requests[0].pages == []  # nothing allocated
+        with pytest.raises(ValueError, match="another DSAModelRunner wraps this model"):
+            DSAModelRunner(lm, num_pages=8)
         with torch.no_grad():  # attached but idle: the model runs its own forward
             assert torch.equal(lm(ids).logits, before)
         runner.prefill(2)

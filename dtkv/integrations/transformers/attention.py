@@ -37,7 +37,7 @@ from dtkv.materialize import Materializer, check_view, gather_view
 from dtkv.ownership import OwnershipSpec, PageOwnership
 from dtkv.pool import ShardedKVPool
 
-__all__ = ["AttentionContext", "dsa_attention", "install", "uninstall"]
+__all__ = ["AttentionContext", "check_unbound", "dsa_attention", "install", "uninstall"]
 
 
 class AttentionContext:
@@ -197,12 +197,25 @@ def dsa_attention(attn, ctx: AttentionContext, hidden_states: torch.Tensor, posi
     return attn.o_proj(out.reshape(1, n, h * attn.v_head_dim)), topk_NK
 
 
+def check_unbound(model: torch.nn.Module) -> None:
+    """Raise ``ValueError`` if ``model``'s attention modules already have a bound forward (one runner at a time)."""
+    if any("forward" in vars(layer.self_attn) for layer in model.model.layers):
+        raise ValueError(
+            "model's attention modules already have a bound forward (another DSAModelRunner wraps this model); "
+            "close() that runner first"
+        )
+
+
 def install(model: torch.nn.Module, ctx: AttentionContext) -> None:
     """Bind :func:`dsa_attention` as ``forward`` of every attention module of ``model`` (instance attribute).
 
     While ``ctx.plan`` is None the module runs its original forward, so the model stays usable on its own.
+
+    Raises:
+        ValueError: the modules already have a bound forward (one runner per model at a time).
     """
     returns_topk = ctx.family.returns_topk
+    check_unbound(model)
     for layer in model.model.layers:
         attn = layer.self_attn
         original = type(attn).forward.__get__(attn)

@@ -29,7 +29,7 @@ from dtkv._collectives import all_gather_rows, group_rank, group_size
 from dtkv.allocator import PageAllocator
 from dtkv.integrations.transformers._family import KV_DTYPES, KVDtype, family_of, geometry_of, kv_layouts
 from dtkv.integrations.transformers._plan import Request, StepPlan, cdiv, plan_step
-from dtkv.integrations.transformers.attention import AttentionContext, install, uninstall
+from dtkv.integrations.transformers.attention import AttentionContext, check_unbound, install, uninstall
 from dtkv.layouts import IndexerFp8Layout
 from dtkv.materialize import Materializer
 from dtkv.ownership import PageOwnership
@@ -75,7 +75,8 @@ class DSAModelRunner:
 
     Raises:
         TypeError: ``model`` is not a supported DSA causal LM.
-        ValueError: bad ``kv_dtype``, ``split``, ``page_size``, ``num_pages`` or ``direct_writes`` with round-robin.
+        ValueError: bad ``kv_dtype``, ``split``, ``page_size``, ``num_pages``, ``direct_writes`` with round-robin,
+            or ``model`` is already wrapped by a runner that was not closed.
     """
 
     def __init__(
@@ -92,6 +93,7 @@ class DSAModelRunner:
     ) -> None:
         self.family = family_of(model)
         self.geometry = geometry_of(model)
+        check_unbound(model)
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got kv_dtype={kv_dtype!r}")
         if split not in ("zigzag", "round_robin"):
@@ -164,9 +166,25 @@ class DSAModelRunner:
 
     # ------------------------------------------------------------------------------------------ plan / run
     def plan_step(self, reqs: Sequence[Request], extend_lens: Sequence[int]) -> StepPlan:
-        """Split, allocate and index one step of ``reqs`` (host, plan phase; same on every rank)."""
+        """Split, allocate and index one step of ``reqs`` (host, plan phase; same on every rank).
+
+        Raises:
+            ValueError: ``extend_lens`` does not hold one length per request, a length is < 1, or a request would
+                run past its known tokens (prompt plus generated); nothing is allocated.
+        """
+        lens = list(extend_lens)
+        if len(lens) != len(reqs) or not reqs:
+            raise ValueError(
+                f"extend_lens must hold one length per request of a non-empty batch, got {len(lens)} for {len(reqs)}"
+            )
+        for r, n in zip(reqs, lens):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1 or r.num_computed + n > len(r.tokens):
+                raise ValueError(
+                    f"extend_lens must be ints in [1, tokens not yet computed], got {n!r} for request {r.rid} "
+                    f"({r.num_computed} of {len(r.tokens)} tokens computed)"
+                )
         return plan_step(
-            reqs, extend_lens, allocator=self.allocator, ownership=self.ownership, rank=self.rank,
+            reqs, lens, allocator=self.allocator, ownership=self.ownership, rank=self.rank,
             page_size=self.page_size, split_mode=self.split_mode, mode=self.mode, device=self.device,
         )  # fmt: skip
 
