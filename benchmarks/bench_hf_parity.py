@@ -7,9 +7,9 @@ requests and greedy decode, and rank 0 compares every prompt and decode logit wi
 writes ``benchmarks/results/hf_parity_<device>_<date>.md`` (a table with versions and the command) and a
 ``.jsonl`` twin with every field.
 
-Usage (2 GPUs, NCCL; about a minute)::
+Usage, from the repository root (2 GPUs, NCCL; a few minutes, mostly Triton JIT and the reference forwards)::
 
-    torchrun --nproc-per-node 2 benchmarks/bench_hf_parity.py --device cuda
+    PYTHONPATH=. torchrun --nproc-per-node 2 benchmarks/bench_hf_parity.py --device cuda
 
 CPU/gloo works the same (``--device cpu``, slower). ``--dtypes bfloat16`` restricts the model dtypes (default:
 ``bfloat16,float32``; float32 matmuls on CUDA do not use TF32 unless asked, so float32 rows give the tight check).
