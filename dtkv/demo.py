@@ -215,7 +215,7 @@ def _torchrun(args: dict, rank: int, world: int, local_rank: int) -> tuple[list[
         torch.cuda.set_device(local_rank)
     timeout = datetime.timedelta(seconds=args["timeout"])
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
-    meta = dist.new_group(backend="gloo", timeout=timeout) if use_cuda else dist.group.WORLD  # results on the CPU
+    meta = dist.new_group(backend="gloo", timeout=timeout)  # results travel on their own CPU group
     pd = None
     try:
         if args["pd"]:
@@ -299,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
         return _usage_error(f"--decode-steps must be >= 0, got {ns.decode_steps}")
     if env is not None and ns.cp is not None and ns.cp != env[1]:
         return _usage_error(f"--cp must equal torchrun's WORLD_SIZE={env[1]} (or be left out), got --cp {ns.cp}")
+    if env is not None and ns.pd and os.environ.get("LOCAL_WORLD_SIZE", str(env[1])) != str(env[1]):
+        return _usage_error("--pd under torchrun needs a single node (the decode process rendezvouses on 127.0.0.1), "
+                            f"got WORLD_SIZE={env[1]}, LOCAL_WORLD_SIZE={os.environ['LOCAL_WORLD_SIZE']}")  # fmt: skip
     if ns.model == "reference" and (ns.kv_dtype == "fp32" or ns.dtype != "float32"):
         return _usage_error("--kv-dtype fp32 and --dtype are for --model deepseek-v32|glm5 (the reference model "
                             f"computes in float64 and stores bf16 or fp8), got --kv-dtype {ns.kv_dtype} "
@@ -321,19 +324,22 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         results = _spawn(args)
         wall = time.perf_counter() - t0
-    if rank != 0:  # one job, one report: rank 0 prints
-        return 1 if any("error" in r for r in results) else 0
-    return _report(ns, args, results, wall, pd)
+    return _report(ns, args, results, wall, pd, printing=rank == 0)  # one job, one report: rank 0 prints
 
 
-def _report(ns, args: dict, results: list[dict], wall: float, pd) -> int:
-    """Print the table or the JSON object of a finished run; the exit code (0 parity, 1 otherwise)."""
+def _report(ns, args: dict, results: list[dict], wall: float, pd, *, printing: bool = True) -> int:
+    """Print the table or the JSON object of a finished run; the exit code (0 parity, 1 otherwise).
+
+    Every torchrun rank computes the verdict from the same gathered results (the same exit code everywhere);
+    only rank 0 prints, and only rank 0, which hosts the decode process of ``--pd``, adds its verdict.
+    """
     errors = [r for r in results if "error" in r]
     if errors:
-        for e in errors:
-            print(f"rank {e['rank']} failed: {e['error']}", file=sys.stderr)
-        if ns.json:
-            print(json.dumps({"parity": False, "cp": args["cp"], "error": errors[0]["error"].splitlines()[0]}))
+        if printing:
+            for e in errors:
+                print(f"rank {e['rank']} failed: {e['error']}", file=sys.stderr)
+            if ns.json:
+                print(json.dumps({"parity": False, "cp": args["cp"], "error": errors[0]["error"].splitlines()[0]}))
         return 1
     if ns.model == "reference":
         summary = _reference_summary(ns, args, results, wall)
@@ -344,6 +350,8 @@ def _report(ns, args: dict, results: list[dict], wall: float, pd) -> int:
     if pd is not None:
         summary.update(pd.finish(results, timeout_s=ns.timeout))
         summary["parity"] = summary["parity"] and summary["pd_parity"]
+    if not printing:
+        return 0 if summary["parity"] else 1
     if ns.json:
         print(json.dumps(summary))
     else:

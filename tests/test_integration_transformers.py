@@ -61,7 +61,9 @@ def model(name: str, overrides: tuple = ()):
     return tiny_model(name, **{k: list(v) if isinstance(v, tuple) else v for k, v in overrides})
 
 
-def cp_run(rank, world, name, split, kv_dtype, page_size, *, prefetch=True, extra_pages=0, overrides=()):
+def cp_run(
+    rank, world, name, split, kv_dtype, page_size, *, prefetch=True, extra_pages=0, scheme="interleave", overrides=()
+):
     """One rank: chunked CP prefill of ``prompts()`` then greedy decode; logits, tokens, bytes, stats."""
     import torch.distributed as dist
 
@@ -75,6 +77,7 @@ def cp_run(rank, world, name, split, kv_dtype, page_size, *, prefetch=True, extr
         page_size=page_size,
         kv_dtype=kv_dtype,
         split=split,
+        scheme=scheme,
     )
     for p in ps:
         runner.add_request(p)
@@ -177,7 +180,7 @@ COVERING = [
     ("glm5", "round_robin", "fp8", 1, 3, {}),
     ("deepseek-v32", "round_robin", "fp8", 64, 4, {}),
     ("glm5", "zigzag", "bf16", 64, 3, {"prefetch": False}),
-    ("glm5", "zigzag", "fp8", 1, 4, {}),
+    ("glm5", "zigzag", "fp8", 1, 4, {"scheme": "block"}),  # contiguous page ranges per rank
     ("deepseek-v32", "zigzag", "fp8", 16, 3, {"extra_pages": 1}),  # 1 page more than a multiple of cp
     ("deepseek-v32", "round_robin", "bf16", 1, 2, {}),
     ("glm5", "zigzag", "fp32", 16, 2, {}),

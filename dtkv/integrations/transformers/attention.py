@@ -186,7 +186,8 @@ def dsa_attention(attn, ctx: AttentionContext, hidden_states: torch.Tensor, posi
         return attn.o_proj(hidden_states.new_zeros((1, 0, h * attn.v_head_dim))), topk_NK
     latent_VC = read_rows(views["kv"], ctx.layouts["kv"], hidden_states.dtype)
     sel = latent_VC[topk_NK.clamp(min=0)].reshape(1, 1, n * k, r + e)  # [1, 1, N*k, R + E]
-    key, value = attn.expand_kv(sel[..., :r], sel[..., r:])  # [1, H, N*k, nope + E], [1, H, N*k, v]
+    # the class's expand_kv (kv_b_proj), never an instance wrap such as the reference's key rounding
+    key, value = type(attn).expand_kv(attn, sel[..., :r], sel[..., r:])  # [1, H, N*k, nope+E], [1, H, N*k, v]
     key = key.view(h, n, k, attn.qk_head_dim)
     value = value.view(h, n, k, attn.v_head_dim)
     # float32 inside, one rounding at the end: what SDPA kernels do for half-precision inputs
