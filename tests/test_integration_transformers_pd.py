@@ -1,8 +1,10 @@
-"""PD with a transformers DSA model over Mooncake TCP loopback: CP prefill ranks (2 and 3 gloo ranks, sharded KV)
-hand every request to a decode process running the same model, whose received KV is bitwise what the CP ranks
-store and whose greedy tokens equal the CP run's and the model's own."""
+"""PD with a transformers DSA model over Mooncake TCP loopback: CP prefill ranks (2 gloo ranks; also 3 with
+``DTKV_TEST_LONG=1``) hand every request to a decode process running the same model, whose received KV is bitwise
+what the CP ranks store and whose greedy tokens equal the model's own."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -47,7 +49,17 @@ def _prefill_rank(rank, world, args):
 
 @pytest.mark.parametrize(
     ("world", "name", "split", "kv_dtype"),
-    [(2, "deepseek-v32", "zigzag", "fp8"), (3, "glm5", "round_robin", "bf16")],
+    [
+        (2, "deepseek-v32", "zigzag", "fp8"),
+        # a non-CP decode fed by 3 owner-filtered ranks; slow on 2 cores, covered per run by the torchrun demo test
+        pytest.param(
+            3,
+            "glm5",
+            "round_robin",
+            "bf16",
+            marks=pytest.mark.skipif(os.environ.get("DTKV_TEST_LONG", "0") != "1", reason="set DTKV_TEST_LONG=1"),
+        ),
+    ],
     ids=["world2-deepseek-v32-direct-fp8", "world3-glm5-bf16"],
 )
 def test_pd_decode_continues_the_cp_prefill(world, name, split, kv_dtype):
