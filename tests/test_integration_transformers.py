@@ -18,7 +18,8 @@ storage, not the KV format's precision. Criteria, for every prompt position and 
   stayed within 1e-4. With ``PROMPTS`` every position of the 72-run grid is within ``TOL``.
 
 Measured on this machine (2 cores, torch 2.13 CPU): identical per-position differences for every cp size,
-split and page size of a (model, KV dtype) pair; the runners took 1-9 s per run (the machine was shared).
+split and page size of a (model, KV dtype) pair; prefill + decode took 0.4-2.8 s per run
+(``benchmarks/results/hf_parity_cpu_2026-11-30.md``).
 """
 
 from __future__ import annotations

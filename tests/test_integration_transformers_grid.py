@@ -1,5 +1,5 @@
 """The full parity grid of the transformers integration: both models x both splits x bf16/fp8 KV x page sizes
-1/16/64 x 2, 3 and 4 gloo ranks (72 runs, 15 min on a busy 2-core machine), so it runs only with
+1/16/64 x 2, 3 and 4 gloo ranks (72 runs: 5 min on 2 cores, 15 when the machine is busy), so it runs only with
 ``DTKV_TEST_LONG=1``; ``tests/test_integration_transformers.py`` runs a covering subset on every CI run.
 The criteria are those of that module. ``DTKV_TEST_GRID_LOG=path`` appends one JSON line per run (measured
 differences and timings).
