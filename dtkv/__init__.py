@@ -2,16 +2,17 @@
 
 Entry points:
 
-- :class:`PageOwnership` -- DTensor placement tag and the pure logical page <-> (owner, local page) map.
+- :class:`PageOwnership` -- DTensor placement tag and the pure logical page <-> (owner, local page) map of an
+  ownership scheme (:data:`OwnershipScheme`: ``"interleave"`` or ``"block"``).
 - :class:`PageAllocator` -- SPMD, owner-aware page allocator.
-- :class:`MLALatentLayout`, :class:`MLAFp8Layout`, :class:`IndexerFp8Layout` -- stored byte layouts.
+- :class:`MLALatentLayout`, :class:`MLAFp8Layout`, :class:`IndexerFp8Layout` -- stored byte layouts of a page.
 - :class:`ShardedKVPool` -- per-layer pools holding only the owned pages, with startup agreement checks.
 - :func:`plan_cp_split` -> :class:`CPSplit` -- zigzag / page-aligned / round-robin CP split metadata
   (:mod:`dtkv.split`), :func:`verify_direct_write`, :func:`allocate_for_split`.
 - :mod:`dtkv.ops` -- the custom ops; :mod:`dtkv.materialize` -- full views; :mod:`dtkv.model` -- the reference
   model; :mod:`dtkv.transfer` -- Mooncake PD transfer; :mod:`dtkv.capacity` -- sizing.
 
-The page-table format is defined in :mod:`dtkv.page_table`; ``DTKV_*`` variables in :mod:`dtkv._env`.
+The page-table format and the glossary are in :mod:`dtkv.page_table`; ``DTKV_*`` variables in :mod:`dtkv._env`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dtkv._env import debug_enabled, debug_mode, default_backend
 from dtkv._startup import ConfigMismatchError
 from dtkv.allocator import AllocationError, PageAllocator
 from dtkv.layouts import FP8_E4M3_MAX, IndexerFp8Layout, KVLayout, MLAFp8Layout, MLALatentLayout
-from dtkv.ownership import OwnershipSpec, PageOwnership, ownership_spec
+from dtkv.ownership import OwnershipScheme, OwnershipSpec, PageOwnership, ownership_spec
 from dtkv.pool import ShardedKVPool, gather_pages
 from dtkv.split import (
     CPSplit,
@@ -52,6 +53,7 @@ __all__ = [
     "LocalSplit",
     "MLAFp8Layout",
     "MLALatentLayout",
+    "OwnershipScheme",
     "OwnershipSpec",
     "PageAllocator",
     "PageOwnership",

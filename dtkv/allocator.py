@@ -3,38 +3,29 @@
 Every rank of a CP group holds an identical :class:`PageAllocator` and feeds it the same calls in the same
 order, so every rank makes the same decisions without communication (the scheduler runs SPMD on logical pages).
 The free pages are kept in one min-heap per owner class, so a caller can ask for "a page stored on rank r" --
-the basis of compute-owner direct writes (``dtkv.split.allocate_for_split``).
+the basis of compute-owner direct writes (``dtkv.split.allocate_for_split``). An owner that stores no page
+(``block`` scheme with ``cp=3`` and 4 pages, or fewer pages than ranks) simply has an empty class.
 """
 
 from __future__ import annotations
 
 import hashlib
 import heapq
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
 
+from dtkv._agree import register_error
 from dtkv._checks import check_int
+from dtkv._util import as_int_list
 from dtkv.ownership import PageOwnership
 
 __all__ = ["AllocationError", "PageAllocator"]
 
 
+@register_error
 class AllocationError(RuntimeError):
     """A request for pages cannot be met; nothing was allocated."""
-
-
-def _as_int_list(name: str, values: Sequence[int] | torch.Tensor | Iterable[int]) -> list[int]:
-    if isinstance(values, torch.Tensor):
-        if values.dtype.is_floating_point or values.dtype == torch.bool:
-            raise TypeError(f"{name} must be an integer tensor, got {name}.dtype={values.dtype}")
-        return [int(v) for v in values.flatten().tolist()]
-    out = []
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise TypeError(f"{name} must hold ints, got {v!r} ({type(v).__name__})")
-        out.append(v)
-    return out
 
 
 class PageAllocator:
@@ -45,7 +36,7 @@ class PageAllocator:
 
     Args:
         ownership: the page-ownership map of the pool being allocated.
-        reserved: logical pages never handed out (e.g. a padding page).
+        reserved: logical pages never handed out (e.g. a padding page); ``free`` rejects them.
     """
 
     def __init__(self, ownership: PageOwnership, *, reserved: Sequence[int] = ()) -> None:
@@ -53,10 +44,11 @@ class PageAllocator:
             raise TypeError(f"ownership must be a PageOwnership, got {type(ownership).__name__}")
         self.ownership = ownership
         cp = ownership.cp_size
-        reserved_set = set(_as_int_list("reserved", reserved))
-        for p in reserved_set:
+        reserved_set = set(as_int_list("reserved", reserved))
+        for p in sorted(reserved_set):
             if not 0 <= p < ownership.num_pages:
                 raise ValueError(f"reserved must hold pages in [0, {ownership.num_pages}), got {p}")
+        self._reserved = frozenset(reserved_set)
         self._free: list[list[int]] = []
         for r in range(cp):
             pages = [int(p) for p in ownership.local_pages(r).tolist() if int(p) not in reserved_set]
@@ -77,7 +69,16 @@ class PageAllocator:
         return len(self._free[owner])
 
     def is_free(self, page: int) -> bool:
+        """Whether logical ``page`` is free (reserved pages never are)."""
+        check_int("page", page)
+        if not 0 <= page < self.ownership.num_pages:
+            raise ValueError(f"page must be in [0, {self.ownership.num_pages}), got page={page}")
         return bool(self._is_free[page])
+
+    @property
+    def reserved(self) -> frozenset[int]:
+        """The pages never handed out."""
+        return self._reserved
 
     def digest(self) -> str:
         """A hash of the free state; equal on every rank while the SPMD contract holds (debug checks)."""
@@ -96,7 +97,7 @@ class PageAllocator:
         Raises:
             AllocationError: some owner has fewer free pages than requested; nothing is allocated.
         """
-        wanted = _as_int_list("owners", owners)
+        wanted = as_int_list("owners", owners)
         counts = [0] * self.ownership.cp_size
         for o in wanted:
             self._check_owner("owners", o)
@@ -116,7 +117,9 @@ class PageAllocator:
     def alloc_balanced(self, n: int) -> torch.Tensor:
         """``n`` free pages spread across owners round-robin from a rotating cursor (no owner preference).
 
-        Owners with no free page are skipped, so the request succeeds whenever ``n <= num_free()``.
+        Owners with no free page are skipped, so the request succeeds whenever ``n <= num_free()``. The cursor
+        carries over between calls, so repeated calls keep the pages handed out per owner within one of each
+        other (among owners that still have free pages), whatever the sizes of the calls.
 
         Returns:
             int64 CPU tensor ``[n]`` of logical pages.
@@ -145,9 +148,10 @@ class PageAllocator:
         """Return pages to their owners' free lists; ``-1`` entries are ignored.
 
         Raises:
-            ValueError: a page is outside the pool, not allocated (double free) or repeated; nothing is freed.
+            ValueError: a page is outside the pool, reserved, not allocated (double free) or repeated; nothing
+                is freed.
         """
-        plist = [p for p in _as_int_list("pages", pages) if p != -1]
+        plist = [p for p in as_int_list("pages", pages) if p != -1]
         seen = set()
         for p in plist:
             if not 0 <= p < self.ownership.num_pages:
@@ -155,6 +159,8 @@ class PageAllocator:
                     f"free(pages) got page {p}, outside the pool's pages [0, {self.ownership.num_pages}); "
                     "nothing was freed"
                 )
+            if p in self._reserved:
+                raise ValueError(f"free(pages) got page {p}, which is reserved (never allocated); nothing was freed")
             if self._is_free[p] or p in seen:
                 raise ValueError(f"free(pages) got page {p}, which is not allocated (double free); nothing was freed")
             seen.add(p)

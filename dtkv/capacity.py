@@ -6,7 +6,7 @@ needs (the per-layer view of the largest request, double-buffered for layer-ahea
 buffer). :func:`capacity` builds the pools and scratch on the ``meta`` device (no memory is touched) and
 reports the multiplier.
 
-Run ``python -m dtkv.capacity --preset glm5 --cp 8 --tokens 1048576 --json``.
+Run ``python -m dtkv.capacity --preset glm5 --cp-size 8 --tokens 1048576 --json`` (``--cp`` is an alias).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import sys
 from dataclasses import asdict, dataclass
 
 from dtkv._checks import check_int
+from dtkv._util import cdiv, warn_deprecated
 from dtkv.layouts import IndexerFp8Layout, KVLayout, MLAFp8Layout, MLALatentLayout
 from dtkv.materialize import scratch_bytes
 from dtkv.ownership import PageOwnership
@@ -69,7 +70,8 @@ class CapacityReport:
     """What :func:`capacity` measured (every size in bytes, every count in tokens or pages)."""
 
     preset: str
-    cp: int
+    cp_size: int
+    """CP group size."""
     tokens: int
     """Logical tokens the replicated baseline holds (each rank's budget is that pool's size)."""
     max_request_tokens: int
@@ -88,33 +90,59 @@ class CapacityReport:
     capacity_multiplier: float
     """``sharded_tokens / tokens``."""
 
+    @property
+    def cp(self) -> int:
+        """Deprecated name of :attr:`cp_size` (warns)."""
+        warn_deprecated("CapacityReport.cp", "CapacityReport.cp_size")
+        return self.cp_size
+
+    def to_json(self) -> dict[str, object]:
+        """The report as a JSON-able dict (what ``--json`` prints; ``"cp"`` repeats ``"cp_size"`` for one
+        release, for scripts reading the old key)."""
+        out = asdict(self)
+        out["cp"] = self.cp_size
+        return out
+
 
 def capacity(
-    preset: str | ModelGeometry = "glm5", *, cp: int, tokens: int, max_request_tokens: int | None = None
+    preset: str | ModelGeometry = "glm5",
+    *,
+    cp_size: int | None = None,
+    tokens: int,
+    max_request_tokens: int | None = None,
+    cp: int | None = None,
 ) -> CapacityReport:
     """Per-rank bytes and capacity multiplier of sharded vs replicated KV, computed on meta tensors.
 
     Args:
         preset: a key of :data:`PRESETS` or a :class:`ModelGeometry`.
-        cp: CP group size (>= 1).
+        cp_size: CP group size (>= 1).
         tokens: tokens of the replicated baseline pool; each rank's budget is that pool's bytes.
         max_request_tokens: the longest request the scratch must materialize (default ``tokens``).
+        cp: deprecated name of ``cp_size`` (warns).
     """
+    if cp is not None:
+        warn_deprecated("capacity(cp=...)", "capacity(cp_size=...)")
+        if cp_size is not None and cp_size != cp:
+            raise TypeError(f"capacity got cp_size={cp_size} and the deprecated cp={cp}; pass cp_size= only")
+        cp_size = cp
+    if cp_size is None:
+        raise TypeError("capacity() missing required keyword argument: 'cp_size'")
     geo = PRESETS[preset] if isinstance(preset, str) and preset in PRESETS else preset
     if not isinstance(geo, ModelGeometry):
         raise ValueError(f"preset must be one of {sorted(PRESETS)} or a ModelGeometry, got preset={preset!r}")
-    check_int("cp", cp, min_value=1)
+    check_int("cp_size", cp_size, min_value=1)
     check_int("tokens", tokens, min_value=1)
     max_req = tokens if max_request_tokens is None else check_int("max_request_tokens", max_request_tokens, min_value=1)
     ps = geo.page_size
     layouts = dict(geo.layouts)
-    replicated_pages = -(-tokens // ps)
+    replicated_pages = cdiv(tokens, ps)
     replicated = ShardedKVPool(layouts, PageOwnership(1, replicated_pages), num_layers=geo.num_layers, device="meta")
     budget = replicated.bytes_per_rank()
-    scratch = scratch_bytes(layouts, max_pages=-(-max_req // ps), cp=cp, prefetch=True)
+    scratch = scratch_bytes(layouts, max_pages=cdiv(max_req, ps), cp=cp_size, prefetch=True)
     per_page_all_layers = geo.num_layers * geo.page_bytes_per_layer
     local_pages = max(0, (budget - scratch) // per_page_all_layers)
-    total_pages = local_pages * cp
+    total_pages = local_pages * cp_size
     if total_pages:
         # Build the sharded pool on meta: rank 0 holds the most pages (interleave), so this is the per-rank peak.
         sharded = ShardedKVPool(layouts, PageOwnership(1, local_pages), num_layers=geo.num_layers, device="meta")
@@ -123,7 +151,7 @@ def capacity(
         per_rank = 0
     return CapacityReport(
         preset=geo.name,
-        cp=cp,
+        cp_size=cp_size,
         tokens=tokens,
         max_request_tokens=max_req,
         page_size=ps,
@@ -140,17 +168,17 @@ def capacity(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dtkv.capacity", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="glm5", choices=sorted(PRESETS))
-    parser.add_argument("--cp", type=int, default=8)
+    parser.add_argument("--cp-size", "--cp", dest="cp_size", type=int, default=8, help="CP group size")
     parser.add_argument("--tokens", type=int, default=1 << 20)
     parser.add_argument("--max-request-tokens", type=int, default=None)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
-    rep = capacity(args.preset, cp=args.cp, tokens=args.tokens, max_request_tokens=args.max_request_tokens)
+    rep = capacity(args.preset, cp_size=args.cp_size, tokens=args.tokens, max_request_tokens=args.max_request_tokens)
     if args.json:
-        print(json.dumps(asdict(rep)))
+        print(json.dumps(rep.to_json()))
         return 0
     gib = 1 << 30
-    print(f"preset {rep.preset}: {rep.num_layers} layers, page {rep.page_size}, cp {rep.cp}")
+    print(f"preset {rep.preset}: {rep.num_layers} layers, page {rep.page_size}, cp_size {rep.cp_size}")
     print(f"  per-rank budget (replicated pool of {rep.tokens} tokens): {rep.kv_bytes_replicated / gib:9.2f} GiB")
     print(
         f"  materialization scratch (<= {rep.max_request_tokens} tokens):  {rep.scratch_bytes_per_rank / gib:9.2f} GiB"

@@ -6,6 +6,8 @@ logits and every stored KV byte agree. Prints a table, or one JSON object with `
 mismatch. ``--pd`` also spawns a non-CP decode process that receives every request's owned pages from
 the CP ranks over the Mooncake Transfer Engine (TCP loopback), reconstructs the full KV and continues with greedy
 decode; ``pd_parity`` is true when its KV bytes equal the replicated baseline's and its tokens equal the CP run's.
+``--decode sharded`` decodes the sharded run straight on its shards (:mod:`dtkv.decode`: no full view); parity then
+also needs its decode logits within 1e-9 relative of the baseline's full-view decode (``decode_logits_max_rel``).
 
 ``--model deepseek-v32|glm5`` runs a tiny random transformers DSA model (``DeepseekV32ForCausalLM`` /
 ``GlmMoeDsaForCausalLM``, no download) through :mod:`dtkv.integrations.transformers` instead, and checks every
@@ -78,7 +80,16 @@ def run_rank(rank: int, world: int, args: dict, init_file: str | None = None) ->
     sharded_mode = "sharded_direct" if args["split"] == "zigzag" else "sharded"
     results = {}
     for mode in ("replicated", sharded_mode):
-        eng = PrefillEngine(cfg, mode=mode, split=args["split"], group=group, num_pages=num_pages, device=device)
+        decode_mode = "full" if mode == "replicated" else args.get("decode", "full")
+        eng = PrefillEngine(
+            cfg,
+            mode=mode,
+            split=args["split"],
+            group=group,
+            num_pages=num_pages,
+            device=device,
+            decode_mode=decode_mode,
+        )
         for p in prompts:
             eng.add_request(p)
         if group is not None:
@@ -90,7 +101,13 @@ def run_rank(rank: int, world: int, args: dict, init_file: str | None = None) ->
             from dtkv.transfer.pd import send_from_rank
 
             pd_report = send_from_rank(eng, args, results["replicated"]["kv"])
-        outputs = eng.decode(args["decode_steps"])
+        decode_logits = []
+        for _ in range(args["decode_steps"]):
+            reqs = [r for r in eng.requests if r.output]
+            decode_logits.append(eng.decode_step(reqs))
+            for r, row in zip(reqs, decode_logits[-1]):
+                r.output.append(int(row.argmax()))
+        outputs = [list(r.output) for r in eng.requests]
         if use_cuda:
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
@@ -106,6 +123,8 @@ def run_rank(rank: int, world: int, args: dict, init_file: str | None = None) ->
             "direct_rows": eng.stats["direct_rows"],
             "handoff_rows": eng.stats["handoff_rows"],
             "pd": pd_report,
+            "decode_logits": decode_logits,
+            "decode_comm_bytes": eng.stats["decode_comm_bytes"],
         }
     base, shard = results["replicated"], results[sharded_mode]
     kv_equal = all(torch.equal(a[name], b[name]) for a, b in zip(base["kv"], shard["kv"]) for name in a)
@@ -123,6 +142,11 @@ def run_rank(rank: int, world: int, args: dict, init_file: str | None = None) ->
         "scratch_bytes_per_rank": shard["scratch"],
         "direct_rows": shard["direct_rows"],
         "handoff_rows": shard["handoff_rows"],
+        "decode_logits_max_rel": max(
+            [float((a - b).abs().max() / b.abs().max()) for a, b in zip(shard["decode_logits"], base["decode_logits"])]
+            + [0.0]
+        ),
+        "decode_comm_bytes": shard["decode_comm_bytes"],
         **shard["pd"],
     }
     if init_file is not None:
@@ -278,6 +302,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before the ranks are given up on")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--pd", action="store_true", help="also hand the requests to a decode process over Mooncake")
+    p.add_argument(
+        "--decode",
+        choices=("full", "sharded"),
+        default="full",
+        help="decode of the reference model's sharded run: over a full view (default) or straight on the shards",
+    )
     return p  # fmt: skip
 
 
@@ -302,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     if env is not None and ns.pd and os.environ.get("LOCAL_WORLD_SIZE", str(env[1])) != str(env[1]):
         return _usage_error("--pd under torchrun needs a single node (the decode process rendezvouses on 127.0.0.1), "
                             f"got WORLD_SIZE={env[1]}, LOCAL_WORLD_SIZE={os.environ['LOCAL_WORLD_SIZE']}")  # fmt: skip
+    if ns.model != "reference" and ns.decode != "full":
+        return _usage_error(f"--decode sharded is for the reference model, got --model {ns.model} --decode {ns.decode}")
     if ns.model == "reference" and (ns.kv_dtype == "fp32" or ns.dtype != "float32"):
         return _usage_error("--kv-dtype fp32 and --dtype are for --model deepseek-v32|glm5 (the reference model "
                             f"computes in float64 and stores bf16 or fp8), got --kv-dtype {ns.kv_dtype} "
@@ -361,9 +393,11 @@ def _report(ns, args: dict, results: list[dict], wall: float, pd, *, printing: b
 
 def _reference_summary(ns, args: dict, results: list[dict], wall: float) -> dict:
     r0 = results[0]
+    decode_rel = max(r["decode_logits_max_rel"] for r in results)
     parity = all(r["tokens_equal"] and r["kv_equal"] for r in results) and all(
         r["outputs"] == r0["outputs"] for r in results
     )
+    parity = parity and decode_rel <= 1e-9
     per_rank = max(r["kv_bytes_per_rank"] for r in results)
     scratch = max(r["scratch_bytes_per_rank"] for r in results)
     return {
@@ -389,6 +423,9 @@ def _reference_summary(ns, args: dict, results: list[dict], wall: float) -> dict
         "seconds_sharded": max(r["seconds_sharded"] for r in results),
         "wall_seconds": wall,
         "generated": r0["outputs"],
+        "decode": ns.decode,
+        "decode_logits_max_rel": decode_rel,
+        "decode_comm_bytes_per_step": r0["decode_comm_bytes"] // max(1, ns.decode_steps),
     }
 
 
@@ -411,6 +448,7 @@ def _print_table(ns, args: dict, summary: dict, wall: float, pd: bool) -> None:
         rows += [
             ("  with this batch's scratch charged", f"{s['capacity_multiplier_with_scratch']:.2f}x"),
             ("time: replicated / sharded", f"{s['seconds_baseline']:.2f} s / {s['seconds_sharded']:.2f} s"),
+            ("decode (logits vs full view)", f"{ns.decode} ({s['decode_logits_max_rel']:.1e} max relative difference)"),
             ("parity with replicated baseline", "OK (tokens, logits path and KV bytes)" if s["parity"] else "MISMATCH"),
         ]
     else:

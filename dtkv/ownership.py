@@ -1,22 +1,26 @@
 """Page ownership: which CP rank stores each logical KV page, as a DTensor placement tag.
 
-A logical page ``p`` of a pool of ``num_pages`` pages lives on exactly one of ``cp_size`` ranks:
+A logical page ``p`` of a pool of ``num_pages`` (``P``) pages lives on exactly one of ``cp_size`` (``cp``) ranks;
+the **ownership scheme** says which (the byte format of a stored page is its *layout*, :mod:`dtkv.layouts`):
 
-============  ==========================  ===============================  =========================
-layout        owner(p)                    local_index(p)                   num_local_pages(r)
-============  ==========================  ===============================  =========================
+============  ==========================  ===============================  ========================================
+scheme        owner(p)                    local_index(p)                   num_local_pages(r)
+============  ==========================  ===============================  ========================================
 interleave    ``p % cp``                  ``p // cp``                      ``ceil((P - r) / cp)``
-block         ``p // chunk``              ``p - owner * chunk``            ``clamp(P - r*chunk, 0, chunk)``
-============  ==========================  ===============================  =========================
+block         ``p // ppr``                ``p - owner * ppr``              ``clamp(P - r * ppr, 0, ppr)``
+============  ==========================  ===============================  ========================================
 
-with ``chunk = ceil(P / cp)`` (``torch.chunk`` sizes, as ``Shard(0)`` uses). ``-1`` is the padding sentinel of
-page tables and maps to ``-1`` everywhere. For ``cp=4, P=10``::
+with ``ppr = pages_per_rank = ceil(P / cp)`` (``torch.chunk`` sizes, as ``Shard(0)`` uses). A rank may store no
+page at all (``block`` with ``cp=3, P=4``, or any scheme with ``P < cp``): that is a normal case everywhere.
+``-1`` is the padding sentinel of page tables and maps to ``-1`` everywhere. For ``cp=4, P=10``::
 
     rank        0        1        2      3
     interleave  0 4 8    1 5 9    2 6    3 7
     block       0 1 2    3 4 5    6 7 8  9
 
 The map is pure arithmetic: no directory, every rank computes it, and it is inverted by :meth:`global_page`.
+This module is the one home of that arithmetic: :func:`owner_and_local` and :func:`pages_per_rank` serve code
+that holds plain ints (the ops), :class:`PageOwnership` and :class:`OwnershipSpec` wrap them.
 """
 
 from __future__ import annotations
@@ -27,12 +31,79 @@ import torch
 from torch.distributed.tensor.placement_types import Placement
 
 from dtkv._checks import check_int
+from dtkv._util import cdiv, warn_deprecated
 
-__all__ = ["Layout", "OwnershipSpec", "PageOwnership", "ownership_spec"]
+__all__ = [
+    "SCHEMES",
+    "SCHEME_CODES",
+    "OwnershipScheme",
+    "OwnershipSpec",
+    "PageOwnership",
+    "owner_and_local",
+    "ownership_spec",
+    "pages_per_rank",
+]
 
-Layout = Literal["interleave", "block"]
-_LAYOUTS = ("interleave", "block")
+OwnershipScheme = Literal["interleave", "block"]
+"""Which rank stores each page: ``"interleave"`` (``p % cp``) or ``"block"`` (contiguous ranges)."""
+SCHEMES: tuple[str, ...] = ("interleave", "block")
+SCHEME_CODES: dict[str, int] = {"interleave": 0, "block": 1}
+"""The integer code of each scheme, as registered ops take it (0 = interleave, 1 = block)."""
 IntOrTensor = TypeVar("IntOrTensor", int, torch.Tensor)
+
+
+def __getattr__(name: str):
+    if name == "Layout":  # the pre-0.1 name of OwnershipScheme
+        warn_deprecated("dtkv.ownership.Layout", "dtkv.ownership.OwnershipScheme")
+        return OwnershipScheme
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _check_scheme(scheme: object) -> str:
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme must be one of {SCHEMES}, got scheme={scheme!r}")
+    return scheme  # type: ignore[return-value]
+
+
+def _resolve_scheme(scheme: str, layout: str | None, where: str) -> str:
+    """``scheme`` unless the deprecated ``layout=`` keyword was given (then warn and use it)."""
+    if layout is None:
+        return scheme
+    warn_deprecated(f"{where}(layout=...)", f"{where}(scheme=...)", stacklevel=4)
+    if scheme != "interleave" and scheme != layout:
+        raise TypeError(f"{where} got scheme={scheme!r} and the deprecated layout={layout!r}; pass scheme= only")
+    return layout
+
+
+def pages_per_rank(cp_size: int, num_pages: int) -> int:
+    """Pages each rank stores under the ``block`` scheme (the last owning rank may store fewer, later ones
+    none): ``ceil(num_pages / cp_size)``; also the largest per-rank count of either scheme."""
+    return cdiv(num_pages, cp_size)
+
+
+def owner_and_local(pages, cp_size: int, num_pages: int, scheme: str | int):
+    """Owner rank and local page index of non-negative ``pages`` (int or integer tensor, any shape).
+
+    The raw arithmetic of the module table, for callers holding plain ints (``scheme`` may be a name or its
+    :data:`SCHEME_CODES` code). It does not keep the ``-1`` sentinel: :meth:`PageOwnership.owner` and
+    :meth:`PageOwnership.local_index` do.
+
+    Returns:
+        ``(owner, local_index)``, each of the type and shape of ``pages``.
+    """
+    return _owner_raw(pages, cp_size, num_pages, scheme), _local_raw(pages, cp_size, num_pages, scheme)
+
+
+def _owner_raw(pages, cp_size: int, num_pages: int, scheme: str | int):
+    if scheme in ("interleave", 0):
+        return pages % cp_size
+    return pages // pages_per_rank(cp_size, num_pages)
+
+
+def _local_raw(pages, cp_size: int, num_pages: int, scheme: str | int):
+    if scheme in ("interleave", 0):
+        return pages // cp_size
+    return pages % pages_per_rank(cp_size, num_pages)
 
 
 class PageOwnership(Placement):
@@ -44,7 +115,7 @@ class PageOwnership(Placement):
     (:meth:`dtkv.ShardedKVPool.dtensor` does) and gather with :meth:`dtkv.ShardedKVPool.gather_full`.
 
     Contract:
-        1. ``__eq__``/``__hash__`` cover ``(cp_size, num_pages, layout)``; two tags are equal iff every rank maps
+        1. ``__eq__``/``__hash__`` cover ``(cp_size, num_pages, scheme)``; two tags are equal iff every rank maps
            every page identically.
         2. ``__reduce__`` makes it picklable (compile pickles DTensor input metadata).
         3. ``owner``/``local_index``/``global_page`` are branch-free tensor arithmetic: they trace under
@@ -54,21 +125,24 @@ class PageOwnership(Placement):
     Args:
         cp_size: number of ranks sharing the pool (>= 1).
         num_pages: logical pages in the pool (>= 1).
-        layout: ``"interleave"`` or ``"block"`` (see the module table).
+        scheme: the ownership scheme, ``"interleave"`` or ``"block"`` (see the module table).
+        layout: deprecated name of ``scheme`` (warns; removed in the next release).
     """
 
-    __slots__ = ("_cp_size", "_num_pages", "_layout", "_chunk")
+    __slots__ = ("_cp_size", "_num_pages", "_scheme", "_pages_per_rank")
 
-    def __init__(self, cp_size: int, num_pages: int, layout: Layout = "interleave") -> None:
+    def __init__(
+        self, cp_size: int, num_pages: int, scheme: OwnershipScheme = "interleave", *, layout: str | None = None
+    ) -> None:
         super().__init__()  # the pybind base must be initialised, or is_shard() segfaults
+        scheme = _resolve_scheme(scheme, layout, "PageOwnership")
         check_int("cp_size", cp_size, min_value=1)
         check_int("num_pages", num_pages, min_value=1)
-        if layout not in _LAYOUTS:
-            raise ValueError(f"layout must be one of {_LAYOUTS}, got layout={layout!r}")
+        _check_scheme(scheme)
         object.__setattr__(self, "_cp_size", cp_size)
         object.__setattr__(self, "_num_pages", num_pages)
-        object.__setattr__(self, "_layout", layout)
-        object.__setattr__(self, "_chunk", -(-num_pages // cp_size))
+        object.__setattr__(self, "_scheme", scheme)
+        object.__setattr__(self, "_pages_per_rank", pages_per_rank(cp_size, num_pages))
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"PageOwnership is immutable; cannot set {name}")
@@ -83,11 +157,23 @@ class PageOwnership(Placement):
         return self._num_pages
 
     @property
-    def layout(self) -> Layout:
-        return self._layout
+    def scheme(self) -> OwnershipScheme:
+        """The ownership scheme, ``"interleave"`` or ``"block"``."""
+        return self._scheme  # type: ignore[return-value]
+
+    @property
+    def layout(self) -> OwnershipScheme:
+        """Deprecated name of :attr:`scheme` (warns)."""
+        warn_deprecated("PageOwnership.layout", "PageOwnership.scheme")
+        return self._scheme  # type: ignore[return-value]
+
+    @property
+    def pages_per_rank(self) -> int:
+        """``ceil(num_pages / cp_size)``: pages per rank of the ``block`` scheme (see :func:`pages_per_rank`)."""
+        return self._pages_per_rank
 
     def _key(self) -> tuple[int, int, str]:
-        return (self._cp_size, self._num_pages, self._layout)
+        return (self._cp_size, self._num_pages, self._scheme)
 
     def __eq__(self, other: object) -> bool:
         return type(other) is type(self) and other._key() == self._key()  # type: ignore[attr-defined]
@@ -99,10 +185,10 @@ class PageOwnership(Placement):
         return hash((type(self).__name__,) + self._key())
 
     def __repr__(self) -> str:
-        return f"PageOwnership(cp_size={self._cp_size}, num_pages={self._num_pages}, layout={self._layout!r})"
+        return f"PageOwnership(cp_size={self._cp_size}, num_pages={self._num_pages}, scheme={self._scheme!r})"
 
     def __str__(self) -> str:
-        return f"PO({self._layout[0]},{self._cp_size})"
+        return f"PO({self._scheme[0]},{self._cp_size})"
 
     def __reduce__(self):  # contract 2
         return (type(self), self._key())
@@ -133,7 +219,7 @@ class PageOwnership(Placement):
         Returns:
             Same type and shape (and dtype) as ``pages``; ``-1`` where ``pages`` is ``-1``.
         """
-        return _owner(pages, self._cp_size, self._chunk, self._layout)
+        return _owner(pages, self._cp_size, self._num_pages, self._scheme)
 
     @overload
     def local_index(self, pages: int) -> int: ...
@@ -141,7 +227,7 @@ class PageOwnership(Placement):
     def local_index(self, pages: torch.Tensor) -> torch.Tensor: ...
     def local_index(self, pages):
         """Index of each logical page inside its owner's local pool (same type/shape as ``pages``; -1 kept)."""
-        return _local_index(pages, self._cp_size, self._chunk, self._layout)
+        return _local_index(pages, self._cp_size, self._num_pages, self._scheme)
 
     @overload
     def global_page(self, rank: int | torch.Tensor, local_index: int) -> int: ...
@@ -149,20 +235,21 @@ class PageOwnership(Placement):
     def global_page(self, rank: int | torch.Tensor, local_index: torch.Tensor) -> torch.Tensor: ...
     def global_page(self, rank, local_index):
         """Inverse map: the logical page stored at ``local_index`` on ``rank`` (-1 local indices kept)."""
-        return _global_page(rank, local_index, self._cp_size, self._chunk, self._layout)
+        return _global_page(rank, local_index, self._cp_size, self._num_pages, self._scheme)
 
     def num_local_pages(self, rank: int) -> int:
         """Number of logical pages stored on ``rank``."""
         check_int("rank", rank, min_value=0)
         if rank >= self._cp_size:
             raise ValueError(f"rank must be < cp_size={self._cp_size}, got rank={rank}")
-        if self._layout == "interleave":
-            return -(-(self._num_pages - rank) // self._cp_size)
-        return max(0, min(self._chunk, self._num_pages - rank * self._chunk))
+        if self._scheme == "interleave":
+            return cdiv(self._num_pages - rank, self._cp_size)
+        ppr = self._pages_per_rank
+        return max(0, min(ppr, self._num_pages - rank * ppr))
 
     @property
     def max_local_pages(self) -> int:
-        """Largest per-rank page count (the padded size of owner-major all-gathers)."""
+        """Largest per-rank page count (the padded size of owner-major all-gathers); rank 0 always has it."""
         return self.num_local_pages(0)
 
     def local_pages(self, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -188,7 +275,7 @@ class PageOwnership(Placement):
     @property
     def spec(self) -> OwnershipSpec:
         """The same map as a plain :class:`OwnershipSpec` (what compiled code should capture on torch < 2.13)."""
-        return OwnershipSpec(self._cp_size, self._num_pages, self._layout)
+        return OwnershipSpec(self._cp_size, self._num_pages, self._scheme)
 
     def to_standard(self) -> Placement:
         """The equivalent upstream placement, for cross-checks in tests only (eager, never on hot paths).
@@ -201,11 +288,11 @@ class PageOwnership(Placement):
         """
         from torch.distributed.tensor import Shard
 
-        if self._layout == "block" or self._cp_size == 1:
+        if self._scheme == "block" or self._cp_size == 1:
             return Shard(0)
         if self._num_pages % self._cp_size:
             raise ValueError(
-                "to_standard() for layout='interleave' needs num_pages % cp_size == 0, "
+                "to_standard() for scheme='interleave' needs num_pages % cp_size == 0, "
                 f"got num_pages={self._num_pages}, cp_size={self._cp_size}"
             )
         from torch.distributed.tensor.placement_types import _StridedShard
@@ -223,23 +310,36 @@ class OwnershipSpec(NamedTuple):
 
     cp_size: int
     num_pages: int
-    layout: str  # "interleave" | "block"
+    scheme: str  # "interleave" | "block"
+
+    @property
+    def pages_per_rank(self) -> int:
+        """As :attr:`PageOwnership.pages_per_rank`."""
+        return pages_per_rank(self.cp_size, self.num_pages)
+
+    @property
+    def layout(self) -> str:
+        """Deprecated name of :attr:`scheme` (warns)."""
+        warn_deprecated("OwnershipSpec.layout", "OwnershipSpec.scheme")
+        return self.scheme
 
     @property
     def chunk(self) -> int:
-        return -(-self.num_pages // self.cp_size)
+        """Deprecated name of :attr:`pages_per_rank` (warns)."""
+        warn_deprecated("OwnershipSpec.chunk", "OwnershipSpec.pages_per_rank")
+        return self.pages_per_rank
 
     def owner(self, pages):
         """As :meth:`PageOwnership.owner`."""
-        return _owner(pages, self.cp_size, self.chunk, self.layout)
+        return _owner(pages, self.cp_size, self.num_pages, self.scheme)
 
     def local_index(self, pages):
         """As :meth:`PageOwnership.local_index`."""
-        return _local_index(pages, self.cp_size, self.chunk, self.layout)
+        return _local_index(pages, self.cp_size, self.num_pages, self.scheme)
 
     def global_page(self, rank, local_index):
         """As :meth:`PageOwnership.global_page`."""
-        return _global_page(rank, local_index, self.cp_size, self.chunk, self.layout)
+        return _global_page(rank, local_index, self.cp_size, self.num_pages, self.scheme)
 
 
 def ownership_spec(ownership: PageOwnership | OwnershipSpec) -> OwnershipSpec:
@@ -251,16 +351,19 @@ def ownership_spec(ownership: PageOwnership | OwnershipSpec) -> OwnershipSpec:
     return ownership.spec
 
 
-def _owner(pages, cp: int, chunk: int, layout: str):
-    return _keep_sentinel(pages, pages % cp if layout == "interleave" else pages // chunk)
+def _owner(pages, cp_size: int, num_pages: int, scheme: str):
+    return _keep_sentinel(pages, _owner_raw(pages, cp_size, num_pages, scheme))
 
 
-def _local_index(pages, cp: int, chunk: int, layout: str):
-    return _keep_sentinel(pages, pages // cp if layout == "interleave" else pages % chunk)
+def _local_index(pages, cp_size: int, num_pages: int, scheme: str):
+    return _keep_sentinel(pages, _local_raw(pages, cp_size, num_pages, scheme))
 
 
-def _global_page(rank, local_index, cp: int, chunk: int, layout: str):
-    out = local_index * cp + rank if layout == "interleave" else rank * chunk + local_index
+def _global_page(rank, local_index, cp_size: int, num_pages: int, scheme: str):
+    if scheme == "interleave":
+        out = local_index * cp_size + rank
+    else:
+        out = rank * pages_per_rank(cp_size, num_pages) + local_index
     return _keep_sentinel(local_index, out)
 
 

@@ -14,8 +14,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from dtkv._agree import agreement
+from dtkv._checks import check_tensor
 from dtkv._collectives import all_gather_rows, group_rank, group_size
-from dtkv._startup import check_agreement
 from dtkv.layouts import KVLayout
 from dtkv.ownership import PageOwnership
 
@@ -37,9 +38,12 @@ def _resolve_group(
 class ShardedKVPool:
     """KV pools of several layouts for ``num_layers`` layers, sharded by page ownership over a CP group.
 
-    Creating a pool is collective over ``group``: the ranks check that they agree on cp size, page size,
-    layout, page count and layer specs, and every rank raises the same
-    :class:`dtkv.ConfigMismatchError` if not.
+    Creating a pool is collective over ``group`` and fails together: the ranks check that they agree on cp
+    size, page size, ownership scheme, page count and layer specs (every rank raises the same
+    :class:`dtkv.ConfigMismatchError` if not), and an argument error or a failed allocation on any one rank is
+    raised, with that rank's message, on every rank (:mod:`dtkv._agree`), within seconds instead of leaving the
+    others in a collective until the process-group timeout. Ranks that store no page (``num_local_pages`` 0)
+    are a normal case.
 
     Args:
         layouts: name -> :class:`dtkv.KVLayout` (e.g. ``{"kv": MLAFp8Layout(), "index": IndexerFp8Layout()}``);
@@ -64,23 +68,26 @@ class ShardedKVPool:
         group: dist.ProcessGroup | DeviceMesh | None = None,
         device: torch.device | str = "cpu",
     ) -> None:
-        if not isinstance(ownership, PageOwnership):
-            raise TypeError(f"ownership must be a PageOwnership, got {type(ownership).__name__}")
-        if not layouts:
-            raise ValueError("layouts must name at least one KVLayout, got an empty mapping")
-        for name, lay in layouts.items():
-            if not isinstance(lay, KVLayout):
-                raise TypeError(f"layouts[{name!r}] must be a KVLayout, got {type(lay).__name__}")
-        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-            raise ValueError(f"num_layers must be an int >= 1, got num_layers={num_layers!r}")
-        self.group, self._mesh = _resolve_group(group)
-        self.layouts = dict(layouts)
-        self.ownership = ownership
-        self.num_layers = num_layers
-        self.device = torch.device(device)
-        self.rank = group_rank(self.group)
+        self.group, self._mesh = _resolve_group(group)  # the group must be known to fail together
+        with agreement(self.group, what="ShardedKVPool") as agreed:
+            # Local checks: any rank's error is raised on every rank, after the one agreement collective.
+            if not isinstance(ownership, PageOwnership):
+                raise TypeError(f"ownership must be a PageOwnership, got {type(ownership).__name__}")
+            if not layouts:
+                raise ValueError("layouts must name at least one KVLayout, got an empty mapping")
+            for name, lay in layouts.items():
+                if not isinstance(lay, KVLayout):
+                    raise TypeError(f"layouts[{name!r}] must be a KVLayout, got {type(lay).__name__}")
+            if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+                raise ValueError(f"num_layers must be an int >= 1, got num_layers={num_layers!r}")
+            self.layouts = dict(layouts)
+            self.ownership = ownership
+            self.num_layers = num_layers
+            self.device = torch.device(device)
+            self.rank = group_rank(self.group)
+            agreed.value = self.describe()
+        # The configuration is now equal on every rank, so these checks raise on every rank or on none.
         world = group_size(self.group)
-        check_agreement(self.describe(), self.group, what="ShardedKVPool")
         page_sizes = {lay.page_size for lay in self.layouts.values()}
         if len(page_sizes) != 1:
             raise ValueError(f"layouts must share one page_size, got {sorted(page_sizes)}")
@@ -89,11 +96,14 @@ class ShardedKVPool:
                 f"ownership.cp_size must equal the CP group size, got cp_size={ownership.cp_size}, group size={world}"
             )
         self.page_size = page_sizes.pop()
-        self.num_local_pages = ownership.num_local_pages(self.rank)
-        self._buffers = {
-            name: torch.zeros((num_layers, self.num_local_pages, *lay.page_shape), dtype=lay.dtype, device=self.device)
-            for name, lay in self.layouts.items()
-        }
+        self.num_local_pages = ownership.num_local_pages(self.rank)  # may be 0: a rank that stores no page
+        with agreement(self.group, what="ShardedKVPool buffers"):  # an allocation failure fails every rank
+            self._buffers = {
+                name: torch.zeros(
+                    (num_layers, self.num_local_pages, *lay.page_shape), dtype=lay.dtype, device=self.device
+                )
+                for name, lay in self.layouts.items()
+            }
 
     # ------------------------------------------------------------------------------------------ views
     def describe(self) -> dict[str, object]:
@@ -101,7 +111,7 @@ class ShardedKVPool:
         return {
             "cp_size": self.ownership.cp_size,
             "num_pages": self.ownership.num_pages,
-            "layout": self.ownership.layout,
+            "scheme": self.ownership.scheme,
             "num_layers": self.num_layers,
             "device_type": self.device.type,
             "layouts": {name: lay.describe() for name, lay in sorted(self.layouts.items())},
@@ -179,16 +189,38 @@ class ShardedKVPool:
 def gather_pages(local: torch.Tensor, ownership: PageOwnership, group: dist.ProcessGroup | None) -> torch.Tensor:
     """All-gather a local page pool ``[num_local_pages(rank), ...]`` into logical order ``[num_pages, ...]``.
 
-    Each rank pads to ``max_local_pages``; the owner-major result ``[cp, max_local, ...]`` is put into logical
-    order with a view (interleave: transpose) or a slice-and-cat (block).
+    Collective over ``group``. Each rank pads to ``max_local_pages`` (a rank storing no page sends only
+    padding); the owner-major result ``[cp, max_local, ...]`` is put into logical order with a view
+    (interleave: transpose) or a slice-and-cat (block).
+
+    Eager (debugging, tests, inspection): the ranks first agree on the page shape and dtype, and a bad ``local``
+    on any rank raises on every rank (:mod:`dtkv._agree`; one 48-byte all-gather) instead of aborting the
+    all-gather with buffers of different sizes.
+
+    Raises:
+        ValueError: ``local`` does not have ``ownership.num_local_pages(rank)`` pages, or ``group`` does not
+            have ``ownership.cp_size`` ranks (on every rank).
+        ConfigMismatchError: the ranks' pages differ in shape or dtype (on every rank).
     """
     cp = ownership.cp_size
+    with agreement(group, what="gather_pages") as agreed:
+        check_tensor("local", local)
+        world, rank = group_size(group), group_rank(group)
+        if world != cp:
+            raise ValueError(f"group must have ownership.cp_size={cp} ranks, got a group of {world}")
+        want = ownership.num_local_pages(rank)
+        if local.dim() < 1 or local.shape[0] != want:
+            raise ValueError(
+                f"local must hold rank {rank}'s {want} pages in dim 0 (ownership {ownership!r}), "
+                f"got local.shape={list(local.shape)}"
+            )
+        agreed.value = {"page_shape": list(local.shape[1:]), "dtype": str(local.dtype)}
     if cp == 1:
         return local.clone()
     max_local = ownership.max_local_pages
     padded = local.new_zeros((max_local, *local.shape[1:]))
     padded[: local.shape[0]] = local
     gathered = all_gather_rows(padded, group).view(cp, max_local, *local.shape[1:])
-    if ownership.layout == "interleave":
+    if ownership.scheme == "interleave":
         return gathered.transpose(0, 1).reshape(cp * max_local, *local.shape[1:])[: ownership.num_pages].clone()
     return torch.cat([gathered[r, : ownership.num_local_pages(r)] for r in range(cp)], dim=0)

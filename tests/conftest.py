@@ -1,4 +1,4 @@
-"""Shared fixtures: long-lived gloo rank groups of sizes 2 and 4 (one per test session)."""
+"""Shared fixtures: long-lived gloo rank groups of sizes 2, 3 and 4 (one per test session)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,13 @@ def ranks2():
 
 
 @pytest.fixture(scope="session")
+def ranks3():
+    group = RankGroup(3)
+    yield group
+    group.close()
+
+
+@pytest.fixture(scope="session")
 def ranks4():
     group = RankGroup(4)
     yield group
@@ -32,3 +39,9 @@ def ranks4():
 def ranks(request, ranks2, ranks4):
     """Parametrizes a test over world sizes 2 and 4."""
     return ranks2 if request.param == 2 else ranks4
+
+
+@pytest.fixture(params=[2, 3, 4], ids=["world2", "world3", "world4"])
+def ranks234(request):
+    """Parametrizes a test over world sizes 2, 3 and 4."""
+    return request.getfixturevalue(f"ranks{request.param}")

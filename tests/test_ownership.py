@@ -14,13 +14,13 @@ from torch.testing._internal.common_utils import TestCase
 from dtkv import PageOwnership
 
 CPS = st.sampled_from([1, 2, 3, 4, 8])
-LAYOUTS = st.sampled_from(["interleave", "block"])
+SCHEMES = st.sampled_from(["interleave", "block"])
 PAGES = st.one_of(st.integers(1, 9), st.integers(10, 300))
 
 
-def _reference_owner_and_local(cp: int, num_pages: int, layout: str) -> list[tuple[int, int]]:
+def _reference_owner_and_local(cp: int, num_pages: int, scheme: str) -> list[tuple[int, int]]:
     """Brute force: deal pages to ranks (interleave) or cut torch.chunk ranges (block)."""
-    if layout == "interleave":
+    if scheme == "interleave":
         table, counts = [], [0] * cp
         for p in range(num_pages):
             r = p % cp
@@ -36,12 +36,12 @@ def _reference_owner_and_local(cp: int, num_pages: int, layout: str) -> list[tup
 
 
 @settings(max_examples=60, deadline=None)
-@given(cp=CPS, num_pages=PAGES, layout=LAYOUTS)
-def test_map_matches_reference_and_is_a_bijection(cp, num_pages, layout):
-    own = PageOwnership(cp, num_pages, layout)
+@given(cp=CPS, num_pages=PAGES, scheme=SCHEMES)
+def test_map_matches_reference_and_is_a_bijection(cp, num_pages, scheme):
+    own = PageOwnership(cp, num_pages, scheme)
     pages = torch.arange(num_pages)
     owner, local = own.owner(pages), own.local_index(pages)
-    ref = _reference_owner_and_local(cp, num_pages, layout)
+    ref = _reference_owner_and_local(cp, num_pages, scheme)
     assert list(zip(owner.tolist(), local.tolist())) == ref
     assert torch.equal(own.global_page(owner, local), pages)
     # every (rank, local) slot below num_local_pages(rank) is hit exactly once
@@ -67,9 +67,9 @@ def test_interleave_counts_differ_by_at_most_one(cp, num_pages):
 
 
 @settings(max_examples=40, deadline=None)
-@given(cp=CPS, num_pages=PAGES, layout=LAYOUTS, dtype=st.sampled_from([torch.int32, torch.int64]))
-def test_sentinel_is_preserved(cp, num_pages, layout, dtype):
-    own = PageOwnership(cp, num_pages, layout)
+@given(cp=CPS, num_pages=PAGES, scheme=SCHEMES, dtype=st.sampled_from([torch.int32, torch.int64]))
+def test_sentinel_is_preserved(cp, num_pages, scheme, dtype):
+    own = PageOwnership(cp, num_pages, scheme)
     pages = torch.tensor([-1, 0, num_pages - 1, -1], dtype=dtype)
     for out in (
         own.owner(pages),
@@ -102,12 +102,12 @@ TORCH_2_13 = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 13)
         ),
     ],
 )
-@pytest.mark.parametrize("layout", ["interleave", "block"])
-def test_methods_compile_without_graph_breaks(form, layout):
+@pytest.mark.parametrize("scheme", ["interleave", "block"])
+def test_methods_compile_without_graph_breaks(form, scheme):
     from torch._dynamo.testing import CompileCounter
 
     torch._dynamo.reset()
-    own = PageOwnership(3, 17, layout)
+    own = PageOwnership(3, 17, scheme)
     m = own.spec if form == "spec" else own
     counter = CompileCounter()
 
@@ -163,7 +163,7 @@ def test_check_pages_names_the_bad_value():
 class TestPinnedText(TestCase):
     def test_repr_and_str(self):
         self.assertExpectedInline(
-            repr(PageOwnership(4, 10)), """PageOwnership(cp_size=4, num_pages=10, layout='interleave')"""
+            repr(PageOwnership(4, 10)), """PageOwnership(cp_size=4, num_pages=10, scheme='interleave')"""
         )
         self.assertExpectedInline(str(PageOwnership(8, 64, "block")), """PO(b,8)""")
 
@@ -171,7 +171,7 @@ class TestPinnedText(TestCase):
         with self.assertRaises(ValueError) as e:
             PageOwnership(2, 10, "round_robin")
         self.assertExpectedInline(
-            str(e.exception), """layout must be one of ('interleave', 'block'), got layout='round_robin'"""
+            str(e.exception), """scheme must be one of ('interleave', 'block'), got scheme='round_robin'"""
         )
         with self.assertRaises(ValueError) as e:
             PageOwnership(0, 10)
@@ -182,3 +182,68 @@ class TestPinnedText(TestCase):
         with self.assertRaises(ValueError) as e:
             PageOwnership(2, 10).num_local_pages(2)
         self.assertExpectedInline(str(e.exception), """rank must be < cp_size=2, got rank=2""")
+
+
+# ----------------------------------------------------------------------------------------- vocabulary
+def test_scheme_is_the_name_and_layout_warns():
+    own = PageOwnership(4, 10, scheme="block")
+    assert own.scheme == "block" and own == PageOwnership(4, 10, "block")
+    assert own.pages_per_rank == 3 and own.spec.pages_per_rank == 3
+    with pytest.warns(DeprecationWarning, match=r"PageOwnership\(layout=\.\.\.\) is deprecated.*scheme=") as rec:
+        old = PageOwnership(4, 10, layout="block")
+    assert rec[0].filename == __file__  # the warning points at the caller
+    assert old == own
+    with pytest.warns(DeprecationWarning, match=r"PageOwnership\.layout is deprecated"):
+        assert own.layout == "block"
+    with pytest.raises(TypeError, match="pass scheme= only"), pytest.warns(DeprecationWarning):
+        PageOwnership(4, 10, "block", layout="interleave")
+
+
+def test_ownership_spec_fields_and_deprecated_names():
+    spec = PageOwnership(3, 7, "block").spec
+    assert spec == (3, 7, "block") and spec.scheme == "block" and spec._fields == ("cp_size", "num_pages", "scheme")
+    with pytest.warns(DeprecationWarning, match=r"OwnershipSpec\.layout is deprecated"):
+        assert spec.layout == "block"
+    with pytest.warns(DeprecationWarning, match=r"OwnershipSpec\.chunk is deprecated.*pages_per_rank"):
+        assert spec.chunk == 3
+
+
+def test_layout_alias_of_the_scheme_type_warns():
+    import dtkv.ownership as mod
+
+    with pytest.warns(DeprecationWarning, match=r"dtkv\.ownership\.Layout is deprecated"):
+        assert mod.Layout is mod.OwnershipScheme
+    with pytest.raises(AttributeError):
+        mod.NoSuchName  # noqa: B018
+
+
+@settings(max_examples=40, deadline=None)
+@given(cp=CPS, num_pages=PAGES, scheme=SCHEMES)
+def test_plain_int_arithmetic_is_the_same_map(cp, num_pages, scheme):
+    """``owner_and_local`` (for code holding plain ints, e.g. the ops) with a scheme name or code."""
+    from dtkv.ownership import SCHEME_CODES, owner_and_local, pages_per_rank
+
+    own = PageOwnership(cp, num_pages, scheme)
+    pages = torch.arange(num_pages)
+    for s in (scheme, SCHEME_CODES[scheme]):
+        owner, local = owner_and_local(pages, cp, num_pages, s)
+        assert owner.equal(own.owner(pages)) and local.equal(own.local_index(pages))
+        assert owner_and_local(num_pages - 1, cp, num_pages, s) == (
+            own.owner(num_pages - 1),
+            own.local_index(num_pages - 1),
+        )
+    assert pages_per_rank(cp, num_pages) == own.max_local_pages == -(-num_pages // cp)
+
+
+@pytest.mark.parametrize(
+    "cp,num_pages,scheme,counts",
+    [(3, 4, "block", [2, 2, 0]), (8, 49, "block", [7] * 7 + [0]), (4, 2, "interleave", [1, 1, 0, 0])],
+)
+def test_ranks_that_store_no_page(cp, num_pages, scheme, counts):
+    own = PageOwnership(cp, num_pages, scheme)
+    assert [own.num_local_pages(r) for r in range(cp)] == counts
+    assert own.max_local_pages == max(counts)
+    for r in range(cp):
+        assert own.local_pages(r).numel() == counts[r]
+        assert own.global_page(r, torch.arange(counts[r])).equal(own.local_pages(r))
+    assert torch.cat([own.local_pages(r) for r in range(cp)]).sort().values.equal(torch.arange(num_pages))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch.testing._internal.common_utils import TestCase
@@ -32,10 +34,10 @@ def _reference(name: str, layer: int, num_pages: int) -> torch.Tensor:
     return torch.randn((num_pages, *lay.page_shape), generator=g).to(lay.dtype)
 
 
-def _fill_and_gather(rank, world, num_pages, layout, num_layers):
+def _fill_and_gather(rank, world, num_pages, scheme, num_layers):
     import torch.distributed as dist
 
-    own = PageOwnership(world, num_pages, layout)
+    own = PageOwnership(world, num_pages, scheme)
     pool = ShardedKVPool(LAYOUTS, own, num_layers=num_layers, group=dist.group.WORLD)
     mine = own.local_pages(rank)
     for name in LAYOUTS:
@@ -52,7 +54,7 @@ def _fill_and_gather(rank, world, num_pages, layout, num_layers):
     dt = pool.dtensor("kv", 0)
     out["dt_shape"] = tuple(dt.shape)
     out["dt_local_equal"] = torch.equal(dt.to_local(), pool.local("kv", 0))
-    if layout == "block":  # cross-check with the upstream placement it mirrors
+    if scheme == "block":  # cross-check with the upstream placement it mirrors
         from torch.distributed.tensor import DTensor
 
         std = DTensor.from_local(
@@ -68,38 +70,38 @@ def _fill_and_gather(rank, world, num_pages, layout, num_layers):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("layout", ["interleave", "block"])
+@pytest.mark.parametrize("scheme", ["interleave", "block"])
 @pytest.mark.parametrize("num_pages", [1, 7, 13])
-def test_gather_full_is_bit_exact_and_bytes_are_one_cpth(ranks, num_pages, layout):
-    results = ranks.run(_fill_and_gather, num_pages, layout, 2)
+def test_gather_full_is_bit_exact_and_bytes_are_one_cpth(ranks, num_pages, scheme):
+    results = ranks.run(_fill_and_gather, num_pages, scheme, 2)
     world = len(results)
     one_page_all_layers = 2 * sum(lay.page_bytes for lay in LAYOUTS.values())
     assert sum(r["bytes"] for r in results) == results[0]["replicated"]
     for r in results:
         assert r["equal"] and r["dt_local_equal"] and r.get("std_equal", True)
         assert r["dt_shape"] == (num_pages, PAGE, 32)
-        if layout == "interleave":  # each rank holds 1/cp of the logical pool, up to one page per layer
+        if scheme == "interleave":  # each rank holds 1/cp of the logical pool, up to one page per layer
             assert abs(r["bytes"] * world - r["replicated"]) <= world * one_page_all_layers
 
 
 def _mismatched(rank, world, field):
     import torch.distributed as dist
 
-    num_pages, layouts, layout, num_layers = 12, dict(LAYOUTS), "interleave", 2
+    num_pages, layouts, scheme, num_layers = 12, dict(LAYOUTS), "interleave", 2
     if rank == world - 1:
         if field == "page_size":
             layouts["index"] = IndexerFp8Layout(page_size=8, head_dim=16)
         elif field == "num_pages":
             num_pages = 16
-        elif field == "layout":
-            layout = "block"
+        elif field == "scheme":
+            scheme = "block"
         elif field == "num_layers":
             num_layers = 3
-    ShardedKVPool(layouts, PageOwnership(world, num_pages, layout), num_layers=num_layers, group=dist.group.WORLD)
+    ShardedKVPool(layouts, PageOwnership(world, num_pages, scheme), num_layers=num_layers, group=dist.group.WORLD)
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("field", ["page_size", "num_pages", "layout", "num_layers"])
+@pytest.mark.parametrize("field", ["page_size", "num_pages", "scheme", "num_layers"])
 def test_mismatched_config_raises_on_every_rank(ranks, field):
     errors = ranks.run(_mismatched, field, return_exceptions=True)
     assert all(isinstance(e, ConfigMismatchError) for e in errors), errors
@@ -121,6 +123,129 @@ def _wrong_cp(rank, world):
 def test_cp_size_must_match_group(ranks2):
     errors = ranks2.run(_wrong_cp, return_exceptions=True)
     assert all(isinstance(e, ValueError) and "cp_size must equal the CP group size" in str(e) for e in errors)
+
+
+def _one_rank_bad_argument(rank, world, kind):
+    """Every rank builds the same pool except one, whose argument is bad before any collective."""
+    import torch.distributed as dist
+
+    num_layers, layouts, ownership = 2, dict(LAYOUTS), PageOwnership(world, 12)
+    if rank == world - 1:
+        if kind == "num_layers":
+            num_layers = 0
+        elif kind == "layouts":
+            layouts["index"] = "indexer"
+        elif kind == "ownership":
+            ownership = "interleave"
+    ShardedKVPool(layouts, ownership, num_layers=num_layers, group=dist.group.WORLD)
+
+
+def _ready(rank, world):
+    return rank
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(
+    "kind,error,text",
+    [
+        ("num_layers", ValueError, "ValueError: num_layers must be an int >= 1, got num_layers=0"),
+        ("layouts", TypeError, "TypeError: layouts['index'] must be a KVLayout, got str"),
+        ("ownership", TypeError, "TypeError: ownership must be a PageOwnership, got str"),
+    ],
+)
+def test_bad_argument_on_one_rank_fails_every_rank_within_seconds(ranks, kind, error, text):
+    """A rank whose arguments fail local validation used to raise before the agreement collective, leaving the
+    other ranks in it until the process-group timeout; now every rank raises the same error at once."""
+    ranks.run(_ready)  # spawned beforehand: the timing covers the pool constructor only
+    t0 = time.perf_counter()
+    errors = ranks.run(_one_rank_bad_argument, kind, return_exceptions=True)
+    seconds = time.perf_counter() - t0
+    world = len(errors)
+    assert all(type(e) is error for e in errors), errors
+    assert {str(e) for e in errors} == {f"ShardedKVPool failed on 1 of {world} ranks; rank {world - 1}: {text}"}
+    assert seconds < 10, f"the ranks took {seconds:.1f} s to fail"
+    assert ranks.run(_fill_and_gather, 5, "block", 1)[0]["equal"]  # the group is still usable
+
+
+def _empty_rank_pool(rank, world, num_pages, scheme):
+    import torch.distributed as dist
+
+    from dtkv import PageAllocator
+
+    own = PageOwnership(world, num_pages, scheme)
+    pool = ShardedKVPool(LAYOUTS, own, num_layers=2, group=dist.group.WORLD)
+    mine = own.local_pages(rank)
+    for name in LAYOUTS:
+        for layer in range(2):
+            pool.local(name, layer).copy_(_reference(name, layer, num_pages)[mine])
+    equal = all(
+        torch.equal(
+            pool.gather_full(layer, name).view(torch.uint8), _reference(name, layer, num_pages).view(torch.uint8)
+        )
+        for layer in range(2)
+        for name in LAYOUTS
+    )
+    alloc = PageAllocator(own)
+    balanced = alloc.alloc_balanced(num_pages)
+    return {
+        "num_local_pages": pool.num_local_pages,
+        "shapes": {n: tuple(pool.buffer(n).shape[:2]) for n in LAYOUTS},
+        "bytes": pool.bytes_per_rank(),
+        "equal": equal,
+        "dt_shape": tuple(pool.dtensor("kv", 1).shape),
+        "dt_local": tuple(pool.dtensor("kv", 1).to_local().shape),
+        "balanced": sorted(balanced.tolist()),
+    }
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(
+    "world,num_pages,scheme,empty",
+    [
+        (3, 4, "block", [2]),  # pages_per_rank 2: 2, 2, 0
+        (4, 5, "block", [3]),  # 2, 2, 1, 0
+        (4, 2, "interleave", [2, 3]),
+        (2, 1, "block", [1]),
+    ],
+    ids=["cp3-block-4", "cp4-block-5", "cp4-interleave-2", "cp2-block-1"],
+)
+def test_ranks_that_store_no_page_are_a_normal_case(ranks2, ranks3, ranks4, world, num_pages, scheme, empty):
+    group = {2: ranks2, 3: ranks3, 4: ranks4}[world]
+    own = PageOwnership(world, num_pages, scheme)
+    assert [r for r in range(world) if own.num_local_pages(r) == 0] == empty
+    results = group.run(_empty_rank_pool, num_pages, scheme)
+    for r, res in enumerate(results):
+        assert res["num_local_pages"] == own.num_local_pages(r)
+        assert all(shape == (2, own.num_local_pages(r)) for shape in res["shapes"].values())
+        assert res["equal"] and res["dt_shape"] == (num_pages, PAGE, 32)
+        assert res["dt_local"] == (own.num_local_pages(r), PAGE, 32)
+        assert res["balanced"] == list(range(num_pages))
+        if r in empty:
+            assert res["bytes"] == 0
+    assert (
+        sum(res["bytes"] for res in results)
+        == ShardedKVPool(LAYOUTS, PageOwnership(1, num_pages), num_layers=2).bytes_per_rank()
+    )
+
+
+def _bad_gather(rank, world):
+    import torch.distributed as dist
+
+    from dtkv.pool import gather_pages
+
+    own = PageOwnership(world, 6)
+    local = torch.zeros(own.num_local_pages(rank) + (rank == 0), 3)  # rank 0 passes one page too many
+    gather_pages(local, own, dist.group.WORLD)
+
+
+@pytest.mark.multirank
+def test_gather_pages_with_a_bad_local_pool_fails_every_rank(ranks2):
+    errors = ranks2.run(_bad_gather, return_exceptions=True)
+    assert all(type(e) is ValueError for e in errors), errors
+    assert {str(e) for e in errors} == {
+        "gather_pages failed on 1 of 2 ranks; rank 0: ValueError: local must hold rank 0's 3 pages in dim 0 "
+        "(ownership PageOwnership(cp_size=2, num_pages=6, scheme='interleave')), got local.shape=[4, 3]"
+    }
 
 
 def test_single_process_pool_views_and_sizes():

@@ -115,15 +115,15 @@ restore=0-5 12-23 6-10""",
         self.assertExpectedInline(
             describe(split),
             """\
-cp=4 page=4 mode=round_robin total=17 local=(6, 5, 3, 3) max_local=6 all_aligned=False
+cp=4 page=4 mode=round_robin total=17 local=(5, 4, 4, 4) max_local=5 all_aligned=False
 req 0: prefix=3 extend=10 aligned=False
 req 1: prefix=0 extend=5 aligned=False
 req 2: prefix=7 extend=2 aligned=False
-rank 0: q_prev=(3, 2, 1) q_next=(0, 0, 0) kv_prev=(12, 5, 8) kv_next=(12, 5, 8) rows=0 4 8 10 14-15
-rank 1: q_prev=(3, 1, 1) q_next=(0, 0, 0) kv_prev=(13, 2, 9) kv_next=(13, 2, 9) rows=1 5 9 11 16
-rank 2: q_prev=(2, 1, 0) q_next=(0, 0, 0) kv_prev=(10, 3, 7) kv_next=(10, 3, 7) rows=2 6 12
-rank 3: q_prev=(2, 1, 0) q_next=(0, 0, 0) kv_prev=(11, 4, 7) kv_next=(11, 4, 7) rows=3 7 13
-restore=0 6 12 18 1 7 13 19 2 8 3 9 14 20 4-5 10""",
+rank 0: q_prev=(3, 1, 1) q_next=(0, 0, 0) kv_prev=(12, 3, 9) kv_next=(12, 3, 9) rows=0 4 8 12 16
+rank 1: q_prev=(3, 1, 0) q_next=(0, 0, 0) kv_prev=(13, 4, 7) kv_next=(13, 4, 7) rows=1 5 9 13
+rank 2: q_prev=(2, 2, 0) q_next=(0, 0, 0) kv_prev=(10, 5, 7) kv_next=(10, 5, 7) rows=2 6 10 14
+rank 3: q_prev=(2, 1, 1) q_next=(0, 0, 0) kv_prev=(11, 2, 8) kv_next=(11, 2, 8) rows=3 7 11 15
+restore=0 5 10 15 1 6 11 16 2 7 12 17 3 8 13 18 4""",
         )
 
 
@@ -179,6 +179,20 @@ def test_accepts_tensor_lengths():
     b = plan_cp_split((5, 2), np.array([23, 7]), cp_size=2, page_size=4)
     assert a.boundaries.equal(b.boundaries) and a.restore_index.equal(b.restore_index)
     assert a.prefix_lens == (5, 2) and isinstance(a.prefix_lens[0], int)
+
+
+def test_round_robin_deals_one_token_requests_over_the_ranks():
+    """Eight one-token requests at cp=8: one token a rank (each request used to restart at rank 0)."""
+    split = plan_cp_split([0, 5, 9, 0, 2, 64, 1, 0], [1] * 8, cp_size=8, page_size=4, mode="round_robin")
+    assert split.num_local_tokens == (1,) * 8 and split.max_local_tokens == 1
+    for r in range(8):
+        loc = split.local(r)
+        assert loc.token_index.tolist() == [r] and loc.req_idx.tolist() == [r]
+        assert loc.actual_seq_q_prev == tuple(int(i == r) for i in range(8))
+        assert loc.kv_len_prev[r] == split.prefix_lens[r] + 1  # its request's only token
+    x = torch.arange(8.0)
+    parts = [pad_local(take_local(x, split, r), split) for r in range(8)]
+    assert restore_natural(torch.cat(parts), split).equal(x)
 
 
 def test_empty_batch():
@@ -377,6 +391,30 @@ class TestRejects(TestCase):
         self.assertExpectedInline(
             self._msg(TypeError, plan, 3, [1], cp_size=2, page_size=4),
             """prefix_lens must be a sequence of ints or an integer tensor, got int""",
+        )
+
+    def test_rejects_kv_lengths_past_int32(self):
+        """The split's length tensors are int32 (as kernels read them): lengths past 2**31 - 1 are rejected
+        rather than wrapped to negative values."""
+        plan = plan_cp_split
+        big = 2**31 - 1
+        ok = plan([big - 4], [4], cp_size=2, page_size=4)  # exactly the largest KV length
+        assert ok.local(1).kv_len_next_tensor.dtype == torch.int32 and int(ok.local(0).kv_len_next_tensor[0]) == big
+        self.assertExpectedInline(
+            self._msg(ValueError, plan, [big - 3], [4], cp_size=2, page_size=4),
+            """prefix_lens[i] + extend_lens[i] must be <= 2**31 - 1 (the int32 KV lengths kernels read), got prefix_lens[0] + extend_lens[0] = 2147483644 + 4 = 2147483648""",
+        )
+        self.assertExpectedInline(
+            self._msg(ValueError, plan, [0, 2**40], [1, 0], cp_size=2, page_size=4, mode="round_robin"),
+            """prefix_lens must be <= 2**31 - 1 (int32 KV lengths), got prefix_lens[1]=1099511627776""",
+        )
+        self.assertExpectedInline(
+            self._msg(ValueError, plan, [0, 0], [2**30, 2**30], cp_size=2, page_size=4),
+            """sum(extend_lens) must be <= 2**31 - 1 (the int32 cu_seqlens of the batch), got 2147483648 tokens""",
+        )
+        self.assertExpectedInline(
+            self._msg(ValueError, plan, [2**63], [1], cp_size=2, page_size=4),
+            """prefix_lens must fit in int64, got prefix_lens=[9223372036854775808]""",
         )
 
     def test_rejects_bad_rank_and_rows(self):

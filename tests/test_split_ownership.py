@@ -31,13 +31,13 @@ def _prefix_table(allocator: PageAllocator, prefix_lens: list[int], page_size: i
     return table
 
 
-@pytest.mark.parametrize("layout", ["interleave", "block"])
+@pytest.mark.parametrize("scheme", ["interleave", "block"])
 @pytest.mark.parametrize("cp", [1, 2, 4])
-def test_aligned_batch_without_prefix_writes_directly(cp, layout):
+def test_aligned_batch_without_prefix_writes_directly(cp, scheme):
     ps = 4
     split = plan_cp_split([0, 0, 0], [64, 8 * cp + 3, 41], cp_size=cp, page_size=ps)
     assert split.all_page_aligned
-    ownership = PageOwnership(cp, 128, layout)
+    ownership = PageOwnership(cp, 128, scheme)
     alloc = allocate_for_split(PageAllocator(ownership), split)
     owners = compute_owners(split, alloc.req_pages.shape[1])
     touched = owners >= 0
@@ -128,13 +128,13 @@ def test_foreign_page_fails_verification():
     cp=st.integers(1, 4),
     ps=st.sampled_from([1, 3, 4, 8]),
     reqs=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 90)), min_size=1, max_size=5),
-    layout=st.sampled_from(["interleave", "block"]),
+    scheme=st.sampled_from(["interleave", "block"]),
 )
-def test_allocation_properties(cp, ps, reqs, layout):
+def test_allocation_properties(cp, ps, reqs, scheme):
     """Aligned requests: new pages stored on their compute owner, handoff only the partly filled first page.
     Fallback requests: pages from alloc_balanced. Locations and computed pages agree with a per-token reference."""
     prefix, extend = [p for p, _ in reqs], [n for _, n in reqs]
-    ownership = PageOwnership(cp, 1024, layout)
+    ownership = PageOwnership(cp, 1024, scheme)
     allocator = PageAllocator(ownership)
     table = _prefix_table(allocator, prefix, ps)
     split = plan_cp_split(prefix, extend, cp_size=cp, page_size=ps)
@@ -185,6 +185,47 @@ def test_allocation_failure_leaves_allocator_unchanged():
     with pytest.raises(AllocationError):  # the owned step alone fails
         allocate_for_split(allocator, plan_cp_split([0], [20], cp_size=2, page_size=2))
     assert allocator.digest() == digest
+
+
+@pytest.mark.parametrize(
+    "cp,num_pages,scheme,taken,prefix,extend,page_size",
+    [
+        (8, 49, "block", 0, [0], [64], 4),  # rank 7 stores no page; 16 aligned pages, two computed by rank 7
+        (4, 9, "block", 0, [0], [8], 1),  # rank 3 stores no page (pages_per_rank 3)
+        (4, 64, "interleave", 12, [0, 0], [64, 64], 4),  # rank 0 has 4 of its 16 pages left for 8 slots
+    ],
+    ids=["cp8-49-pages", "cp4-9-pages", "exhausted-owner"],
+)
+def test_allocation_with_a_short_compute_owner_falls_back_to_balanced_pages(
+    cp, num_pages, scheme, taken, prefix, extend, page_size
+):
+    """A compute owner that stores no page (or has none left) gets its slots' pages from alloc_balanced: they
+    become its handoff pages, every other rank still writes directly, and nothing fails while pages are free."""
+    ownership = PageOwnership(cp, num_pages, scheme)
+    allocator = PageAllocator(ownership)
+    allocator.alloc([0] * taken)
+    split = plan_cp_split(prefix, extend, cp_size=cp, page_size=page_size)
+    assert split.all_page_aligned
+    free_before = [allocator.num_free(r) for r in range(cp)]
+    total_free = allocator.num_free()
+    alloc = allocate_for_split(allocator, split)
+    new = torch.cat(alloc.new_pages)
+    assert new.numel() == len(set(new.tolist())) == total_free - allocator.num_free()
+    owners = compute_owners(split, alloc.req_pages.shape[1])
+    on_owner = ownership.owner(alloc.req_pages) == owners
+    valid = owners >= 0
+    for r in range(cp):
+        short = valid & (owners == r) & ~on_owner  # rank r's slots placed elsewhere
+        wanted = int((valid & (owners == r)).sum())
+        assert int(short.sum()) == max(0, wanted - free_before[r])  # only beyond the owner's free pages
+        assert sorted(alloc.handoff_pages(r).tolist()) == sorted(alloc.req_pages[short].tolist())
+        assert alloc.verify_direct_write(r) == (int(short.sum()) == 0)
+    assert any(not alloc.verify_direct_write(r) for r in range(cp))  # the case really has a short owner
+    # the handoff rows of a short owner are exactly its local rows on foreign pages
+    for r in range(cp):
+        locs = alloc.local_locs(r)
+        foreign = ownership.owner(locs // page_size) != r
+        assert set((locs[foreign] // page_size).tolist()) == set(alloc.handoff_pages(r).tolist())
 
 
 def test_local_locs_on_other_dtypes_and_debug_check():

@@ -144,7 +144,7 @@ def test_compute_owners_vs_reference(batch, kind):
     owners = compute_owners(split)
     for i, (p, n) in enumerate(zip(prefix, extend)):
         bounds = split.boundaries[i].tolist() if split.boundaries is not None else None
-        ranks = ref_slot_ranks(p, n, cp, ps, bounds)
+        ranks = ref_slot_ranks(p, n, cp, ps, bounds, split.extend_indptr[i])
         row = owners[i].tolist()
         for s, value in enumerate(row):
             if s not in ranks:
@@ -160,14 +160,36 @@ def test_compute_owners_vs_reference(batch, kind):
 
 @SETTINGS
 @given(batches())
-def test_round_robin_token_i_goes_to_rank_i_mod_cp(batch):
+def test_round_robin_batch_token_i_goes_to_rank_i_mod_cp(batch):
+    """Row t of the batch (concatenated extends) goes to rank t % cp: the rotation does not restart per request."""
     prefix, extend, cp, ps = batch
     split = plan_cp_split(prefix, extend, cp_size=cp, page_size=ps, mode="round_robin")
+    start = torch.tensor(split.extend_indptr[:-1], dtype=torch.int64)
     for r in range(cp):
         loc = split.local(r)
         offsets = loc.positions - torch.tensor(prefix, dtype=torch.int64)[loc.req_idx]
-        assert (offsets % cp == r).all()
+        assert ((start[loc.req_idx] + offsets) % cp == r).all()
+        assert loc.token_index.equal(start[loc.req_idx] + offsets)
         assert sum(loc.actual_seq_q_next) == 0
     counts = torch.tensor([split.local(r).actual_seq_q_prev for r in range(cp)]).reshape(cp, len(extend))
-    if len(extend):
+    if len(extend):  # each request's tokens are consecutive batch rows, so each request is balanced too
         assert (counts.max(0).values - counts.min(0).values <= 1).all()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    cp=st.integers(1, 9),
+    extend=st.lists(st.one_of(st.integers(0, 3), st.integers(0, 200)), min_size=0, max_size=12),
+    data=st.data(),
+)
+def test_round_robin_per_rank_token_counts_differ_by_at_most_one(cp, extend, data):
+    """For any batch (one-token requests included), the ranks' token counts differ by at most one, and each
+    rank's count is the number of batch rows t with t % cp == r."""
+    prefix = data.draw(st.lists(st.integers(0, 100), min_size=len(extend), max_size=len(extend)))
+    split = plan_cp_split(prefix, extend, cp_size=cp, page_size=4, mode="round_robin")
+    counts = split.num_local_tokens
+    total = sum(extend)
+    assert counts == tuple(len(range(r, total, cp)) for r in range(cp))
+    assert max(counts) - min(counts) <= 1
+    assert split.max_local_tokens == (-(-total // cp) if extend else 0)
+    assert all(split.local(r).num_tokens == counts[r] for r in range(cp))

@@ -33,10 +33,12 @@ def ref_boundaries(prefix: int, n: int, cp: int, ps: int, page_aligned: bool) ->
     return out, True
 
 
-def ref_rank_of_offset(offset: int, bounds: list[int] | None, cp: int) -> int:
-    """Rank computing extend offset ``offset`` (zigzag when ``bounds`` is given, else round-robin)."""
+def ref_rank_of_offset(offset: int, bounds: list[int] | None, cp: int, start: int = 0) -> int:
+    """Rank computing extend offset ``offset`` (zigzag when ``bounds`` is given, else round-robin, where
+    ``start`` is the request's first row in the batch: batch row ``start + offset`` goes to rank
+    ``(start + offset) % cp``)."""
     if bounds is None:
-        return offset % cp
+        return (start + offset) % cp
     seg = max(j for j in range(2 * cp) if bounds[j] <= offset < bounds[j + 1])
     return seg if seg < cp else 2 * cp - 1 - seg
 
@@ -84,7 +86,7 @@ def ref_split(
                 kv_prev[r].append(p + b[r + 1])
                 kv_next[r].append(p + b[2 * cp - r])
             else:
-                prev = [o for o in range(n) if o % cp == r]
+                prev = [o for o in range(n) if (start + o) % cp == r]  # rotation across the batch
                 nxt = []
                 kv = p + (prev[-1] + 1 if prev else 0)
                 kv_prev[r].append(kv)
@@ -92,7 +94,7 @@ def ref_split(
             q_prev[r].append(len(prev))
             q_next[r].append(len(nxt))
             for o in prev + nxt:
-                assert ref_rank_of_offset(o, b, cp) == r
+                assert ref_rank_of_offset(o, b, cp, start) == r
                 local[r].append(start + o)
                 positions[r].append(p + o)
                 req_of[r].append(i)
@@ -109,11 +111,14 @@ def ref_split(
     )
 
 
-def ref_slot_ranks(prefix: int, n: int, cp: int, ps: int, bounds: list[int] | None) -> dict[int, set[int]]:
-    """Page slot -> ranks computing at least one of its extend tokens (only touched slots appear)."""
+def ref_slot_ranks(
+    prefix: int, n: int, cp: int, ps: int, bounds: list[int] | None, start: int = 0
+) -> dict[int, set[int]]:
+    """Page slot -> ranks computing at least one of its extend tokens (only touched slots appear); ``start``
+    is the request's first batch row (round-robin)."""
     out: dict[int, set[int]] = {}
     for o in range(n):
-        out.setdefault((prefix + o) // ps, set()).add(ref_rank_of_offset(o, bounds, cp))
+        out.setdefault((prefix + o) // ps, set()).add(ref_rank_of_offset(o, bounds, cp, start))
     return out
 
 
@@ -130,8 +135,11 @@ def test_ref_boundaries_hand_worked():
 
 
 def test_ref_split_round_robin_hand_worked():
+    # batch rows 0..6: request 0 = rows 0-4 -> ranks 0 1 0 1 0; request 1 = rows 5-6 -> ranks 1 0 (no restart)
     ref = ref_split([3, 0], [5, 2], 2, 4, "round_robin")
-    assert ref.local_tokens == [[0, 2, 4, 5], [1, 3, 6]]
-    assert ref.kv_prev == [[8, 1], [7, 2]]
-    assert ref.restore == [0, 4, 1, 5, 2, 3, 6]
-    assert ref.gather == [0, 2, 4, 5, 1, 3, 6, -1]
+    assert ref.local_tokens == [[0, 2, 4, 6], [1, 3, 5]]
+    assert ref.kv_prev == [[8, 2], [7, 1]]  # prefix + 1 + offset of the last local token
+    assert ref.restore == [0, 4, 1, 5, 2, 6, 3]
+    assert ref.gather == [0, 2, 4, 6, 1, 3, 5, -1]
+    # eight one-token requests at cp=8: one token a rank
+    assert ref_split([0] * 8, [1] * 8, 8, 4, "round_robin").local_tokens == [[r] for r in range(8)]

@@ -19,6 +19,16 @@ and stored KV bytes are bitwise equal; ``single`` differs only in float64 summat
 :mod:`dtkv.model.model`). Each step has a host *plan* (:class:`StepPlan`: split, allocation, locations,
 materialization plan, remapped page tables) and a *run* (:meth:`PrefillEngine.forward`) that only moves
 tensors, so the run compiles with ``torch.compile(fullgraph=True)``.
+
+Decode runs in one of two ``decode_mode`` s:
+
+=============  ===============================================================================================
+``"full"``     each decode token is a one-token extend step: split over ranks, KV rows all-gathered, attention
+               over the materialized full view (every mode)
+``"sharded"``  attention where the pages are (:mod:`dtkv.model.sharded_decode`): every rank scores and attends
+               over its own pages only, the ranks exchange top-k candidates and partial outputs; no full view
+               and no page movement (``single``, ``sharded``, ``sharded_direct``)
+=============  ===============================================================================================
 """
 
 from __future__ import annotations
@@ -32,20 +42,24 @@ import torch.distributed as dist
 
 from dtkv import _env, ops
 from dtkv._collectives import all_gather_rows, group_rank, group_size
+from dtkv._util import warn_deprecated
 from dtkv.allocator import PageAllocator
 from dtkv.debug import check_write_ownership
 from dtkv.materialize import MaterializePlan, Materializer, check_view, gather_view, plan_materialize
 from dtkv.model.config import ModelConfig
 from dtkv.model.kvio import token_rows, write_rows
 from dtkv.model.model import TinyDSA
-from dtkv.ownership import PageOwnership, ownership_spec
+from dtkv.model.sharded_decode import sharded_decode_step
+from dtkv.ownership import OwnershipScheme, PageOwnership, ownership_spec
 from dtkv.pool import ShardedKVPool
 from dtkv.split import allocate_for_split, plan_cp_split
 
-__all__ = ["KVMode", "PrefillEngine", "Request", "StepPlan"]
+__all__ = ["DecodeMode", "KVMode", "PrefillEngine", "Request", "StepPlan"]
 
 KVMode = Literal["single", "replicated", "sharded", "sharded_direct"]
 _MODES = ("single", "replicated", "sharded", "sharded_direct")
+DecodeMode = Literal["full", "sharded"]
+_DECODE_MODES = ("full", "sharded")
 
 
 @dataclass
@@ -94,8 +108,10 @@ class PrefillEngine:
         split: CP split, ``"zigzag"`` (page-aligned when possible) or ``"round_robin"``.
         group: the CP process group (ignored for ``single``).
         num_pages: logical pages of the pool.
-        ownership_layout: page map of the sharded modes.
+        ownership_scheme: ownership scheme of the sharded modes' page map (``"interleave"`` or ``"block"``).
+        ownership_layout: deprecated name of ``ownership_scheme`` (warns).
         device: where pools and compute live.
+        decode_mode: ``"full"`` (full-view decode) or ``"sharded"`` (decode on the sharded pool; module table).
     """
 
     def __init__(
@@ -106,34 +122,47 @@ class PrefillEngine:
         split: Literal["zigzag", "round_robin"] = "zigzag",
         group: dist.ProcessGroup | None = None,
         num_pages: int,
-        ownership_layout: Literal["interleave", "block"] = "interleave",
+        ownership_scheme: OwnershipScheme = "interleave",
+        ownership_layout: OwnershipScheme | None = None,
         device: torch.device | str = "cpu",
+        decode_mode: DecodeMode = "full",
     ) -> None:
+        if ownership_layout is not None:
+            warn_deprecated("PrefillEngine(ownership_layout=...)", "PrefillEngine(ownership_scheme=...)")
+            ownership_scheme = ownership_layout
         if mode not in _MODES:
             raise ValueError(f"mode must be one of {_MODES}, got mode={mode!r}")
+        if decode_mode not in _DECODE_MODES:
+            raise ValueError(f"decode_mode must be one of {_DECODE_MODES}, got decode_mode={decode_mode!r}")
+        if decode_mode == "sharded" and mode == "replicated":
+            raise ValueError(
+                "decode_mode='sharded' needs a page-sharded pool (mode 'single', 'sharded' or 'sharded_direct'), "
+                "got mode='replicated'"
+            )
         if split not in ("zigzag", "round_robin"):
             raise ValueError(f"split must be 'zigzag' or 'round_robin', got split={split!r}")
         if mode == "sharded_direct" and split != "zigzag":
             raise ValueError(
                 "mode='sharded_direct' needs split='zigzag': round-robin never gives a page one compute owner"
             )
-        self.cfg, self.mode, self.split_mode = cfg, mode, split
+        self.cfg, self.mode, self.split_mode, self.decode_mode = cfg, mode, split, decode_mode
         self.group = None if mode == "single" else group
         self.cp = group_size(self.group)
         self.rank = group_rank(self.group)
         self.device = torch.device(device)
         self.model = TinyDSA(cfg, self.device)
         sharded = mode in ("sharded", "sharded_direct")
-        self.ownership = PageOwnership(self.cp if sharded else 1, num_pages, ownership_layout)
+        self.ownership = PageOwnership(self.cp if sharded else 1, num_pages, ownership_scheme)
         self.spec = ownership_spec(self.ownership)  # plain ints: what the compiled run passes to the ops
         self.pool = ShardedKVPool(
             cfg.layouts, self.ownership, num_layers=cfg.num_layers, group=self.group if sharded else None, device=device
         )
         # Allocation is SPMD over the logical pages; owner-aware for direct writes.
-        self.alloc_ownership = PageOwnership(self.cp, num_pages, ownership_layout)
+        self.alloc_ownership = PageOwnership(self.cp, num_pages, ownership_scheme)
         self.allocator = PageAllocator(self.alloc_ownership if sharded else self.ownership)
         self.requests: list[Request] = []
         self.stats = {"steps": 0, "kv_rows_gathered": 0, "direct_rows": 0, "handoff_rows": 0, "scratch_bytes": 0}
+        self.stats.update(sharded_decode_steps=0, decode_comm_bytes=0, topk_checks=0)
 
     # ------------------------------------------------------------------------------------------ requests
     def add_request(self, prompt: Sequence[int]) -> Request:
@@ -361,13 +390,29 @@ class PrefillEngine:
         return [first[r.rid] for r in self.requests if r.rid in first]
 
     def decode(self, steps: int) -> list[list[int]]:
-        """``steps`` greedy decode steps for every request (one query each, reading the paged KV)."""
+        """``steps`` greedy decode steps for every request (one query each, reading the paged KV).
+
+        Requests without a first token (not prefilled yet) are not decoded. With nothing to decode (no request,
+        or none prefilled) the call is a no-op on every rank -- no step, no collective -- and returns the outputs
+        as they are, as an idle scheduler iteration would.
+        """
         for _ in range(steps):
             reqs = [r for r in self.requests if r.output]
-            logits = self.step(reqs, [1] * len(reqs))
+            if not reqs:
+                break
+            logits = self.decode_step(reqs)
             for r, row in zip(reqs, logits):
                 r.output.append(int(row.argmax()))
         return [list(r.output) for r in self.requests]
+
+    def decode_step(self, reqs: Sequence[Request]) -> torch.Tensor:
+        """Run each request's last generated token through the model in ``decode_mode``: logits ``[len(reqs), V]``.
+
+        Writes the token's KV rows and advances ``num_computed``; the caller appends the next token to ``output``.
+        """
+        if self.decode_mode == "sharded":
+            return sharded_decode_step(self, reqs)
+        return self.step(reqs, [1] * len(reqs))
 
     # ------------------------------------------------------------------------------------------ inspection
     def kv_bytes(self, rid: int) -> dict[str, torch.Tensor]:

@@ -7,7 +7,9 @@ row helpers :func:`take_local`, :func:`pad_local`, :func:`restore_natural`, :fun
 :func:`allocate_for_split` -> :class:`SplitAllocation`.
 
 The rules, stated once. A request has ``prefix_len`` tokens in the KV pool and ``extend_len = n`` tokens computed
-now, at absolute positions ``prefix_len + offset`` for ``offset`` in ``[0, n)``. Requests are split independently.
+now, at absolute positions ``prefix_len + offset`` for ``offset`` in ``[0, n)``. The batch's *natural order*
+concatenates the extends, request by request: request ``i`` owns rows ``extend_indptr[i]:extend_indptr[i+1]``.
+Zigzag splits each request independently; round-robin rotates across the batch.
 
 - **zigzag, token-balanced**: the extend is cut into ``2cp`` segments of ``n // 2cp`` tokens, the first
   ``n % 2cp`` one longer. Rank ``r`` computes segment ``r`` ("prev") and segment ``2cp-1-r`` ("next").
@@ -17,9 +19,14 @@ now, at absolute positions ``prefix_len + offset`` for ``offset`` in ``[0, n)``.
   least one page. Every page the extend touches is then computed by one rank. Segment lengths differ. A request
   touching fewer than ``2cp`` pages (``ceil((prefix+n)/ps) - prefix // ps < 2cp``) cannot be aligned: it keeps
   the token-balanced boundaries and ``page_aligned[i]`` is False.
-- **round_robin**: extend token ``i`` goes to rank ``i % cp``. Locally "prev" holds every local token of the
-  request and "next" is empty; ``kv_len_prev == kv_len_next`` is ``prefix_len + 1 +`` the offset of the last
-  local token (kernels need per-token ``positions`` here). Never page-aligned.
+- **round_robin**: row ``t`` of the batch (natural order) goes to rank ``t % cp``, so request ``i``'s offset
+  ``o`` goes to rank ``(extend_indptr[i] + o) % cp`` and per-rank token counts of the whole batch differ by at
+  most one (a batch of one-token requests is dealt over the ranks, not piled on rank 0). Locally "prev" holds
+  every local token of the request and "next" is empty; ``kv_len_prev == kv_len_next`` is ``prefix_len + 1 +``
+  the offset of the request's last local token, or ``prefix_len`` without one (kernels need per-token
+  ``positions`` here). Never page-aligned.
+- **lengths**: ``prefix_len + extend_len`` and ``sum(extend_lens)`` must stay below ``2**31``: the per-request
+  lengths and indptrs handed to kernels are int32, so larger values are rejected, never wrapped.
 - ``extend_len == 0``: the request contributes no rows on any rank (all its segments are empty, its kv lengths
   equal ``prefix_len``) and, touching no page, is not page-aligned -- so it makes ``all_page_aligned`` False;
   leave empty extends out of CP batches that should write directly.
@@ -37,9 +44,10 @@ rank's rows padded to ``max_local_tokens`` gives the rank-major tensor ``[cp * m
 Page ownership terms (see :mod:`dtkv.page_table` for the page-table format): a page's *compute owner* is the
 rank computing its extend tokens; its *storage owner* is ``ownership.owner(page)``. A rank may write a page
 directly only if the request is page-aligned and it is the storage owner of every page it computes
-(:func:`verify_direct_write`). Pages a rank computes but does not store are its *handoff pages*; for an aligned
-request only the partly filled first page of a request whose prefix ends mid-page can be one, because it keeps
-the owner it was allocated with.
+(:func:`verify_direct_write`). Pages a rank computes but does not store are its *handoff pages*. For an aligned
+request allocated by :func:`allocate_for_split` they are the partly filled first page of a request whose prefix
+ends mid-page (it keeps the owner it was allocated with) and, only when the rank is short of free pages (it stores
+no page at all, or its pages are taken), the pages placed elsewhere instead.
 """
 
 from __future__ import annotations

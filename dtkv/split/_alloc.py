@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from dtkv._checks import check_tensor
+from dtkv._util import cdiv
 from dtkv.allocator import AllocationError, PageAllocator
 from dtkv.ownership import PageOwnership
 from dtkv.split._ownership import (
@@ -61,6 +62,13 @@ def allocate_for_split(
     when it is not rank 0 (which computes segment 0), the page is a handoff page of rank 0
     (:meth:`SplitAllocation.handoff_pages`). Every rank must make the same calls in the same order.
 
+    A compute owner with too few free pages -- a rank that stores no page at all (``block`` scheme with
+    ``cp=8`` and 49 pages), or one whose pages are all taken -- does not fail the batch: in request then slot
+    order, its slots beyond its free pages get balanced pages instead. They become handoff pages of that rank
+    (its rows reach the owner through the owner-filtered write; :meth:`SplitAllocation.verify_direct_write`
+    is False for it), and the other ranks still write directly. Only a batch needing more pages than
+    ``allocator.num_free()`` raises.
+
     Args:
         allocator: the SPMD allocator (its ``ownership.cp_size`` must equal ``split.cp_size``).
         split: the plan.
@@ -74,7 +82,7 @@ def allocate_for_split(
     Raises:
         ValueError: a prefix slot is ``-1``, an extend slot is already set, or ``req_pages`` is None while a
             request has a prefix.
-        AllocationError: not enough free pages (of some owner); nothing stays allocated.
+        AllocationError: the batch needs more pages than are free; nothing stays allocated.
     """
     if not isinstance(allocator, PageAllocator):
         raise TypeError(f"allocator must be a PageAllocator, got {type(allocator).__name__}")
@@ -86,8 +94,8 @@ def allocate_for_split(
     ps, num_reqs = split.page_size, split.num_reqs
     prefix = np.asarray(split.prefix_lens, dtype=np.int64).reshape(num_reqs)
     extend = np.asarray(split.extend_lens, dtype=np.int64).reshape(num_reqs)
-    have = -(-prefix // ps)  # slots already holding a page (partial first page included)
-    need = -(-(prefix + extend) // ps)
+    have = cdiv(prefix, ps)  # slots already holding a page (partial first page included)
+    need = cdiv(prefix + extend, ps)
     width = int(need.max()) if num_reqs else 0
     if req_pages is None:
         with_prefix = np.flatnonzero(prefix > 0)
@@ -116,11 +124,33 @@ def allocate_for_split(
 
     aligned = split.page_aligned.numpy()[:, None]
     owner_slots = is_new & aligned
-    balanced_slots = is_new & ~aligned
-    owners = compute_owners(split, table.shape[1]).numpy()[owner_slots]
+    owners_all = compute_owners(split, table.shape[1]).numpy()
+    owners = owners_all[owner_slots]  # request then slot order
     assert (owners >= 0).all(), "a page-aligned request has a new slot without a single compute owner"
-    pages_owned = allocator.alloc(torch.from_numpy(owners)) if owners.size else torch.empty(0, dtype=torch.int64)
+    # An owner's k-th requested page (in that order) is placed on it only while it has a free page left.
+    if owners.size:
+        order = np.argsort(owners, kind="stable")
+        rank_in_owner = np.empty_like(owners)
+        sorted_owners = owners[order]
+        group_start = np.searchsorted(sorted_owners, sorted_owners, side="left")
+        rank_in_owner[order] = np.arange(owners.size) - group_start
+        free = np.array([allocator.num_free(r) for r in range(ownership.cp_size)], dtype=np.int64)
+        placed = rank_in_owner < free[owners]
+    else:
+        placed = np.zeros(0, dtype=bool)
+    short = np.zeros_like(owner_slots)
+    short[owner_slots] = ~placed
+    owner_slots &= ~short
+    owners = owners[placed]
+    balanced_slots = (is_new & ~aligned) | short
     num_balanced = int(balanced_slots.sum())
+    if owners.size + num_balanced > allocator.num_free():
+        raise AllocationError(
+            f"allocate_for_split needs {owners.size + num_balanced} new pages, only {allocator.num_free()} are "
+            f"free (free per owner: {[allocator.num_free(r) for r in range(ownership.cp_size)]}); "
+            "nothing was allocated"
+        )
+    pages_owned = allocator.alloc(torch.from_numpy(owners)) if owners.size else torch.empty(0, dtype=torch.int64)
     try:
         pages_balanced = allocator.alloc_balanced(num_balanced) if num_balanced else torch.empty(0, dtype=torch.int64)
     except AllocationError:

@@ -14,8 +14,9 @@ import torch
 
 from dtkv._checks import check_int, check_tensor
 from dtkv._env import debug_enabled
+from dtkv._util import cdiv
 from dtkv.ownership import PageOwnership
-from dtkv.split._plan import CPSplit
+from dtkv.split._plan import CPSplit, _rr_first_offset
 
 __all__ = [
     "MULTIPLE_COMPUTE_OWNERS",
@@ -41,7 +42,7 @@ def _slot_extents(split: CPSplit) -> tuple[np.ndarray, np.ndarray]:
     prefix = np.asarray(split.prefix_lens, dtype=np.int64).reshape(split.num_reqs)
     extend = np.asarray(split.extend_lens, dtype=np.int64).reshape(split.num_reqs)
     first = prefix // ps
-    end = np.where(extend > 0, -(-(prefix + extend) // ps), first)
+    end = np.where(extend > 0, cdiv(prefix + extend, ps), first)
     return first, end
 
 
@@ -67,8 +68,8 @@ def _slot_rank_counts(split: CPSplit) -> tuple[np.ndarray, np.ndarray, np.ndarra
         per_seg = np.maximum(np.minimum(hi, bounds[:, 1:]) - np.maximum(lo, bounds[:, :-1]), 0)
         counts = per_seg[:, :cp] + per_seg[:, ::-1][:, :cp]
     else:
-        ranks = np.arange(cp, dtype=np.int64)
-        counts = (hi - ranks + cp - 1) // cp - (lo - ranks + cp - 1) // cp  # offsets == r (mod cp) in [lo, hi)
+        first = _rr_first_offset(np.asarray(split.extend_indptr[:-1], dtype=np.int64), cp)[req]  # [num_slots, cp]
+        counts = (hi - first + cp - 1) // cp - (lo - first + cp - 1) // cp  # offsets == first (mod cp) in [lo, hi)
     out = (req, slot, counts)
     split._cache["slots"] = out
     return out
@@ -186,7 +187,8 @@ def handoff_pages(
 ) -> torch.Tensor:
     """Pages ``rank`` computes but does not store: their rows must reach the owner (owner-filtered write).
 
-    For a page-aligned request only the partly filled first page (prefix ending mid-page) can be one.
+    For a page-aligned request allocated by :func:`dtkv.split.allocate_for_split` only the partly filled first
+    page (prefix ending mid-page) can be one, unless ``rank`` was short of free pages (see there).
 
     Returns:
         int64 CPU ``[k]``, a sub-list of :func:`compute_pages` (same arguments).

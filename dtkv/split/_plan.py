@@ -16,48 +16,43 @@ import numpy as np
 import torch
 
 from dtkv._checks import check_int
+from dtkv._util import as_int_array
 from dtkv.split._index import expand_blocks, indptr_of, invert_gather, small_tensor
 
-__all__ = ["CPSplit", "LocalSplit", "SplitMode", "plan_cp_split"]
+__all__ = ["INT32_MAX", "CPSplit", "LocalSplit", "SplitMode", "plan_cp_split"]
 
 SplitMode = Literal["zigzag", "round_robin"]
 _MODES = ("zigzag", "round_robin")
 
 
+INT32_MAX = 2**31 - 1
+"""Largest KV length (``prefix_len + extend_len``) and batch size (``sum(extend_lens)``) a split accepts: the
+per-request lengths and indptrs kernels read are int32 (as flashinfer's and FlashMLA's are)."""
+
+
 def _as_lengths(name: str, values: object) -> np.ndarray:
     """Per-request lengths as int64 numpy ``[num_reqs]``; raises naming ``name``, the value and the rule."""
-    if isinstance(values, (list, tuple)) and set(map(type, values)) <= {int}:  # the common case, fast
-        try:
-            arr = np.array(values, dtype=np.int64)
-        except OverflowError:
-            raise ValueError(f"{name} must fit in int64, got {name}={list(values)}") from None
-    elif isinstance(values, torch.Tensor):
-        if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
-            raise TypeError(f"{name} must be an integer tensor, got {name}.dtype={values.dtype}")
-        if values.dim() != 1:
-            raise ValueError(f"{name} must have 1 dim ([num_reqs]), got {name}.shape={list(values.shape)}")
-        arr = values.detach().cpu().numpy().astype(np.int64)
-    elif isinstance(values, (Sequence, np.ndarray)) and not isinstance(values, (str, bytes)):
-        bad = (
-            next((v for v in values if isinstance(v, (bool, np.bool_))), None) if isinstance(values, Sequence) else None
+    return as_int_array(name, values, ndim=1, shape_hint="[num_reqs]", min_value=0)
+
+
+def _check_int32_lengths(prefix: np.ndarray, extend: np.ndarray) -> None:
+    """Reject KV lengths and batch sizes the int32 tensors of the split cannot hold (no silent wrap-around)."""
+    for name, arr in (("prefix_lens", prefix), ("extend_lens", extend)):
+        if arr.size and int(arr.max()) > INT32_MAX:
+            i = int(np.argmax(arr))
+            raise ValueError(f"{name} must be <= 2**31 - 1 (int32 KV lengths), got {name}[{i}]={int(arr[i])}")
+    kv = prefix + extend  # both <= 2**31 - 1: no int64 overflow
+    if kv.size and int(kv.max()) > INT32_MAX:
+        i = int(np.argmax(kv))
+        raise ValueError(
+            "prefix_lens[i] + extend_lens[i] must be <= 2**31 - 1 (the int32 KV lengths kernels read), got "
+            f"prefix_lens[{i}] + extend_lens[{i}] = {int(prefix[i])} + {int(extend[i])} = {int(kv[i])}"
         )
-        if bad is not None:
-            raise TypeError(f"{name} must hold ints, got {bad!r} ({type(bad).__name__})")
-        arr = np.asarray(values)
-        if arr.size == 0:
-            arr = arr.astype(np.int64)
-        if arr.ndim != 1:
-            raise ValueError(f"{name} must be a flat sequence of ints ([num_reqs]), got shape {list(arr.shape)}")
-        if arr.dtype.kind not in "iu":
-            bad = next((v for v in arr.tolist() if isinstance(v, bool) or not isinstance(v, int)), arr.dtype)
-            raise TypeError(f"{name} must hold ints, got {bad!r} ({type(bad).__name__})")
-        arr = arr.astype(np.int64, copy=False)
-    else:
-        raise TypeError(f"{name} must be a sequence of ints or an integer tensor, got {type(values).__name__}")
-    if arr.size and arr.min() < 0:
-        i = int(np.argmax(arr < 0))
-        raise ValueError(f"{name} must be >= 0, got {name}[{i}]={int(arr[i])}")
-    return arr
+    total = int(extend.sum())
+    if total > INT32_MAX:
+        raise ValueError(
+            f"sum(extend_lens) must be <= 2**31 - 1 (the int32 cu_seqlens of the batch), got {total} tokens"
+        )
 
 
 _SEGMENT_INDEX: dict[int, np.ndarray] = {}
@@ -95,6 +90,15 @@ def _zigzag_boundaries(
     return bounds, aligned
 
 
+def _rr_first_offset(ext_start: np.ndarray, cp: int) -> np.ndarray:
+    """Round-robin: extend offset of each rank's first token of each request, int64 ``[num_reqs, cp]``.
+
+    Batch row ``t`` goes to rank ``t % cp``, so request ``i`` (rows from ``ext_start[i]``) gives rank ``r`` its
+    offsets ``o`` with ``o == (r - ext_start[i]) % cp (mod cp)``; the value may exceed the request's length.
+    """
+    return (np.arange(cp, dtype=np.int64)[None, :] - ext_start[:, None]) % cp
+
+
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
 class LocalSplit:
     """One rank's share of a :class:`CPSplit` (build with :meth:`CPSplit.local`; cached there).
@@ -115,7 +119,7 @@ class LocalSplit:
     """Per request, tokens of the next segment (zigzag: segment ``2cp-1-rank``; round_robin: 0)."""
     kv_len_prev: tuple[int, ...]
     """Per request, causal KV extent of the prev segment: ``prefix_len + end of the segment`` (round_robin:
-    ``prefix_len + 1 + offset of the last local token``, or ``prefix_len`` with no local token)."""
+    ``prefix_len + 1 +`` the extend offset of the request's last local token, or ``prefix_len`` with none)."""
     kv_len_next: tuple[int, ...]
     """Per request, causal KV extent of the next segment (round_robin: equal to ``kv_len_prev``)."""
     token_index: torch.Tensor = field(repr=False)
@@ -278,7 +282,8 @@ def _build_local(split: CPSplit, rank: int) -> LocalSplit:
         kv_next = prefix + bounds[:, 2 * cp - rank]
     else:
         prev, nxt = counts, np.zeros_like(counts)
-        kv_prev = kv_next = prefix + np.where(counts > 0, rank + cp * (counts - 1) + 1, 0)
+        first = _rr_first_offset(ext_start, cp)[:, rank]
+        kv_prev = kv_next = prefix + np.where(counts > 0, first + cp * (counts - 1) + 1, 0)
     n = int(split.num_local_tokens[rank])
     shift, lens = b.shift[rank], b.lens[rank].ravel()
     cu_prev, cu_next = indptr_of(prev), indptr_of(nxt)
@@ -327,7 +332,7 @@ def plan_cp_split(
         cp_size: ranks of the CP group (>= 1).
         page_size: tokens per KV page (>= 1).
         mode: ``"zigzag"`` (2cp segments; rank r computes segments r and 2cp-1-r) or ``"round_robin"``
-            (extend token i -> rank i % cp; never page-aligned).
+            (row ``t`` of the batch's concatenated extends -> rank ``t % cp``; never page-aligned).
         page_aligned: zigzag only: put the internal boundaries on page edges for requests touching >= 2cp
             pages. Ignored by round_robin.
         device: where the per-token index tensors are built (default CPU).
@@ -337,7 +342,9 @@ def plan_cp_split(
 
     Raises:
         TypeError: non-integer lengths, ``cp_size``, ``page_size``, or a non-bool ``page_aligned``.
-        ValueError: negative lengths, ``cp_size``/``page_size`` < 1, lengths of different sizes, unknown mode.
+        ValueError: negative lengths, ``cp_size``/``page_size`` < 1, lengths of different sizes, unknown mode, or
+            a KV length ``prefix_len + extend_len`` or batch size ``sum(extend_lens)`` above ``2**31 - 1`` (the
+            split's length tensors are int32, like the kernels that read them; rejected rather than wrapped).
 
     Example:
         >>> s = plan_cp_split([5], [23], cp_size=2, page_size=4)
@@ -359,6 +366,7 @@ def plan_cp_split(
             "prefix_lens and extend_lens must have one entry per request, got "
             f"len(prefix_lens)={prefix.size} and len(extend_lens)={extend.size}"
         )
+    _check_int32_lengths(prefix, extend)
     cp, num_reqs = cp_size, int(extend.size)
     ext_indptr = indptr_of(extend)
     ext_start = ext_indptr[:-1]
@@ -377,11 +385,11 @@ def plan_cp_split(
         blocks = _Blocks(shift=shift, lens=lens, slope=1)
     else:
         bounds, aligned = None, np.zeros(num_reqs, dtype=bool)
-        ranks = np.arange(cp, dtype=np.int64)
-        counts = (extend[:, None] - ranks + cp - 1) // cp  # offsets i < extend_len with i % cp == r
+        first = _rr_first_offset(ext_start, cp)  # [num_reqs, cp]: rank r's first extend offset
+        counts = (extend[:, None] - first + cp - 1) // cp  # offsets o < extend_len with o == first (mod cp)
         starts = np.cumsum(counts, axis=0)
         starts -= counts
-        shift[:, :, 0] = (ext_start[:, None] + ranks - cp * starts).T
+        shift[:, :, 0] = (ext_start[:, None] + first - cp * starts).T
         blocks = _Blocks(shift=shift, lens=counts.T[:, :, None], slope=cp)
     totals = counts.sum(axis=0)
     return CPSplit(

@@ -40,9 +40,9 @@ def write_rows(
         else:
             ops.write_owned(pool, rows, locs, spec, rank)
     elif isinstance(layout, MLAFp8Layout):
-        ops.quantize_write_mla_fp8(pool, rows, locs, spec, rank, layout=layout, require_owned=direct)
+        ops.quantize_write_mla_fp8(pool, rows, locs, spec, rank, layout=layout, direct=direct)
     elif isinstance(layout, IndexerFp8Layout):
-        ops.quantize_write_indexer_fp8(pool, rows, locs, spec, rank, layout=layout, require_owned=direct)
+        ops.quantize_write_indexer_fp8(pool, rows, locs, spec, rank, layout=layout, direct=direct)
     else:
         raise TypeError(f"layout must be an MLA or indexer layout, got {type(layout).__name__}")
 

@@ -17,16 +17,13 @@ from dataclasses import dataclass, field
 import torch
 
 from dtkv import ops
+from dtkv._util import cdiv
 from dtkv.allocator import PageAllocator
 from dtkv.materialize import MaterializePlan, plan_materialize
 from dtkv.ownership import PageOwnership
 from dtkv.split import CPSplit, allocate_for_split, plan_cp_split
 
 __all__ = ["Request", "StepPlan", "plan_step"]
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass
@@ -126,11 +123,14 @@ def plan_step(
     split_mode: str,
     mode: str,
     device: torch.device,
+    group=None,
 ) -> StepPlan:
     """Split, allocate pages and build every index of one step (host; identical on every rank).
 
     ``mode`` is the runner's KV mode (``single``, ``sharded`` or ``sharded_direct``). Pages are appended to
-    each request's ``pages``; nothing else of the requests changes.
+    each request's ``pages``; nothing else of the requests changes. With ``group`` the ranks check that they
+    planned the same view (collective; every rank raises together otherwise, see
+    :func:`dtkv.materialize.plan_materialize`).
     """
     cp, ps = allocator.ownership.cp_size, page_size
     lens = [int(n) for n in extend_lens]
@@ -153,7 +153,7 @@ def plan_step(
     if mode != "single":  # history pages (before each prefix end, prefetchable) and pages written now
         hist = [pg for r, p in zip(reqs, prefix) for pg in r.pages[: p // ps]]
         cur = [pg for r, p, k in zip(reqs, prefix, kv_lens) for pg in r.pages[p // ps : cdiv(k, ps)]]
-        mat_plan = plan_materialize(hist, cur, ownership, rank, device=device)
+        mat_plan = plan_materialize(hist, cur, ownership, rank, device=device, group=group)
         key_slots = ops.remap(key_slots, mat_plan.page_map, page_size=ps)
     direct_rows = handoff_rows = handoff_locs = torch.zeros(0, dtype=torch.int64)
     max_handoff = 0

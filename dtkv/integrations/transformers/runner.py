@@ -26,9 +26,10 @@ import torch
 import torch.distributed as dist
 
 from dtkv._collectives import all_gather_rows, group_rank, group_size
+from dtkv._util import cdiv
 from dtkv.allocator import PageAllocator
 from dtkv.integrations.transformers._family import KV_DTYPES, KVDtype, family_of, geometry_of, kv_layouts
-from dtkv.integrations.transformers._plan import Request, StepPlan, cdiv, plan_step
+from dtkv.integrations.transformers._plan import Request, StepPlan, plan_step
 from dtkv.integrations.transformers.attention import AttentionContext, check_unbound, install, uninstall
 from dtkv.layouts import IndexerFp8Layout
 from dtkv.materialize import Materializer
@@ -185,7 +186,7 @@ class DSAModelRunner:
                 )
         return plan_step(
             reqs, lens, allocator=self.allocator, ownership=self.ownership, rank=self.rank,
-            page_size=self.page_size, split_mode=self.split_mode, mode=self.mode, device=self.device,
+            page_size=self.page_size, split_mode=self.split_mode, mode=self.mode, device=self.device, group=self.group,
         )  # fmt: skip
 
     @torch.no_grad()
