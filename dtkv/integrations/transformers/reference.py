@@ -1,0 +1,199 @@
+"""The reference the integration is compared with: the model's own forward, with one documented patch.
+
+transformers 5.17's DSA indexer ends with ``index_scores.topk(topk, dim=-1)``. Index scores are
+``sum_h w_h * relu(q_h . k)``, so every key for which all indexer heads' dot products are negative scores
+exactly ``0.0``, and such exact ties are common (with 4 indexer heads about one key in 16). ``torch.topk`` breaks
+ties in an unspecified order that depends on the row length, so which tied keys a query keeps changes with the
+total length of the forward and with chunking against a cache: :func:`stable_topk` replaces that one call, for
+the indexers of one model and only inside the ``with`` block, by a stable sort (highest score first, ties to
+the lowest position), the rule :func:`dtkv.integrations.transformers.dsa_attention` implements. Nothing else of
+the model changes. See :mod:`dtkv.integrations.transformers` for the measurements and a minimal repro.
+
+Also here: :func:`tiny_config` / :func:`tiny_model`, the small random DSA models of the tests, demo and
+tutorial (built on CPU in well under a second, no download), and :func:`reference_logits`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from dtkv import ops
+from dtkv.integrations.transformers._family import FAMILIES, family_of
+from dtkv.layouts import IndexerFp8Layout, KVLayout, MLAFp8Layout, MLALatentLayout
+
+__all__ = ["MODEL_TYPES", "reference_logits", "round_trip", "stable_topk", "tiny_config", "tiny_model"]
+
+MODEL_TYPES: dict[str, str] = {"deepseek-v32": "deepseek_v32", "glm5": "glm_moe_dsa"}
+"""Short names (as ``python -m dtkv.demo --model`` takes them) -> ``config.model_type``."""
+
+
+class _StableTopk(TorchFunctionMode):
+    """Turns ``Tensor.topk`` / ``torch.topk`` into a stable descending sort (ties to the lower index)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.topk or func is torch.topk:
+            x, k = args[0], args[1] if len(args) > 1 else kwargs.pop("k")
+            dim = args[2] if len(args) > 2 else kwargs.pop("dim", -1)
+            largest = args[3] if len(args) > 3 else kwargs.pop("largest", True)
+            values, indices = torch.sort(x, dim=dim, descending=largest, stable=True)
+            return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
+        return func(*args, **kwargs)
+
+
+def round_trip(rows: torch.Tensor, layout: KVLayout) -> torch.Tensor:
+    """``rows`` ``[..., C]`` as a pool of ``layout`` gives them back (stored, then read): same shape and dtype.
+
+    ``MLALatentLayout``: a cast to the store dtype and back; ``MLAFp8Layout`` / ``IndexerFp8Layout``: the fp8
+    quantization of :mod:`dtkv.ops` and its dequantization.
+    """
+    flat = rows.reshape(-1, rows.shape[-1])
+    if isinstance(layout, MLALatentLayout):
+        out = flat.to(layout.dtype)
+    elif isinstance(layout, MLAFp8Layout):
+        out = ops.dequantize_mla_fp8(ops.quantize_mla_fp8(flat, layout), layout)
+    elif isinstance(layout, IndexerFp8Layout):
+        q, scale = ops.quantize_indexer_fp8(flat)
+        out = q.view(torch.float8_e4m3fn).float() * scale[:, None]
+    else:
+        raise TypeError(f"layout must be an MLA or indexer layout, got {type(layout).__name__}")
+    return out.to(rows.dtype).reshape(rows.shape)
+
+
+class _RoundIndexerKeys:
+    """Stands in for ``past_key_values`` inside an indexer: its keys come back as the pool stores them."""
+
+    def __init__(self, layout: KVLayout, cache=None) -> None:
+        self.layout, self.cache = layout, cache
+
+    def update_indexer(self, key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        key_states = round_trip(key_states, self.layout)
+        return key_states if self.cache is None else self.cache.update_indexer(key_states, layer_idx)
+
+
+@contextlib.contextmanager
+def stable_topk(model: torch.nn.Module, *, layouts: Mapping[str, KVLayout] | None = None) -> Iterator[torch.nn.Module]:
+    """Inside the block, ``model`` runs as the parity reference (module docstring); outside, as loaded.
+
+    Always: the DSA indexers break top-k ties by position. With ``layouts`` (``{"kv": ..., "index": ...}``,
+    as :func:`dtkv.integrations.transformers.kv_layouts` gives them), the model also reads its keys as those
+    stored formats hold them: the MLA latent row ``[kv_a_layernorm(kv), rope(k_rot)]`` goes through
+    :func:`round_trip` before ``expand_kv`` and the indexer key (after its rope) before scoring. That is the
+    model with its KV cache in the pools' formats (an identity for fp32 KV of a float32 model).
+
+    The wraps are instance attributes of the attention and indexer modules, removed on exit; every other
+    module, and every other model, is untouched.
+    """
+    family_of(model)
+    wrapped = []
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        indexer = getattr(attn, "indexer", None)
+        if indexer is not None:
+            original = type(indexer).forward.__get__(indexer)
+
+            def forward(*args, _original=original, **kwargs):
+                if layouts is not None:
+                    cache = kwargs.pop("past_key_values", args[5] if len(args) > 5 else None)
+                    args, kwargs["past_key_values"] = args[:5], _RoundIndexerKeys(layouts["index"], cache)
+                with _StableTopk():
+                    return _original(*args, **kwargs)
+
+            indexer.forward = forward
+            wrapped.append((indexer, "forward"))
+        if layouts is not None:
+            expand = type(attn).expand_kv.__get__(attn)
+            r = attn.kv_lora_rank
+
+            def expand_kv(kv_nope, k_rot, _expand=expand, _r=r):
+                row = round_trip(torch.cat((kv_nope, k_rot), dim=-1), layouts["kv"])
+                return _expand(row[..., :_r], row[..., _r:])
+
+            attn.expand_kv = expand_kv
+            wrapped.append((attn, "expand_kv"))
+    try:
+        yield model
+    finally:
+        for module, name in wrapped:
+            module.__dict__.pop(name, None)
+
+
+@torch.no_grad()
+def reference_logits(
+    model: torch.nn.Module, token_ids: Sequence[int], *, layouts: Mapping[str, KVLayout] | None = None
+) -> torch.Tensor:
+    """The model's own full forward over one sequence under :func:`stable_topk`: float32 ``[len(ids), V]``.
+
+    Teacher-forced over a prompt followed by greedily generated tokens, ``argmax`` of row ``p`` is the model's
+    greedy choice after position ``p``: one forward gives the reference of a whole prefill + decode.
+    ``layouts``: read keys as these stored formats hold them (see :func:`stable_topk`).
+    """
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(token_ids)], dtype=torch.int64, device=device)
+    with stable_topk(model, layouts=layouts):
+        return model(input_ids=ids, use_cache=False).logits[0].float()
+
+
+def tiny_config(model: str, **overrides):
+    """A small DSA config (transformers config object) for ``model`` in :data:`MODEL_TYPES` or a model_type.
+
+    Hidden 256, 3 layers (the first dense, then MoE with 4 routed experts, top 2, one shared; ``n_group=1``,
+    ``topk_group=1``), 4 heads, ``q_lora_rank=64``, ``kv_lora_rank=64``, rope 16, nope 32, v 32, indexer
+    4 heads x 32 dims, ``index_topk=16``, vocabulary 256. ``overrides`` replace any field.
+    """
+    model_type = MODEL_TYPES.get(model, model)
+    if model_type not in FAMILIES:
+        raise ValueError(f"model must be one of {sorted(MODEL_TYPES)} or {sorted(FAMILIES)}, got model={model!r}")
+    import transformers
+
+    fields = dict(
+        vocab_size=256,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=64,
+        kv_lora_rank=64,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        index_n_heads=4,
+        index_head_dim=32,
+        index_topk=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        max_position_embeddings=8192,
+    )
+    fields.update(overrides)
+    return getattr(transformers, FAMILIES[model_type].config_class)(**fields)
+
+
+def tiny_model(
+    model: str,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    **overrides,
+) -> torch.nn.Module:
+    """A random-weight DSA causal LM of :func:`tiny_config`, in eval mode (deterministic in ``seed``).
+
+    The global RNG state is left as it was.
+    """
+    import transformers
+
+    cfg = tiny_config(model, **overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        lm = getattr(transformers, FAMILIES[cfg.model_type].causal_lm)(cfg)
+    return lm.to(device=device, dtype=dtype).eval()
