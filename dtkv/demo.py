@@ -7,6 +7,11 @@ mismatch. ``--pd`` also spawns a non-CP decode process that receives every reque
 the CP ranks over the Mooncake Transfer Engine (TCP loopback), reconstructs the full KV and continues with greedy
 decode; ``pd_parity`` is true when its KV bytes equal the replicated baseline's and its tokens equal the CP run's.
 
+``--multi-turn`` runs a multi-turn conversation (each turn extends the previous prompt and its answer) and
+several requests sharing its system prompt, on sharded KV with and without the prefix cache
+(:mod:`dtkv._demo_multi_turn`); ``parity`` then means tokens, logits and KV bytes equal to the run without the
+cache, and the JSON adds ``prefix_hit_rate`` and ``prefill_tokens_saved``.
+
 ``capacity_multiplier`` is replicated KV bytes per rank over sharded KV bytes per rank (pool only);
 ``capacity_multiplier_with_scratch`` also charges the materialization scratch of this run's largest batch, which
 at demo sizes is as large as the pool itself (``python -m dtkv.capacity`` sizes a real deployment, where scratch
@@ -57,6 +62,14 @@ def run_rank(rank: int, world: int, args: dict, init_file: str | None = None) ->
     group = dist.group.WORLD if world > 1 else None
     device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
     cfg = replace(ModelConfig(), page_size=args["page_size"], kv_dtype=args["kv_dtype"])
+    if args.get("multi_turn"):
+        from dtkv._demo_multi_turn import multi_turn_rank
+
+        out = multi_turn_rank(rank, args, cfg, group, device)
+        if init_file is not None:
+            dist.barrier()
+            dist.destroy_process_group()
+        return out
     prompts = _prompts(args["tokens"], args["requests"], cfg.vocab_size, args["seed"])
     num_pages = _num_pages(prompts, cfg.page_size, args["decode_steps"], world)
     sharded_mode = "sharded_direct" if args["split"] == "zigzag" else "sharded"
@@ -170,6 +183,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before the ranks are given up on")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--pd", action="store_true", help="also hand the requests to a decode process over Mooncake")
+    p.add_argument("--multi-turn", action="store_true", help="a conversation + shared-prompt requests, prefix cache")
+    p.add_argument("--turns", type=int, default=4, help="--multi-turn: turns of the conversation (default 4)")
+    p.add_argument("--shared-requests", type=int, default=3, help="--multi-turn: requests sharing the system prompt")
+    p.add_argument("--pool-pages", type=int, default=None, help="--multi-turn: logical pages (default: room for all)")
     return p
 
 
@@ -178,6 +195,14 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("cp", "tokens", "requests", "chunk", "page_size"):
         if getattr(ns, name) < 1:
             print(f"error: --{name.replace('_', '-')} must be >= 1, got {getattr(ns, name)}", file=sys.stderr)
+            return 2
+    if ns.multi_turn:
+        for name in ("turns", "shared_requests", "pool_pages"):
+            if getattr(ns, name) is not None and getattr(ns, name) < 1:
+                print(f"error: --{name.replace('_', '-')} must be >= 1, got {getattr(ns, name)}", file=sys.stderr)
+                return 2
+        if ns.pd:
+            print("error: --multi-turn and --pd cannot be combined", file=sys.stderr)
             return 2
     if ns.tokens < ns.requests:
         print(f"error: --tokens must be >= --requests, got {ns.tokens} < {ns.requests}", file=sys.stderr)
@@ -205,6 +230,15 @@ def main(argv: list[str] | None = None) -> int:
         if ns.json:
             print(json.dumps({"parity": False, "error": errors[0]["error"].splitlines()[0]}))
         return 1
+    if ns.multi_turn:
+        from dtkv._demo_multi_turn import multi_turn_summary, print_table
+
+        summary = multi_turn_summary(results, args, wall)
+        if ns.json:
+            print(json.dumps(summary))
+        else:
+            print_table(summary)
+        return 0 if summary["parity"] else 1
     r0 = results[0]
     parity = all(r["tokens_equal"] and r["kv_equal"] for r in results) and all(
         r["outputs"] == r0["outputs"] for r in results
