@@ -200,8 +200,9 @@ class PrefixCache:
         is marked as used now. All or nothing: a bad page changes nothing.
 
         Raises:
-            ValueError: ``pages`` is shorter than the full pages of ``token_ids``; a page to be cached is
-                outside the pool, reserved, free, repeated, or cached already for another prefix.
+            ValueError: ``pages`` is shorter than the full pages of ``token_ids``; one of them is outside the pool,
+                reserved, free (the caller must hold its pages) or repeated; a page to be cached is cached
+                already for another prefix.
         """
         keys = self._keys("token_ids", token_ids, None)
         plist = as_int_list("pages", pages)
@@ -210,21 +211,31 @@ class PrefixCache:
                 f"pages must hold one page per full page of token_ids ({len(keys)} = {len(keys) * self.page_size} "
                 f"tokens // page_size={self.page_size}), got {len(plist)} pages"
             )
+        alloc = self.allocator
+        num_pages = alloc.ownership.num_pages
+        seen: set[int] = set()
+        for i, p in enumerate(plist[: len(keys)]):
+            rule = ""
+            if not 0 <= p < num_pages:
+                rule = f"outside the pool's pages [0, {num_pages})"
+            elif p in alloc.reserved:
+                rule = "which is reserved (never allocated)"
+            elif alloc.refcount(p) == 0:
+                rule = "which is free (the caller must hold every page it inserts)"
+            elif p in seen:
+                rule = "a second time (a page holds the KV of one token prefix)"
+            if rule:
+                raise ValueError(f"insert(token_ids, pages) got pages[{i}]={p}, {rule}; nothing was cached")
+            seen.add(p)
         path = self._walk(keys)
         new = plist[len(path) : len(keys)]
-        num_pages = self.allocator.ownership.num_pages
         for i, p in enumerate(new, start=len(path)):
-            if not 0 <= p < num_pages:
-                raise ValueError(
-                    f"insert(token_ids, pages) got pages[{i}]={p}, outside the pool's pages [0, {num_pages}) "
-                    "(every full page of token_ids needs its page); nothing was cached"
-                )
             if p in self._by_page:
                 raise ValueError(
                     f"insert(token_ids, pages) got pages[{i}]={p}, which the cache already holds for another prefix "
                     "(a page holds the KV of one token prefix); nothing was cached"
                 )
-        self.allocator.retain(new)  # validates range, reserved, free and repeats: all or nothing
+        alloc.retain(new)
         self._clock += 1
         for node in path:
             node.last_access = self._clock

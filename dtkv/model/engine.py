@@ -171,8 +171,10 @@ class PrefillEngine:
 
     def finish_request(self, rid: int) -> None:
         """End request ``rid``: cache its full pages (with a prefix cache) and release its pages (SPMD)."""
-        if not 0 <= rid < len(self.requests) or self.requests[rid].finished:
-            raise ValueError(f"rid must name a live request in [0, {len(self.requests)}), got rid={rid}")
+        if not 0 <= rid < len(self.requests):
+            raise ValueError(f"rid must name a request in [0, {len(self.requests)}), got rid={rid}")
+        if self.requests[rid].finished:
+            raise ValueError(f"rid must name a live request, got rid={rid}, which is finished already")
         _prefix.release_request(self, self.requests[rid])
         if self.prefix_cache is not None and _env.debug_enabled():
             self.prefix_cache.check_agreement(self.group)

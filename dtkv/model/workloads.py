@@ -17,6 +17,7 @@ are served from cached pages.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -83,17 +84,22 @@ def chat_workload(
     )
 
 
-def run_workload(engine, workload: ChatWorkload, *, chunk: int, decode_steps: int) -> WorkloadRun:
+def run_workload(
+    engine, workload: ChatWorkload, *, chunk: int, decode_steps: int, after_step: Callable[[object], None] | None = None
+) -> WorkloadRun:
     """Run ``workload`` on ``engine`` (a fresh :class:`dtkv.model.PrefillEngine`; collective in CP modes).
 
     Prefill runs ``chunk`` tokens per request per step; every request then decodes ``decode_steps`` tokens
-    (requests live at the time decode along). See the module docstring for the schedule.
+    (requests live at the time decode along). See the module docstring for the schedule. ``after_step(engine)``
+    is called after every step and every finished request (e.g. to check invariants).
     """
     run = WorkloadRun()
     system = list(workload.system)
 
     def note() -> None:
         run.peak_pages_allocated = max(run.peak_pages_allocated, engine.allocator.num_allocated())
+        if after_step is not None:
+            after_step(engine)
 
     def add(prompt: list[int]):
         req = engine.add_request(prompt)
@@ -128,6 +134,7 @@ def run_workload(engine, workload: ChatWorkload, *, chunk: int, decode_steps: in
     def finish(req) -> None:
         run.kv[req.rid] = engine.kv_bytes(req.rid)
         engine.finish_request(req.rid)
+        note()
 
     prompt = system + list(workload.user_turns[0])
     turn = add(prompt)
