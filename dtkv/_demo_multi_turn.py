@@ -1,9 +1,10 @@
 """``python -m dtkv.demo --multi-turn``: a conversation and shared-system-prompt requests, with and without the
 prefix cache, on sharded KV (:mod:`dtkv.model.workloads` drives both runs).
 
-Sizes follow ``--tokens``: a system prompt of ``tokens // 4``, user turns of about ``tokens // 16`` and shared-prompt
-questions of about ``tokens // 32`` tokens. ``parity`` is true when every produced token, its logits and every
-request's stored KV bytes are equal, bit for bit, with and without the cache.
+Sizes follow ``--tokens``: a system prompt of ``tokens // 4``, user turns of about ``tokens // 16`` and
+shared-prompt questions of about ``tokens // 32`` tokens. The run without the cache gets a pool with room for every
+request; ``--pool-pages`` shrinks the cached run's pool, so that it has to evict. ``parity`` is true when every
+produced token, its logits and every request's stored KV bytes are equal, bit for bit, with and without the cache.
 """
 
 from __future__ import annotations
@@ -52,14 +53,19 @@ def multi_turn_rank(rank: int, args: dict, cfg, group, device) -> dict:
 
     workload = _workload(args, cfg.vocab_size)
     world = 1 if group is None else dist.get_world_size(group)
-    num_pages = args.get("pool_pages") or pool_pages(
-        workload, page_size=cfg.page_size, decode_steps=args["decode_steps"], cp_size=world
-    )
+    room = pool_pages(workload, page_size=cfg.page_size, decode_steps=args["decode_steps"], cp_size=world)
+    num_pages = args.get("pool_pages") or room  # the cached run's pool; the run without cache always gets room
     mode = "sharded_direct" if args["split"] == "zigzag" else "sharded"
     runs, seconds = {}, {}
     for cache in (False, True):
         eng = PrefillEngine(
-            cfg, mode=mode, split=args["split"], group=group, num_pages=num_pages, device=device, prefix_cache=cache
+            cfg,
+            mode=mode,
+            split=args["split"],
+            group=group,
+            num_pages=num_pages if cache else room,
+            device=device,
+            prefix_cache=cache,
         )
         if group is not None:
             dist.barrier(group)

@@ -186,7 +186,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--multi-turn", action="store_true", help="a conversation + shared-prompt requests, prefix cache")
     p.add_argument("--turns", type=int, default=4, help="--multi-turn: turns of the conversation (default 4)")
     p.add_argument("--shared-requests", type=int, default=3, help="--multi-turn: requests sharing the system prompt")
-    p.add_argument("--pool-pages", type=int, default=None, help="--multi-turn: logical pages (default: room for all)")
+    p.add_argument("--pool-pages", type=int, default=None, help="--multi-turn: pages of the cached run")
     return p
 
 

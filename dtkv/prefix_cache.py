@@ -122,6 +122,7 @@ class PrefixCache:
         self.page_size = check_int("page_size", page_size, min_value=1)
         self._root = _Node((), -1, None, 0)
         self._by_page: dict[int, _Node] = {}
+        self._leaves: dict[int, _Node] = {}  # page -> node without children: eviction scans only these
         self._clock = 0
         self.stats = {"matched_pages": 0, "inserted_pages": 0, "evicted_pages": 0}
         """Running totals: pages handed out by :meth:`match`, newly cached by :meth:`insert`, evicted."""
@@ -244,6 +245,8 @@ class PrefixCache:
             node = _Node(key, p, parent, self._clock)
             parent.children[key] = node
             self._by_page[p] = node
+            self._leaves.pop(parent.page, None)
+            self._leaves[p] = node
             parent = node
         self.stats["inserted_pages"] += len(new)
         return len(new)
@@ -257,7 +260,7 @@ class PrefixCache:
         """
         check_int("num_pages", num_pages, min_value=0)
         self._check_owner(owner)
-        heap = [(n.last_access, n.page, n) for n in self._by_page.values() if self._evictable(n, owner)]
+        heap = [(n.last_access, n.page, n) for n in self._leaves.values() if self._evictable(n, owner)]
         heapq.heapify(heap)
         out: list[int] = []
         while heap and len(out) < num_pages:
@@ -266,9 +269,12 @@ class PrefixCache:
             assert parent is not None, "the root is never a candidate"
             del parent.children[node.key]
             del self._by_page[page]
+            del self._leaves[page]
             out.append(page)
-            if parent is not self._root and self._evictable(parent, owner):
-                heapq.heappush(heap, (parent.last_access, parent.page, parent))
+            if parent is not self._root and not parent.children:
+                self._leaves[parent.page] = parent
+                if self._evictable(parent, owner):
+                    heapq.heappush(heap, (parent.last_access, parent.page, parent))
         self.allocator.release(out)
         self.stats["evicted_pages"] += len(out)
         return out
