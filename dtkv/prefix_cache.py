@@ -124,8 +124,8 @@ class PrefixCache:
         self._by_page: dict[int, _Node] = {}
         self._leaves: dict[int, _Node] = {}  # page -> node without children: eviction scans only these
         self._clock = 0
+        # running totals: pages handed out by match, newly cached by insert, evicted
         self.stats = {"matched_pages": 0, "inserted_pages": 0, "evicted_pages": 0}
-        """Running totals: pages handed out by :meth:`match`, newly cached by :meth:`insert`, evicted."""
 
     # ------------------------------------------------------------------------------------------ queries
     @property
