@@ -197,14 +197,14 @@ def bench_write(
             owned_rows = rows.view(-1, cp, PS, rows.shape[1])[:, 0].reshape(-1, rows.shape[1])
         sets.append((own, pool, rows, locs, locs_own, owned_rows))
     name = "write_owned" if owner_filter else "direct_write"
-    op = getattr(torch.ops.dtkv, name)
+    op = torch.ops.dtkv.write_owned  # a direct write is dtkv::write_owned with direct=True
 
     be = "triton" if dev.type == "cuda" else "torch"
 
     def ours(own, pool, rows, locs, locs_own, owned):
         if owner_filter:
-            return op(pool, rows, locs, own.cp_size, own.num_pages, 0, 0, False, be)
-        return op(pool, owned, locs_own, 1, own.num_pages // cp, 0, 0, False, be)
+            return op(pool, rows, locs, own.cp_size, own.num_pages, 0, 0, False, False, be)
+        return op(pool, owned, locs_own, 1, own.num_pages // cp, 0, 0, True, False, be)
 
     def base(own, pool, rows, locs, locs_own, owned):
         pool.view(-1, pool.shape[2]).index_copy_(0, locs_own, owned)
@@ -332,7 +332,7 @@ def check(dev: torch.device, n: int = 65536 + 37, *, force: bool = False) -> str
     cases = {
         "write_owned": lambda be, pool: write_owned(pool, rows, locs4, own4, 1, validate=False, backend=be),
         "direct_write": lambda be, pool: direct_write(pool, rows[:n], locs, PageOwnership(1, num_local), 0,
-                                                      page_aligned=True, validate=False, backend=be),
+                                                      validate=False, backend=be),
         "quantize_write_mla_fp8": lambda be, pool: quantize_write_mla_fp8(pool, kv, locs4, own4, 2, layout=FP8,
                                                                           validate=False, backend=be),
     }  # fmt: skip

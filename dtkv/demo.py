@@ -6,6 +6,8 @@ logits and every stored KV byte agree. Prints a table, or one JSON object with `
 mismatch. ``--pd`` also spawns a non-CP decode process that receives every request's owned pages from
 the CP ranks over the Mooncake Transfer Engine (TCP loopback), reconstructs the full KV and continues with greedy
 decode; ``pd_parity`` is true when its KV bytes equal the replicated baseline's and its tokens equal the CP run's.
+``--decode sharded`` decodes the sharded run straight on its shards (:mod:`dtkv.decode`: no full view); parity then
+also needs its decode logits within 1e-9 relative of the baseline's full-view decode (``decode_logits_max_rel``).
 
 ``--multi-turn`` runs a multi-turn conversation (each turn extends the previous prompt and its answer) and
 several requests sharing its system prompt, on sharded KV with and without the prefix cache
@@ -75,7 +77,16 @@ def run_rank(rank: int, world: int, args: dict, init_file: str | None = None) ->
     sharded_mode = "sharded_direct" if args["split"] == "zigzag" else "sharded"
     results = {}
     for mode in ("replicated", sharded_mode):
-        eng = PrefillEngine(cfg, mode=mode, split=args["split"], group=group, num_pages=num_pages, device=device)
+        decode_mode = "full" if mode == "replicated" else args.get("decode", "full")
+        eng = PrefillEngine(
+            cfg,
+            mode=mode,
+            split=args["split"],
+            group=group,
+            num_pages=num_pages,
+            device=device,
+            decode_mode=decode_mode,
+        )
         for p in prompts:
             eng.add_request(p)
         if group is not None:
@@ -87,7 +98,13 @@ def run_rank(rank: int, world: int, args: dict, init_file: str | None = None) ->
             from dtkv.transfer.pd import send_from_rank
 
             pd_report = send_from_rank(eng, args, results["replicated"]["kv"])
-        outputs = eng.decode(args["decode_steps"])
+        decode_logits = []
+        for _ in range(args["decode_steps"]):
+            reqs = [r for r in eng.requests if r.output]
+            decode_logits.append(eng.decode_step(reqs))
+            for r, row in zip(reqs, decode_logits[-1]):
+                r.output.append(int(row.argmax()))
+        outputs = [list(r.output) for r in eng.requests]
         if use_cuda:
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
@@ -103,6 +120,8 @@ def run_rank(rank: int, world: int, args: dict, init_file: str | None = None) ->
             "direct_rows": eng.stats["direct_rows"],
             "handoff_rows": eng.stats["handoff_rows"],
             "pd": pd_report,
+            "decode_logits": decode_logits,
+            "decode_comm_bytes": eng.stats["decode_comm_bytes"],
         }
     base, shard = results["replicated"], results[sharded_mode]
     kv_equal = all(torch.equal(a[name], b[name]) for a, b in zip(base["kv"], shard["kv"]) for name in a)
@@ -120,6 +139,11 @@ def run_rank(rank: int, world: int, args: dict, init_file: str | None = None) ->
         "scratch_bytes_per_rank": shard["scratch"],
         "direct_rows": shard["direct_rows"],
         "handoff_rows": shard["handoff_rows"],
+        "decode_logits_max_rel": max(
+            [float((a - b).abs().max() / b.abs().max()) for a, b in zip(shard["decode_logits"], base["decode_logits"])]
+            + [0.0]
+        ),
+        "decode_comm_bytes": shard["decode_comm_bytes"],
         **shard["pd"],
     }
     if init_file is not None:
@@ -187,6 +211,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--turns", type=int, default=4, help="--multi-turn: turns of the conversation (default 4)")
     p.add_argument("--shared-requests", type=int, default=3, help="--multi-turn: requests sharing the system prompt")
     p.add_argument("--pool-pages", type=int, default=None, help="--multi-turn: pages of the cached run")
+    p.add_argument(
+        "--decode",
+        choices=("full", "sharded"),
+        default="full",
+        help="decode of the sharded run: over a full view (default) or straight on the shards",
+    )
     return p
 
 
@@ -201,8 +231,8 @@ def main(argv: list[str] | None = None) -> int:
             if getattr(ns, name) is not None and getattr(ns, name) < 1:
                 print(f"error: --{name.replace('_', '-')} must be >= 1, got {getattr(ns, name)}", file=sys.stderr)
                 return 2
-        if ns.pd:
-            print("error: --multi-turn and --pd cannot be combined", file=sys.stderr)
+        if ns.pd or ns.decode != "full":
+            print("error: --multi-turn runs the full-view decode without --pd: drop --pd / --decode", file=sys.stderr)
             return 2
     if ns.tokens < ns.requests:
         print(f"error: --tokens must be >= --requests, got {ns.tokens} < {ns.requests}", file=sys.stderr)
@@ -240,9 +270,11 @@ def main(argv: list[str] | None = None) -> int:
             print_table(summary)
         return 0 if summary["parity"] else 1
     r0 = results[0]
+    decode_rel = max(r["decode_logits_max_rel"] for r in results)
     parity = all(r["tokens_equal"] and r["kv_equal"] for r in results) and all(
         r["outputs"] == r0["outputs"] for r in results
     )
+    parity = parity and decode_rel <= 1e-9
     per_rank = max(r["kv_bytes_per_rank"] for r in results)
     scratch = max(r["scratch_bytes_per_rank"] for r in results)
     summary = {
@@ -268,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
         "seconds_sharded": max(r["seconds_sharded"] for r in results),
         "wall_seconds": wall,
         "generated": r0["outputs"],
+        "decode": ns.decode,
+        "decode_logits_max_rel": decode_rel,
+        "decode_comm_bytes_per_step": r0["decode_comm_bytes"] // max(1, ns.decode_steps),
     }
     if pd is not None:
         summary.update(pd.finish(results, timeout_s=ns.timeout))
@@ -289,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
             ("  with this batch's scratch charged", f"{summary['capacity_multiplier_with_scratch']:.2f}x"),
             ("rows direct-written / handed off", f"{summary['direct_rows']} / {summary['handoff_rows']}"),
             ("time: replicated / sharded", f"{summary['seconds_baseline']:.2f} s / {summary['seconds_sharded']:.2f} s"),
+            ("decode (logits vs full view)", f"{ns.decode} ({decode_rel:.1e} max relative difference)"),
             ("parity with replicated baseline", "OK (tokens, logits path and KV bytes)" if parity else "MISMATCH"),
         ]
         if pd is not None:

@@ -1,19 +1,26 @@
 """dtkv.ops: registered ``torch.library`` custom ops (namespace ``dtkv``) with torch and Triton kernels.
 
-One op per module; each module holds the torch reference, the Triton kernel, the registration, the fake and the
-DTensor sharding rule. Entry points (each takes ``backend="auto" | "torch" | "triton"``):
+One registered op per module, beside its torch reference, Triton kernel, fake and DTensor sharding rule; the row
+writes share one prologue (checks, ``locs`` normalization, validation, dispatch: ``_row_write.py``), and
+``direct_write.py`` holds only a convenience entry point over ``dtkv::write_owned`` (no op or kernel of its own).
+Entry points (each takes ``backend="auto" | "torch" | "triton"``):
 
-- :func:`write_owned` -- owner-filtered write of a full chunk's rows (``dtkv::write_owned``).
-- :func:`direct_write` -- write this rank's own rows into its own pages (``dtkv::direct_write``).
-- :func:`quantize_write_mla_fp8`, :func:`quantize_write_indexer_fp8` -- fused fp8 quantize-and-write; references
-  :func:`quantize_mla_fp8`, :func:`dequantize_mla_fp8`, :func:`quantize_indexer_fp8`,
-  :func:`dequantize_indexer_pages`.
+- :func:`write_owned` -- owner-filtered write of a full chunk's rows (``dtkv::write_owned``); ``direct=True``
+  writes this rank's own rows of a page-aligned split into its own pages instead.
+- :func:`direct_write` -- ``write_owned(..., direct=True)`` for plain rows.
+- :func:`quantize_write_mla_fp8`, :func:`quantize_write_indexer_fp8` -- fused fp8 quantize-and-write, owner
+  filter or ``direct=True`` likewise; references :func:`quantize_mla_fp8`, :func:`dequantize_mla_fp8`,
+  :func:`quantize_indexer_fp8`, :func:`dequantize_indexer_pages`.
 - :func:`plan_pack` (plan) + :func:`pack_owned_pages` (run) -- owner-major all-gather send buffers
   (``dtkv::pack_owned_pages``), with :func:`gathered_page_table`.
+- :func:`pack_layer_pages` (registered op ``dtkv::pack_layer_pages``) and :func:`pack_layer_pages_into` (eager,
+  preallocated outputs) -- one send list packed out of every layout of a layer in one launch.
 - :func:`remap` -- logical indices to gathered-buffer coordinates (``dtkv::remap``).
 
 Ownership is a :class:`dtkv.PageOwnership` or its :class:`OwnershipSpec` (:func:`ownership_spec`), a plain tuple that
 compiles on every torch version (torch < 2.13 cannot guard on ``Placement`` subclasses inside compiled code).
+Index arguments (``locs``, ``send_idx``, ``indices``, ``page_map``) may have any strides; locations outside the
+logical pool are skipped unvalidated and raise validated, whatever their width.
 
 ``backend="auto"`` runs Triton on CUDA tensors when Triton imports and torch otherwise (``DTKV_BACKEND`` and
 :func:`dtkv.default_backend` override it); ``"triton"`` on CPU tensors needs ``TRITON_INTERPRET=1`` at import.
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 from dtkv.ops._common import HAS_TRITON, OwnershipSpec, ownership_spec
 from dtkv.ops.direct_write import direct_write
+from dtkv.ops.pack_layer_pages import pack_layer_pages, pack_layer_pages_into
 from dtkv.ops.pack_owned_pages import PackPlan, gathered_page_table, pack_owned_pages, plan_pack
 from dtkv.ops.quantize_write_indexer_fp8 import (
     dequantize_indexer_pages,
@@ -42,6 +50,8 @@ __all__ = [
     "direct_write",
     "gathered_page_table",
     "ownership_spec",
+    "pack_layer_pages",
+    "pack_layer_pages_into",
     "pack_owned_pages",
     "plan_pack",
     "quantize_indexer_fp8",

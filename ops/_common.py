@@ -1,4 +1,5 @@
-"""Shared plumbing of the ``dtkv`` custom ops: Triton availability, backend choice, ownership arithmetic, checks.
+"""Shared plumbing of the ``dtkv`` custom ops: Triton availability, backend choice, ownership arithmetic, index
+arguments, Triton helpers of the row kernels, fp8 rounding and word views.
 
 Shape legend used by every op module:
 
@@ -6,9 +7,15 @@ Shape legend used by every op module:
 - ``D``: elements of one stored row; ``W``: words (int64/int32/... reinterpretations) of one row or page;
 - ``N``: rows (tokens) handed to a write; ``K``: entries of a page list.
 
-Ownership reaches a registered op as plain ints ``(cp_size, num_pages, layout_code, rank)``
-(:func:`ownership_args`) so that the op schema needs no custom class; the arithmetic is the one documented in
-:mod:`dtkv.ownership` (``layout_code`` 0 = interleave, 1 = block).
+Ownership reaches a registered op as plain ints ``(cp_size, num_pages, scheme_code, rank)``
+(:func:`ownership_args`) so that the op schema needs no custom class; the torch side calls the arithmetic of
+:mod:`dtkv.ownership` itself (:func:`dtkv.ownership.owner_and_local`), the Triton side mirrors it
+(:func:`owner_local`); ``scheme_code`` 0 = interleave, 1 = block (:data:`dtkv.ownership.SCHEME_CODES`).
+
+Index tensors (token locations, send lists, page maps) cross into the kernels through :func:`index_arg`, the one
+normalization step of every op on both backends: the kernels read ``ptr + i``, so a strided, transposed or
+expanded view must become contiguous first. Range masks come before any narrowing: :func:`locate_rows` and the
+torch references compare entries in the width they were given.
 """
 
 from __future__ import annotations
@@ -21,25 +28,39 @@ from typing import Any
 import torch
 
 from dtkv._env import debug_enabled, get_backend
-from dtkv.ownership import OwnershipSpec, PageOwnership, ownership_spec
+from dtkv._util import cdiv
+from dtkv.layouts import FP8_E4M3_MAX
+from dtkv.ownership import (
+    SCHEME_CODES,
+    SCHEMES,
+    OwnershipSpec,
+    PageOwnership,
+    owner_and_local,
+    ownership_spec,
+    pages_per_rank,
+)
 
 __all__ = [
     "HAS_TRITON",
     "INTERPRET",
-    "LAYOUT_CODES",
+    "SCHEME_CODES",
     "OwnershipLike",
     "OwnershipSpec",
+    "cdiv",
     "check_ownership_ints",
+    "check_pages_contiguous",
+    "check_rank",
     "device_ctx",
-    "owner_local_torch",
-    "owned_rows_torch",
+    "e4m3_blocks_torch",
+    "index_arg",
+    "locate_args",
+    "owner_and_local",
     "ownership_args",
     "ownership_spec",
     "resolve_backend",
     "should_validate",
     "tl",
     "triton",
-    "validate_locs",
     "word_view",
 ]
 
@@ -79,7 +100,6 @@ except ImportError as _e:  # pragma: no cover - exercised by a subprocess test
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").strip() == "1"
 """Whether Triton kernels were defined in interpreter mode (read once, at import, as Triton does)."""
 
-LAYOUT_CODES = {"interleave": 0, "block": 1}
 _BACKENDS = ("auto", "torch", "triton")
 
 
@@ -143,109 +163,97 @@ def _placement_args(ownership: PageOwnership) -> tuple[int, int, int]:
     # (like every ``Placement``) whose equality Dynamo guards on but whose attributes it cannot read.
     if not isinstance(ownership, PageOwnership):
         raise TypeError(f"ownership must be a dtkv.PageOwnership or OwnershipSpec, got {type(ownership).__name__}")
-    return ownership.cp_size, ownership.num_pages, LAYOUT_CODES[ownership.layout]
+    spec = ownership_spec(ownership)
+    return spec[0], spec[1], SCHEME_CODES[spec[2]]
 
 
 def ownership_args(ownership: OwnershipLike) -> tuple[int, int, int]:
-    """``(cp_size, num_pages, layout_code)`` of a ``PageOwnership`` or ``OwnershipSpec``, as the ops take them."""
+    """``(cp_size, num_pages, scheme_code)`` of a ``PageOwnership`` or ``OwnershipSpec``, as the ops take them."""
     if isinstance(ownership, tuple):
-        if ownership[2] not in LAYOUT_CODES:
-            raise ValueError(f"layout must be one of {tuple(LAYOUT_CODES)}, got layout={ownership[2]!r}")
-        return ownership[0], ownership[1], LAYOUT_CODES[ownership[2]]
+        if ownership[2] not in SCHEME_CODES:
+            raise ValueError(f"scheme must be one of {SCHEMES}, got scheme={ownership[2]!r}")
+        return ownership[0], ownership[1], SCHEME_CODES[ownership[2]]
     return _placement_args(ownership)
 
 
-def check_ownership_ints(cp_size: int, num_pages: int, layout_code: int, rank: int) -> None:
+def check_ownership_ints(cp_size: int, num_pages: int, scheme_code: int, rank: int) -> None:
     """Validate the ownership ints of a registered op (metadata only; safe in fake/meta mode)."""
     if cp_size < 1:
         raise ValueError(f"cp_size must be >= 1, got cp_size={cp_size}")
     if num_pages < 1:
         raise ValueError(f"num_pages must be >= 1, got num_pages={num_pages}")
-    if layout_code not in (0, 1):
-        raise ValueError(f"layout_code must be 0 (interleave) or 1 (block), got layout_code={layout_code}")
+    if scheme_code not in (0, 1):
+        raise ValueError(f"scheme_code must be 0 (interleave) or 1 (block), got scheme_code={scheme_code}")
+    check_rank(rank, cp_size)
+
+
+def check_rank(rank: int, cp_size: int) -> None:
+    """``rank`` must be a rank of the CP group: ``0 <= rank < cp_size``."""
     if not 0 <= rank < cp_size:
         raise ValueError(f"rank must be in [0, cp_size={cp_size}), got rank={rank}")
 
 
-def chunk_of(cp_size: int, num_pages: int) -> int:
-    """Pages per rank of the block layout (``ceil(num_pages / cp_size)``)."""
-    return -(-num_pages // cp_size)
+# ------------------------------------------------------------------------------------------- index arguments
+def index_arg(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An index, location or page-map argument as every kernel reads it: contiguous, of ``dtype`` if given.
 
-
-def owner_local_torch(
-    pages: torch.Tensor, cp_size: int, num_pages: int, layout_code: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Owner rank and local page index of each (non-negative) page; the arithmetic of :mod:`dtkv.ownership`."""
-    if layout_code == 0:
-        return pages % cp_size, torch.div(pages, cp_size, rounding_mode="floor")
-    chunk = chunk_of(cp_size, num_pages)
-    return torch.div(pages, chunk, rounding_mode="floor"), pages % chunk
-
-
-def owned_rows_torch(
-    locs: torch.Tensor,
-    page_size: int,
-    cp_size: int,
-    num_pages: int,
-    layout_code: int,
-    rank: int,
-    num_local_pages: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows a rank keeps: ``(row_idx, local_page, offset)``, each int64 ``[kept]`` (synchronizes on CUDA).
-
-    A row is kept when its location is not ``-1``, lies in the logical pool, its page is owned by ``rank`` and
-    the page's local index fits the pool; everything else is skipped (the kernels' mask).
+    The one normalization step at the boundary of every op, on both backends (the kernels read ``ptr + i``; a
+    slice, transpose or expanded view read that way yields other entries). Free for the usual contiguous tensor
+    of the right dtype; one small copy otherwise. Values are not touched: range masks are applied in the width
+    the entries were given (:func:`locate_rows`, :func:`dtkv.ops._row_write.owned_rows_torch`), before any
+    narrowing.
     """
-    x = locs.to(torch.int64)
-    page = torch.div(x, page_size, rounding_mode="floor")
-    owner, local = owner_local_torch(page.clamp(min=0), cp_size, num_pages, layout_code)
-    keep = (x >= 0) & (page < num_pages) & (owner == rank) & (local < num_local_pages)
-    sel = keep.nonzero().squeeze(1)
-    return sel, local[sel], (x - page * page_size)[sel]
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
+    return t.contiguous()
 
 
 if HAS_TRITON:
 
     @triton.jit
-    def owner_local(page, cp_size, chunk, LAYOUT: tl.constexpr):
-        """Triton twin of :func:`owner_local_torch` for non-negative ``page``."""
-        if LAYOUT == 0:
+    def owner_local(page, cp_size, pages_per_rank, SCHEME: tl.constexpr):
+        """Triton twin of :func:`dtkv.ownership.owner_and_local` for non-negative ``page``."""
+        if SCHEME == 0:
             owner = page % cp_size
             local = page // cp_size
         else:
-            owner = page // chunk
-            local = page - owner * chunk
+            owner = page // pages_per_rank
+            local = page - owner * pages_per_rank
         return owner, local
 
     @triton.jit
     def locate_rows(
-        locs_ptr,  # [N] int32/int64
+        locs_ptr,  # [N] int32/int64, contiguous (index_arg)
         r,  # [BLOCK_R] row indices
         num_rows,
-        num_pages,
+        num_locs,  # num_pages * PAGE_SIZE: the logical token locations
         num_local_pages,
         rank,
         PAGE_SIZE: tl.constexpr,
         CP: tl.constexpr,
-        CHUNK: tl.constexpr,
-        LAYOUT: tl.constexpr,
+        PAGES_PER_RANK: tl.constexpr,
+        SCHEME: tl.constexpr,
         IDX64: tl.constexpr,
     ):
         """``(keep, local_page, offset)`` of rows ``r``: the kernels' mask and destination.
 
-        Page size, cp size and chunk are compile-time constants and the arithmetic is int32 unless locations may
-        reach 2**31 (``IDX64``): divisions become shifts or multiplies instead of 64-bit division routines.
+        The range mask ``0 <= loc < num_locs`` is applied first, in the width the locations were given, so an
+        int64 location past 2**31 or 2**32 is skipped rather than narrowed onto a valid one. Only then is the
+        arithmetic done in int32 unless kept locations may reach 2**31 (``IDX64``): with page size, cp size and
+        pages per rank compile-time constants, divisions become shifts or multiplies instead of 64-bit division
+        routines.
         """
         rmask = r < num_rows
         loc = tl.load(locs_ptr + r, mask=rmask, other=-1)
+        in_range = rmask & (loc >= 0) & (loc < num_locs)
         if IDX64:
             loc = loc.to(tl.int64)
         else:
             loc = loc.to(tl.int32)
         page = loc // PAGE_SIZE
         off = loc - page * PAGE_SIZE
-        owner, local = owner_local(page, CP, CHUNK, LAYOUT)
-        keep = rmask & (loc >= 0) & (page < num_pages) & (owner == rank) & (local < num_local_pages)
+        owner, local = owner_local(page, CP, PAGES_PER_RANK, SCHEME)
+        keep = in_range & (owner == rank) & (local < num_local_pages)
         return keep, local.to(tl.int64), off.to(tl.int64)
 
     @triton.jit
@@ -278,68 +286,48 @@ else:  # pragma: no cover
     owner_local = locate_rows = e4m3_bits = bf16_rn = None
 
 
-def locate_constexprs(cp_size: int, num_pages: int, layout_code: int, page_size: int) -> dict[str, int | bool]:
-    """Compile-time arguments of :func:`locate_rows` (one kernel specialization per geometry)."""
+def locate_args(cp_size: int, num_pages: int, scheme_code: int, page_size: int) -> dict[str, int | bool]:
+    """The geometry arguments of :func:`locate_rows`, as the row kernels take them (one specialization each)."""
     return {
+        "num_locs": num_pages * page_size,
         "PAGE_SIZE": page_size,
         "CP": cp_size,
-        "CHUNK": chunk_of(cp_size, num_pages),
-        "LAYOUT": layout_code,
+        "PAGES_PER_RANK": pages_per_rank(cp_size, num_pages),
+        "SCHEME": scheme_code,
         "IDX64": num_pages * page_size >= 2**31,
     }
 
 
-# ------------------------------------------------------------------------------------------- checks
-def validate_locs(
-    locs: torch.Tensor,
-    *,
-    page_size: int,
-    cp_size: int,
-    num_pages: int,
-    layout_code: int,
-    rank: int,
-    num_local_pages: int,
-    require_owned: bool,
-) -> None:
-    """Host check of token locations before any write (synchronizes once on CUDA).
+# ------------------------------------------------------------------------------------------- fp8 (torch side)
+def e4m3_blocks_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize float32 blocks ``[..., B]``: (e4m3 bytes uint8 ``[..., B]``, fp32 scales ``amax / 448`` ``[...]``).
 
-    Every entry must be ``-1`` (skipped) or a location of a logical page in ``[0, num_pages)`` whose local index
-    fits the pool; with ``require_owned`` the page must also be owned by ``rank``.
-
-    Raises:
-        ValueError: naming the first bad entry, its page, and the rule it breaks.
+    ``x * (448 / amax)`` rounded to nearest even, saturating; an all-zero block gets scale 0 and zeros. The torch
+    twin of the kernels' ``amax -> scale, 1 / scale`` and :func:`e4m3_bits`, with the same IEEE operations.
     """
-    if locs.numel() == 0:
-        return
-    x = locs.to(torch.int64)
-    limit = num_pages * page_size
-    page = torch.div(x, page_size, rounding_mode="floor")
-    owner, local = owner_local_torch(page.clamp(min=0), cp_size, num_pages, layout_code)
-    bad_range = (x < -1) | (x >= limit)
-    valid = x >= 0
-    bad_local = valid & ~bad_range & (owner == rank) & (local >= num_local_pages)
-    bad_owner = valid & ~bad_range & (owner != rank) if require_owned else torch.zeros_like(valid)
-    flags = torch.stack([bad_range.any(), bad_local.any(), bad_owner.any()]).cpu().tolist()
-    if flags[0]:
-        i = int(bad_range.nonzero()[0, 0])
-        raise ValueError(
-            f"locs must hold token locations in [-1, {limit}) (num_pages={num_pages} * page_size={page_size}; "
-            f"-1 is skipped), got locs[{i}]={int(x[i])}"
-        )
-    if flags[1]:
-        i = int(bad_local.nonzero()[0, 0])
-        raise ValueError(
-            f"locs[{i}]={int(x[i])} is in logical page {int(page[i])}, local page {int(local[i])} of rank {rank}, "
-            f"but pool holds only {num_local_pages} local pages"
-        )
-    if flags[2]:
-        i = int(bad_owner.nonzero()[0, 0])
-        raise ValueError(
-            f"locs[{i}]={int(x[i])} is in logical page {int(page[i])}, owned by rank {int(owner[i])}, not by "
-            f"rank {rank}: a direct write may only target this rank's own pages (page-aligned split)"
-        )
+    amax = x.abs().amax(dim=-1)
+    scale = amax / torch.full_like(amax, FP8_E4M3_MAX)  # a tensor divisor: CUDA multiplies by 1/scalar instead
+    inv = torch.where(amax > 0, torch.full_like(amax, FP8_E4M3_MAX) / amax, torch.ones_like(amax))
+    q = (x * inv[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.view(torch.uint8), scale
 
 
+# ------------------------------------------------------------------------------------------- pools of pages
+def check_pages_contiguous(name: str, pool: torch.Tensor) -> None:
+    """``pool`` ``[P, ...]``: a tensor of >= 2 dims whose pages are contiguous (any page stride, so a layer view of
+    a layered buffer is fine): what the page-copy kernels read as ``[P, W]`` words."""
+    if not isinstance(pool, torch.Tensor) or pool.dim() < 2:
+        got = list(pool.shape) if isinstance(pool, torch.Tensor) else type(pool).__name__
+        raise ValueError(f"{name} must be a tensor [num_local_pages, ...] with >= 2 dims, got {got}")
+    inner = pool.shape[1:]
+    want = [1] * len(inner)
+    for d in range(len(inner) - 2, -1, -1):
+        want[d] = want[d + 1] * inner[d + 1]
+    if any(s != w and n > 1 for s, w, n in zip(pool.stride()[1:], want, inner)):
+        raise ValueError(f"{name} pages must be contiguous (any page stride), got {name}.stride()={pool.stride()}")
+
+
+# ------------------------------------------------------------------------------------------- word views
 _WORD_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
 

@@ -9,7 +9,8 @@ shapes, which is right for these ops because each rank's local result is its pie
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -17,7 +18,7 @@ from dtkv.ownership import PageOwnership
 
 from ._common import OwnershipLike, ownership_spec
 
-__all__ = ["dtensor_args", "register_pool_rule", "register_rule"]
+__all__ = ["bound_args", "dtensor_args", "register_pool_rule", "register_rule"]
 
 
 def _dtensor_api():
@@ -43,25 +44,34 @@ def register_rule(op, fn) -> None:
         api[3](op)(fn)
 
 
+def bound_args(op, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of a call of ``op`` by schema name (positional and keyword alike)."""
+    names = [a.name for a in op._schema.arguments]
+    return {**dict(zip(names, args)), **kwargs}
+
+
 def register_pool_rule(
-    op, others: Sequence[str] | Callable[[tuple], Sequence[str]], outputs: Sequence[str] = ()
+    op,
+    inputs: Mapping[str, str] | Callable[[dict[str, Any]], Mapping[str, str]],
+    outputs: Sequence[str] = (),
 ) -> None:
-    """Rule for an op whose first argument is a PageOwnership-placed pool.
+    """Rule for an op whose first argument, ``pool``, is a PageOwnership-placed pool.
 
     Args:
-        others: placement kind (``"replicate"`` or ``"shard0"``) of each tensor argument after the pool, or a
-            function of the arguments after the pool returning them.
+        inputs: placement kind (``"replicate"`` or ``"shard0"``) of each other tensor argument, by schema name,
+            or a function of the call's arguments by name (:func:`bound_args`) returning that mapping.
         outputs: placement kind of each returned tensor (empty for mutating ops that return nothing).
     """
+    names = [a.name for a in op._schema.arguments]
 
-    def rule(pool, *args):
+    def rule(pool, *args, **kwargs):
         placements = tuple(pool.placements)
         if len(placements) != 1 or not isinstance(placements[0], PageOwnership):
             raise ValueError(
                 f"{op} needs a pool DTensor on a 1-D mesh with a PageOwnership placement, got placements={placements}"
             )
-        kinds = others(args) if callable(others) else others
-        ins = [placements[0]] + [_placement(k) for k in kinds] + [None] * (len(args) - len(kinds))
+        kinds = inputs(bound_args(op, (pool, *args), kwargs)) if callable(inputs) else inputs
+        ins = [placements[0]] + [_placement(kinds[n]) if n in kinds else None for n in names[1 : len(args) + 1]]
         return [([_placement(k) for k in outputs], ins)]
 
     register_rule(op, rule)

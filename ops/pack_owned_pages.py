@@ -5,16 +5,19 @@ no sync, compiles with ``fullgraph=True``) and :func:`gathered_page_table`.
 
 Given a list of logical pages (identical on every rank, ``-1`` padding ignored, duplicates kept once at their first
 position), rank ``r`` sends its owned pages in list order, padded with zero pages to
-``max_count = max over ranks of owned pages in the list``. A plain all-gather of the send buffers then yields the
-**owner-major** buffer ``[cp * max_count, ...]`` in which logical page ``p`` sits at row
-``owner(p) * max_count + j``, ``j`` its position among ``owner(p)``'s pages of the list. ``page_map`` records that
-row, so readers index the gathered buffer directly (:func:`dtkv.ops.remap`) and nothing is reordered after the
-collective. Example, ``cp=2`` interleave, list ``[4, 1, 2, 7, -1]``::
+``rows_per_rank = max over ranks of owned pages in the list``. A plain all-gather of the send buffers then yields
+the **owner-major** buffer ``[cp * rows_per_rank, ...]`` in which logical page ``p`` sits at row
+``owner(p) * rows_per_rank + j``, ``j`` its position among ``owner(p)``'s pages of the list. ``page_map`` records
+that row, so readers index the gathered buffer directly (:func:`dtkv.ops.remap`) and nothing is reordered after
+the collective. Example, ``cp=2`` interleave, list ``[4, 1, 2, 7, -1]``::
 
-    rank 0 sends local pages of [4, 2]       rank 1 sends [1, 7]       max_count = 2
+    rank 0 sends local pages of [4, 2]       rank 1 sends [1, 7]       rows_per_rank = 2
     gathered rows: 0:p4 1:p2 2:p1 3:p7       page_map[4, 1, 2, 7] = 0, 2, 1, 3     rows = [0, 2, 1, 3, -1]
 
-Legend: ``P`` local pages, ``M`` max_count, ``K`` list length.
+A rank that stores no pages (e.g. the block scheme with ``cp=3`` and 4 pages: ``[2, 2, 0]``) has an empty local
+pool; it sends ``rows_per_rank`` zero pages like any rank whose pages are not in the list.
+
+Legend: ``P`` local pages, ``M`` rows_per_rank, ``K`` list length.
 """
 
 from __future__ import annotations
@@ -24,9 +27,22 @@ from dataclasses import dataclass
 import torch
 
 from dtkv._checks import check_tensor
+from dtkv._util import warn_deprecated
 from dtkv.ownership import PageOwnership
 
-from ._common import OwnershipLike, device_ctx, ownership_spec, resolve_backend, tl, triton, word_view
+from ._common import (
+    OwnershipLike,
+    cdiv,
+    check_pages_contiguous,
+    check_rank,
+    device_ctx,
+    index_arg,
+    ownership_spec,
+    resolve_backend,
+    tl,
+    triton,
+    word_view,
+)
 from ._sharding import dtensor_args, register_pool_rule
 
 __all__ = ["PackPlan", "gathered_page_table", "pack_owned_pages", "pack_owned_pages_torch", "plan_pack"]
@@ -39,12 +55,12 @@ class PackPlan:
 
     ownership: PageOwnership
     """The page map the plan was made for."""
-    max_count: int
+    rows_per_rank: int
     """Rows of every rank's send buffer (largest per-rank count of owned pages in the list)."""
     counts: tuple[int, ...]
     """Owned pages in the list, per rank."""
     send_local_idx: torch.Tensor
-    """int64 ``[cp_size, max_count]``: local page index of each send row, per rank; ``-1`` = zero padding."""
+    """int64 ``[cp_size, rows_per_rank]``: local page index of each send row, per rank; ``-1`` = zero padding."""
     page_map: torch.Tensor
     """int32 ``[num_pages]``: logical page -> row of the owner-major gathered buffer; ``-1`` if not in the list."""
     rows: torch.Tensor
@@ -52,8 +68,15 @@ class PackPlan:
 
     @property
     def num_gathered_rows(self) -> int:
-        """Rows of the all-gathered buffer (``cp_size * max_count``)."""
-        return self.ownership.cp_size * self.max_count
+        """Rows of the all-gathered buffer (``cp_size * rows_per_rank``)."""
+        return self.ownership.cp_size * self.rows_per_rank
+
+    @property
+    def max_count(self) -> int:
+        """Deprecated name of :attr:`rows_per_rank`."""
+        if not torch.compiler.is_compiling():
+            warn_deprecated("PackPlan.max_count", "PackPlan.rows_per_rank")
+        return self.rows_per_rank
 
 
 def plan_pack(pages: torch.Tensor, ownership: OwnershipLike, *, device: torch.device | str | None = None) -> PackPlan:
@@ -80,14 +103,14 @@ def plan_pack(pages: torch.Tensor, ownership: OwnershipLike, *, device: torch.de
     onehot = (owner[:, None] == torch.arange(cp)[None, :]) & is_first[:, None]  # [K, cp]
     j = (onehot.cumsum(0) - 1).gather(1, owner.clamp(min=0)[:, None]).squeeze(1)
     counts = onehot.sum(0)
-    max_count = int(counts.max()) if k else 0
+    rows_per_rank = int(counts.max()) if k else 0
     page_map = torch.full((ownership.num_pages,), -1, dtype=torch.int32)
-    page_map[p[is_first]] = (owner * max_count + j)[is_first].to(torch.int32)
+    page_map[p[is_first]] = (owner * rows_per_rank + j)[is_first].to(torch.int32)
     rows = torch.where(valid, page_map[p.clamp(min=0)], torch.full_like(page_map[:1], -1))
-    send = torch.full((cp, max_count), -1, dtype=torch.int64)
+    send = torch.full((cp, rows_per_rank), -1, dtype=torch.int64)
     send[owner[is_first], j[is_first]] = local[is_first]
     return PackPlan(
-        ownership=ownership, max_count=max_count, counts=tuple(int(c) for c in counts),
+        ownership=ownership, rows_per_rank=rows_per_rank, counts=tuple(int(c) for c in counts),
         send_local_idx=send.to(device), page_map=page_map.to(device), rows=rows.to(device),
     )  # fmt: skip
 
@@ -100,7 +123,12 @@ def gathered_page_table(pages: torch.Tensor, ownership: OwnershipLike) -> tuple[
 
 # ----------------------------------------------------------------------------------------- torch reference
 def pack_owned_pages_torch(pool: torch.Tensor, send_idx: torch.Tensor) -> torch.Tensor:
-    """Reference: ``pool.index_select(0, send_idx)`` with zero pages where ``send_idx`` is ``-1`` (or >= P)."""
+    """Reference: ``pool.index_select(0, send_idx)`` with zero pages where ``send_idx`` is outside ``[0, P)``.
+
+    ``pool`` ``[P, ...]`` (``P`` may be 0: a rank that stores no pages sends zeros); ``send_idx`` int32/int64 ``[M]``.
+    """
+    if pool.shape[0] == 0:
+        return pool.new_zeros((send_idx.shape[0], *pool.shape[1:]))
     words = word_view(pool)
     idx = send_idx.to(torch.int64)
     ok = (idx >= 0) & (idx < pool.shape[0])
@@ -114,7 +142,7 @@ def pack_owned_pages_torch(pool: torch.Tensor, send_idx: torch.Tensor) -> torch.
 def _pack_owned_pages_kernel(
     out_ptr,  # [M, W] words, contiguous
     pool_ptr,  # [P, W] words; page stride page_stride
-    idx_ptr,  # [M] int64, local page per send row, -1 = zeros
+    idx_ptr,  # [M] int64, contiguous: local page per send row, outside [0, P) = zeros
     num_local_pages,
     page_stride,
     W: tl.constexpr,
@@ -131,15 +159,8 @@ def _pack_owned_pages_kernel(
 
 
 def _check(pool: torch.Tensor, send_idx: torch.Tensor) -> None:
+    check_pages_contiguous("pool", pool)
     check_tensor("send_idx", send_idx, dtype=(torch.int64, torch.int32), ndim=1, device=pool.device)
-    if not isinstance(pool, torch.Tensor) or pool.dim() < 2:
-        raise ValueError(f"pool must be a tensor [num_local_pages, ...] with >= 2 dims, got {type(pool).__name__}")
-    inner = pool.shape[1:]
-    want = [1] * len(inner)
-    for d in range(len(inner) - 2, -1, -1):
-        want[d] = want[d + 1] * inner[d + 1]
-    if any(s != w and n > 1 for s, w, n in zip(pool.stride()[1:], want, inner)):
-        raise ValueError(f"pool pages must be contiguous (any page stride), got pool.stride()={pool.stride()}")
 
 
 KERNEL_CONFIG: dict[str, int] = {"block": 4096, "num_warps": 4}
@@ -150,20 +171,23 @@ KERNEL_CONFIG: dict[str, int] = {"block": 4096, "num_warps": 4}
 @torch.library.custom_op("dtkv::pack_owned_pages", mutates_args=())
 def _pack_owned_pages_op(pool: torch.Tensor, send_idx: torch.Tensor, backend: str) -> torch.Tensor:
     _check(pool, send_idx)
+    send_idx = index_arg(send_idx, torch.int64)
     if backend != "triton":
         return pack_owned_pages_torch(pool, send_idx)
     out = pool.new_empty((send_idx.shape[0], *pool.shape[1:]))
     if out.numel() == 0:
         return out
+    if pool.shape[0] == 0:  # a rank that stores no pages: nothing to read, every row is padding
+        return out.zero_()
     src = word_view(pool.flatten(1))
     dst = out.flatten(1).view(src.dtype)
     num_words = src.shape[1]
     block = min(triton.next_power_of_2(num_words), KERNEL_CONFIG["block"])
     with device_ctx(pool.device):
-        _pack_owned_pages_kernel[(out.shape[0], triton.cdiv(num_words, block))](
+        _pack_owned_pages_kernel[(out.shape[0], cdiv(num_words, block))](
             dst,
             src,
-            send_idx.to(torch.int64),
+            send_idx,
             pool.shape[0],
             src.stride(0),
             W=num_words,
@@ -180,7 +204,7 @@ def _fake_pack_owned_pages(pool, send_idx, backend):
 
 
 # The send buffers of all ranks, concatenated, are the owner-major gathered buffer: output Shard(0).
-register_pool_rule(torch.ops.dtkv.pack_owned_pages.default, ("shard0",), outputs=("shard0",))
+register_pool_rule(torch.ops.dtkv.pack_owned_pages.default, {"send_idx": "shard0"}, outputs=("shard0",))
 
 
 # ----------------------------------------------------------------------------------------- public wrapper
@@ -204,8 +228,12 @@ def pack_owned_pages(
         backend: ``"auto"`` | ``"torch"`` (``index_select``) | ``"triton"``.
 
     Returns:
-        ``[plan.max_count, *pool.shape[1:]]``, ``pool.dtype``; rows past this rank's count are zero. All-gather
-        it (e.g. ``all_gather_single``) to get the owner-major buffer that ``plan.page_map`` indexes.
+        ``[plan.rows_per_rank, *pool.shape[1:]]``, ``pool.dtype``; rows past this rank's count are zero (all of
+        them on a rank that stores no pages). All-gather it (e.g. ``all_gather_single``) to get the owner-major
+        buffer that ``plan.page_map`` indexes.
+
+    Raises:
+        ValueError: ``rank`` outside ``[0, cp_size)``, a plan made for another ownership, or a bad ``pool``.
     """
     plan = pages if isinstance(pages, PackPlan) else plan_pack(pages, ownership, device=pool.device)
     if not torch.compiler.is_compiling() and ownership_spec(plan.ownership) != ownership_spec(ownership):
@@ -213,5 +241,6 @@ def pack_owned_pages(
     api_pool = pool
     if hasattr(pool, "device_mesh") and hasattr(pool, "placements"):  # DTensor: rank from its mesh
         rank = pool.device_mesh.get_local_rank()
+    check_rank(rank, plan.send_local_idx.shape[0])
     api_pool, (idx,), rank = dtensor_args(api_pool, (plan.send_local_idx[rank],), ownership, rank, "shard0")
     return torch.ops.dtkv.pack_owned_pages(api_pool, idx, resolve_backend(backend, pool.device))

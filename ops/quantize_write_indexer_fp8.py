@@ -7,35 +7,33 @@ Entry point: :func:`quantize_write_indexer_fp8`; references :func:`quantize_inde
     [S*H, S*H + 4*S)      fp32     token t's scale s_t = amax(|k_t|) / 448 at S*H + 4t (0 for an all-zero key)
 
 **Round-trip bound** (finite inputs): ``|k̂ - k| <= |k| / 16 + a / 2**18`` per element, ``a`` the amax of the
-token's key; the derivation is the one of :mod:`dtkv.ops.quantize_write_mla_fp8` (one block = one token).
+token's key; the derivation is the one in the docstring of the MLA module (``ops/quantize_write_mla_fp8.py``;
+one block = one token).
 
 Legend: ``P`` local pages, ``S`` page size, ``H`` head dim, ``N`` tokens.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from dtkv._checks import check_tensor
-from dtkv.layouts import FP8_E4M3_MAX, IndexerFp8Layout
+from dtkv.layouts import IndexerFp8Layout
 
-from ._common import (
-    INTERPRET,
-    OwnershipLike,
-    check_ownership_ints,
-    device_ctx,
-    e4m3_bits,
-    locate_constexprs,
-    locate_rows,
+from ._common import INTERPRET, OwnershipLike, e4m3_bits, e4m3_blocks_torch, locate_rows, tl, triton
+from ._row_write import (
+    UNSET,
+    RowWriteOp,
+    call_row_write,
+    check_locs,
+    check_rows_contiguous,
+    direct_from_require_owned,
+    launch_rows,
     owned_rows_torch,
-    ownership_args,
-    resolve_backend,
-    should_validate,
-    tl,
-    triton,
-    validate_locs,
+    register_row_write_rule,
 )
-from ._sharding import dtensor_args, register_pool_rule
 
 __all__ = [
     "dequantize_indexer_pages",
@@ -51,12 +49,7 @@ _K_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def quantize_indexer_fp8(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token fp8 quantization of keys ``[N, H]`` (bf16/fp16/fp32): (e4m3 bytes uint8 ``[N, H]``, fp32 ``[N]``)."""
     check_tensor("k", k, dtype=_K_DTYPES, ndim=2)
-    x = k.float()
-    amax = x.abs().amax(dim=1)
-    scale = amax / torch.full_like(amax, FP8_E4M3_MAX)  # a tensor divisor: CUDA multiplies by 1/scalar instead
-    inv = torch.where(amax > 0, torch.full_like(amax, FP8_E4M3_MAX) / amax, torch.ones_like(amax))
-    q = (x * inv[:, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-    return q.view(torch.uint8), scale
+    return e4m3_blocks_torch(k.float())
 
 
 def quantize_write_indexer_fp8_torch(
@@ -65,13 +58,13 @@ def quantize_write_indexer_fp8_torch(
     locs: torch.Tensor,  # [N] int32/int64
     cp_size: int,
     num_pages: int,
-    layout_code: int,
+    scheme_code: int,
     rank: int,
     page_size: int,
 ) -> None:
     """Reference: quantize the kept tokens, ``index_put_`` key bytes at ``t*H`` and scale bytes at ``S*H + 4t``."""
     head_dim = k.shape[1]
-    sel, local, off = owned_rows_torch(locs, page_size, cp_size, num_pages, layout_code, rank, pool.shape[0])
+    sel, local, off = owned_rows_torch(locs, page_size, cp_size, num_pages, scheme_code, rank, pool.shape[0])
     q, scale = quantize_indexer_fp8(k[sel])
     page_idx = local[:, None]
     key_cols = off[:, None] * head_dim + torch.arange(head_dim, device=pool.device)
@@ -94,16 +87,16 @@ def dequantize_indexer_pages(pages: torch.Tensor, layout: IndexerFp8Layout) -> t
 def _quantize_write_indexer_fp8_kernel(
     pool_ptr,  # uint8 [P, S*(H+4)]; page stride page_stride (bytes)
     k_ptr,  # [N, K_STRIDE] bf16/fp16/fp32
-    locs_ptr,  # [N] int32/int64
+    locs_ptr,  # [N] int32/int64, contiguous
     num_rows,
     num_local_pages,
     page_stride,
-    num_pages,
+    num_locs,
     rank,
     PAGE_SIZE: tl.constexpr,
     CP: tl.constexpr,
-    CHUNK: tl.constexpr,
-    LAYOUT: tl.constexpr,
+    PAGES_PER_RANK: tl.constexpr,
+    SCHEME: tl.constexpr,
     IDX64: tl.constexpr,
     K_STRIDE: tl.constexpr,
     H: tl.constexpr,
@@ -114,7 +107,7 @@ def _quantize_write_indexer_fp8_kernel(
     """One program quantizes ``BLOCK_R`` tokens (``[BLOCK_R, H]`` tile) and stores keys and scales."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     keep, local, off = locate_rows(
-        locs_ptr, r, num_rows, num_pages, num_local_pages, rank, PAGE_SIZE, CP, CHUNK, LAYOUT, IDX64
+        locs_ptr, r, num_rows, num_locs, num_local_pages, rank, PAGE_SIZE, CP, PAGES_PER_RANK, SCHEME, IDX64
     )
     base = local * page_stride
 
@@ -142,10 +135,9 @@ KERNEL_CONFIG: dict[str, int] = {"block_r": 16, "num_warps": 2}
 ``benchmarks/bench_ops.py``."""
 
 
-def _launch(pool, k, locs, cp_size, num_pages, layout_code, rank, page_size) -> None:
-    n, head_dim = k.shape
-    if n == 0 or pool.shape[0] == 0:
-        return
+def _launch(pool, k, locs, cp_size, num_pages, scheme_code, rank, page_size, *, direct) -> None:
+    """Launch :func:`_quantize_write_indexer_fp8_kernel` (one token tile whatever ``direct`` says)."""
+    head_dim = k.shape[1]
     if not _triton_aligned(pool, page_size, head_dim):
         raise NotImplementedError(
             "backend='triton' for quantize_write_indexer_fp8 needs page_size * head_dim and the pool's page "
@@ -154,24 +146,25 @@ def _launch(pool, k, locs, cp_size, num_pages, layout_code, rank, page_size) -> 
         )
     hp = triton.next_power_of_2(head_dim)
     block_r = KERNEL_CONFIG["block_r"] or max(1, min(32, 4096 // hp))
-    with device_ctx(pool.device):
-        _quantize_write_indexer_fp8_kernel[(triton.cdiv(n, block_r),)](
-            pool, k, locs, n, pool.shape[0], pool.stride(0), num_pages, rank,
-            **locate_constexprs(cp_size, num_pages, layout_code, page_size),
-            K_STRIDE=k.stride(0), H=head_dim, HP=hp, BLOCK_R=block_r, PREROUND=INTERPRET,
-            num_warps=KERNEL_CONFIG["num_warps"],
-        )  # fmt: skip
+    k = k.contiguous()
+    launch_rows(
+        _quantize_write_indexer_fp8_kernel, pool, k, locs, cp_size, num_pages, scheme_code, rank, page_size,
+        block_r=block_r, num_warps=KERNEL_CONFIG["num_warps"], K_STRIDE=k.stride(0), H=head_dim, HP=hp,
+        PREROUND=INTERPRET,
+    )  # fmt: skip
 
 
-def _check(pool, k, locs, cp_size, num_pages, layout_code, rank, page_size) -> None:
-    check_ownership_ints(cp_size, num_pages, layout_code, rank)
+def _check(pool, k, locs, page_size) -> int:
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got page_size={page_size}")
     check_tensor("k", k, dtype=_K_DTYPES, ndim=2, device=pool.device)
     check_tensor("pool", pool, dtype=torch.uint8, shape=(None, page_size * (k.shape[1] + 4)))
-    if pool.stride(1) != 1:
-        raise ValueError(f"pool pages must be contiguous (stride 1 in dim 1), got pool.stride()={pool.stride()}")
-    check_tensor("locs", locs, dtype=(torch.int64, torch.int32), shape=(k.shape[0],), device=pool.device)
+    check_rows_contiguous(pool, 1, "pages")
+    check_locs(locs, k.shape[0], pool.device)
+    return page_size
+
+
+_ROW_WRITE = RowWriteOp(check=_check, torch_impl=quantize_write_indexer_fp8_torch, triton_impl=_launch)
 
 
 # ----------------------------------------------------------------------------------------- registered op
@@ -182,36 +175,24 @@ def _quantize_write_indexer_fp8_op(
     locs: torch.Tensor,
     cp_size: int,
     num_pages: int,
-    layout_code: int,
+    scheme_code: int,
     rank: int,
     page_size: int,
-    require_owned: bool,
+    direct: bool,
     validate: bool,
     backend: str,
 ) -> None:
-    args = (cp_size, num_pages, layout_code, rank, page_size)
-    _check(pool, k, locs, *args)
-    if validate:
-        validate_locs(
-            locs, page_size=page_size, cp_size=cp_size, num_pages=num_pages, layout_code=layout_code,
-            rank=rank, num_local_pages=pool.shape[0], require_owned=require_owned,
-        )  # fmt: skip
-    if backend == "triton":
-        _launch(pool, k.contiguous(), locs, *args)
-    else:
-        quantize_write_indexer_fp8_torch(pool, k, locs, *args)
+    _ROW_WRITE.run(pool, k, locs, cp_size, num_pages, scheme_code, rank, page_size, direct=direct,
+                   validate=validate, backend=backend)  # fmt: skip
 
 
 @_quantize_write_indexer_fp8_op.register_fake
-def _fake_quantize_write_indexer_fp8(pool, k, locs, cp_size, num_pages, layout_code, rank, page_size,
-                                     require_owned, validate, backend) -> None:  # fmt: skip
-    _check(pool, k, locs, cp_size, num_pages, layout_code, rank, page_size)
+def _fake_quantize_write_indexer_fp8(pool, k, locs, cp_size, num_pages, scheme_code, rank, page_size, direct,
+                                     validate, backend) -> None:  # fmt: skip
+    _ROW_WRITE.fake(pool, k, locs, cp_size, num_pages, scheme_code, rank, page_size)
 
 
-register_pool_rule(
-    torch.ops.dtkv.quantize_write_indexer_fp8.default,
-    lambda args: ("shard0", "shard0") if args[7] else ("replicate", "replicate"),
-)
+register_row_write_rule(torch.ops.dtkv.quantize_write_indexer_fp8.default, "k")
 
 
 # ----------------------------------------------------------------------------------------- public wrapper
@@ -223,9 +204,10 @@ def quantize_write_indexer_fp8(
     rank: int,
     *,
     layout: IndexerFp8Layout,
-    require_owned: bool = False,
+    direct: bool = False,
     validate: bool | None = None,
     backend: str = "auto",
+    require_owned: Any = UNSET,
 ) -> None:
     """Quantize indexer keys per token to fp8 and write keys and scales into their page-packed pages.
 
@@ -233,23 +215,21 @@ def quantize_write_indexer_fp8(
         pool: this rank's indexer pages of one layer, uint8 ``[P, layout.page_size * (layout.head_dim + 4)]``
             (pages contiguous, any page stride); mutated. May be a DTensor with the ``ownership`` placement.
         k: keys ``[N, layout.head_dim]``, bf16/fp16/fp32.
-        locs: logical token locations, int64/int32 ``[N]``; ``-1`` skipped.
-        ownership, rank, require_owned, validate, backend: as for :func:`dtkv.ops.quantize_write_mla_fp8`
+        locs: logical token locations, int64/int32 ``[N]``, any strides; ``-1`` skipped.
+        ownership, rank, direct, validate, backend: as for :func:`dtkv.ops.quantize_write_mla_fp8`
             (``"auto"`` falls back to torch when ``page_size * head_dim`` is not a multiple of 4).
+        require_owned: deprecated spelling of ``direct``.
 
     Raises:
         TypeError / ValueError: bad dtypes, shapes or (validated) locations; nothing written.
     """
+    direct = direct_from_require_owned(direct, require_owned, "quantize_write_indexer_fp8")
     if not isinstance(layout, IndexerFp8Layout):
         raise TypeError(f"layout must be a dtkv.IndexerFp8Layout, got {type(layout).__name__}")
     if isinstance(k, torch.Tensor) and k.dim() == 2 and k.shape[1] != layout.head_dim:
         raise ValueError(f"k must have shape [*, {layout.head_dim}] (layout.head_dim), got k.shape={list(k.shape)}")
-    kind = "shard0" if require_owned else "replicate"
-    pool, (k, locs), rank = dtensor_args(pool, (k, locs), ownership, rank, kind)
-    be = resolve_backend(backend, pool.device)
-    if be == "triton" and backend == "auto" and not _triton_aligned(pool, layout.page_size, layout.head_dim):
-        be = "torch"
-    torch.ops.dtkv.quantize_write_indexer_fp8(
-        pool, k, locs, *ownership_args(ownership), rank, layout.page_size, bool(require_owned),
-        should_validate(validate), be,
+    call_row_write(
+        torch.ops.dtkv.quantize_write_indexer_fp8, pool, k, locs, ownership, rank, (layout.page_size,),
+        direct=direct, validate=validate, backend=backend,
+        triton_takes=lambda p: _triton_aligned(p, layout.page_size, layout.head_dim),
     )  # fmt: skip

@@ -21,29 +21,25 @@ Legend: ``P`` local pages, ``S`` page size, ``N`` rows, ``L``/``R``/``B`` as abo
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from dtkv._checks import check_tensor
-from dtkv.layouts import FP8_E4M3_MAX, MLAFp8Layout
+from dtkv.layouts import MLAFp8Layout
 
-from ._common import (
-    INTERPRET,
-    OwnershipLike,
-    bf16_rn,
-    check_ownership_ints,
-    device_ctx,
-    e4m3_bits,
-    locate_constexprs,
-    locate_rows,
+from ._common import INTERPRET, OwnershipLike, bf16_rn, e4m3_bits, e4m3_blocks_torch, locate_rows, tl, triton
+from ._row_write import (
+    UNSET,
+    RowWriteOp,
+    call_row_write,
+    check_locs,
+    check_rows_contiguous,
+    direct_from_require_owned,
+    launch_rows,
     owned_rows_torch,
-    ownership_args,
-    resolve_backend,
-    should_validate,
-    tl,
-    triton,
-    validate_locs,
+    register_row_write_rule,
 )
-from ._sharding import dtensor_args, register_pool_rule
 
 __all__ = ["dequantize_mla_fp8", "quantize_mla_fp8", "quantize_write_mla_fp8", "quantize_write_mla_fp8_torch"]
 
@@ -54,13 +50,9 @@ _KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def quantize_mla_fp8_torch(kv: torch.Tensor, kv_lora_rank: int, rope_dim: int, quant_block: int) -> torch.Tensor:
     """Quantize rows ``[N, L + R]`` to fp8 rows, uint8 ``[N, row_bytes]`` (the format in the module docstring)."""
     n, L = kv.shape[0], kv_lora_rank
-    x = kv[:, :L].float().reshape(n, L // quant_block, quant_block)
-    amax = x.abs().amax(dim=-1)  # [N, NB]
-    scale = amax / torch.full_like(amax, FP8_E4M3_MAX)  # a tensor divisor: CUDA multiplies by 1/scalar instead
-    inv = torch.where(amax > 0, torch.full_like(amax, FP8_E4M3_MAX) / amax, torch.ones_like(amax))
-    q = (x * inv[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    q, scale = e4m3_blocks_torch(kv[:, :L].float().reshape(n, L // quant_block, quant_block))  # scale: [N, NB]
     rope = kv[:, L : L + rope_dim].to(torch.bfloat16).contiguous()
-    return torch.cat([q.view(torch.uint8).reshape(n, L), scale.view(torch.uint8), rope.view(torch.uint8)], dim=1)
+    return torch.cat([q.reshape(n, L), scale.view(torch.uint8), rope.view(torch.uint8)], dim=1)
 
 
 def quantize_write_mla_fp8_torch(
@@ -69,14 +61,14 @@ def quantize_write_mla_fp8_torch(
     locs: torch.Tensor,  # [N] int32/int64
     cp_size: int,
     num_pages: int,
-    layout_code: int,
+    scheme_code: int,
     rank: int,
     kv_lora_rank: int,
     rope_dim: int,
     quant_block: int,
 ) -> None:
     """Reference: quantize the kept rows, then ``index_put_`` them (rows of foreign/``-1`` pages skipped)."""
-    sel, local, off = owned_rows_torch(locs, pool.shape[1], cp_size, num_pages, layout_code, rank, pool.shape[0])
+    sel, local, off = owned_rows_torch(locs, pool.shape[1], cp_size, num_pages, scheme_code, rank, pool.shape[0])
     pool.index_put_((local, off), quantize_mla_fp8_torch(kv[sel], kv_lora_rank, rope_dim, quant_block))
 
 
@@ -104,16 +96,16 @@ def dequantize_mla_fp8(rows: torch.Tensor, layout: MLAFp8Layout) -> torch.Tensor
 def _quantize_write_mla_fp8_kernel(
     pool_ptr,  # uint8 [P, S, ROW_STRIDE...]; page stride page_stride (bytes)
     kv_ptr,  # [N, KV_STRIDE] bf16/fp16/fp32
-    locs_ptr,  # [N] int32/int64
+    locs_ptr,  # [N] int32/int64, contiguous
     num_rows,
     num_local_pages,
     page_stride,
-    num_pages,
+    num_locs,
     rank,
     PAGE_SIZE: tl.constexpr,
     CP: tl.constexpr,
-    CHUNK: tl.constexpr,
-    LAYOUT: tl.constexpr,
+    PAGES_PER_RANK: tl.constexpr,
+    SCHEME: tl.constexpr,
     IDX64: tl.constexpr,
     ROW_STRIDE: tl.constexpr,
     KV_STRIDE: tl.constexpr,
@@ -130,7 +122,7 @@ def _quantize_write_mla_fp8_kernel(
     """One program quantizes ``BLOCK_R`` rows as a ``[BLOCK_R, NB, B]`` tile and stores the three fields."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     keep, local, off = locate_rows(
-        locs_ptr, r, num_rows, num_pages, num_local_pages, rank, PAGE_SIZE, CP, CHUNK, LAYOUT, IDX64
+        locs_ptr, r, num_rows, num_locs, num_local_pages, rank, PAGE_SIZE, CP, PAGES_PER_RANK, SCHEME, IDX64
     )
     base = local * page_stride + off * ROW_STRIDE  # [BLOCK_R] byte offset of the destination row
     src = r.to(tl.int64) * KV_STRIDE
@@ -172,10 +164,8 @@ KERNEL_CONFIG: dict[str, int] = {"block_r": 4, "num_warps": 4}
 ``benchmarks/bench_ops.py``."""
 
 
-def _launch(pool, kv, locs, cp_size, num_pages, layout_code, rank, kv_lora_rank, rope_dim, quant_block) -> None:
-    n = kv.shape[0]
-    if n == 0 or pool.shape[0] == 0:
-        return
+def _launch(pool, kv, locs, cp_size, num_pages, scheme_code, rank, kv_lora_rank, rope_dim, quant_block, *, direct):
+    """Launch :func:`_quantize_write_mla_fp8_kernel` (one row tile whatever ``direct`` says)."""
     if not _triton_aligned(pool, kv_lora_rank):
         raise NotImplementedError(
             "backend='triton' for quantize_write_mla_fp8 needs kv_lora_rank and the pool's strides and offset "
@@ -184,26 +174,26 @@ def _launch(pool, kv, locs, cp_size, num_pages, layout_code, rank, kv_lora_rank,
         )
     nb = kv_lora_rank // quant_block
     block_r = KERNEL_CONFIG["block_r"] or max(1, min(16, 8192 // triton.next_power_of_2(kv_lora_rank + rope_dim)))
-    with device_ctx(pool.device):
-        _quantize_write_mla_fp8_kernel[(triton.cdiv(n, block_r),)](
-            pool, kv, locs, n, pool.shape[0], pool.stride(0), num_pages, rank,
-            **locate_constexprs(cp_size, num_pages, layout_code, pool.shape[1]),
-            ROW_STRIDE=pool.stride(1), KV_STRIDE=kv.stride(0), L=kv_lora_rank, R=rope_dim,
-            QB=quant_block, NB=nb, NBP=triton.next_power_of_2(nb), QBP=triton.next_power_of_2(quant_block),
-            RP=max(1, triton.next_power_of_2(rope_dim)), BLOCK_R=block_r, PREROUND=INTERPRET,
-            num_warps=KERNEL_CONFIG["num_warps"],
-        )  # fmt: skip
+    kv = kv.contiguous()
+    launch_rows(
+        _quantize_write_mla_fp8_kernel, pool, kv, locs, cp_size, num_pages, scheme_code, rank, pool.shape[1],
+        block_r=block_r, num_warps=KERNEL_CONFIG["num_warps"], ROW_STRIDE=pool.stride(1), KV_STRIDE=kv.stride(0),
+        L=kv_lora_rank, R=rope_dim, QB=quant_block, NB=nb, NBP=triton.next_power_of_2(nb),
+        QBP=triton.next_power_of_2(quant_block), RP=max(1, triton.next_power_of_2(rope_dim)), PREROUND=INTERPRET,
+    )  # fmt: skip
 
 
-def _check(pool, kv, locs, cp_size, num_pages, layout_code, rank, kv_lora_rank, rope_dim, quant_block) -> None:
-    check_ownership_ints(cp_size, num_pages, layout_code, rank)
+def _check(pool, kv, locs, kv_lora_rank, rope_dim, quant_block) -> int:
     MLAFp8Layout(kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, quant_block=quant_block)  # validates the dims
     row_bytes = kv_lora_rank + 4 * (kv_lora_rank // quant_block) + 2 * rope_dim
     check_tensor("pool", pool, dtype=torch.uint8, shape=(None, None, row_bytes))
-    if pool.stride(2) != 1:
-        raise ValueError(f"pool rows must be contiguous (stride 1 in dim 2), got pool.stride()={pool.stride()}")
+    check_rows_contiguous(pool, 2, "rows")
     check_tensor("kv", kv, dtype=_KV_DTYPES, shape=(None, kv_lora_rank + rope_dim), device=pool.device)
-    check_tensor("locs", locs, dtype=(torch.int64, torch.int32), shape=(kv.shape[0],), device=pool.device)
+    check_locs(locs, kv.shape[0], pool.device)
+    return pool.shape[1]
+
+
+_ROW_WRITE = RowWriteOp(check=_check, torch_impl=quantize_write_mla_fp8_torch, triton_impl=_launch)
 
 
 # ----------------------------------------------------------------------------------------- registered op
@@ -214,39 +204,26 @@ def _quantize_write_mla_fp8_op(
     locs: torch.Tensor,
     cp_size: int,
     num_pages: int,
-    layout_code: int,
+    scheme_code: int,
     rank: int,
     kv_lora_rank: int,
     rope_dim: int,
     quant_block: int,
-    require_owned: bool,
+    direct: bool,
     validate: bool,
     backend: str,
 ) -> None:
-    args = (cp_size, num_pages, layout_code, rank, kv_lora_rank, rope_dim, quant_block)
-    _check(pool, kv, locs, *args)
-    if validate:
-        validate_locs(
-            locs, page_size=pool.shape[1], cp_size=cp_size, num_pages=num_pages, layout_code=layout_code,
-            rank=rank, num_local_pages=pool.shape[0], require_owned=require_owned,
-        )  # fmt: skip
-    if backend == "triton":
-        _launch(pool, kv.contiguous(), locs, *args)
-    else:
-        quantize_write_mla_fp8_torch(pool, kv, locs, *args)
+    _ROW_WRITE.run(pool, kv, locs, cp_size, num_pages, scheme_code, rank, kv_lora_rank, rope_dim, quant_block,
+                   direct=direct, validate=validate, backend=backend)  # fmt: skip
 
 
 @_quantize_write_mla_fp8_op.register_fake
-def _fake_quantize_write_mla_fp8(pool, kv, locs, cp_size, num_pages, layout_code, rank, kv_lora_rank, rope_dim,
-                                 quant_block, require_owned, validate, backend) -> None:  # fmt: skip
-    _check(pool, kv, locs, cp_size, num_pages, layout_code, rank, kv_lora_rank, rope_dim, quant_block)
+def _fake_quantize_write_mla_fp8(pool, kv, locs, cp_size, num_pages, scheme_code, rank, kv_lora_rank, rope_dim,
+                                 quant_block, direct, validate, backend) -> None:  # fmt: skip
+    _ROW_WRITE.fake(pool, kv, locs, cp_size, num_pages, scheme_code, rank, kv_lora_rank, rope_dim, quant_block)
 
 
-# kv/locs: the full chunk (Replicate) for the owner filter, this rank's piece (Shard(0)) for direct writes.
-register_pool_rule(
-    torch.ops.dtkv.quantize_write_mla_fp8.default,
-    lambda args: ("shard0", "shard0") if args[9] else ("replicate", "replicate"),
-)
+register_row_write_rule(torch.ops.dtkv.quantize_write_mla_fp8.default, "kv")
 
 
 # ----------------------------------------------------------------------------------------- public wrapper
@@ -258,9 +235,10 @@ def quantize_write_mla_fp8(
     rank: int,
     *,
     layout: MLAFp8Layout,
-    require_owned: bool = False,
+    direct: bool = False,
     validate: bool | None = None,
     backend: str = "auto",
+    require_owned: Any = UNSET,
 ) -> None:
     """Quantize MLA rows to the fp8 row format and write the owned ones into the pool, in one pass.
 
@@ -268,31 +246,29 @@ def quantize_write_mla_fp8(
         pool: this rank's fp8 pages of one layer, uint8 ``[P, layout.page_size, layout.row_bytes]`` (rows
             contiguous, any page stride); mutated. May be a DTensor with the ``ownership`` placement.
         kv: rows ``[N, layout.kv_lora_rank + layout.rope_dim]``, bf16/fp16/fp32.
-        locs: logical token locations, int64/int32 ``[N]``; ``-1`` skipped.
+        locs: logical token locations, int64/int32 ``[N]``, any strides; ``-1`` skipped.
         ownership, rank: the page map (``PageOwnership`` or ``OwnershipSpec``) and this rank.
         layout: the fp8 row geometry.
-        require_owned: ``False``: owner filter (``kv`` is the full chunk; foreign rows are skipped, as
-            :func:`dtkv.ops.write_owned`). ``True``: direct-write semantics (``kv`` holds this rank's own rows;
-            a validated foreign page raises, as :func:`dtkv.ops.direct_write`).
+        direct: ``False``: owner filter (``kv`` is the full chunk; foreign rows are skipped, as
+            :func:`dtkv.ops.write_owned`). ``True``: a direct write (``kv`` holds this rank's own rows of a
+            page-aligned split; a validated foreign page raises, as ``write_owned(..., direct=True)``).
         validate: host check of ``locs`` before writing; ``None`` = eager yes, compiled only with ``DTKV_DEBUG``.
         backend: ``"auto"`` | ``"torch"`` | ``"triton"``. ``"auto"`` falls back to torch for geometries the
             kernel does not handle (``kv_lora_rank`` or pool strides not divisible by 4).
+        require_owned: deprecated spelling of ``direct``.
 
     Raises:
         TypeError / ValueError: bad dtypes, shapes, layout mismatch or (validated) locations; nothing written.
     """
+    direct = direct_from_require_owned(direct, require_owned, "quantize_write_mla_fp8")
     if not isinstance(layout, MLAFp8Layout):
         raise TypeError(f"layout must be a dtkv.MLAFp8Layout, got {type(layout).__name__}")
     if isinstance(pool, torch.Tensor) and pool.dim() == 3 and pool.shape[1] != layout.page_size:
         raise ValueError(
             f"pool must have page_size={layout.page_size} rows per page, got pool.shape={list(pool.shape)}"
         )
-    kind = "shard0" if require_owned else "replicate"
-    pool, (kv, locs), rank = dtensor_args(pool, (kv, locs), ownership, rank, kind)
-    be = resolve_backend(backend, pool.device)
-    if be == "triton" and backend == "auto" and not _triton_aligned(pool, layout.kv_lora_rank):
-        be = "torch"
-    torch.ops.dtkv.quantize_write_mla_fp8(
-        pool, kv, locs, *ownership_args(ownership), rank, layout.kv_lora_rank, layout.rope_dim,
-        layout.quant_block, bool(require_owned), should_validate(validate), be,
+    call_row_write(
+        torch.ops.dtkv.quantize_write_mla_fp8, pool, kv, locs, ownership, rank,
+        (layout.kv_lora_rank, layout.rope_dim, layout.quant_block), direct=direct, validate=validate,
+        backend=backend, triton_takes=lambda p: _triton_aligned(p, layout.kv_lora_rank),
     )  # fmt: skip

@@ -14,7 +14,7 @@ import torch
 
 from dtkv._checks import check_tensor
 
-from ._common import device_ctx, resolve_backend, tl, triton
+from ._common import cdiv, device_ctx, index_arg, resolve_backend, tl, triton
 from ._sharding import register_rule
 
 __all__ = ["remap", "remap_torch"]
@@ -36,7 +36,7 @@ def remap_torch(indices: torch.Tensor, page_map: torch.Tensor, page_size: int) -
 def _remap_kernel(
     out_ptr,  # [numel], indices' dtype
     idx_ptr,  # [numel] int32/int64, contiguous
-    map_ptr,  # [num_map] int32/int64
+    map_ptr,  # [num_map] int32/int64, contiguous
     numel,
     num_map,
     PAGE_SIZE: tl.constexpr,
@@ -68,15 +68,15 @@ def _check(indices: torch.Tensor, page_map: torch.Tensor, page_size: int) -> Non
 @torch.library.custom_op("dtkv::remap", mutates_args=())
 def _remap_op(indices: torch.Tensor, page_map: torch.Tensor, page_size: int, backend: str) -> torch.Tensor:
     _check(indices, page_map, page_size)
+    src, page_map = index_arg(indices), index_arg(page_map)
     if backend != "triton":
-        return remap_torch(indices, page_map, page_size)
-    src = indices.contiguous()
+        return remap_torch(src, page_map, page_size)
     out = torch.empty(indices.shape, dtype=indices.dtype, device=indices.device)
     n = src.numel()
     if n:
         block = KERNEL_CONFIG["block"]
         with device_ctx(indices.device):
-            _remap_kernel[(triton.cdiv(n, block),)](
+            _remap_kernel[(cdiv(n, block),)](
                 out,
                 src,
                 page_map,
@@ -112,9 +112,10 @@ def remap(indices: torch.Tensor, page_map: torch.Tensor, *, page_size: int = 1, 
     """Translate logical indices into rows of the owner-major gathered buffer (see the module docstring).
 
     Args:
-        indices: int32/int64, any shape: page ids (``page_size=1``), token locations, or top-k indices;
+        indices: int32/int64, any shape and strides: page ids (``page_size=1``), token locations, or top-k indices;
             ``-1`` is padding. A DTensor (``Replicate`` or ``Shard``) is accepted with a DTensor ``page_map``.
-        page_map: int32/int64 ``[num_pages]`` from :func:`dtkv.ops.plan_pack` / :func:`dtkv.ops.gathered_page_table`.
+        page_map: int32/int64 ``[num_pages]`` from :func:`dtkv.ops.plan_pack` / :func:`dtkv.ops.gathered_page_table`
+            (any stride).
         page_size: tokens per page of ``indices``' coordinates (1 for page ids).
         backend: ``"auto"`` | ``"torch"`` | ``"triton"``.
 

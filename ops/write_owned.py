@@ -2,7 +2,10 @@
 
 Entry point: :func:`write_owned`. Every rank receives the *full* chunk (e.g. after an all-gather of a
 token-balanced CP split) with the logical token location of each row (``loc = page * page_size + offset``, see
-:mod:`dtkv.page_table`); each rank keeps only the rows whose page it owns, so every page is stored once.
+:mod:`dtkv.page_table`); each rank keeps only the rows whose page it owns, so every page is stored once. With
+``direct=True`` the rows are this rank's own rows of a page-aligned split instead (:func:`dtkv.ops.direct_write`
+is that call); the store is the same masked scatter of whole rows. Checks, ``locs`` normalization and dispatch
+are the row writes' shared prologue (``ops/_row_write.py``).
 
 Legend: ``P`` local pages, ``S`` page size, ``D`` elements per row, ``W`` words per row, ``N`` rows.
 """
@@ -13,22 +16,16 @@ import torch
 
 from dtkv._checks import check_tensor
 
-from ._common import (
-    OwnershipLike,
-    check_ownership_ints,
-    device_ctx,
-    locate_constexprs,
-    locate_rows,
+from ._common import OwnershipLike, locate_rows, tl, triton, word_view
+from ._row_write import (
+    RowWriteOp,
+    call_row_write,
+    check_locs,
+    check_rows_contiguous,
+    launch_rows,
     owned_rows_torch,
-    ownership_args,
-    resolve_backend,
-    should_validate,
-    tl,
-    triton,
-    validate_locs,
-    word_view,
+    register_row_write_rule,
 )
-from ._sharding import dtensor_args, register_pool_rule
 
 __all__ = ["write_owned", "write_owned_torch"]
 
@@ -40,7 +37,7 @@ def write_owned_torch(
     locs: torch.Tensor,  # [N], int32/int64, -1 = skip
     cp_size: int,
     num_pages: int,
-    layout_code: int,
+    scheme_code: int,
     rank: int,
 ) -> None:
     """Reference: ``pool[local(page), offset] = row`` for rows whose page ``rank`` owns (an ``index_put_``).
@@ -48,7 +45,7 @@ def write_owned_torch(
     Rows at ``-1``, out of range, or on foreign pages are skipped. Synchronizes on CUDA (boolean selection).
     Duplicate locations: which row lands is unspecified (as for ``index_put_``).
     """
-    sel, local, off = owned_rows_torch(locs, pool.shape[1], cp_size, num_pages, layout_code, rank, pool.shape[0])
+    sel, local, off = owned_rows_torch(locs, pool.shape[1], cp_size, num_pages, scheme_code, rank, pool.shape[0])
     pool.index_put_((local, off), rows[sel])
 
 
@@ -57,16 +54,16 @@ def write_owned_torch(
 def _write_owned_kernel(
     pool_ptr,  # [P, S, W] words; page stride page_stride, row stride ROW_STRIDE
     rows_ptr,  # [N, W] words, contiguous
-    locs_ptr,  # [N], int32/int64
+    locs_ptr,  # [N], int32/int64, contiguous
     num_rows,
     num_local_pages,
     page_stride,
-    num_pages,
+    num_locs,
     rank,
     PAGE_SIZE: tl.constexpr,
     CP: tl.constexpr,
-    CHUNK: tl.constexpr,
-    LAYOUT: tl.constexpr,
+    PAGES_PER_RANK: tl.constexpr,
+    SCHEME: tl.constexpr,
     IDX64: tl.constexpr,
     ROW_STRIDE: tl.constexpr,
     W: tl.constexpr,
@@ -76,11 +73,11 @@ def _write_owned_kernel(
     """One program copies ``BLOCK_R`` rows, ``BLOCK_W`` words at a time; skipped rows issue no memory traffic.
 
     A tile with no kept row (three in four under an owner filter at cp=4, since rows arrive in page runs) skips
-    its copy loop altogether (measured on an H200: 57% -> 69-77% of the copy ceiling for the owner filter).
+    its copy loop altogether (measured on an H200: 57-60% -> 71-78% of the copy ceiling for the owner filter).
     """
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     keep, local, off = locate_rows(
-        locs_ptr, r, num_rows, num_pages, num_local_pages, rank, PAGE_SIZE, CP, CHUNK, LAYOUT, IDX64
+        locs_ptr, r, num_rows, num_locs, num_local_pages, rank, PAGE_SIZE, CP, PAGES_PER_RANK, SCHEME, IDX64
     )
     if tl.max(keep.to(tl.int32), axis=0) > 0:
         dst = local * page_stride + off * ROW_STRIDE
@@ -99,11 +96,9 @@ KERNEL_CONFIG: dict[str, int] = {"block_r": 8, "block_w": 128, "num_warps": 4, "
 whole row, up to 256)."""
 
 
-def _launch_rows(pool, rows, locs, cp_size, num_pages, layout_code, rank, *, filtered: bool) -> None:
-    """Launch :func:`_write_owned_kernel` (shared with ``dtkv::direct_write``, where ``filtered`` is False)."""
-    n = rows.shape[0]
-    if n == 0 or pool.shape[0] == 0:
-        return
+def _launch(pool, rows, locs, cp_size, num_pages, scheme_code, rank, *, direct: bool) -> None:
+    """Launch :func:`_write_owned_kernel` on word views of the pool and the (contiguous) rows."""
+    rows = rows.contiguous()
     pool_w = word_view(pool)
     rows_w = word_view(rows)
     if pool_w.dtype != rows_w.dtype:  # e.g. a page stride or an offset that only allows narrower words
@@ -112,60 +107,24 @@ def _launch_rows(pool, rows, locs, cp_size, num_pages, layout_code, rank, *, fil
     num_words = rows_w.shape[1]
     block_w = KERNEL_CONFIG["block_w"] or min(triton.next_power_of_2(num_words), 256)
     block_r = KERNEL_CONFIG["block_r"]
-    if filtered and cp_size > 1:
+    if not direct and cp_size > 1:
         block_r = KERNEL_CONFIG["filter_block_r"] or min(64, block_r * triton.next_power_of_2(cp_size))
-    grid = (triton.cdiv(n, block_r),)
-    with device_ctx(pool.device):
-        _write_owned_kernel[grid](
-            pool_w,
-            rows_w,
-            locs,
-            n,
-            pool.shape[0],
-            pool_w.stride(0),
-            num_pages,
-            rank,
-            **locate_constexprs(cp_size, num_pages, layout_code, pool.shape[1]),
-            ROW_STRIDE=pool_w.stride(1),
-            W=num_words,
-            BLOCK_R=block_r,
-            BLOCK_W=block_w,
-            num_warps=KERNEL_CONFIG["num_warps"],
-        )
+    launch_rows(
+        _write_owned_kernel, pool_w, rows_w, locs, cp_size, num_pages, scheme_code, rank, pool.shape[1],
+        block_r=block_r, num_warps=KERNEL_CONFIG["num_warps"], ROW_STRIDE=pool_w.stride(1), W=num_words,
+        BLOCK_W=block_w,
+    )  # fmt: skip
 
 
-def check_row_write(pool: torch.Tensor, rows: torch.Tensor, locs: torch.Tensor) -> None:
-    """Metadata checks shared by the row-writing ops (runs in eager, fake and meta modes alike)."""
+def _check(pool: torch.Tensor, rows: torch.Tensor, locs: torch.Tensor) -> int:
     check_tensor("pool", pool, ndim=3)
-    if pool.stride(2) != 1:
-        raise ValueError(f"pool rows must be contiguous (stride 1 in dim 2), got pool.stride()={pool.stride()}")
+    check_rows_contiguous(pool, 2, "rows")
     check_tensor("rows", rows, dtype=pool.dtype, shape=(None, pool.shape[2]), device=pool.device)
-    check_tensor("locs", locs, dtype=(torch.int64, torch.int32), shape=(rows.shape[0],), device=pool.device)
+    check_locs(locs, rows.shape[0], pool.device)
+    return pool.shape[1]
 
 
-def run_row_write(pool, rows, locs, cp_size, num_pages, layout_code, rank, validate, backend, *, direct: bool) -> None:
-    """The body of ``dtkv::write_owned`` (``direct=False``) and ``dtkv::direct_write`` (``direct=True``).
-
-    The store is the same masked scatter of whole rows; the ops differ in what validation demands (a direct
-    write refuses foreign pages instead of skipping them) and in the kernel's filter flag.
-    """
-    check_row_write(pool, rows, locs)
-    check_ownership_ints(cp_size, num_pages, layout_code, rank)
-    if validate:
-        validate_locs(
-            locs,
-            page_size=pool.shape[1],
-            cp_size=cp_size,
-            num_pages=num_pages,
-            layout_code=layout_code,
-            rank=rank,
-            num_local_pages=pool.shape[0],
-            require_owned=direct,
-        )
-    if backend == "triton":
-        _launch_rows(pool, rows.contiguous(), locs, cp_size, num_pages, layout_code, rank, filtered=not direct)
-    else:
-        write_owned_torch(pool, rows, locs, cp_size, num_pages, layout_code, rank)
+_ROW_WRITE = RowWriteOp(check=_check, torch_impl=write_owned_torch, triton_impl=_launch)
 
 
 # ----------------------------------------------------------------------------------------- registered op
@@ -176,21 +135,22 @@ def _write_owned_op(
     locs: torch.Tensor,
     cp_size: int,
     num_pages: int,
-    layout_code: int,
+    scheme_code: int,
     rank: int,
+    direct: bool,
     validate: bool,
     backend: str,
 ) -> None:
-    run_row_write(pool, rows, locs, cp_size, num_pages, layout_code, rank, validate, backend, direct=False)
+    _ROW_WRITE.run(pool, rows, locs, cp_size, num_pages, scheme_code, rank, direct=direct, validate=validate,
+                   backend=backend)  # fmt: skip
 
 
 @_write_owned_op.register_fake
-def _fake_write_owned(pool, rows, locs, cp_size, num_pages, layout_code, rank, validate, backend) -> None:
-    check_row_write(pool, rows, locs)
-    check_ownership_ints(cp_size, num_pages, layout_code, rank)
+def _fake_write_owned(pool, rows, locs, cp_size, num_pages, scheme_code, rank, direct, validate, backend) -> None:
+    _ROW_WRITE.fake(pool, rows, locs, cp_size, num_pages, scheme_code, rank)
 
 
-register_pool_rule(torch.ops.dtkv.write_owned.default, ("replicate", "replicate"))
+register_row_write_rule(torch.ops.dtkv.write_owned.default, "rows")
 
 
 # ----------------------------------------------------------------------------------------- public wrapper
@@ -201,6 +161,7 @@ def write_owned(
     ownership: OwnershipLike,
     rank: int,
     *,
+    direct: bool = False,
     validate: bool | None = None,
     backend: str = "auto",
 ) -> None:
@@ -210,13 +171,18 @@ def write_owned(
         pool: this rank's pages of one layer, ``[P, S, D]`` (``P >= ownership.num_local_pages(rank)``, ``S`` the
             page size), any dtype; any page/row stride as long as each row is contiguous (e.g. a view
             ``buffer[layer]``). Mutated in place. May be a DTensor with the ``ownership`` placement (then
-            ``rank`` is taken from its mesh and ``rows``/``locs`` are treated as replicated).
-        rows: the full chunk, ``[N, D]``, ``pool.dtype``, same device.
-        locs: logical token locations (:mod:`dtkv.page_table`), int64/int32 ``[N]``; ``-1`` rows are skipped.
+            ``rank`` is taken from its mesh and ``rows``/``locs`` are treated as replicated, or as this rank's
+            ``Shard(0)`` piece when ``direct``).
+        rows: the full chunk, ``[N, D]``, ``pool.dtype``, same device (this rank's own rows when ``direct``).
+        locs: logical token locations (:mod:`dtkv.page_table`), int64/int32 ``[N]``, any strides; ``-1`` rows
+            are skipped.
         ownership: the page map (a :class:`dtkv.PageOwnership` or an :class:`OwnershipSpec`, which compiles on
             every torch version); ``rank``: this rank in ``[0, cp_size)``.
+        direct: ``False``: owner filter (foreign rows skipped). ``True``: a compute-owner direct write of a
+            page-aligned split (every target page must be owned by ``rank``; a validated foreign page raises).
         validate: check ``locs`` on the host before writing (one sync; raises, pool untouched). ``None``: in
-            eager yes; under ``torch.compile`` only with ``DTKV_DEBUG=1``, else out-of-range rows are skipped.
+            eager yes; under ``torch.compile`` only with ``DTKV_DEBUG=1``. Unvalidated, exactly the rows that
+            validation would refuse are skipped (out of range, foreign under ``direct``).
         backend: ``"auto"`` (Triton on CUDA when available, else torch; honours ``DTKV_BACKEND``),
             ``"torch"`` (``index_put_`` reference, synchronizes) or ``"triton"``.
 
@@ -224,9 +190,5 @@ def write_owned(
         TypeError / ValueError: bad dtype, shape, device, ownership or (validated) location; nothing written.
         NotImplementedError: ``backend="triton"`` without Triton (or on CPU without ``TRITON_INTERPRET=1``).
     """
-    pool, (rows, locs), rank = dtensor_args(pool, (rows, locs), ownership, rank, "replicate")
-    cp_size, num_pages, code = ownership_args(ownership)
-    torch.ops.dtkv.write_owned(
-        pool, rows, locs, cp_size, num_pages, code, rank, should_validate(validate),
-        resolve_backend(backend, pool.device),
-    )  # fmt: skip
+    call_row_write(torch.ops.dtkv.write_owned, pool, rows, locs, ownership, rank, (), direct=direct,
+                   validate=validate, backend=backend)  # fmt: skip

@@ -39,3 +39,9 @@ def ranks4():
 def ranks(request, ranks2, ranks4):
     """Parametrizes a test over world sizes 2 and 4."""
     return ranks2 if request.param == 2 else ranks4
+
+
+@pytest.fixture(params=[2, 3, 4], ids=["world2", "world3", "world4"])
+def ranks234(request):
+    """Parametrizes a test over world sizes 2, 3 and 4."""
+    return request.getfixturevalue(f"ranks{request.param}")

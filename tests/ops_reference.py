@@ -66,15 +66,15 @@ def ref_gathered(full: torch.Tensor, pages: list[int], own: PageOwnership):
         if p >= 0 and p not in seen:
             seen.append(p)
     per_rank = [[p for p in seen if own.owner(p) == r] for r in range(own.cp_size)]
-    max_count = max((len(x) for x in per_rank), default=0)
-    buf = torch.zeros((own.cp_size * max_count, *full.shape[1:]), dtype=full.dtype)
+    rows_per_rank = max((len(x) for x in per_rank), default=0)
+    buf = torch.zeros((own.cp_size * rows_per_rank, *full.shape[1:]), dtype=full.dtype)
     page_map = [-1] * own.num_pages
     for r, lst in enumerate(per_rank):
         for j, p in enumerate(lst):
-            buf[r * max_count + j] = full[p]
-            page_map[p] = r * max_count + j
+            buf[r * rows_per_rank + j] = full[p]
+            page_map[p] = r * rows_per_rank + j
     rows = [page_map[p] if p >= 0 else -1 for p in pages]
-    return buf, max_count, page_map, rows
+    return buf, rows_per_rank, page_map, rows
 
 
 def ref_remap(indices: torch.Tensor, page_map: list[int], page_size: int) -> torch.Tensor:
@@ -156,12 +156,36 @@ def scattered_locs(num_pages: int, page_size: int, n: int, *, seed: int = 0, pad
     return locs
 
 
+def spread_rows(n: int, dim: int, dtype: torch.dtype, *, seed: int = 0, neg_zero_col: int = 1) -> torch.Tensor:
+    """Rows spanning 9 decades, an all-zero last row with a -0.0: subnormals, ties and the zero scale."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, dim, generator=g) * 10 ** torch.empty(n, 1).uniform_(-6, 3, generator=g)
+    if n > 1:
+        x[-1] = 0.0
+        x[-1, neg_zero_col] = -0.0
+    return x.to(dtype)
+
+
+def layer_pools(num_local: int, seed: int, kinds) -> list[torch.Tensor]:
+    """Pools of one layer out of layered buffers ``[3, P, ...]`` (page stride != page size), one per kind."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"fp8-row": ((5, 656), torch.uint8), "bf16-row": ((3, 24), torch.bfloat16),
+              "indexer": ((4 * 132,), torch.uint8), "odd": ((7,), torch.uint8)}  # fmt: skip
+    pools = []
+    for kind in kinds:
+        shape, dtype = shapes[kind]
+        raw = torch.randint(0, 256, (3, num_local, *shape[:-1], shape[-1] * dtype.itemsize), generator=g,
+                            dtype=torch.uint8)  # fmt: skip
+        pools.append(raw.view(dtype)[1])
+    return pools
+
+
 def snapshot(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone()
 
 
 def assert_same_bytes(a: torch.Tensor, b: torch.Tensor, msg: str = "") -> None:
-    a8, b8 = a.detach().cpu().contiguous().view(torch.uint8), b.detach().cpu().contiguous().view(torch.uint8)
+    a8, b8 = (t.detach().cpu().contiguous().reshape(t.shape or (1,)).view(torch.uint8) for t in (a, b))  # 0-dim too
     if not torch.equal(a8, b8):
         diff = (a8 != b8).nonzero()
         raise AssertionError(f"{msg} byte mismatch at {diff[:5].tolist()} ({diff.shape[0]} bytes)")

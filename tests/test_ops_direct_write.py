@@ -1,7 +1,7 @@
-"""``dtkv::direct_write``: a rank's own rows go straight into its own pages, or nothing is written at all.
+"""``direct_write`` (``dtkv::write_owned`` with ``direct=True``): own rows straight into own pages, or nothing at all.
 
 Contract: with a page-aligned split every row lands at ``pool[local_index(page), offset]`` (bitwise, no
-tolerance); ``page_aligned=False``, a foreign page or an out-of-range location raises before any byte changes;
+tolerance); a foreign page or an out-of-range location raises before any byte changes (contract table);
 compiled code stays sync-free (foreign rows skipped) unless ``DTKV_DEBUG`` asks for the synchronizing check.
 """
 
@@ -14,7 +14,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from dtkv import PageOwnership, debug_mode
-from dtkv.ops import direct_write
+from dtkv.ops import direct_write, write_owned
 from tests.ops_reference import (
     BACKENDS,
     DEVICES,
@@ -51,37 +51,8 @@ def test_direct_write_vs_reference(device, backend, cp, num_pages, layout, ps, n
         pool = torch.zeros(own.num_local_pages(rank), ps, 24, dtype=torch.bfloat16)
         expect = ref_write_rows(pool, rows.bfloat16(), locs, own, rank)
         pool = pool.to(device)
-        direct_write(pool, rows.bfloat16().to(device), locs.int().to(device), own, rank, page_aligned=True,
-                     backend=backend)  # fmt: skip
+        direct_write(pool, rows.bfloat16().to(device), locs.int().to(device), own, rank, backend=backend)
         assert_same_bytes(pool, expect, f"rank {rank}")
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize(
-    ("what", "locs", "page_aligned", "msg"),
-    [
-        ("unaligned split", [0, 1], False, "direct_write needs a page-aligned CP split"),
-        ("foreign page", [0, 1, 2, 3, 4], True, "locs[2]=2 is in logical page 1, owned by rank 1, not by rank 0"),
-        ("out of range", [0, 1, 40], True, "got locs[2]=40"),
-        ("below -1", [-3, 1], True, "got locs[0]=-3"),
-    ],
-)
-def test_rejects_leaving_pool_unchanged(backend, what, locs, page_aligned, msg):
-    skip_unless(backend, "cpu")
-    own = PageOwnership(2, 10, "interleave")  # page_size 2: rank 0 owns pages 0 2 4 6 8 (locs 0-1, 4-5, ...)
-    pool = torch.randn(5, 2, 6)
-    before = pool.clone()
-    locs_t = torch.tensor(locs)
-    with pytest.raises(ValueError, match=re.escape(msg)):
-        direct_write(pool, torch.randn(len(locs), 6), locs_t, own, 0, page_aligned=page_aligned, backend=backend)
-    assert_same_bytes(pool, before, "pool changed")
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_opcheck(backend):
-    skip_unless(backend, "cpu")
-    args = (torch.randn(3, 4, 8), torch.randn(5, 8), torch.tensor([0, 1, 9, -1, 17]), 2, 6, 0, 0, True, backend)
-    torch.library.opcheck(torch.ops.dtkv.direct_write.default, args)
 
 
 @pytest.mark.parametrize("kind", OWNERSHIP_KINDS)
@@ -93,7 +64,7 @@ def test_compiled_is_sync_free_and_debug_checks(kind):
     cnt = CompileCounterWithBackend("aot_eager")
 
     def step(pool, rows, locs):
-        direct_write(pool, rows, locs, own, 0, page_aligned=True, backend=backend)
+        direct_write(pool, rows, locs, own, 0, backend=backend)
         return pool
 
     compiled = torch.compile(step, backend=cnt, fullgraph=True)
@@ -113,3 +84,17 @@ def test_compiled_is_sync_free_and_debug_checks(kind):
         with pytest.raises(ValueError, match=re.escape("locs[2]=4 is in logical page 1, owned by rank 1")):
             debug_compiled(pool, rows, foreign)
         assert not pool.any(), "nothing may be written when the debug check fails"
+
+
+def test_is_write_owned_direct_and_page_aligned_is_deprecated():
+    own = PageOwnership(2, 6, "interleave")
+    rows, locs = _own_rows(own, 0, 4, 10, 8)
+    expect = torch.zeros(3, 4, 8)
+    write_owned(expect, rows, locs, own, 0, direct=True)
+    assert_same_bytes(expect, ref_write_rows(torch.zeros(3, 4, 8), rows, locs, own, 0))
+    pool = torch.zeros(3, 4, 8)
+    with pytest.warns(DeprecationWarning, match=re.escape("direct_write(page_aligned=True) is deprecated")):
+        direct_write(pool, rows, locs, own, 0, page_aligned=True)
+    assert_same_bytes(pool, expect)
+    with pytest.raises(TypeError, match=re.escape("direct must be a bool, got direct=1")):
+        write_owned(pool, rows, locs, own, 0, direct=1)

@@ -42,7 +42,7 @@ def _write_worker(rank: int, world: int) -> dict[str, bool]:
 
     mine = own.owner(torch.div(locs, ps, rounding_mode="floor")) == rank
     local = torch.zeros(own.num_local_pages(rank), ps, dim)
-    direct_write(_pool_dtensor(local, own), rows[mine], locs[mine], own, rank, page_aligned=True, backend="torch")
+    direct_write(_pool_dtensor(local, own), rows[mine], locs[mine], own, rank, backend="torch")
     res["direct_write"] = torch.equal(local, ref_write_rows(torch.zeros_like(local), rows, locs, own, rank))
 
     lay = MLAFp8Layout(page_size=ps, kv_lora_rank=64, rope_dim=16, quant_block=32)
@@ -58,7 +58,7 @@ def _write_worker(rank: int, world: int) -> dict[str, bool]:
     k = torch.randn(25, 32, generator=g)
     local = torch.zeros(own.num_local_pages(rank), *ilay.page_shape, dtype=torch.uint8)
     quantize_write_indexer_fp8(_pool_dtensor(local, own), k[mine], locs[mine], own, rank, layout=ilay,
-                               require_owned=True, backend="torch")  # fmt: skip
+                               direct=True, backend="torch")  # fmt: skip
     res["quantize_write_indexer_fp8"] = torch.equal(
         local, ref_indexer_write(torch.zeros_like(local), k, locs, own, rank, ilay)
     )

@@ -1,7 +1,7 @@
 """``dtkv::pack_owned_pages`` and its plan: the concatenated send buffers are the owner-major gathered buffer.
 
 Contract: for a page list identical on every rank, rank ``r``'s buffer holds its owned pages in list order, zero
-padded to ``max_count``; ``page_map[p]`` is ``p``'s row in the concatenation, ``rows`` the row of each list position.
+padded to ``rows_per_rank``; ``page_map[p]`` is ``p``'s row in the concatenation, ``rows`` the row of each list position.
 Checked bitwise (pages are copied, never converted) against a loop-built reference.
 """
 
@@ -11,17 +11,13 @@ import re
 
 import pytest
 import torch
-from torch._dynamo.testing import CompileCounterWithBackend
 
 from dtkv import PageOwnership
-from dtkv.ops import gathered_page_table, pack_owned_pages, plan_pack, remap
+from dtkv.ops import gathered_page_table, pack_owned_pages, plan_pack
 from tests.ops_reference import (
     BACKENDS,
     DEVICES,
-    OWNERSHIP_KINDS,
-    as_kind,
     assert_same_bytes,
-    backend_ok,
     ref_gathered,
     skip_unless,
 )
@@ -39,9 +35,9 @@ LISTS = [
 def test_plan_vs_reference(cp, num_pages, layout, pages):
     own = PageOwnership(cp, num_pages, layout)
     full = torch.arange(num_pages, dtype=torch.float32)[:, None]
-    _, max_count, page_map, rows = ref_gathered(full, pages, own)
+    _, rows_per_rank, page_map, rows = ref_gathered(full, pages, own)
     plan = plan_pack(torch.tensor(pages, dtype=torch.int32), own)
-    assert plan.max_count == max_count and plan.num_gathered_rows == cp * max_count
+    assert plan.rows_per_rank == rows_per_rank and plan.num_gathered_rows == cp * rows_per_rank
     assert plan.page_map.dtype == torch.int32 and plan.page_map.tolist() == page_map
     assert plan.rows.tolist() == rows
     assert sum(plan.counts) == len({p for p in pages if p >= 0})
@@ -63,13 +59,13 @@ def test_pack_owned_pages_vs_reference(device, backend, cp, num_pages, layout, p
     g = torch.Generator().manual_seed(cp)
     full = torch.randint(0, 255, (num_pages, *page_shape), generator=g, dtype=torch.uint8)
     full = full if dtype == torch.uint8 else torch.randn(num_pages, *page_shape, generator=g).to(dtype)
-    expect, max_count, _, _ = ref_gathered(full, pages, own)
+    expect, rows_per_rank, _, _ = ref_gathered(full, pages, own)
     plan = plan_pack(torch.tensor(pages, device=device), own)
     bufs = []
     for r in range(cp):
         local = full[own.local_pages(r)].to(device)
         bufs.append(pack_owned_pages(local, plan, own, r, backend=backend))
-        assert bufs[-1].shape == (max_count, *page_shape) and bufs[-1].dtype == dtype
+        assert bufs[-1].shape == (rows_per_rank, *page_shape) and bufs[-1].dtype == dtype
     assert_same_bytes(torch.cat(bufs), expect)
 
 
@@ -98,26 +94,30 @@ def test_rejects_bad_input():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_opcheck(backend):
+@pytest.mark.parametrize(("cp", "num_pages"), [(3, 4), (8, 49)], ids=["cp3-4pages", "cp8-49pages"])
+def test_allows_rank_that_stores_no_pages(backend, cp, num_pages):
+    """Block scheme with ``ceil(P / cp) * (cp - 1) >= P``: the last rank's pool is empty; it sends zero pages."""
     skip_unless(backend, "cpu")
-    args = (torch.randn(4, 3, 8), torch.tensor([2, -1, 0, 3]), backend)
-    torch.library.opcheck(torch.ops.dtkv.pack_owned_pages.default, args)
+    own = PageOwnership(cp, num_pages, "block")
+    assert own.num_local_pages(cp - 1) == 0
+    full = torch.randn(num_pages, 2, 3, generator=torch.Generator().manual_seed(cp))
+    pages = [*range(num_pages - 1, -1, -2), -1]
+    expect, rows_per_rank, _, _ = ref_gathered(full, pages, own)
+    plan = plan_pack(torch.tensor(pages), own)
+    bufs = [pack_owned_pages(full[own.local_pages(r)], plan, own, r, backend=backend) for r in range(cp)]
+    assert bufs[-1].shape == (rows_per_rank, 2, 3) and not bufs[-1].any()
+    assert_same_bytes(torch.cat(bufs), expect)
 
 
-@pytest.mark.parametrize("kind", OWNERSHIP_KINDS)
-def test_compiles_without_graph_breaks(kind):
-    """The run (pack + remap of a top-k tensor against the plan) is one graph; the plan stays outside."""
-    backend = "triton" if backend_ok("triton", "cpu") else "torch"
-    own = as_kind(PageOwnership(2, 8, "interleave"), kind)
-    plan = plan_pack(torch.tensor([6, 1, 3, 4]), own)
-    cnt = CompileCounterWithBackend("aot_eager")
+@pytest.mark.parametrize("rank", [-1, 3])
+def test_rejects_rank_outside_the_group(rank):
+    own = PageOwnership(3, 4, "block")
+    plan = plan_pack(torch.tensor([0, 1, 2, 3]), own)
+    with pytest.raises(ValueError, match=re.escape(f"rank must be in [0, cp_size=3), got rank={rank}")):
+        pack_owned_pages(torch.zeros(2, 2, 3), plan, own, rank)
 
-    def run(pool, topk):
-        return pack_owned_pages(pool, plan, own, 0, backend=backend), remap(topk, plan.page_map, page_size=4)
 
-    pool, topk = torch.randn(4, 4, 6), torch.tensor([[24, 25, -1], [17, 4, 13]])
-    eager = run(pool, topk)
-    compiled = torch.compile(run, backend=cnt, fullgraph=True)(pool, topk)
-    assert cnt.frame_count == 1
-    assert_same_bytes(compiled[0], eager[0])
-    assert torch.equal(compiled[1], eager[1])
+def test_max_count_is_a_deprecated_name_of_rows_per_rank():
+    plan = plan_pack(torch.tensor([0, 2, 1]), PageOwnership(2, 4))
+    with pytest.warns(DeprecationWarning, match=re.escape("PackPlan.max_count is deprecated")):
+        assert plan.max_count == plan.rows_per_rank == 2

@@ -10,11 +10,10 @@ import re
 
 import pytest
 import torch
-from torch._dynamo.testing import CompileCounterWithBackend
 
 from dtkv import PageOwnership
 from dtkv.ops import plan_pack, remap
-from tests.ops_reference import BACKENDS, DEVICES, backend_ok, ref_remap, skip_unless
+from tests.ops_reference import BACKENDS, DEVICES, ref_remap, skip_unless
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -52,23 +51,3 @@ def test_rejects_bad_input():
         remap(torch.zeros(3, dtype=torch.int64), pm.view(2, 2))
     with pytest.raises(ValueError, match=re.escape("page_size must be >= 1, got page_size=0")):
         remap(torch.zeros(3, dtype=torch.int64), pm, page_size=0)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_opcheck(backend):
-    skip_unless(backend, "cpu")
-    args = (torch.tensor([[5, -1, 2], [0, 9, 3]]), torch.tensor([2, -1, 0], dtype=torch.int32), 4, backend)
-    torch.library.opcheck(torch.ops.dtkv.remap.default, args)
-
-
-def test_compiles_without_graph_breaks():
-    backend = "triton" if backend_ok("triton", "cpu") else "torch"
-    cnt = CompileCounterWithBackend("aot_eager")
-    page_map = torch.tensor([1, -1, 0], dtype=torch.int32)
-
-    def f(topk):
-        return remap(topk, page_map, page_size=16, backend=backend) + 0
-
-    topk = torch.tensor([[0, 17, 40, -1]])
-    assert torch.equal(torch.compile(f, backend=cnt, fullgraph=True)(topk), f(topk))
-    assert cnt.frame_count == 1

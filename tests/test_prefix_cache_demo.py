@@ -26,7 +26,11 @@ def test_multi_turn_demo_json_reports_parity_hit_rate_and_tokens_saved():
 
 @pytest.mark.parametrize(
     "extra,msg",
-    [(["--pd"], "--multi-turn and --pd cannot be combined"), (["--turns", "0"], "--turns must be >= 1, got 0")],
+    [
+        (["--pd"], "--multi-turn runs the full-view decode without --pd"),
+        (["--decode", "sharded"], "--multi-turn runs the full-view decode without --pd"),
+        (["--turns", "0"], "--turns must be >= 1, got 0"),
+    ],
 )
 def test_multi_turn_demo_rejects_bad_arguments(extra, msg):
     cmd = [sys.executable, "-m", "dtkv.demo", "--multi-turn", *extra]

@@ -25,6 +25,16 @@ With ``prefix_cache=True`` the runner keeps a :class:`dtkv.PrefixCache` over its
 computes only the rest; fully computed pages are shared after every step; :meth:`PrefillEngine.finish_request`
 caches a request's pages and releases its references, and cached pages no request holds are evicted (LRU) when a
 step's pages would not fit. Results are bitwise those of the same run without the cache.
+
+Decode runs in one of two ``decode_mode`` s:
+
+=============  ===============================================================================================
+``"full"``     each decode token is a one-token extend step: split over ranks, KV rows all-gathered, attention
+               over the materialized full view (every mode)
+``"sharded"``  attention where the pages are (:mod:`dtkv.model.sharded_decode`): every rank scores and attends
+               over its own pages only, the ranks exchange top-k candidates and partial outputs; no full view
+               and no page movement (``single``, ``sharded``, ``sharded_direct``)
+=============  ===============================================================================================
 """
 
 from __future__ import annotations
@@ -46,15 +56,18 @@ from dtkv.model import _prefix
 from dtkv.model.config import ModelConfig
 from dtkv.model.kvio import token_rows, write_rows
 from dtkv.model.model import TinyDSA
+from dtkv.model.sharded_decode import sharded_decode_step
 from dtkv.ownership import OwnershipScheme, PageOwnership, ownership_spec
 from dtkv.pool import ShardedKVPool
 from dtkv.prefix_cache import PrefixCache
 from dtkv.split import allocate_for_split, plan_cp_split
 
-__all__ = ["KVMode", "PrefillEngine", "Request", "StepPlan"]
+__all__ = ["DecodeMode", "KVMode", "PrefillEngine", "Request", "StepPlan"]
 
 KVMode = Literal["single", "replicated", "sharded", "sharded_direct"]
 _MODES = ("single", "replicated", "sharded", "sharded_direct")
+DecodeMode = Literal["full", "sharded"]
+_DECODE_MODES = ("full", "sharded")
 
 
 @dataclass
@@ -109,6 +122,7 @@ class PrefillEngine:
         ownership_layout: deprecated name of ``ownership_scheme`` (warns).
         device: where pools and compute live.
         prefix_cache: keep a :class:`dtkv.PrefixCache` and serve new requests from cached pages (module doc).
+        decode_mode: ``"full"`` (full-view decode) or ``"sharded"`` (decode on the sharded pool; module table).
     """
 
     def __init__(
@@ -123,19 +137,27 @@ class PrefillEngine:
         ownership_layout: OwnershipScheme | None = None,
         device: torch.device | str = "cpu",
         prefix_cache: bool = False,
+        decode_mode: DecodeMode = "full",
     ) -> None:
         if ownership_layout is not None:
             warn_deprecated("PrefillEngine(ownership_layout=...)", "PrefillEngine(ownership_scheme=...)")
             ownership_scheme = ownership_layout
         if mode not in _MODES:
             raise ValueError(f"mode must be one of {_MODES}, got mode={mode!r}")
+        if decode_mode not in _DECODE_MODES:
+            raise ValueError(f"decode_mode must be one of {_DECODE_MODES}, got decode_mode={decode_mode!r}")
+        if decode_mode == "sharded" and mode == "replicated":
+            raise ValueError(
+                "decode_mode='sharded' needs a page-sharded pool (mode 'single', 'sharded' or 'sharded_direct'), "
+                "got mode='replicated'"
+            )
         if split not in ("zigzag", "round_robin"):
             raise ValueError(f"split must be 'zigzag' or 'round_robin', got split={split!r}")
         if mode == "sharded_direct" and split != "zigzag":
             raise ValueError(
                 "mode='sharded_direct' needs split='zigzag': round-robin never gives a page one compute owner"
             )
-        self.cfg, self.mode, self.split_mode = cfg, mode, split
+        self.cfg, self.mode, self.split_mode, self.decode_mode = cfg, mode, split, decode_mode
         self.group = None if mode == "single" else group
         self.cp = group_size(self.group)
         self.rank = group_rank(self.group)
@@ -154,6 +176,7 @@ class PrefillEngine:
         self.stats = {"steps": 0, "kv_rows_gathered": 0, "direct_rows": 0, "handoff_rows": 0, "scratch_bytes": 0}
         self.prefix_cache = PrefixCache(self.allocator, cfg.page_size) if prefix_cache else None
         self.stats.update(prefix_prompt_tokens=0, prefix_hit_tokens=0)
+        self.stats.update(sharded_decode_steps=0, decode_comm_bytes=0, topk_checks=0)
 
     # ------------------------------------------------------------------------------------------ requests
     def add_request(self, prompt: Sequence[int]) -> Request:
@@ -409,10 +432,19 @@ class PrefillEngine:
             reqs = [r for r in self.requests if r.output and not r.finished]
             if not reqs:
                 break
-            logits = self.step(reqs, [1] * len(reqs))
+            logits = self.decode_step(reqs)
             for r, row in zip(reqs, logits):
                 r.output.append(int(row.argmax()))
         return [list(r.output) for r in self.requests]
+
+    def decode_step(self, reqs: Sequence[Request]) -> torch.Tensor:
+        """Run each request's last generated token through the model in ``decode_mode``: logits ``[len(reqs), V]``.
+
+        Writes the token's KV rows and advances ``num_computed``; the caller appends the next token to ``output``.
+        """
+        if self.decode_mode == "sharded":
+            return sharded_decode_step(self, reqs)
+        return self.step(reqs, [1] * len(reqs))
 
     # ------------------------------------------------------------------------------------------ inspection
     def kv_bytes(self, rid: int) -> dict[str, torch.Tensor]:

@@ -38,11 +38,11 @@ def write_rows(
     elif isinstance(layout, MLAFp8Layout):
         if direct and not page_aligned:
             raise ValueError("direct=True needs page_aligned=True (compute-owner writes need a page-aligned split)")
-        ops.quantize_write_mla_fp8(pool, rows, locs, ownership, rank, layout=layout, require_owned=direct)
+        ops.quantize_write_mla_fp8(pool, rows, locs, ownership, rank, layout=layout, direct=direct)
     elif isinstance(layout, IndexerFp8Layout):
         if direct and not page_aligned:
             raise ValueError("direct=True needs page_aligned=True (compute-owner writes need a page-aligned split)")
-        ops.quantize_write_indexer_fp8(pool, rows, locs, ownership, rank, layout=layout, require_owned=direct)
+        ops.quantize_write_indexer_fp8(pool, rows, locs, ownership, rank, layout=layout, direct=direct)
     else:
         raise TypeError(f"layout must be an MLA or indexer layout, got {type(layout).__name__}")
 

@@ -131,7 +131,8 @@ class TinyDSA:
         """Sparse attention of ``N`` queries of one request over its first ``S`` key positions.
 
         The indexer scores ``sum_i iw[n, i] * relu(iq[n, i] . k[s])`` for causal keys ``s <= pos[n]``, keeps the
-        top ``index_topk``, and attention runs over those latent rows only.
+        top ``index_topk`` (:meth:`select`), and attention runs over those latent rows only
+        (:meth:`attend_selected`).
 
         Args:
             q: the query entries of :meth:`project`, sliced to the ``N`` rows.
@@ -142,17 +143,46 @@ class TinyDSA:
         Returns:
             float64 ``[N, H * R]``.
         """
-        cfg = self.cfg
-        n, s = pos_N.shape[0], keys_SC.shape[0]
+        top_idx_NK, valid_NK = self.select(q, pos_N, index_keys_SJ)
+        return self.attend_selected(q, keys_SC, top_idx_NK, valid_NK)
+
+    def select(
+        self, q: dict[str, torch.Tensor], pos_N: torch.Tensor, index_keys_SJ: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The indexer's top-k of ``N`` queries over key positions ``0..S-1`` (the selection rule).
+
+        Scores are rounded to float32; higher first, equal scores by lower position; non-causal keys never count.
+
+        Args:
+            q: needs ``iq`` ``[N, I, J]`` and ``iw`` ``[N, I]`` (float64).
+            pos_N: positions of the queries (int64).
+            index_keys_SJ: float64 ``[S, J]`` stored indexer keys (dequantized).
+
+        Returns:
+            ``(top_idx_NK, valid_NK)``: int64 key positions in selection order and whether each is a real
+            (causal) key, ``K = min(index_topk, S)``.
+        """
+        s = index_keys_SJ.shape[0]
         causal_NS = torch.arange(s, device=pos_N.device)[None, :] <= pos_N[:, None]
         score_NS = (torch.relu(torch.einsum("nij,sj->nis", q["iq"], index_keys_SJ)) * q["iw"][:, :, None]).sum(1)
         # Selection must not depend on how the batch was cut: round to float32 so float64 summation-order noise
         # becomes an exact tie (duplicate tokens give equal indexer keys), and break ties by position (stable sort).
         score_NS = score_NS.to(torch.float32).masked_fill(~causal_NS, float("-inf"))
-        k = min(cfg.index_topk, s)
+        k = min(self.cfg.index_topk, s)
         top_val_NK, top_idx_NK = torch.sort(score_NS, dim=-1, descending=True, stable=True)
         top_val_NK, top_idx_NK = top_val_NK[:, :k], top_idx_NK[:, :k]
-        valid_NK = top_val_NK > float("-inf")
+        return top_idx_NK, top_val_NK > float("-inf")
+
+    def attend_selected(
+        self, q: dict[str, torch.Tensor], keys_SC: torch.Tensor, top_idx_NK: torch.Tensor, valid_NK: torch.Tensor
+    ) -> torch.Tensor:
+        """MLA attention of ``N`` queries over the selected rows ``keys_SC[top_idx_NK]`` (invalid ones masked).
+
+        Returns:
+            float64 ``[N, H * R]``.
+        """
+        cfg = self.cfg
+        n = top_idx_NK.shape[0]
         sel_NKC = keys_SC[top_idx_NK]  # [N, K, R + E]
         latent_NKR, rope_NKE = sel_NKC[..., : cfg.kv_lora_rank], sel_NKC[..., cfg.kv_lora_rank :]
         logits_NHK = torch.einsum("nhr,nkr->nhk", q["q_nope"], latent_NKR)

@@ -1,0 +1,131 @@
+"""Shared plumbing of the torchrun benchmarks (``bench_materialize.py``, ``bench_prefill.py``).
+
+Process-group setup (NCCL on GPUs, gloo on CPUs), event timing, where results go (``$OUT`` when the runner sets it,
+else ``benchmarks/results/``), and file names that state the hardware and the date.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+# Two GPUs of one host: no NVLink SHARP multicast (the anchors were measured so, and symmetric memory works without).
+for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ.setdefault(_k, _v)
+
+
+def init(device_kind: str = "auto") -> tuple[int, int, torch.device]:
+    """Join the torchrun group: NCCL with one GPU per rank when CUDA is there (and not refused), else gloo.
+
+    A process group that already exists (tests) is used as it is; :func:`finish` then leaves it alone.
+    """
+    global _OWNED
+    cuda = torch.cuda.is_available() and device_kind != "cpu"
+    if not dist.is_initialized():
+        _OWNED = True
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if cuda else "gloo")
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return dist.get_rank(), dist.get_world_size(), dev
+
+
+_OWNED = False
+
+
+def finish() -> None:
+    """Destroy the process group if :func:`init` created it."""
+    if _OWNED and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def hardware_tag(device: torch.device, world: int) -> str:
+    """``h200x2`` style: the GPU model and the number of ranks (``cpu`` on CPUs)."""
+    if device.type != "cuda":
+        return f"cpux{world}"
+    name = torch.cuda.get_device_name(device).lower()
+    for model in ("h200", "h100", "h800", "h20", "b200", "gb200", "a100"):
+        if model in name:
+            return f"{model}x{world}"
+    return f"{name.split()[-1]}x{world}"
+
+
+def out_dir(explicit: str | None = None) -> Path:
+    """``--out-dir``, else ``$OUT`` (the device runner copies it back), else ``benchmarks/results``."""
+    path = Path(explicit or os.environ.get("OUT") or RESULTS)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def today() -> str:
+    return datetime.date.today().isoformat()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def barrier(device: torch.device, group=None) -> None:
+    """Every rank here, with its device idle."""
+    sync(device)
+    if device.type == "cuda":
+        dist.barrier(group, device_ids=[device.index])
+    else:
+        dist.barrier(group)
+    sync(device)
+
+
+def time_once(fn: Callable[[], object], device: torch.device, group=None) -> float:
+    """Milliseconds of one call, every rank starting together (device events on CUDA, wall clock on CPU)."""
+    barrier(device, group)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def median_ms(fn: Callable[[], object], device: torch.device, reps: int, group=None) -> float:
+    return statistics.median(time_once(fn, device, group) for _ in range(reps))
+
+
+def p90(values: Sequence[float]) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, round(0.9 * (len(s) - 1)))]
+
+
+def write_jsonl(path: Path, rows: Sequence[dict]) -> None:
+    with path.open("w") as f:
+        for row in rows:
+            f.write(json.dumps(row, sort_keys=False) + "\n")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def versions() -> dict[str, str]:
+    out = {"torch": torch.__version__}
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return out

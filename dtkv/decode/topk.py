@@ -1,0 +1,170 @@
+"""Exact sharded top-k for the DSA indexer: local top-k on each rank, one candidate all-gather, one global top-k.
+
+Legend: ``N`` queries, ``S`` keys scored by one rank, ``K`` top-k, ``I`` indexer heads, ``J`` indexer dims,
+``C`` ranks (``cp_size``).
+
+**Selection rule** (the reference model's, :meth:`dtkv.model.TinyDSA.select`): scores are rounded to float32; a
+higher score comes first; equal scores come in increasing position; keys that are not causal for the query (or
+padding) are never selected; at most ``K`` keys are kept.
+
+**Keys.** A candidate travels as one int64 whose integer order *is* the selection order::
+
+    key = ord32(score) * 2**32 + (2**32 - 1 - position)        INVALID_KEY = -2**63 for padding
+
+``ord32`` maps the float32 bit pattern to an int32 that orders like the float (negative patterns get their 31
+magnitude bits flipped); ``-0.0`` is folded into ``+0.0`` and every NaN into one NaN above ``+inf`` first, which is
+how ``torch.sort`` orders them. Equal scores then order by position, so the order is total: ``torch.topk`` over keys
+needs no stable sort and ties cannot be broken differently on different ranks or devices.
+
+**Why it is exact.** Every key of the global top-k is in its owner's local top-k (the order is total and identical
+on every rank), so the top-k of the gathered candidates is the top-k of all keys: the same positions, in the same
+order, as a stable sort of the full view -- provided each key's float32 score is the same in both computations.
+The reference model scores in float64; a GEMM over a subset of the keys may differ from the full GEMM in the last
+float64 bit (measured: ~1.5% of scores on CPU MKL), and float32 rounding absorbs that unless a score lies within
+~1e-16 of a float32 rounding midpoint (about 2**-29 of scores), which then matters only at the K-th place.
+``DTKV_DEBUG`` checks every selection against the full view (:func:`dtkv.decode.check_selection`).
+
+**Bytes.** Each rank contributes ``N * K * 8`` bytes per layer and step (scores and positions packed in one int64),
+whatever the context length; it receives ``(C - 1) * N * K * 8``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from dtkv._collectives import all_gather_rows, group_size
+
+__all__ = [
+    "INVALID_KEY",
+    "MAX_POSITION",
+    "SelectionMismatchError",
+    "check_selection",
+    "global_topk",
+    "index_scores",
+    "local_topk",
+    "selection_keys",
+    "unpack_keys",
+]
+
+INVALID_KEY = -(2**63)
+"""The key of a padding candidate: below every real key (a real key is at least ``ord32(-inf) * 2**32``)."""
+
+MAX_POSITION = 2**32 - 2
+"""Largest position a key can carry."""
+
+_LOW32 = 2**32 - 1
+_MAG31 = 0x7FFFFFFF
+
+
+def index_scores(iq_NIJ: torch.Tensor, iw_NI: torch.Tensor, keys_NSJ: torch.Tensor) -> torch.Tensor:
+    """DSA indexer scores ``sum_i iw[n, i] * relu(iq[n, i] . k[n, s])`` (the reference model's formula, batched).
+
+    Args:
+        iq_NIJ: indexer queries ``[N, I, J]``, floating.
+        iw_NI: per-head weights ``[N, I]``, same dtype.
+        keys_NSJ: each query's keys ``[N, S, J]``, same dtype (padding rows are masked later, by position).
+
+    Returns:
+        ``[N, S]`` in the inputs' dtype.
+    """
+    return (torch.relu(torch.einsum("nij,nsj->nis", iq_NIJ, keys_NSJ)) * iw_NI[:, :, None]).sum(1)
+
+
+def selection_keys(scores_NS: torch.Tensor, positions_NS: torch.Tensor, valid_NS: torch.Tensor) -> torch.Tensor:
+    """Pack scores (rounded to float32) and positions into int64 keys ordered like the selection rule.
+
+    Args:
+        scores_NS: ``[N, S]`` any floating dtype (rounded to float32 here).
+        positions_NS: int64 ``[N, S]`` logical token positions in ``[0, MAX_POSITION]`` where valid.
+        valid_NS: bool ``[N, S]``: False for padding and non-causal keys. A ``-inf`` score is never valid.
+
+    Returns:
+        int64 ``[N, S]``; :data:`INVALID_KEY` where not valid.
+    """
+    s = scores_NS.to(torch.float32)
+    s = torch.where(s == 0, torch.zeros_like(s), s)  # -0.0 -> +0.0 (equal floats must give equal keys)
+    s = torch.where(torch.isnan(s), torch.full_like(s, float("nan")), s)  # one NaN, above +inf (as torch.sort)
+    bits = s.contiguous().view(torch.int32).to(torch.int64)
+    ordered = torch.where(bits < 0, torch.bitwise_xor(bits, _MAG31), bits)
+    keys = ordered * (2**32) + (_LOW32 - positions_NS.to(torch.int64))
+    keep = valid_NS & (s != float("-inf"))
+    return torch.where(keep, keys, torch.full_like(keys, INVALID_KEY))
+
+
+def unpack_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`selection_keys`: ``(scores float32, positions int64, valid bool)``, each ``keys.shape``.
+
+    Invalid entries have position ``-1`` and score ``-inf``.
+    """
+    valid = keys != INVALID_KEY
+    positions = _LOW32 - torch.bitwise_and(keys, _LOW32)
+    ordered = torch.bitwise_right_shift(keys, 32)
+    bits = torch.where(ordered < 0, torch.bitwise_xor(ordered, _MAG31), ordered).to(torch.int32)
+    scores = bits.view(torch.float32)
+    scores = torch.where(valid, scores, torch.full_like(scores, float("-inf")))
+    return scores, torch.where(valid, positions, torch.full_like(positions, -1)), valid
+
+
+def local_topk(keys_NS: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k`` largest keys of each row, largest first: int64 ``[N, k]`` (padded with :data:`INVALID_KEY`)."""
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got k={k}")
+    n, s = keys_NS.shape
+    if s < k:
+        pad = torch.full((n, k - s), INVALID_KEY, dtype=torch.int64, device=keys_NS.device)
+        keys_NS = torch.cat((keys_NS, pad), dim=1)
+    return torch.topk(keys_NS, k, dim=1, largest=True, sorted=True).values
+
+
+def global_topk(local_NK: torch.Tensor, k: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """All-gather every rank's candidates and keep the ``k`` largest: the same int64 ``[N, k]`` on every rank.
+
+    Collective over ``group`` (``None``: one process, returns ``local_topk(local_NK, k)``). Every rank passes
+    ``[N, K]`` with the same ``N`` and ``K``; ``k <= K * cp_size``. Bytes per rank: ``N * K * 8`` sent.
+    """
+    cp = group_size(group)
+    if cp == 1:
+        return local_topk(local_NK, k)
+    n, kk = local_NK.shape
+    gathered = all_gather_rows(local_NK.contiguous(), group).view(cp, n, kk)
+    return local_topk(gathered.transpose(0, 1).reshape(n, cp * kk), k)
+
+
+class SelectionMismatchError(RuntimeError):
+    """A sharded top-k differs from the full view's (raised by ``DTKV_DEBUG`` checks on every rank)."""
+
+
+def check_selection(
+    positions_NK: torch.Tensor, reference_NK: torch.Tensor, group: dist.ProcessGroup | None, *, what: str
+) -> None:
+    """Raise :class:`SelectionMismatchError` on every rank if any rank's selection differs from its reference.
+
+    Collective over ``group`` (every rank calls it). Synchronizes; for ``DTKV_DEBUG`` and tests.
+
+    Args:
+        positions_NK: int64 ``[N, K]`` selected positions in selection order, ``-1`` padding.
+        reference_NK: the same from the full view (e.g. :meth:`dtkv.model.TinyDSA.select`).
+        group: the CP group (``None``: this process only).
+        what: names the selection in the message (e.g. ``"layer 2, step 7"``).
+    """
+    got = positions_NK.detach().to("cpu", torch.int64)
+    want = reference_NK.detach().to("cpu", torch.int64)
+    mine = torch.tensor([0, -1, -1, -1, -1], dtype=torch.int64)
+    if got.shape != want.shape:
+        mine = torch.tensor([1, -1, -1, -1, -1], dtype=torch.int64)
+    else:
+        bad = torch.nonzero(got != want)
+        if bad.numel():
+            n, j = (int(v) for v in bad[0])
+            mine = torch.tensor([1, n, j, int(got[n, j]), int(want[n, j])], dtype=torch.int64)
+    verdicts = mine[None] if group_size(group) == 1 else all_gather_rows(mine[None], group)
+    faulty = torch.nonzero(verdicts[:, 0]).flatten().tolist()
+    if not faulty:
+        return
+    _, n, j, g, w = (int(v) for v in verdicts[faulty[0]])
+    where = f"query {n}, place {j}: position {g} instead of {w}" if n >= 0 else "a different shape"
+    raise SelectionMismatchError(
+        f"DTKV_DEBUG: sharded top-k of {what} differs from the full view's top-k at {where} "
+        f"(first on rank {faulty[0]}; ranks at fault: {faulty})"
+    )

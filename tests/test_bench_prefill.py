@@ -1,0 +1,141 @@
+"""``benchmarks/bench_prefill.py`` on 2 gloo ranks at tiny sizes: every mode stores the same KV bytes and computes the
+same activations, sharded ranks hold half the bytes, the outputs are written; the DSA kernels match their
+references (Triton through the CPU interpreter); the trace summary's interval arithmetic."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.ops_reference import backend_ok
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _load(name: str):
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _smoke(rank, world, out_dir):
+    bench = _load("bench_prefill")
+    bench.main(["--tiny", "--verify", "--profile", "--contexts", "40", "64", "--chunk", "8", "--out-dir", out_dir])
+    return None
+
+
+@pytest.mark.multirank
+def test_modes_store_the_same_kv_and_compute_the_same_activations(ranks2, tmp_path):
+    ranks2.run(_smoke, str(tmp_path))
+    (jsonl,) = tmp_path.glob("prefill_cpux2_*.jsonl")
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert {(r["context"], r["mode"]) for r in rows} == {
+        (t, m) for t in (40, 64) for m in ("replicated", "sharded_prefetch", "sharded")
+    }
+    for t in (40, 64):
+        by_mode = {r["mode"]: r for r in rows if r["context"] == t}
+        rep = by_mode["replicated"]
+        for mode in ("sharded_prefetch", "sharded"):
+            r = by_mode[mode]
+            assert r["kv_digest"] == rep["kv_digest"]  # every stored byte, in logical page order
+            assert r["x_digest"] == rep["x_digest"]  # the layer stack's output, bit for bit
+            assert 2 * r["kv_bytes_per_rank"] == rep["kv_bytes_per_rank"] == r["kv_bytes_replicated"]
+            assert r["view_gathered_bytes_per_step"] > 0 and r["materialize_backend"] == "all_gather"
+            assert r["scratch_bytes"] <= 2 * r["view_bytes_per_layer"]  # pages in order: no send buffer
+        assert rep["overhead_vs_replicated"] == 0.0 and rep["timed_chunks"] == 2
+    assert (tmp_path / jsonl.name.replace(".jsonl", ".md")).read_text().count("| 40 |") == 3
+    assert (tmp_path / jsonl.name.replace(".jsonl", ".png")).stat().st_size > 0
+    assert list(tmp_path.glob("prefill_trace_sharded_prefetch-all_gather_64.json"))
+    assert "sharded_prefetch-all_gather" in next(tmp_path.glob("prefill_profile_cpux2_*.md")).read_text()
+
+
+def _indexer_case(seed):
+    g = torch.Generator().manual_seed(seed)
+    n, heads, dim, page = 20, 2, 32, 4
+    pages = torch.zeros(9, page * (dim + 4), dtype=torch.uint8)
+    keys = torch.randn(9 * page, dim, generator=g).to(torch.float8_e4m3fn)
+    scales = torch.rand(9 * page, generator=g) + 0.5
+    for p in range(9):
+        pages[p, : page * dim] = keys[p * page : (p + 1) * page].view(torch.uint8).flatten()
+        pages[p, page * dim :] = scales[p * page : (p + 1) * page].view(torch.uint8)
+    table = torch.tensor([3, 0, 8, 5, 1, 2, 7], dtype=torch.int32)
+    q = torch.randn(n, heads, dim, generator=g).to(torch.float8_e4m3fn).view(torch.uint8)
+    w = torch.randn(n, heads, generator=g)
+    pos = torch.randint(0, 27, (n,), generator=g)
+    return q, w, pages, table, pos, keys.float(), scales
+
+
+def test_indexer_reference_is_the_formula():
+    kernels = _load("_dsa_kernels")
+    q, w, pages, table, pos, keys, scales = _indexer_case(0)
+    got = kernels.indexer_logits_torch(q, w, pages, table, pos, 27, 4)
+    qf = q.view(torch.float8_e4m3fn).float()
+    for i in (0, 7, 19):
+        for j in (0, 5, 26):
+            row = int(table[j // 4]) * 4 + j % 4
+            want = sum(float(w[i, h]) * max(0.0, float(qf[i, h] @ keys[row])) for h in range(2)) * float(scales[row])
+            want = want if j <= int(pos[i]) else float("-inf")
+            assert got[i, j].item() == pytest.approx(want, rel=1e-5, abs=1e-5)
+
+
+@pytest.mark.skipif(not backend_ok("triton", "cpu"), reason="needs Triton in interpreter mode")
+def test_indexer_kernel_vs_reference():
+    """fp8 products summed in float32 in a different order: equal within float32 rounding."""
+    kernels = _load("_dsa_kernels")
+    q, w, pages, table, pos, _, _ = _indexer_case(1)
+    ref = kernels.indexer_logits_torch(q, w, pages, table, pos, 27, 4)
+    cfg = {"BQ": 16, "BK": 16, "num_warps": 4, "num_stages": 1}
+    got = kernels.indexer_logits(q, w, pages, table, pos, 27, 4, config=cfg, interpret=True)
+    assert torch.equal(got == float("-inf"), ref == float("-inf"))
+    assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not backend_ok("triton", "cpu"), reason="needs Triton in interpreter mode")
+def test_sparse_mla_kernel_vs_reference():
+    """The kernel rounds dequantized keys and probabilities to bf16 (as FlashMLA does): tolerance 0.05 absolute on
+    outputs of magnitude ~1; skipped rows (-1) and a query with no row at all (zero output) are exact."""
+    from dtkv import MLAFp8Layout
+    from dtkv.ops import quantize_mla_fp8
+
+    kernels = _load("_dsa_kernels")
+    g = torch.Generator().manual_seed(2)
+    lay = MLAFp8Layout(page_size=4, kv_lora_rank=64, rope_dim=16, quant_block=32)
+    rows = quantize_mla_fp8(torch.randn(40, 80, generator=g), lay)
+    q = torch.randn(5, 4, 80, generator=g).to(torch.bfloat16)
+    locs = torch.randint(-1, 40, (5, 20), generator=g).to(torch.int32)
+    locs[2] = -1
+    ref = kernels.sparse_mla_torch(q, rows, locs, 0.1, 64, 16, 32)
+    cfg = {"BH": 16, "BK": 16, "num_warps": 4, "num_stages": 1}
+    got = kernels.sparse_mla(q, rows, locs, 0.1, 64, 16, 32, config=cfg, interpret=True)
+    assert got.shape == (5, 4, 64) and got.dtype == torch.bfloat16
+    assert (got.float() - ref.float()).abs().max() < 0.05
+    assert torch.equal(got[2], torch.zeros_like(got[2]))
+    standin = kernels.sparse_mla_standin(q, rows, locs, 0.1, 64, 16, 32, slab=2)
+    assert standin.shape == got.shape
+    assert kernels.sparse_mla_flops(5, 4, 20, 64, 16) == 2 * 5 * 4 * 20 * (2 * 64 + 16)
+
+
+def test_trace_summary_intervals(tmp_path):
+    bench = _load("bench_prefill")
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 100, "args": {"stream": 7}},
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 50, "dur": 100, "args": {"stream": 7}},  # union 0..150
+        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllGather", "ts": 140, "dur": 30, "args": {"stream": 9}},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy PtoP", "ts": 200, "dur": 10, "args": {"stream": 9}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamWaitEvent", "ts": 1, "dur": 2},
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    s = bench.trace_summary(path)
+    assert s["compute_stream"] == 7 and s["compute_busy_ms"] == 0.15 and s["window_ms"] == 0.21
+    assert s["streams"]["9"] == {"busy_ms": 0.04, "overlap_with_compute_ms": 0.01}
+    assert s["nccl_kernel_ms"] == 0.03 and s["copy_ms"] == 0.01 and s["stream_waits"] == 1
