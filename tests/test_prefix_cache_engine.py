@@ -36,7 +36,7 @@ def check_references(engine) -> None:
         assert alloc.refcount(p) == holders[p], f"page {p}: {alloc.refcount(p)} references, {holders[p]} holders"
 
 
-def _runs(rank, world, split, kv_dtype, cache_pages, workload):
+def _runs(rank, world, split, kv_dtype, cache_pages, workload, decode_mode="full"):
     """The workload without the cache (a pool of NUM_PAGES) and with it (``cache_pages``): page ids differ, the
     bytes at every position must not."""
     import torch.distributed as dist
@@ -48,7 +48,13 @@ def _runs(rank, world, split, kv_dtype, cache_pages, workload):
     for cache in (False, True):
         num_pages = cache_pages if cache else NUM_PAGES
         eng = PrefillEngine(
-            cfg, mode=mode, split=split, group=dist.group.WORLD, num_pages=num_pages, prefix_cache=cache
+            cfg,
+            mode=mode,
+            split=split,
+            group=dist.group.WORLD,
+            num_pages=num_pages,
+            prefix_cache=cache,
+            decode_mode=decode_mode,
         )
         runs[cache] = run_workload(eng, wl, chunk=CHUNK, decode_steps=DECODE_STEPS, after_step=check_references)
         if cache:
@@ -56,6 +62,11 @@ def _runs(rank, world, split, kv_dtype, cache_pages, workload):
     base, cached = runs[False], runs[True]
     return {
         **compare_runs(base, cached),
+        "logits_max_rel": max(
+            float((a - b).abs().max() / b.abs().max())
+            for k in base.logits
+            for a, b in zip(base.logits[k], cached.logits[k])
+        ),
         "outputs": cached.outputs,
         "hit_rate": cached.hit_rate,
         "hit_tokens": cached.hit_tokens,
@@ -102,6 +113,19 @@ def test_eviction_under_pressure_never_touches_a_live_request_and_stays_bitwise_
     step), and the run stays bitwise equal -- the live shared-prompt request included."""
     results = (ranks2 if world == 2 else ranks4).run(_runs, split, kv_dtype, 18, CROWDED)
     _check(results, evicted=True)
+
+
+@pytest.mark.multirank
+def test_sharded_decode_with_the_cache_under_pressure_keeps_tokens_and_kv_bytes(ranks2):
+    """``decode_mode="sharded"`` attends where the pages are and merges the ranks' partials in rank order, so its
+    float64 sums follow the page placement, which the cache changes (cached pages come from earlier requests):
+    tokens and stored KV bytes must be equal, the logits within 1e-9 relative (float64 merge-order noise is
+    ~1e-14). The cache evicts before sharded decode steps too (reference counts checked after every step)."""
+    results = ranks2.run(_runs, "zigzag", "fp8", 18, CROWDED, "sharded")
+    for res in results:
+        assert res["tokens_equal"] and res["kv_equal"] and res["logits_max_rel"] < 1e-9, res
+        assert res["evicted"] > 0 and res["stats"]["sharded_decode_steps"] > 0
+        assert res["saved"] == res["hit_tokens"] > 0
 
 
 def test_single_process_run_is_bitwise_equal_and_finished_requests_are_left_alone():

@@ -4,7 +4,8 @@
   pages, capped so that at least one prompt token is computed (its logits give the first output token). The
   prefix ends on a page boundary, so the step's split is planned with a page-aligned prefix.
 - :func:`make_room` (plan phase, before allocation): evicts unused cached pages when the step's new pages would
-  not fit -- first of the owner classes the compute-owner allocation asks for, then any.
+  not fit -- first of the owner classes the compute-owner allocation asks for, then any;
+  :func:`make_room_for_decode` likewise before a sharded decode step (``decode_mode="sharded"``).
 - :func:`cache_computed` (after each step): shares every request's fully computed pages.
 - :func:`release_request` (``finish_request``): caches the request's full pages and drops its references.
 
@@ -20,7 +21,7 @@ import numpy as np
 from dtkv._util import cdiv
 from dtkv.split import compute_owners
 
-__all__ = ["attach_cached_prefix", "cache_computed", "make_room", "release_request"]
+__all__ = ["attach_cached_prefix", "cache_computed", "make_room", "make_room_for_decode", "release_request"]
 
 
 def attach_cached_prefix(engine, req) -> None:
@@ -50,6 +51,14 @@ def make_room(engine, split) -> None:
         new = (cols >= have[:, None]) & (cols < need[:, None]) & split.page_aligned.numpy()[:, None]
         per_owner = np.bincount(owners[new], minlength=engine.allocator.ownership.cp_size).tolist()
     engine.prefix_cache.make_room(total, per_owner)
+
+
+def make_room_for_decode(engine, reqs: Sequence) -> None:
+    """Evict cached pages so that a sharded decode step's new pages (one token per request) fit."""
+    ps = engine.cfg.page_size
+    total = sum(max(0, cdiv(r.num_computed + 1, ps) - len(r.pages)) for r in reqs)
+    if total > engine.allocator.num_free():
+        engine.prefix_cache.make_room(total)
 
 
 def cache_computed(engine, reqs: Sequence) -> None:

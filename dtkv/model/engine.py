@@ -442,9 +442,16 @@ class PrefillEngine:
 
         Writes the token's KV rows and advances ``num_computed``; the caller appends the next token to ``output``.
         """
-        if self.decode_mode == "sharded":
+        if self.decode_mode != "sharded":
+            return self.step(reqs, [1] * len(reqs))
+        if self.prefix_cache is None:
             return sharded_decode_step(self, reqs)
-        return self.step(reqs, [1] * len(reqs))
+        _prefix.make_room_for_decode(self, reqs)
+        logits = sharded_decode_step(self, reqs)
+        _prefix.cache_computed(self, reqs)
+        if _env.debug_enabled():
+            self.prefix_cache.check_agreement(self.group)
+        return logits
 
     # ------------------------------------------------------------------------------------------ inspection
     def kv_bytes(self, rid: int) -> dict[str, torch.Tensor]:

@@ -127,7 +127,7 @@ def run_workload(
     def decode() -> None:
         for _ in range(decode_steps):
             reqs = [r for r in engine.requests if r.output and not r.finished]
-            for r, row in zip(reqs, engine.step(reqs, [1] * len(reqs))):
+            for r, row in zip(reqs, engine.decode_step(reqs)):  # in the engine's decode_mode
                 produce(r, row)
             note()
 
