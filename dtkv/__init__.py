@@ -4,7 +4,8 @@ Entry points:
 
 - :class:`PageOwnership` -- DTensor placement tag and the pure logical page <-> (owner, local page) map of an
   ownership scheme (:data:`OwnershipScheme`: ``"interleave"`` or ``"block"``).
-- :class:`PageAllocator` -- SPMD, owner-aware page allocator.
+- :class:`PageAllocator` -- SPMD, owner-aware, reference-counted page allocator.
+- :class:`PrefixCache` -- radix tree over full pages of token ids sharing cached pages across requests (SPMD).
 - :class:`MLALatentLayout`, :class:`MLAFp8Layout`, :class:`IndexerFp8Layout` -- stored byte layouts of a page.
 - :class:`ShardedKVPool` -- per-layer pools holding only the owned pages, with startup agreement checks.
 - :func:`plan_cp_split` -> :class:`CPSplit` -- zigzag / page-aligned / round-robin CP split metadata
@@ -23,6 +24,7 @@ from dtkv.allocator import AllocationError, PageAllocator
 from dtkv.layouts import FP8_E4M3_MAX, IndexerFp8Layout, KVLayout, MLAFp8Layout, MLALatentLayout
 from dtkv.ownership import OwnershipScheme, OwnershipSpec, PageOwnership, ownership_spec
 from dtkv.pool import ShardedKVPool, gather_pages
+from dtkv.prefix_cache import PrefixCache, PrefixCacheMismatchError
 from dtkv.split import (
     CPSplit,
     LocalSplit,
@@ -57,6 +59,8 @@ __all__ = [
     "OwnershipSpec",
     "PageAllocator",
     "PageOwnership",
+    "PrefixCache",
+    "PrefixCacheMismatchError",
     "ShardedKVPool",
     "SplitAllocation",
     "allocate_for_split",

@@ -5,6 +5,11 @@ order, so every rank makes the same decisions without communication (the schedul
 The free pages are kept in one min-heap per owner class, so a caller can ask for "a page stored on rank r" --
 the basis of compute-owner direct writes (``dtkv.split.allocate_for_split``). An owner that stores no page
 (``block`` scheme with ``cp=3`` and 4 pages, or fewer pages than ranks) simply has an empty class.
+
+Pages are reference counted, so a page can be shared (a prefix cache entry and the requests reading it,
+:class:`dtkv.PrefixCache`): ``alloc`` hands a page out with one reference, ``retain`` adds one, ``release`` (and
+its older name ``free``) drops one, and a page returns to its owner's free list only when its last reference
+goes. Every call validates all its pages before it changes anything (all or nothing).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import hashlib
 import heapq
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from dtkv._agree import register_error
@@ -32,7 +38,7 @@ class PageAllocator:
     """SPMD allocator: one free list per owner rank of ``ownership``.
 
     Pages are handed out lowest-first within an owner class (deterministic, and it keeps runs contiguous,
-    which helps transfer coalescing).
+    which helps transfer coalescing). Each allocated page carries a reference count (module docstring).
 
     Args:
         ownership: the page-ownership map of the pool being allocated.
@@ -58,6 +64,7 @@ class PageAllocator:
         for heap in self._free:
             for p in heap:
                 self._is_free[p] = 1
+        self._refs = np.zeros(ownership.num_pages, dtype=np.int64)  # 0: free or reserved
         self._cursor = 0
 
     # ------------------------------------------------------------------------------------------ queries
@@ -70,9 +77,7 @@ class PageAllocator:
 
     def is_free(self, page: int) -> bool:
         """Whether logical ``page`` is free (reserved pages never are)."""
-        check_int("page", page)
-        if not 0 <= page < self.ownership.num_pages:
-            raise ValueError(f"page must be in [0, {self.ownership.num_pages}), got page={page}")
+        self._check_page("page", page)
         return bool(self._is_free[page])
 
     @property
@@ -80,9 +85,22 @@ class PageAllocator:
         """The pages never handed out."""
         return self._reserved
 
+    def refcount(self, page: int) -> int:
+        """References held on logical ``page`` (0: free or reserved)."""
+        self._check_page("page", page)
+        return int(self._refs[page])
+
+    def num_allocated(self) -> int:
+        """Distinct pages held by at least one reference: a page shared by many holders counts once."""
+        return int(np.count_nonzero(self._refs))
+
     def digest(self) -> str:
-        """A hash of the free state; equal on every rank while the SPMD contract holds (debug checks)."""
-        return hashlib.sha256(bytes(self._is_free)).hexdigest()[:16]
+        """A hash of the state (free pages, reference counts, balanced-allocation cursor); equal on every rank
+        while the SPMD contract holds (debug checks)."""
+        h = hashlib.sha256(bytes(self._is_free))
+        h.update(self._refs.tobytes())
+        h.update(self._cursor.to_bytes(8, "little"))
+        return h.hexdigest()[:16]
 
     # ------------------------------------------------------------------------------------------ alloc
     def alloc(self, owners: Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -112,6 +130,7 @@ class PageAllocator:
         out = [heapq.heappop(self._free[o]) for o in wanted]
         for p in out:
             self._is_free[p] = 0
+            self._refs[p] = 1
         return torch.tensor(out, dtype=torch.int64)
 
     def alloc_balanced(self, n: int) -> torch.Tensor:
@@ -144,29 +163,69 @@ class PageAllocator:
         self._cursor = r
         return self.alloc(owners)
 
+    def retain(self, pages: Sequence[int] | torch.Tensor) -> None:
+        """Add one reference to each allocated page (a new holder shares it); ``-1`` entries are ignored.
+
+        Raises:
+            ValueError: a page is outside the pool, reserved, free (allocate it instead) or repeated; nothing
+                changes.
+        """
+        plist = self._check_held("retain", pages, "retained")
+        for p in plist:
+            self._refs[p] += 1
+
+    def release(self, pages: Sequence[int] | torch.Tensor) -> None:
+        """Drop one reference from each page; a page whose last reference goes returns to its owner's free list.
+        ``-1`` entries are ignored.
+
+        Raises:
+            ValueError: a page is outside the pool, reserved, not allocated (double free) or repeated; nothing
+                changes.
+        """
+        self._release("release", pages, "released")
+
     def free(self, pages: Sequence[int] | torch.Tensor) -> None:
-        """Return pages to their owners' free lists; ``-1`` entries are ignored.
+        """Release the caller's reference to each page (:meth:`release`); a page not shared is free afterwards.
 
         Raises:
             ValueError: a page is outside the pool, reserved, not allocated (double free) or repeated; nothing
                 is freed.
         """
+        self._release("free", pages, "freed")
+
+    def _release(self, what: str, pages: Sequence[int] | torch.Tensor, done: str) -> None:
+        plist = self._check_held(what, pages, done)
+        for p in plist:
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                heapq.heappush(self._free[self.ownership.owner(p)], p)
+                self._is_free[p] = 1
+
+    def _check_held(self, what: str, pages: Sequence[int] | torch.Tensor, done: str) -> list[int]:
+        """Validate every page of a ``retain``/``release``/``free`` call before any changes (all or nothing)."""
         plist = [p for p in as_int_list("pages", pages) if p != -1]
         seen = set()
         for p in plist:
             if not 0 <= p < self.ownership.num_pages:
                 raise ValueError(
-                    f"free(pages) got page {p}, outside the pool's pages [0, {self.ownership.num_pages}); "
-                    "nothing was freed"
+                    f"{what}(pages) got page {p}, outside the pool's pages [0, {self.ownership.num_pages}); "
+                    f"nothing was {done}"
                 )
             if p in self._reserved:
-                raise ValueError(f"free(pages) got page {p}, which is reserved (never allocated); nothing was freed")
-            if self._is_free[p] or p in seen:
-                raise ValueError(f"free(pages) got page {p}, which is not allocated (double free); nothing was freed")
+                raise ValueError(f"{what}(pages) got page {p}, which is reserved (never allocated); nothing was {done}")
+            if self._is_free[p]:
+                rule = "allocate a page before sharing it" if what == "retain" else "double free"
+                raise ValueError(f"{what}(pages) got page {p}, which is not allocated ({rule}); nothing was {done}")
+            if p in seen:
+                rule = "one reference per page and call" if what == "retain" else "double free"
+                raise ValueError(f"{what}(pages) got page {p} twice ({rule}); nothing was {done}")
             seen.add(p)
-        for p in plist:
-            heapq.heappush(self._free[self.ownership.owner(p)], p)
-            self._is_free[p] = 1
+        return plist
+
+    def _check_page(self, name: str, page: int) -> None:
+        check_int(name, page)
+        if not 0 <= page < self.ownership.num_pages:
+            raise ValueError(f"{name} must be in [0, {self.ownership.num_pages}), got {name}={page}")
 
     def _check_owner(self, name: str, owner: int) -> None:
         check_int(name, owner)

@@ -7,6 +7,12 @@ buffer). :func:`capacity` builds the pools and scratch on the ``meta`` device (n
 reports the multiplier.
 
 Run ``python -m dtkv.capacity --preset glm5 --cp-size 8 --tokens 1048576 --json`` (``--cp`` is an alias).
+
+Shared-prefix scenario (:func:`shared_prefix_capacity`): many concurrent requests that start with the same
+prefix (a system prompt, a document) and each add their own suffix. With a prefix cache
+(:class:`dtkv.PrefixCache`) the prefix's full pages are stored once and counted once; each request stores only
+its suffix and the prefix's partial last page (whose tokens it recomputes). ``--shared-prefix-tokens P
+--suffix-tokens S`` reports how many such requests fit, replicated or sharded, with or without the cache.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from dtkv.materialize import scratch_bytes
 from dtkv.ownership import PageOwnership
 from dtkv.pool import ShardedKVPool
 
-__all__ = ["PRESETS", "CapacityReport", "ModelGeometry", "capacity"]
+__all__ = ["PRESETS", "CapacityReport", "ModelGeometry", "SharedPrefixReport", "capacity", "shared_prefix_capacity"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -165,6 +171,86 @@ def capacity(
     )
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SharedPrefixReport:
+    """Concurrent requests sharing one prefix that fit in the per-rank budget (:func:`shared_prefix_capacity`)."""
+
+    pools: CapacityReport
+    """The replicated and sharded pools (scratch sized for one ``prefix + suffix`` request)."""
+    prefix_tokens: int
+    """Tokens every request starts with."""
+    suffix_tokens: int
+    """Tokens each request adds after the prefix."""
+    shared_pages: int
+    """Full pages of the prefix: stored once with a prefix cache, counted once."""
+    private_pages: int
+    """Pages each request stores alone with a prefix cache: the prefix's partial last page and the suffix."""
+    pages_per_request: int
+    """Pages each request stores without a prefix cache."""
+    requests_replicated: int
+    """Requests the replicated pool holds without a prefix cache (today's baseline)."""
+    requests_replicated_shared: int
+    """Requests the replicated pool holds with a prefix cache."""
+    requests_sharded: int
+    """Requests the sharded pools hold without a prefix cache."""
+    requests_sharded_shared: int
+    """Requests the sharded pools hold with a prefix cache."""
+
+    @property
+    def multiplier(self) -> float:
+        """``requests_sharded_shared / requests_replicated`` (inf when the baseline holds none)."""
+        return self.requests_sharded_shared / self.requests_replicated if self.requests_replicated else float("inf")
+
+    def to_json(self) -> dict[str, object]:
+        """The report as a JSON-able dict (the pools under ``"pools"``)."""
+        out = {f: getattr(self, f) for f in self.__dataclass_fields__ if f != "pools"}
+        out["multiplier"] = self.multiplier
+        out["pools"] = self.pools.to_json()
+        return out
+
+
+def shared_prefix_capacity(
+    preset: str | ModelGeometry = "glm5", *, cp_size: int, tokens: int, prefix_tokens: int, suffix_tokens: int
+) -> SharedPrefixReport:
+    """How many requests of ``prefix_tokens`` shared + ``suffix_tokens`` own tokens fit in the per-rank budget.
+
+    A shared page is counted once: with a prefix cache the ``prefix_tokens // page_size`` full pages of the
+    prefix are stored once and every request adds ``ceil((prefix_tokens % page_size + suffix_tokens) /
+    page_size)`` pages; without one each request stores ``ceil((prefix_tokens + suffix_tokens) / page_size)``.
+
+    Args:
+        preset, cp_size, tokens: as :func:`capacity` (``tokens``: the replicated pool that sets the budget).
+        prefix_tokens: tokens of the shared prefix (>= 0).
+        suffix_tokens: tokens each request adds (>= 1).
+    """
+    check_int("prefix_tokens", prefix_tokens, min_value=0)
+    check_int("suffix_tokens", suffix_tokens, min_value=1)
+    pools = capacity(preset, cp_size=cp_size, tokens=tokens, max_request_tokens=prefix_tokens + suffix_tokens)
+    ps = pools.page_size
+    shared = prefix_tokens // ps
+    private = cdiv(prefix_tokens % ps + suffix_tokens, ps)
+    per_request = cdiv(prefix_tokens + suffix_tokens, ps)
+
+    def fit(pool_pages: int, with_cache: bool) -> int:
+        if not with_cache:
+            return pool_pages // per_request
+        return 0 if pool_pages < shared + private else (pool_pages - shared) // private
+
+    replicated_pages = cdiv(tokens, ps)  # the replicated pool of the budget
+    return SharedPrefixReport(
+        pools=pools,
+        prefix_tokens=prefix_tokens,
+        suffix_tokens=suffix_tokens,
+        shared_pages=shared,
+        private_pages=private,
+        pages_per_request=per_request,
+        requests_replicated=fit(replicated_pages, False),
+        requests_replicated_shared=fit(replicated_pages, True),
+        requests_sharded=fit(pools.sharded_pages, False),
+        requests_sharded_shared=fit(pools.sharded_pages, True),
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dtkv.capacity", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="glm5", choices=sorted(PRESETS))
@@ -172,7 +258,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=1 << 20)
     parser.add_argument("--max-request-tokens", type=int, default=None)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--shared-prefix-tokens", type=int, default=None, help="shared-prefix scenario: tokens every request shares"
+    )
+    parser.add_argument("--suffix-tokens", type=int, default=4096, help="shared-prefix scenario: tokens per request")
     args = parser.parse_args(argv)
+    if args.shared_prefix_tokens is not None:
+        return _shared_prefix_main(args)
     rep = capacity(args.preset, cp_size=args.cp_size, tokens=args.tokens, max_request_tokens=args.max_request_tokens)
     if args.json:
         print(json.dumps(rep.to_json()))
@@ -185,6 +277,30 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"  sharded pool per rank:                        {rep.kv_bytes_per_rank / gib:9.2f} GiB")
     print(f"  logical tokens held: {rep.sharded_tokens} -> capacity multiplier {rep.capacity_multiplier:.3f}x")
+    return 0
+
+
+def _shared_prefix_main(args: argparse.Namespace) -> int:
+    rep = shared_prefix_capacity(
+        args.preset,
+        cp_size=args.cp_size,
+        tokens=args.tokens,
+        prefix_tokens=args.shared_prefix_tokens,
+        suffix_tokens=args.suffix_tokens,
+    )
+    if args.json:
+        print(json.dumps(rep.to_json()))
+        return 0
+    p = rep.pools
+    print(
+        f"preset {p.preset}: {p.num_layers} layers, page {p.page_size}, cp_size {p.cp_size}, budget {p.tokens} tokens"
+    )
+    print(f"  requests of {rep.prefix_tokens} shared + {rep.suffix_tokens} own tokens:")
+    print(f"  pages per request: {rep.pages_per_request} alone, {rep.private_pages} + {rep.shared_pages} shared once")
+    print(f"  {'':24}{'no prefix cache':>16}{'prefix cache':>14}")
+    print(f"  {'replicated pool':24}{rep.requests_replicated:>16}{rep.requests_replicated_shared:>14}")
+    print(f"  {'sharded pools':24}{rep.requests_sharded:>16}{rep.requests_sharded_shared:>14}")
+    print(f"  sharded + prefix cache vs replicated without: {rep.multiplier:.2f}x the concurrent requests")
     return 0
 
 

@@ -15,6 +15,11 @@ prompt and decode logit against the model's own forward (``parity``, ``max_abs_l
 the model's dtype. Under ``torchrun --nproc-per-node N -m dtkv.demo ...`` the demo runs one N-rank job on
 torchrun's process group (gloo on CPU, NCCL on ``cuda:LOCAL_RANK``) and rank 0 prints the one result.
 
+``--multi-turn`` runs a multi-turn conversation (each turn extends the previous prompt and its answer) and
+several requests sharing its system prompt, on sharded KV with and without the prefix cache
+(:mod:`dtkv._demo_multi_turn`); ``parity`` then means tokens, logits and KV bytes equal to the run without the
+cache, and the JSON adds ``prefix_hit_rate`` and ``prefill_tokens_saved``.
+
 ``capacity_multiplier`` is replicated KV bytes per rank over sharded KV bytes per rank (pool only);
 ``capacity_multiplier_with_scratch`` also charges the materialization scratch of this run's largest batch, which
 at demo sizes is as large as the pool itself (``python -m dtkv.capacity`` sizes a real deployment, where scratch
@@ -75,6 +80,14 @@ def run_rank(rank: int, world: int, args: dict, init_file: str | None = None) ->
             dist.destroy_process_group()
         return out
     cfg = replace(ModelConfig(), page_size=args["page_size"], kv_dtype=args["kv_dtype"])
+    if args.get("multi_turn"):
+        from dtkv._demo_multi_turn import multi_turn_rank
+
+        out = multi_turn_rank(rank, args, cfg, group, device)
+        if init_file is not None:
+            dist.barrier()
+            dist.destroy_process_group()
+        return out
     prompts = _prompts(args["tokens"], args["requests"], cfg.vocab_size, args["seed"])
     num_pages = _num_pages(prompts, cfg.page_size, args["decode_steps"], world)
     sharded_mode = "sharded_direct" if args["split"] == "zigzag" else "sharded"
@@ -302,6 +315,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before the ranks are given up on")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--pd", action="store_true", help="also hand the requests to a decode process over Mooncake")
+    p.add_argument("--multi-turn", action="store_true", help="a conversation + shared-prompt requests, prefix cache")
+    p.add_argument("--turns", type=int, default=4, help="--multi-turn: turns of the conversation (default 4)")
+    p.add_argument("--shared-requests", type=int, default=3, help="--multi-turn: requests sharing the system prompt")
+    p.add_argument("--pool-pages", type=int, default=None, help="--multi-turn: pages of the cached run")
     p.add_argument(
         "--decode",
         choices=("full", "sharded"),
@@ -323,6 +340,15 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(ns, name)
         if value is not None and value < 1:
             return _usage_error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if ns.multi_turn:
+        for name in ("turns", "shared_requests", "pool_pages"):
+            value = getattr(ns, name)
+            if value is not None and value < 1:
+                return _usage_error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if ns.pd or ns.decode != "full":
+            return _usage_error("--multi-turn runs the full-view decode without --pd: drop --pd / --decode")
+        if ns.model != "reference":
+            return _usage_error(f"--multi-turn is for the reference model, got --model {ns.model}")
     if ns.tokens < ns.requests:
         return _usage_error(f"--tokens must be >= --requests, got {ns.tokens} < {ns.requests}")
     if ns.decode_steps < 0:
@@ -373,6 +399,16 @@ def _report(ns, args: dict, results: list[dict], wall: float, pd, *, printing: b
             if ns.json:
                 print(json.dumps({"parity": False, "cp": args["cp"], "error": errors[0]["error"].splitlines()[0]}))
         return 1
+    if ns.multi_turn:
+        from dtkv._demo_multi_turn import multi_turn_summary, print_table
+
+        summary = multi_turn_summary(results, args, wall)
+        if printing:
+            if ns.json:
+                print(json.dumps(summary))
+            else:
+                print_table(summary)
+        return 0 if summary["parity"] else 1
     if ns.model == "reference":
         summary = _reference_summary(ns, args, results, wall)
     else:

@@ -20,6 +20,12 @@ and stored KV bytes are bitwise equal; ``single`` differs only in float64 summat
 materialization plan, remapped page tables) and a *run* (:meth:`PrefillEngine.forward`) that only moves
 tensors, so the run compiles with ``torch.compile(fullgraph=True)``.
 
+With ``prefix_cache=True`` the runner keeps a :class:`dtkv.PrefixCache` over its allocator
+(:mod:`dtkv.model._prefix`): a new request starts from its prompt's longest cached prefix of full pages and
+computes only the rest; fully computed pages are shared after every step; :meth:`PrefillEngine.finish_request`
+caches a request's pages and releases its references, and cached pages no request holds are evicted (LRU) when a
+step's pages would not fit. Results are bitwise those of the same run without the cache.
+
 Decode runs in one of two ``decode_mode`` s:
 
 =============  ===============================================================================================
@@ -46,12 +52,14 @@ from dtkv._util import warn_deprecated
 from dtkv.allocator import PageAllocator
 from dtkv.debug import check_write_ownership
 from dtkv.materialize import MaterializePlan, Materializer, check_view, gather_view, plan_materialize
+from dtkv.model import _prefix
 from dtkv.model.config import ModelConfig
 from dtkv.model.kvio import token_rows, write_rows
 from dtkv.model.model import TinyDSA
 from dtkv.model.sharded_decode import sharded_decode_step
 from dtkv.ownership import OwnershipScheme, PageOwnership, ownership_spec
 from dtkv.pool import ShardedKVPool
+from dtkv.prefix_cache import PrefixCache
 from dtkv.split import allocate_for_split, plan_cp_split
 
 __all__ = ["DecodeMode", "KVMode", "PrefillEngine", "Request", "StepPlan"]
@@ -71,6 +79,8 @@ class Request:
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0
     output: list[int] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (not computed)
+    finished: bool = False  # pages released (PrefillEngine.finish_request)
 
     @property
     def tokens(self) -> list[int]:
@@ -111,6 +121,7 @@ class PrefillEngine:
         ownership_scheme: ownership scheme of the sharded modes' page map (``"interleave"`` or ``"block"``).
         ownership_layout: deprecated name of ``ownership_scheme`` (warns).
         device: where pools and compute live.
+        prefix_cache: keep a :class:`dtkv.PrefixCache` and serve new requests from cached pages (module doc).
         decode_mode: ``"full"`` (full-view decode) or ``"sharded"`` (decode on the sharded pool; module table).
     """
 
@@ -125,6 +136,7 @@ class PrefillEngine:
         ownership_scheme: OwnershipScheme = "interleave",
         ownership_layout: OwnershipScheme | None = None,
         device: torch.device | str = "cpu",
+        prefix_cache: bool = False,
         decode_mode: DecodeMode = "full",
     ) -> None:
         if ownership_layout is not None:
@@ -162,6 +174,8 @@ class PrefillEngine:
         self.allocator = PageAllocator(self.alloc_ownership if sharded else self.ownership)
         self.requests: list[Request] = []
         self.stats = {"steps": 0, "kv_rows_gathered": 0, "direct_rows": 0, "handoff_rows": 0, "scratch_bytes": 0}
+        self.prefix_cache = PrefixCache(self.allocator, cfg.page_size) if prefix_cache else None
+        self.stats.update(prefix_prompt_tokens=0, prefix_hit_tokens=0)
         self.stats.update(sharded_decode_steps=0, decode_comm_bytes=0, topk_checks=0)
 
     # ------------------------------------------------------------------------------------------ requests
@@ -173,8 +187,20 @@ class PrefillEngine:
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {self.cfg.vocab_size}), got {bad[0]}")
         req = Request(rid=len(self.requests), prompt=ids)
+        if self.prefix_cache is not None:
+            _prefix.attach_cached_prefix(self, req)
         self.requests.append(req)
         return req
+
+    def finish_request(self, rid: int) -> None:
+        """End request ``rid``: cache its full pages (with a prefix cache) and release its pages (SPMD)."""
+        if not 0 <= rid < len(self.requests):
+            raise ValueError(f"rid must name a request in [0, {len(self.requests)}), got rid={rid}")
+        if self.requests[rid].finished:
+            raise ValueError(f"rid must name a live request, got rid={rid}, which is finished already")
+        _prefix.release_request(self, self.requests[rid])
+        if self.prefix_cache is not None and _env.debug_enabled():
+            self.prefix_cache.check_agreement(self.group)
 
     # ------------------------------------------------------------------------------------------ plan
     def plan_step(self, reqs: Sequence[Request], extend_lens: Sequence[int]) -> StepPlan:
@@ -264,6 +290,8 @@ class PrefillEngine:
 
     def _allocate(self, reqs: Sequence[Request], extend_lens: Sequence[int], split) -> None:
         ps = self.cfg.page_size
+        if self.prefix_cache is not None:
+            _prefix.make_room(self, split)
         if self.mode == "sharded_direct":
             width = max([len(r.pages) for r in reqs] + [1])
             table = torch.full((len(reqs), width), -1, dtype=torch.int64)
@@ -361,6 +389,10 @@ class PrefillEngine:
         logits = self.forward(plan, prefetch=prefetch)
         for r, n in zip(reqs, extend_lens):
             r.num_computed += n
+        if self.prefix_cache is not None:
+            _prefix.cache_computed(self, reqs)
+            if _env.debug_enabled():
+                self.prefix_cache.check_agreement(self.group)
         self.stats["steps"] += 1
         if plan.mat_plan is not None:
             per_page = sum(lay.page_bytes for lay in self.cfg.layouts.values())
@@ -376,7 +408,7 @@ class PrefillEngine:
             raise ValueError(f"chunk must be >= 1, got chunk={chunk}")
         first: dict[int, int] = {}
         while True:
-            todo = [r for r in self.requests if r.num_computed < len(r.prompt)]
+            todo = [r for r in self.requests if r.num_computed < len(r.prompt) and not r.finished]
             if not todo:
                 break
             lens = [min(chunk, len(r.prompt) - r.num_computed) for r in todo]
@@ -397,7 +429,7 @@ class PrefillEngine:
         as they are, as an idle scheduler iteration would.
         """
         for _ in range(steps):
-            reqs = [r for r in self.requests if r.output]
+            reqs = [r for r in self.requests if r.output and not r.finished]
             if not reqs:
                 break
             logits = self.decode_step(reqs)
@@ -410,9 +442,16 @@ class PrefillEngine:
 
         Writes the token's KV rows and advances ``num_computed``; the caller appends the next token to ``output``.
         """
-        if self.decode_mode == "sharded":
+        if self.decode_mode != "sharded":
+            return self.step(reqs, [1] * len(reqs))
+        if self.prefix_cache is None:
             return sharded_decode_step(self, reqs)
-        return self.step(reqs, [1] * len(reqs))
+        _prefix.make_room_for_decode(self, reqs)
+        logits = sharded_decode_step(self, reqs)
+        _prefix.cache_computed(self, reqs)
+        if _env.debug_enabled():
+            self.prefix_cache.check_agreement(self.group)
+        return logits
 
     # ------------------------------------------------------------------------------------------ inspection
     def kv_bytes(self, rid: int) -> dict[str, torch.Tensor]:
@@ -424,6 +463,8 @@ class PrefillEngine:
         from dtkv.pool import gather_pages
 
         r = self.requests[rid]
+        if r.finished:
+            raise ValueError(f"request {rid} is finished: its pages were released, got rid={rid}")
         ps, n = self.cfg.page_size, r.num_computed
         pages = torch.tensor(r.pages, dtype=torch.int64)
         pos = torch.arange(n)

@@ -8,6 +8,12 @@ state). Every op is row-wise or a per-request reduction, so a token's result doe
 is cut across ranks except through float64 summation order (relative error ~1e-16, far below the float32 and
 bf16 rounding steps): this is what lets CP runs match the single-process run to the last bit in practice, and
 what the parity tests' tolerances rest on.
+
+That summation order does depend on the batch: a BLAS GEMM picks its kernel by the number of rows (MKL computes
+the rows past the last multiple of 4 with another kernel), so a row of a float64 ``x @ w`` can differ in its last
+bits with the rows that share the call. The roundings above hide this for everything that is stored; the logits,
+the one float64 result that leaves the model, use :func:`_matmul_fixed_order` instead, so a token's logits do not
+depend on which other requests share its step (what prefix-cache parity compares).
 """
 
 from __future__ import annotations
@@ -25,6 +31,18 @@ F64 = torch.float64
 
 def _rms_norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def _matmul_fixed_order(x_NK: torch.Tensor, w_KV: torch.Tensor) -> torch.Tensor:
+    """``x_NK @ w_KV`` summed in the order ``k = 0, 1, ..., K-1`` for every output, whatever ``N`` is.
+
+    Elementwise multiplies and adds only, so each output is the same sequence of IEEE operations on any device and
+    for any number of rows (``N`` small here: one row per request of a step).
+    """
+    acc = x_NK[:, 0, None] * w_KV[0]
+    for k in range(1, x_NK.shape[1]):
+        acc = acc + x_NK[:, k, None] * w_KV[k]
+    return acc
 
 
 def _rope(x_NXE: torch.Tensor, pos_N: torch.Tensor) -> torch.Tensor:
@@ -182,5 +200,5 @@ class TinyDSA:
         return h.to(torch.float32)
 
     def logits(self, h_ND: torch.Tensor) -> torch.Tensor:
-        """float32 hidden ``[N, D]`` -> float64 logits ``[N, V]``."""
-        return _rms_norm(h_ND.to(F64)) @ self.lm_head
+        """float32 hidden ``[N, D]`` -> float64 logits ``[N, V]``; each row independent of the others, bit for bit."""
+        return _matmul_fixed_order(_rms_norm(h_ND.to(F64)), self.lm_head)

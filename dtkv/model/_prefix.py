@@ -1,0 +1,79 @@
+"""The model runner's prefix-cache steps: a :class:`dtkv.PrefixCache` over the runner's SPMD allocator.
+
+- :func:`attach_cached_prefix` (``add_request``): the request starts from its longest cached prefix of full
+  pages, capped so that at least one prompt token is computed (its logits give the first output token). The
+  prefix ends on a page boundary, so the step's split is planned with a page-aligned prefix.
+- :func:`make_room` (plan phase, before allocation): evicts unused cached pages when the step's new pages would
+  not fit -- first of the owner classes the compute-owner allocation asks for, then any;
+  :func:`make_room_for_decode` likewise before a sharded decode step (``decode_mode="sharded"``).
+- :func:`cache_computed` (after each step): shares every request's fully computed pages.
+- :func:`release_request` (``finish_request``): caches the request's full pages and drops its references.
+
+Every function is host-side and runs identically on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from dtkv._util import cdiv
+from dtkv.split import compute_owners
+
+__all__ = ["attach_cached_prefix", "cache_computed", "make_room", "make_room_for_decode", "release_request"]
+
+
+def attach_cached_prefix(engine, req) -> None:
+    """Give a new request (no pages yet) the cached pages of its prompt's longest cached prefix."""
+    cache, ps = engine.prefix_cache, engine.cfg.page_size
+    pages = cache.match(req.prompt, max_pages=(len(req.prompt) - 1) // ps)
+    req.pages = pages
+    req.num_computed = req.cached_tokens = len(pages) * ps
+    engine.stats["prefix_prompt_tokens"] += len(req.prompt)
+    engine.stats["prefix_hit_tokens"] += req.cached_tokens
+
+
+def make_room(engine, split) -> None:
+    """Evict cached pages so that the step's new pages fit (what ``allocate_for_split`` / ``alloc_balanced``
+    will ask for: per-owner counts of page-aligned requests under ``sharded_direct``, else a total)."""
+    ps = split.page_size
+    prefix = np.asarray(split.prefix_lens, dtype=np.int64).reshape(split.num_reqs)
+    extend = np.asarray(split.extend_lens, dtype=np.int64).reshape(split.num_reqs)
+    have, need = cdiv(prefix, ps), cdiv(prefix + extend, ps)
+    total = int(np.maximum(need - have, 0).sum())
+    if total <= engine.allocator.num_free():
+        return
+    per_owner = None
+    if engine.mode == "sharded_direct":
+        owners = compute_owners(split).numpy()
+        cols = np.arange(owners.shape[1], dtype=np.int64)[None, :]
+        new = (cols >= have[:, None]) & (cols < need[:, None]) & split.page_aligned.numpy()[:, None]
+        per_owner = np.bincount(owners[new], minlength=engine.allocator.ownership.cp_size).tolist()
+    engine.prefix_cache.make_room(total, per_owner)
+
+
+def make_room_for_decode(engine, reqs: Sequence) -> None:
+    """Evict cached pages so that a sharded decode step's new pages (one token per request) fit."""
+    ps = engine.cfg.page_size
+    total = sum(max(0, cdiv(r.num_computed + 1, ps) - len(r.pages)) for r in reqs)
+    if total > engine.allocator.num_free():
+        engine.prefix_cache.make_room(total)
+
+
+def cache_computed(engine, reqs: Sequence) -> None:
+    """Insert the fully computed pages of each request into the cache (touches pages cached already)."""
+    cache, ps = engine.prefix_cache, engine.cfg.page_size
+    for r in reqs:
+        n = r.num_computed // ps
+        if n:
+            cache.insert(r.tokens[: n * ps], r.pages[:n])
+
+
+def release_request(engine, req) -> None:
+    """Cache a finished request's full pages (with a cache) and drop the request's reference on every page."""
+    if engine.prefix_cache is not None:
+        cache_computed(engine, [req])
+    engine.allocator.free(req.pages)
+    req.pages = []
+    req.finished = True
