@@ -335,3 +335,32 @@ def test_max_view_pages_is_checked():
     assert mat.capacity_pages == plan.num_view_pages
     with pytest.raises(ValueError, match="plan was built for"):
         mat.replan(plan_materialize([1], [], PageOwnership(2, 9), 0))
+
+
+def _bench_check(rank, world, root):
+    from tests.test_bench_prefill import _load
+
+    with _patched(root, rank):
+        return _load("bench_materialize").check(rank, world, torch.device("cpu"), ["copy_engine"])
+
+
+@pytest.mark.multirank
+def test_bench_materialize_check_passes_on_the_copy_engine_path(ranks2, tmp_path):
+    """``bench_materialize.py --check``'s cases (every plan shape, replan with growth, two interleaved
+    Materializers) through the copy-engine path: what the GPU run checks, minus streams and graphs."""
+    assert ranks2.run(_bench_check, str(tmp_path)) == [True, True]
+
+
+def test_plans_reach_a_cuda_device_from_pinned_memory_without_blocking(monkeypatch):
+    """A pageable host-to-device copy waits for every kernel queued on the stream; the plan's copies must not."""
+    from dtkv.materialize import _plan
+
+    calls = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: calls.append("pin") or self)
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: calls.append(("to", a, k)) or self)
+    t = torch.arange(3)
+    _plan._to_device(t, torch.device("cuda", 0))
+    assert calls == ["pin", ("to", (torch.device("cuda", 0),), {"non_blocking": True})]
+    calls.clear()
+    _plan._to_device(t, torch.device("cpu"))
+    assert calls == [("to", (torch.device("cpu"),), {})]
