@@ -298,6 +298,7 @@ def _count_launches(rank, world, case):
             calls["pack"] += 1
             return inner(*args)
 
+        pack.clear = inner.clear
         return pack
 
     def counting_gather(*args, **kwargs):

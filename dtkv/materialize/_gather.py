@@ -121,20 +121,31 @@ def resolve_gather_backend(
 
 # ------------------------------------------------------------------------------------------- packing
 def make_packer(impl: str):
-    """``pack(dsts, srcs, idx)``: copy local pages ``idx`` of each ``srcs[k]`` into ``dsts[k]`` rows (eager)."""
+    """``pack(key, dsts, srcs, idx)``: copy local pages ``idx`` of each ``srcs[k]`` into ``dsts[k]`` rows (eager).
+
+    ``key`` names the (dsts, srcs) pair: the Triton launch's word views are built once per key (they cost more host
+    time than the launch); ``pack.clear()`` forgets them when the buffers change.
+    """
     if impl == "triton":
         from dtkv.ops.pack_layer_pages import _words, launch_pack
 
-        def pack(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], idx: torch.Tensor) -> None:
-            pairs = [_words(d, s) for d, s in zip(dsts, srcs)]
-            launch_pack([d for d, _ in pairs], [s for _, s in pairs], idx, srcs[0].shape[0])
+        cache: dict[object, tuple[list[torch.Tensor], list[torch.Tensor], int]] = {}
 
+        def pack(key, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], idx: torch.Tensor) -> None:
+            args = cache.get(key)
+            if args is None:
+                pairs = [_words(d, s) for d, s in zip(dsts, srcs)]
+                args = cache[key] = ([d for d, _ in pairs], [s for _, s in pairs], srcs[0].shape[0])
+            launch_pack(args[0], args[1], idx, args[2])
+
+        pack.clear = cache.clear
         return pack
 
-    def pack_torch(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], idx: torch.Tensor) -> None:
+    def pack_torch(key, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], idx: torch.Tensor) -> None:
         for d, s in zip(dsts, srcs):
             torch.index_select(s, 0, idx, out=d)
 
+    pack_torch.clear = lambda: None
     return pack_torch
 
 
@@ -217,6 +228,8 @@ class AllGatherGather:
     def set_geometry(self, geoms: Sequence[GroupGeometry]) -> None:
         """Serve a new plan's page groups (buffers reused; send buffers reallocated where their size changes)."""
         pool, names, cp = self.pool, self.names, self._cp
+        self._pack.clear()
+        self._packed_rows: dict[int, list[list[torch.Tensor]]] = {}  # [channel][parity] -> per layout rows [0, count)
         self._ins: dict[int, list[list[torch.Tensor]]] = {}  # [channel][layer or parity] -> per layout bytes
         self._outs: dict[int, list[list[torch.Tensor]]] = {}  # [channel][parity] -> per layout bytes
         send_bufs = {}
@@ -234,6 +247,7 @@ class AllGatherGather:
                                      device=pool.device) for n in names] for _ in range(2)]  # fmt: skip
             send_bufs[g.channel] = bufs
             self._ins[g.channel] = [[as_bytes(b) for b in parity] for parity in bufs]
+            self._packed_rows[g.channel] = [[b[: g.count] for b in parity] for parity in bufs]
         self._send_bufs = send_bufs
 
     def scratch_bytes(self) -> int:
@@ -256,9 +270,9 @@ class AllGatherGather:
         if g.slice_start is not None:
             ins = self._ins[g.channel][layer]
         else:
-            bufs = self._send_bufs[g.channel][parity]
             if g.count:
-                self._pack([b[: g.count] for b in bufs], self._srcs[layer], g.send_idx)
+                self._pack((g.channel, layer, parity), self._packed_rows[g.channel][parity], self._srcs[layer],
+                           g.send_idx)  # fmt: skip
             ins = self._ins[g.channel][parity]
         if self.group is None:
             for o, i in zip(outs, ins):
@@ -307,6 +321,7 @@ class CopyEngineGather:
         """Serve a new plan's page groups: the peer rows each gather reads (the next write of each channel is
         fenced, see :mod:`._symm`)."""
         self.buf.fresh = [True, True]
+        self._pack.clear()
         self._own: dict[tuple[int, int], list[torch.Tensor]] = {}  # (channel, parity) -> own rows per layout
         self._peers: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}  # -> (view rows, peer rows)
         self._slices: dict[tuple[int, int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -359,7 +374,7 @@ class CopyEngineGather:
                 for dst, src in self._slice_copies(g, layer, parity):
                     dst.copy_(src, non_blocking=True)
             else:
-                self._pack(self._own[(g.channel, parity)], self._srcs[layer], g.send_idx)
+                self._pack((g.channel, layer, parity), self._own[(g.channel, parity)], self._srcs[layer], g.send_idx)
         self.registry.barrier(self.buf, g.channel)
         for dst, src in self._peers[(g.channel, parity)]:
             dst.copy_(src, non_blocking=True)
