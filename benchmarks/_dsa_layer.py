@@ -14,10 +14,18 @@ rank runs its ``n ~ C / cp`` tokens through ``L`` layers of
 5. an FFN with the FLOPs of DeepSeek-V3's active experts (8 routed + 1 shared, 2048 wide: one 18432-wide SwiGLU).
 
 KV modes: ``replicated`` (every rank stores the whole pool and reads it directly: today's engines), and the sharded
-modes (each page once, on its owner; the indexer and attention read a :class:`dtkv.materialize.Materializer` view,
-top-k locations remapped with :func:`dtkv.ops.remap`; the step's rows are written into the view as well
-(``write_current=True``), so nothing is gathered after the writes). ``sharded_prefetch`` gathers layer ``l + 1``'s
-view while layer ``l`` computes, on its own stream; ``sharded`` gathers each view when it is needed.
+modes (each page once, on its owner; the indexer and attention read a :class:`dtkv.materialize.Materializer` view;
+the step's rows are written into the view as well (``write_current=True``), so nothing is gathered after the
+writes). ``sharded_prefetch`` gathers layer ``l + 1``'s view while layer ``l`` computes, on its own stream;
+``sharded`` gathers each view when it is needed. Every mode turns the indexer's top-k key positions into cache
+locations through a page map with :func:`dtkv.ops.remap` (the pool's page table in ``replicated`` mode -- engines
+do this because a request's pages are not in logical order -- the view's page map in the sharded modes), so the
+modes differ only in where the KV is read from.
+
+One :class:`Runner` per mode keeps its pool and (sharded) one Materializer for the whole context:
+:meth:`Runner.prepare` sizes the views for the largest step, and each step's :meth:`Runner.plan` replans it.
+Planning is host work with no host-device synchronization (index tensors reach the device from pinned memory), so
+the host plans step ``s + 1`` while the device runs step ``s``.
 
 Not modelled (identical in every mode): RMSNorms inside attention, rotary embedding, the MoE router.
 """
@@ -114,6 +122,11 @@ def template_pages(d: Dims, device: torch.device, num: int = 64, seed: int = 1) 
     return {"kv": kv_pages.to(device), "index": idx_pages.to(device)}
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` with no host-device synchronization (pinned memory, non-blocking copy)."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
 @dataclass
 class StepPlan:
     """Host-built indices of one step on one rank."""
@@ -124,8 +137,8 @@ class StepPlan:
     max_local: int
     locs_gathered: torch.Tensor  # int64 [cp * max_local] token location of each gathered row (-1 padding)
     page_table: torch.Tensor  # int32 [ceil(kv_len / S)] page of each logical page, in the pool or the view
+    page_map: torch.Tensor  # int32 [num_pages] logical page -> page of the KV read (pool or view): top-k -> slots
     view_locs_gathered: torch.Tensor | None  # int64 gathered rows' locations in the view (sharded)
-    mat: Materializer | None
 
 
 class Runner:
@@ -148,6 +161,8 @@ class Runner:
         self.pool = ShardedKVPool(lays, self.own, num_layers=num_layers, group=group if self.sharded else None,
                                   device=device)  # fmt: skip
         self.attention, self.indexer_config = attention, indexer_config
+        self.pool_map = torch.arange(num_pages, dtype=torch.int32, device=device)  # the request's pages, in order
+        self.mat: Materializer | None = None
         self.stats = {"exposed_ms": [], "gathered_bytes": 0, "scratch_bytes": 0}
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
@@ -160,7 +175,23 @@ class Runner:
                 self.pool.local(name, layer).copy_(pages)
 
     # -------------------------------------------------------------------------------------- plan
+    def _materialize_plan(self, prefix: int, chunk: int):
+        ps = self.d.page_size
+        kv_pages = torch.arange(-(-(prefix + chunk) // ps))
+        history, current = kv_pages[: prefix // ps], kv_pages[prefix // ps :]
+        return plan_materialize(history, current, self.own, self.rank, device=self.dev, group=self.group,
+                                write_current=True)  # fmt: skip
+
+    def prepare(self, prefix: int, chunk: int) -> None:
+        """Sharded modes: the Materializer, its views sized for the step at ``prefix`` (the largest one timed)."""
+        if self.sharded:
+            mp = self._materialize_plan(prefix, chunk)
+            self.mat = Materializer(self.pool, mp, backend=self.backend, history_group=self.history_group,
+                                    max_view_pages=mp.num_view_pages)  # fmt: skip
+            self.stats["scratch_bytes"] = self.mat.scratch_bytes()
+
     def plan(self, prefix: int, chunk: int) -> StepPlan:
+        """One step's indices (host work; no host-device synchronization)."""
         d, ps, dev = self.d, self.d.page_size, self.dev
         split = plan_cp_split([prefix], [chunk], cp_size=self.cp, page_size=ps, mode="zigzag")
         loc = split.local(self.rank)
@@ -168,25 +199,27 @@ class Runner:
         kv_len = prefix + chunk
         # the request's pages were allocated in order: logical page p holds tokens [p*S, (p+1)*S)
         locs_gathered = torch.where(gi >= 0, prefix + gi, torch.full_like(gi, -1))
-        kv_pages = torch.arange(-(-kv_len // ps))
-        plan = StepPlan(prefix=prefix, kv_len=kv_len, positions=loc.positions.to(dev), max_local=split.max_local_tokens,
-                        locs_gathered=locs_gathered.to(dev), page_table=kv_pages.to(dev, torch.int32),
-                        view_locs_gathered=None, mat=None)  # fmt: skip
+        kv_pages = torch.arange(-(-kv_len // ps), dtype=torch.int32)
+        plan = StepPlan(prefix=prefix, kv_len=kv_len, positions=to_device(loc.positions, dev),
+                        max_local=split.max_local_tokens, locs_gathered=to_device(locs_gathered, dev),
+                        page_table=to_device(kv_pages, dev), page_map=self.pool_map,
+                        view_locs_gathered=None)  # fmt: skip
         if self.sharded:
-            history, current = kv_pages[: prefix // ps], kv_pages[prefix // ps :]
-            mp = plan_materialize(history, current, self.own, self.rank, device=dev, group=self.group,
-                                  write_current=True)  # fmt: skip
-            plan.mat = Materializer(self.pool, mp, backend=self.backend, history_group=self.history_group)
+            mp = self._materialize_plan(prefix, chunk)
+            if self.mat is None:
+                self.prepare(prefix, chunk)
+            self.mat.replan(mp)
+            plan.page_map = mp.page_map
             plan.view_locs_gathered = ops.remap(plan.locs_gathered, mp.page_map, page_size=ps)
             plan.page_table = ops.remap(plan.page_table, mp.page_map)
             per_page = d.kv_layout.page_bytes + d.index_layout.page_bytes
             self.stats["gathered_bytes"] = self.num_layers * mp.num_view_pages * per_page
-            self.stats["scratch_bytes"] = max(self.stats["scratch_bytes"], plan.mat.scratch_bytes())
+            self.stats["scratch_bytes"] = max(self.stats["scratch_bytes"], self.mat.scratch_bytes())
         return plan
 
     # -------------------------------------------------------------------------------------- run
     def step(self, plan: StepPlan, x: torch.Tensor, *, record: bool) -> torch.Tensor:
-        mat = plan.mat
+        mat = self.mat
         if mat is not None and self.mode == "sharded_prefetch":
             mat.prefetch(0)
         for layer in range(self.num_layers):
@@ -214,23 +247,24 @@ class Runner:
         self._write(self.pool.local("kv", layer), self.pool.local("index", layer), g_kv, g_ik, plan.locs_gathered,
                     self.own, self.pool.rank)  # fmt: skip
         # the KV the layer reads: the pool itself, or the materialized view (+ the step's rows written into it)
-        if plan.mat is None:
+        mat = self.mat
+        if mat is None:
             kv_pages, idx_pages = self.pool.local("kv", layer), self.pool.local("index", layer)
         else:
             record = record and x.is_cuda
             if record:
                 before = torch.cuda.Event(enable_timing=True)
                 before.record()
-            views = plan.mat.view(layer)
+            views = mat.view(layer)
             if record:
                 after = torch.cuda.Event(enable_timing=True)
                 after.record()
                 self._events.append((before, after))
             if self.mode == "sharded_prefetch":
-                plan.mat.prefetch(layer + 1)
+                mat.prefetch(layer + 1)
             kv_pages, idx_pages = views["kv"], views["index"]
             self._write(kv_pages, idx_pages, g_kv, g_ik, plan.view_locs_gathered, self.view_own, 0)
-        # indexer over every key the request has, top-k, remap into the coordinates the KV is read in
+        # indexer over every key the request has, top-k, key positions -> cache locations (every mode)
         iq8 = iq.float().view(n, d.index_heads, d.index_dim).clamp(-448, 448).to(torch.float8_e4m3fn)
         iw = iw.float() / math.sqrt(d.index_heads * d.index_dim)
         logits = K.indexer_logits(iq8.view(torch.uint8), iw, idx_pages, plan.page_table, plan.positions,
@@ -238,8 +272,7 @@ class Runner:
         k = min(d.top_k, plan.kv_len)
         vals, pos = logits.topk(k, dim=1, sorted=False)
         pos = torch.where(vals == float("-inf"), torch.full_like(pos, -1), pos)  # fewer visible keys than k
-        locs = pos if plan.mat is None else ops.remap(pos, plan.mat.plan.page_map, page_size=ps)
-        locs = locs.to(torch.int32)
+        locs = ops.remap(pos, plan.page_map, page_size=ps).to(torch.int32)
         # sparse MLA over the selected rows, then the output projections
         kv_rows = kv_pages.view(-1, d.kv_layout.row_bytes)
         attn = {"standin": K.sparse_mla_standin, "triton": K.sparse_mla, "torch": K.sparse_mla_torch}[self.attention]

@@ -1,6 +1,7 @@
 """``benchmarks/bench_prefill.py`` on 2 gloo ranks at tiny sizes: every mode stores the same KV bytes and computes the
-same activations, sharded ranks hold half the bytes, the outputs are written; the DSA kernels match their
-references (Triton through the CPU interpreter); the trace summary's interval arithmetic."""
+same activations, sharded ranks hold half the bytes, the outputs (with paired overheads and their intervals) are
+written; the modes' interleaving schedule, the paired statistics and the target verdicts; the DSA kernels match
+their references (Triton through the CPU interpreter); the trace summary's interval arithmetic and categories."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ def _load(name: str):
 
 def _smoke(rank, world, out_dir):
     bench = _load("bench_prefill")
-    bench.main(["--tiny", "--verify", "--profile", "--contexts", "40", "64", "--chunk", "8", "--out-dir", out_dir])
+    argv = ["--tiny", "--verify", "--profile", "--contexts", "40", "64", "--chunk", "8", "--samples", "4"]
+    bench.main(argv + ["--out-dir", out_dir])
     return None
 
 
@@ -51,8 +53,12 @@ def test_modes_store_the_same_kv_and_compute_the_same_activations(ranks2, tmp_pa
             assert 2 * r["kv_bytes_per_rank"] == rep["kv_bytes_per_rank"] == r["kv_bytes_replicated"]
             assert r["view_gathered_bytes_per_step"] > 0 and r["materialize_backend"] == "all_gather"
             assert r["scratch_bytes"] <= 2 * r["view_bytes_per_layer"]  # pages in order: no send buffer
-        assert rep["overhead_vs_replicated"] == 0.0 and rep["timed_chunks"] == 2
-    assert (tmp_path / jsonl.name.replace(".jsonl", ".md")).read_text().count("| 40 |") == 3
+            lo, hi = r["overhead_ci95"]
+            assert lo <= r["overhead_vs_replicated"] <= hi and r["verdict_1pct"] in ("met", "not met", "inconclusive")
+            assert len(r["step_ms_samples"]) == r["samples"] == 4
+        assert rep["overhead_vs_replicated"] == 0.0 and rep["timed_chunks"] == 2 and rep["overhead_ci95"] is None
+    md = (tmp_path / jsonl.name.replace(".jsonl", ".md")).read_text()
+    assert md.count("| 40 |") == 3 and "- TARGET KV bytes per rank = 1/cp of replicated: **met**" in md
     assert (tmp_path / jsonl.name.replace(".jsonl", ".png")).stat().st_size > 0
     assert list(tmp_path.glob("prefill_trace_sharded_prefetch-all_gather_64.json"))
     assert "sharded_prefetch-all_gather" in next(tmp_path.glob("prefill_profile_cpux2_*.md")).read_text()
@@ -135,7 +141,75 @@ def test_trace_summary_intervals(tmp_path):
     ]
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
+    events += [
+        {"ph": "X", "cat": "kernel", "name": "_indexer_logits_kernel", "ts": 400, "dur": 50, "args": {"stream": 7}},
+        {"ph": "X", "cat": "kernel", "name": "c10d::symmetric_memory::barrier_kernel(", "ts": 300, "dur": 5,
+         "args": {"stream": 9}},
+    ]  # fmt: skip
+    path.write_text(json.dumps({"traceEvents": events}))
     s = bench.trace_summary(path)
-    assert s["compute_stream"] == 7 and s["compute_busy_ms"] == 0.15 and s["window_ms"] == 0.21
-    assert s["streams"]["9"] == {"busy_ms": 0.04, "overlap_with_compute_ms": 0.01}
+    assert s["compute_stream"] == 7 and s["compute_busy_ms"] == 0.2 and s["window_ms"] == 0.45
+    assert s["streams"]["9"] == {"busy_ms": 0.045, "overlap_with_compute_ms": 0.01}
     assert s["nccl_kernel_ms"] == 0.03 and s["copy_ms"] == 0.01 and s["stream_waits"] == 1
+    assert s["compute_idle_ms"] == 0.25 and s["compute_gaps_top"] == [[0.25, "_indexer_logits_kernel"]]
+    assert s["categories_ms"] == {"gemm": 0.2, "indexer": 0.05}  # kernel time: sums of durations
+    assert s["side_categories_ms"] == {"nccl": 0.03, "memcpy_peer": 0.01, "barrier": 0.005}
+    table = bench.profile_table({"replicated-none": s, "sharded_prefetch-copy_engine": s}, "replicated-none")
+    assert "| indexer | 0.050 | 0.050 (+0.000) |" in table
+
+
+def test_schedule_interleaves_the_modes_in_rotating_order():
+    bench = _load("bench_prefill")
+    runs = ["a", "b", "c"]
+    sched = bench.schedule(runs, 6, [10, 20])
+    assert len(sched) == 18
+    for i in range(6):
+        block = sched[3 * i : 3 * i + 3]
+        assert {r for _, _, r in block} == set(runs)  # every mode once per sample, back to back
+        assert {(s, p) for s, p, _ in block} == {(i, [10, 20][i % 2])}  # on the same step
+    firsts = [sched[3 * i][2] for i in range(6)]
+    assert sorted(firsts) == ["a", "a", "b", "b", "c", "c"]  # each mode leads equally often
+
+
+def test_paired_overhead_cancels_a_drift_the_ratio_of_medians_does_not():
+    """A clock drift of 10% across the run, and a true overhead of exactly 0.5%: the paired median finds it, with an
+    interval around it; the ratio of medians of runs taken one after another does not."""
+    db = _load("_dist_bench")
+    ref = [100.0 * (1 + 0.1 * i / 29) for i in range(30)]
+    mode = [r * 1.005 for r in ref]
+    stats = db.paired_overhead(mode, ref)
+    assert stats["overhead"] == pytest.approx(0.005) and stats["n"] == 30
+    assert stats["ci95"][0] == pytest.approx(0.005) and stats["ci95"][1] == pytest.approx(0.005)
+    later = [100.0 * (1 + 0.1 * (30 + i) / 29) * 1.005 for i in range(30)]  # the same mode, timed after ref
+    assert sorted(later)[15] / sorted(ref)[15] - 1 > 0.09
+    noisy = db.paired_overhead([m + (-1) ** i * 0.8 for i, m in enumerate(mode)], ref, reps=500)
+    assert noisy["ci95"][0] < noisy["overhead"] < noisy["ci95"][1]
+    with pytest.raises(ValueError, match="values and refs must be non-empty and of equal length, got 2 and 1"):
+        db.paired_overhead([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match="refs must be positive"):
+        db.paired_overhead([1.0], [0.0])
+
+
+@pytest.mark.parametrize(
+    "ci,want", [((-0.01, 0.009), "met"), ((0.011, 0.02), "not met"), ((0.005, 0.012), "inconclusive")]
+)
+def test_verdict_needs_the_whole_interval_on_one_side(ci, want):
+    assert _load("_dist_bench").verdict(ci, 0.01) == want
+
+
+def test_target_lines_state_each_context_and_the_worst():
+    bench = _load("bench_prefill")
+    base = dict(cp=2, mode="sharded_prefetch", materialize_backend="copy_engine", samples=30, kv_bytes_per_rank=1,
+                scratch_bytes=200, view_bytes_per_layer=100)  # fmt: skip
+    rows = [
+        {**base, "context": 65536, "overhead_vs_replicated": 0.004, "overhead_ci95": [0.001, 0.008], "verdict_1pct": "met"},
+        {**base, "context": 131072, "overhead_vs_replicated": 0.009, "overhead_ci95": [0.006, 0.013],
+         "verdict_1pct": "inconclusive"},
+        {**base, "context": 131072, "mode": "replicated", "kv_bytes_per_rank": 2, "overhead_vs_replicated": 0.0,
+         "overhead_ci95": None, "verdict_1pct": None, "view_bytes_per_layer": 0},
+    ]  # fmt: skip
+    lines = bench.target_lines(rows)
+    assert lines[0] == ("- TARGET overhead, sharded_prefetch (copy_engine), 64K: +0.40% [95% CI +0.10%, +0.80%], n=30 "
+                        "(target <= +1.0%): **met**")  # fmt: skip
+    assert lines[2] == "- TARGET overhead, sharded_prefetch, 64K-256K: worst median +0.90% at 128K: **inconclusive**"
+    assert "- TARGET materialization scratch <= 2 layers of view: 2.000 layers: **met**" in lines

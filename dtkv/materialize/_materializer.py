@@ -16,23 +16,13 @@ from ._gather import (
     CopyEngineGather,
     GatherBackend,
     GroupGeometry,
+    gather_streams,
     resolve_gather_backend,
 )
 from ._plan import MaterializePlan, agree_plan
 from ._views import check_view
 
 __all__ = ["Materializer"]
-
-_STREAMS: dict[str, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
-
-
-def _streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
-    """The (history, current) gather streams of a device, shared by every Materializer: successive gathers of
-    one page group stay in stream order, which the copy-engine slot reuse relies on."""
-    key = str(device)
-    if key not in _STREAMS:
-        _STREAMS[key] = (torch.cuda.Stream(device=device), torch.cuda.Stream(device=device))
-    return _STREAMS[key]
 
 
 def _geometry(plan: MaterializePlan, device: torch.device) -> list[GroupGeometry]:
@@ -55,13 +45,18 @@ class Materializer:
 
     Call ``prefetch(layer + 1)`` before computing ``layer``; ``view(layer)`` (after the layer's writes) waits
     for the history gather, gathers the current pages and returns the views. Per layer and page group the host
-    issues at most one pack launch (none where the pool's pages already sit in send order) and one collective,
-    and nothing for an empty group. On CUDA the history gathers run on a dedicated stream shared by every
-    Materializer of the device, and :meth:`capture` can record every gather into CUDA graphs.
+    issues at most one pack launch (none where the pool's pages already sit in send order) and one collective
+    (all-gather backend) or one barrier and a ``copy_`` per peer and layout (copy-engine backend), and nothing for
+    an empty group. On CUDA the gathers run on dedicated streams shared by every Materializer of the device, and
+    :meth:`capture` can record every gather into CUDA graphs.
 
-    A view stays valid until the view of ``layer + 2`` (same buffer parity) is gathered; prefetching a layer
-    while another layer of the same parity is still pending raises. Rows of a view that no page maps to are
-    unspecified (zeros or other pages' bytes).
+    Build one Materializer per CP group and pool and :meth:`replan` it for each batch (the way a serving loop
+    reuses an attention wrapper's workspace): the views are allocated once, for ``max_view_pages`` pages, and
+    nothing is allocated, rendezvoused or synchronized per batch. Constructing one per batch works too.
+
+    A view stays valid until the view of ``layer + 2`` (same buffer parity) is gathered, or the next
+    :meth:`replan`; prefetching a layer while another layer of the same parity is still pending raises. Rows of a
+    view that no page maps to are unspecified (zeros or other pages' bytes).
 
     Args:
         pool: a :class:`dtkv.ShardedKVPool`.
@@ -72,12 +67,18 @@ class Materializer:
             :data:`~dtkv.materialize.COPY_ENGINE_MIN_BYTES` per layer when every rank shares one NVLink domain,
             else all-gather), ``"all_gather"`` or ``"copy_engine"`` (falls back to ``"all_gather"`` with a
             warning where symmetric memory is unavailable). Every rank must pass the same value. The backend in
-            use is :attr:`backend`: ``"local"`` without a CP group.
+            use is :attr:`backend`: ``"local"`` without a CP group; it is chosen once, for ``max_view_pages``.
         pack: kernel of the pack launches, ``"auto"`` | ``"torch"`` (``index_select`` per layout) |
             ``"triton"`` (one launch for every layout; the default on CUDA).
         history_group: a process group over the same ranks for the history all-gathers (default: the pool's).
             A dedicated communicator keeps prefetches off the queue of the model's own collectives (NCCL runs
             a communicator's collectives in issue order); build it once, e.g. with ``dist.new_group``.
+        max_view_pages: view pages to allocate for (default and minimum: ``plan.num_view_pages``), so that
+            :meth:`replan` to larger batches allocates nothing. Every rank must pass the same value.
+
+    Scratch (:meth:`scratch_bytes`): the two views, plus, for the all-gather backend where a rank's pages are not
+    in send order, two send buffers of ``1 / cp`` view each. The copy-engine views live in symmetric memory and
+    each rank writes its pages straight into its own rows of them (no send buffer).
     """
 
     def __init__(
@@ -89,16 +90,17 @@ class Materializer:
         backend: GatherBackend = "auto",
         pack: str = "auto",
         history_group=None,
+        max_view_pages: int | None = None,
     ) -> None:
-        if plan.ownership != pool.ownership or plan.rank != pool.rank:
-            raise ValueError(
-                f"plan was built for {plan.ownership!r} rank {plan.rank}, "
-                f"but pool has {pool.ownership!r} rank {pool.rank}"
-            )
+        self._check_plan(pool, plan)
         self.names = tuple(sorted(pool.layouts) if names is None else names)
         unknown = [n for n in self.names if n not in pool.layouts]
         if unknown or not self.names:
             raise ValueError(f"names must be a non-empty subset of {sorted(pool.layouts)}, got names={names!r}")
+        if max_view_pages is not None and (
+            isinstance(max_view_pages, bool) or not isinstance(max_view_pages, int) or max_view_pages < 0
+        ):
+            raise ValueError(f"max_view_pages must be an int >= 0 or None, got max_view_pages={max_view_pages!r}")
         if history_group is not None:
             import torch.distributed as dist
 
@@ -108,46 +110,77 @@ class Materializer:
                     f"{dist.get_world_size(history_group)} ranks for a pool with group={pool.group!r}"
                 )
         agree_plan(plan, pool.group)
-        self.pool, self.plan = pool, plan
+        self.pool = pool
         self._history_group = history_group
         dev = pool.device
-        self._views = [
-            {
-                n: torch.empty(
-                    (plan.num_view_pages, *pool.layouts[n].page_shape), dtype=pool.layouts[n].dtype, device=dev
-                )
-                for n in self.names
-            }
-            for _ in range(2)
-        ]
-        self._geoms = _geometry(plan, dev)
-        self._history = next((g for g in self._geoms if g.channel == HISTORY), None)
-        self._current = next((g for g in self._geoms if g.channel == CURRENT), None)
-        view_bytes = plan.num_view_pages * sum(pool.layouts[n].page_bytes for n in self.names)
-        self.backend = resolve_gather_backend(backend, pool.group, dev, view_bytes)
+        capacity = max(plan.num_view_pages, max_view_pages or 0)
+        self._page_bytes = sum(pool.layouts[n].page_bytes for n in self.names)
+        self.backend = resolve_gather_backend(backend, pool.group, dev, capacity * self._page_bytes)
         """The backend in use: ``"local"``, ``"all_gather"`` or ``"copy_engine"``."""
         impl = CopyEngineGather if self.backend == "copy_engine" else AllGatherGather
         self._impl = impl(
-            pool=pool, names=self.names, geoms=self._geoms, views=self._views, group=pool.group,
-            pack=resolve_backend(pack, dev), history_group=history_group,
+            pool=pool, names=self.names, capacity=capacity, group=pool.group, pack=resolve_backend(pack, dev),
+            history_group=history_group,
         )  # fmt: skip
         self._cuda = dev.type == "cuda"
-        self._hist_stream, self._cur_stream = _streams(dev) if self._cuda else (None, None)
+        self._hist_stream, self._cur_stream = gather_streams(dev) if self._cuda else (None, None)
+        self._events = [torch.cuda.Event(), torch.cuda.Event()] if self._cuda else None
+        self._pending: dict[int, object] = {}
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] | None = None
+        self._set_plan(plan)
+
+    @staticmethod
+    def _check_plan(pool, plan: MaterializePlan) -> None:
+        if plan.ownership != pool.ownership or plan.rank != pool.rank:
+            raise ValueError(
+                f"plan was built for {plan.ownership!r} rank {plan.rank}, "
+                f"but pool has {pool.ownership!r} rank {pool.rank}"
+            )
+
+    def _set_plan(self, plan: MaterializePlan) -> None:
+        if plan.num_view_pages > self._impl.capacity:  # collective for the copy engines (plans agree on the size)
+            self._impl.grow(plan.num_view_pages)
+        self.plan = plan
+        self._geoms = _geometry(plan, self.pool.device)
+        self._history = next((g for g in self._geoms if g.channel == HISTORY), None)
+        self._current = next((g for g in self._geoms if g.channel == CURRENT), None)
+        self._impl.set_geometry(self._geoms)
+        k = plan.num_view_pages
+        self._views = [{n: v[:k] for n, v in parity.items()} for parity in self._impl.views]
         if self._cuda:  # buffers are used on the gather streams: the allocator must not reuse them early
-            used = [t for parity in self._views for t in parity.values()] + self._impl.tensors()
-            used += [g.send_idx for g in self._geoms]
+            used = self._impl.tensors() + [g.send_idx for g in self._geoms]
             for t in (t for t in used if t.numel()):
                 t.record_stream(self._hist_stream)
                 t.record_stream(self._cur_stream)
-        self._pending: dict[int, object] = {}
-        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] | None = None
+
+    def replan(self, plan: MaterializePlan) -> None:
+        """Serve another batch (plan phase: host work, no device synchronization): the views and, for the copy
+        engines, the symmetric buffer are reused; they grow (collectively) only past their capacity.
+
+        Views returned before stay allocated but are no longer written. Captured graphs are dropped (call
+        :meth:`capture` again). A plan not yet checked across the CP group is checked here (collective).
+
+        Raises:
+            ValueError: the plan was built for another ownership or rank.
+            RuntimeError: a gather is in flight (view every prefetched layer first).
+        """
+        self._check_plan(self.pool, plan)
+        if self._pending:
+            raise RuntimeError(f"replan() needs no gather in flight, got layers {sorted(self._pending)} pending")
+        agree_plan(plan, self.pool.group)
+        self._graphs = None
+        self._set_plan(plan)
+
+    @property
+    def capacity_pages(self) -> int:
+        """View pages the buffers hold (plans up to this size need no allocation)."""
+        return self._impl.capacity
 
     # ------------------------------------------------------------------------------------------ run
     def scratch_bytes(self) -> int:
-        """Bytes of materialization scratch on this rank: the double-buffered views plus the send buffers
-        (none where the pool stands in for them; the Materializer's share of the symmetric send slots)."""
-        views = sum(t.numel() * t.element_size() for buf in self._views for t in buf.values())
-        return views + self._impl.scratch_bytes()
+        """Bytes of materialization scratch on this rank: the double-buffered views (at capacity) plus the
+        all-gather backend's send buffers (none where the pool stands in for them; none on the copy engines)."""
+        return self._impl.scratch_bytes()
 
     def _check_layer(self, layer: int) -> None:
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.pool.num_layers:
@@ -187,7 +220,7 @@ class Materializer:
                 work = self._launch(g, layer, True)
                 if work is not None:
                     work.wait()  # the gather stream waits for the collective (no host wait)
-                event = torch.cuda.Event()
+                event = self._events[layer % 2]  # re-recorded only after view() of its last layer waited on it
                 event.record(stream)
             self._pending[layer] = event
         else:
@@ -235,12 +268,12 @@ class Materializer:
 
     # ------------------------------------------------------------------------------------------ graphs
     def capture(self) -> None:
-        """Record every layer's gathers (pack + collective, per page group) into CUDA graphs; collective.
+        """Record every layer's gathers (per page group) into CUDA graphs for the current plan; collective.
 
         Afterwards :meth:`prefetch` and :meth:`view` replay one graph per layer and group instead of issuing
         launches (a static plan into static buffers: the host cost of a view becomes one or two graph
         launches). One eager pass over every layer runs first (communicators, kernels and handles must exist
-        before capture). Call it on every rank, with no gather in flight.
+        before capture). Call it on every rank, with no gather in flight; :meth:`replan` drops the graphs.
 
         With the ``all_gather`` backend the history gathers need their own communicator (``history_group``):
         replayed NCCL kernels bypass the process group's internal stream, so they must not share a communicator
@@ -263,7 +296,6 @@ class Materializer:
         if self._graphs is not None:
             return
         num_layers = self.pool.num_layers
-        self._impl.prepare_capture(num_layers)
         for layer in range(num_layers):
             self.prefetch(layer)
             self.view(layer)

@@ -106,6 +106,15 @@ def _slice_start(send_row: torch.Tensor, count: int, rows_per_rank: int, num_loc
     return start
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without a host-device synchronization: a pageable ``.to("cuda")`` waits for
+    every kernel queued on the stream, which in chunked prefill stalls the next step's planning behind the current
+    step; a copy from pinned memory does not."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def _digest(ownership: PageOwnership, h: torch.Tensor, c: torch.Tensor, w: torch.Tensor) -> bytes:
     d = hashlib.blake2b(digest_size=16)
     d.update(f"{ownership.cp_size},{ownership.num_pages},{ownership.scheme};".encode())
@@ -140,7 +149,8 @@ def _build(
     dev = torch.device(device)
 
     def to_dev(gp: PackPlan) -> PackPlan:
-        return replace(gp, send_local_idx=gp.send_local_idx.to(dev), page_map=gp.page_map.to(dev), rows=gp.rows.to(dev))
+        return replace(gp, send_local_idx=_to_device(gp.send_local_idx, dev), page_map=_to_device(gp.page_map, dev),
+                       rows=_to_device(gp.rows, dev))  # fmt: skip
 
     return MaterializePlan(
         ownership=ownership,
@@ -148,9 +158,9 @@ def _build(
         spec=ownership_spec(ownership),
         history=to_dev(hist),
         current=to_dev(cur),
-        pages=torch.cat((h, c)).to(dev),
-        page_map=page_map.to(dev),
-        write_pages=w.to(dev),
+        pages=_to_device(torch.cat((h, c)), dev),
+        page_map=_to_device(page_map, dev),
+        write_pages=_to_device(w, dev),
         history_slice=slices[0],
         current_slice=slices[1],
         digest=_digest(ownership, h, c, w),
