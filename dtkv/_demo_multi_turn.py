@@ -48,7 +48,7 @@ def multi_turn_rank(rank: int, args: dict, cfg, group, device) -> dict:
 
     import torch.distributed as dist
 
-    from dtkv.model import PrefillEngine
+    from dtkv.model import ModelRunner
     from dtkv.model.workloads import compare_runs, run_workload
 
     workload = _workload(args, cfg.vocab_size)
@@ -58,7 +58,7 @@ def multi_turn_rank(rank: int, args: dict, cfg, group, device) -> dict:
     mode = "sharded_direct" if args["split"] == "zigzag" else "sharded"
     runs, seconds = {}, {}
     for cache in (False, True):
-        eng = PrefillEngine(
+        eng = ModelRunner(
             cfg,
             mode=mode,
             split=args["split"],

@@ -59,7 +59,7 @@ def run_rank(rank: int, world: int, args: dict, init_file: str | None = None) ->
     import torch
     import torch.distributed as dist
 
-    from dtkv.model import ModelConfig, PrefillEngine
+    from dtkv.model import ModelConfig, ModelRunner
 
     use_cuda = args["device"] == "cuda"
     local_rank = args.get("local_rank", rank)
@@ -94,7 +94,7 @@ def run_rank(rank: int, world: int, args: dict, init_file: str | None = None) ->
     results = {}
     for mode in ("replicated", sharded_mode):
         decode_mode = "full" if mode == "replicated" else args.get("decode", "full")
-        eng = PrefillEngine(
+        eng = ModelRunner(
             cfg,
             mode=mode,
             split=args["split"],

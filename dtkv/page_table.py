@@ -42,7 +42,7 @@ token chunk (``chunk``)     the tokens computed per request per step of chunked 
 layer group                 consecutive layers the transfer pipeline sends together (:mod:`dtkv.transfer`).
 rows per rank               rows each rank contributes to an owner-major all-gather of a page list (padded).
 model runner                what runs the reference model (prefill and decode) over dtkv pools:
-                            :class:`dtkv.model.PrefillEngine`.
+                            :class:`dtkv.model.ModelRunner`.
 transfer engine             what moves bytes between processes: Mooncake's, or the in-process one
                             (:mod:`dtkv.transfer`).
 ``cp_size``, ``page_size``  ranks of the CP group, tokens per page: the names every public signature uses.

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from dtkv._util import cdiv
-from dtkv.model import ModelConfig, PrefillEngine
+from dtkv.model import ModelConfig, ModelRunner
 
 PROMPT_LENS = (37, 9, 3, 14)  # long, shorter than top-k (24), one page, pinned to one rank
 PINNED = 3
@@ -72,7 +72,7 @@ def one_thread():
 def _full_view_reference(kv_dtype: str):
     """Full-view decode in one process (the numerical reference; CP full-view decode matches it, test_model)."""
     with one_thread():
-        eng = PrefillEngine(_cfg(kv_dtype), mode="single", num_pages=NUM_PAGES)
+        eng = ModelRunner(_cfg(kv_dtype), mode="single", num_pages=NUM_PAGES)
         for p in _prompts():
             eng.add_request(p)
         eng.prefill(CHUNK)
@@ -86,7 +86,7 @@ def _sharded_rank(rank, world, kv_dtype, mode, scheme):
     import dtkv
 
     cfg = _cfg(kv_dtype)
-    eng = PrefillEngine(
+    eng = ModelRunner(
         cfg, mode=mode, group=dist.group.WORLD, num_pages=NUM_PAGES, ownership_scheme=scheme, decode_mode="sharded"
     )
     for i, p in enumerate(_prompts()):
@@ -159,7 +159,7 @@ def _layer_vs_attend(rank, world, kv_dtype):
     from dtkv.model.sharded_decode import plan_sharded_step
 
     cfg = _cfg(kv_dtype)
-    eng = PrefillEngine(cfg, mode="sharded", group=dist.group.WORLD, num_pages=NUM_PAGES, decode_mode="sharded")
+    eng = ModelRunner(cfg, mode="sharded", group=dist.group.WORLD, num_pages=NUM_PAGES, decode_mode="sharded")
     for p in _prompts():
         eng.add_request(p)
     eng.prefill(CHUNK)
@@ -210,12 +210,12 @@ def _no_view_and_comm_bytes(rank, world, lens):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import dtkv.materialize
-    import dtkv.model.engine as engine_mod
+    import dtkv.model.runner as runner_mod
     import dtkv.pool
     from dtkv.decode import sharded_decode_comm_bytes
 
     cfg = _cfg("fp8")
-    eng = PrefillEngine(cfg, mode="sharded_direct", group=dist.group.WORLD, num_pages=192, decode_mode="sharded")
+    eng = ModelRunner(cfg, mode="sharded_direct", group=dist.group.WORLD, num_pages=192, decode_mode="sharded")
     for p in _prompts(lens):
         eng.add_request(p)
     eng.prefill(64)
@@ -235,9 +235,9 @@ def _no_view_and_comm_bytes(rank, world, lens):
 
     saved = {}
     targets = [
-        (engine_mod, "plan_materialize"),
-        (engine_mod, "gather_view"),
-        (engine_mod, "Materializer"),
+        (runner_mod, "plan_materialize"),
+        (runner_mod, "gather_view"),
+        (runner_mod, "Materializer"),
         (dtkv.materialize, "gather_view"),
         (dtkv.pool, "gather_pages"),
         (dtkv.pool.ShardedKVPool, "gather_full"),
@@ -271,16 +271,16 @@ def test_sharded_decode_builds_no_view_and_sends_only_candidates_and_partials(ra
 def test_decode_mode_is_validated():
     cfg = _cfg("bf16")
     with pytest.raises(ValueError, match=r"decode_mode must be one of \('full', 'sharded'\), got decode_mode='shard'"):
-        PrefillEngine(cfg, mode="single", num_pages=8, decode_mode="shard")
+        ModelRunner(cfg, mode="single", num_pages=8, decode_mode="shard")
     with pytest.raises(ValueError, match="decode_mode='sharded' needs a page-sharded pool .* got mode='replicated'"):
-        PrefillEngine(cfg, mode="replicated", num_pages=8, decode_mode="sharded")
+        ModelRunner(cfg, mode="replicated", num_pages=8, decode_mode="sharded")
 
 
 def test_rejects_a_request_with_nothing_to_decode_and_a_mismatched_plan():
     from dtkv.decode import DecodeQueries, decode_layer, plan_decode
 
     cfg = _cfg("fp8")
-    eng = PrefillEngine(cfg, mode="single", num_pages=8, decode_mode="sharded")
+    eng = ModelRunner(cfg, mode="single", num_pages=8, decode_mode="sharded")
     req = eng.add_request([1, 2, 3])
     req.num_computed = 3  # prefilled, but no first token appended
     with pytest.raises(ValueError, match="request 0 has no token to decode"):
@@ -299,7 +299,7 @@ def test_single_process_sharded_decode_equals_full_view_decode():
     """With one rank the sharded path is plain local decode: the same tokens, and logits to the float64 noise."""
     ref_logits, ref_outputs, _ = _full_view_reference("fp8")
     with one_thread():
-        eng = PrefillEngine(_cfg("fp8"), mode="single", num_pages=NUM_PAGES, decode_mode="sharded")
+        eng = ModelRunner(_cfg("fp8"), mode="single", num_pages=NUM_PAGES, decode_mode="sharded")
         for p in _prompts():
             eng.add_request(p)
         eng.prefill(CHUNK)
@@ -316,9 +316,7 @@ def _inject_lost_candidate(rank, world):
     import dtkv.decode.layer as layer_mod
     from dtkv.decode import INVALID_KEY, SelectionMismatchError
 
-    eng = PrefillEngine(
-        _cfg("bf16"), mode="sharded", group=dist.group.WORLD, num_pages=NUM_PAGES, decode_mode="sharded"
-    )
+    eng = ModelRunner(_cfg("bf16"), mode="sharded", group=dist.group.WORLD, num_pages=NUM_PAGES, decode_mode="sharded")
     for p in _prompts():
         eng.add_request(p)
     eng.prefill(CHUNK)
@@ -357,7 +355,7 @@ def _compiled_layer(rank, world):
 
     torch._dynamo.reset()
     cfg = _cfg("fp8")
-    eng = PrefillEngine(cfg, mode="sharded", group=dist.group.WORLD, num_pages=NUM_PAGES, decode_mode="sharded")
+    eng = ModelRunner(cfg, mode="sharded", group=dist.group.WORLD, num_pages=NUM_PAGES, decode_mode="sharded")
     for p in _prompts():
         eng.add_request(p)
     eng.prefill(CHUNK)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from dtkv import PageAllocator, PageOwnership
 from dtkv._util import cdiv
-from dtkv.model import ModelConfig, PrefillEngine
+from dtkv.model import ModelConfig, ModelRunner
 from dtkv.transfer import Bootstrap, DecodeReceiver, KVShard, LocalEngine, PrefillSender
 
 PROMPT_LENS = (45, 11, 3)
@@ -35,7 +35,7 @@ def _prompts():
 
 
 def _prefill_rank(rank, world):
-    eng = PrefillEngine(CFG, mode="sharded_direct", group=dist.group.WORLD, num_pages=NUM_PAGES_P)
+    eng = ModelRunner(CFG, mode="sharded_direct", group=dist.group.WORLD, num_pages=NUM_PAGES_P)
     for p in _prompts():
         eng.add_request(p)
     eng.prefill(16)
@@ -76,7 +76,7 @@ def _transfer(prefill: list[dict], cp_d: int, scheme: str) -> tuple[list[dict], 
 def _decode_rank(rank, world, shards, dst_pages, first, scheme):
     import dtkv
 
-    eng = PrefillEngine(
+    eng = ModelRunner(
         CFG, mode="sharded", group=dist.group.WORLD, num_pages=NUM_PAGES_D, ownership_scheme=scheme,
         decode_mode="sharded",
     )  # fmt: skip
@@ -96,7 +96,7 @@ def _reference():
     before = torch.get_num_threads()
     torch.set_num_threads(1)  # the tiny model is 40x slower on two OpenMP threads of a busy 2-core box
     try:
-        eng = PrefillEngine(CFG, mode="single", num_pages=NUM_PAGES_P + STEPS)
+        eng = ModelRunner(CFG, mode="single", num_pages=NUM_PAGES_P + STEPS)
         for p in _prompts():
             eng.add_request(p)
         eng.prefill(16)

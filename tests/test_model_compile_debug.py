@@ -7,12 +7,12 @@ import dataclasses
 import pytest
 import torch
 
-from dtkv.model import ModelConfig, PrefillEngine
+from dtkv.model import ModelConfig, ModelRunner
 
 
 def _engine(mode, group, kv_dtype="fp8"):
     cfg = ModelConfig(page_size=4, num_layers=2, kv_dtype=kv_dtype)
-    eng = PrefillEngine(cfg, mode=mode, group=group, num_pages=64)
+    eng = ModelRunner(cfg, mode=mode, group=group, num_pages=64)
     eng.add_request(list(range(50)))
     eng.add_request(list(range(30, 61)))
     eng.step(eng.requests, [21, 20])  # a first chunk eagerly, so the compiled chunk reads history pages

@@ -1,14 +1,14 @@
-"""``PrefillEngine`` input handling: decode with nothing to decode, and the ownership-scheme keyword."""
+"""``ModelRunner`` input handling: decode with nothing to decode, and the ownership-scheme keyword."""
 
 from __future__ import annotations
 
 import pytest
 
-from dtkv.model import ModelConfig, PrefillEngine
+from dtkv.model import ModelConfig, ModelRunner
 
 
-def _engine(**kwargs) -> PrefillEngine:
-    return PrefillEngine(ModelConfig(num_layers=1), mode=kwargs.pop("mode", "single"), num_pages=16, **kwargs)
+def _engine(**kwargs) -> ModelRunner:
+    return ModelRunner(ModelConfig(num_layers=1), mode=kwargs.pop("mode", "single"), num_pages=16, **kwargs)
 
 
 def test_decode_with_no_requests_is_a_no_op():
@@ -31,7 +31,7 @@ def test_decode_skips_requests_that_were_not_prefilled():
 def _decode_nothing(rank, world):
     import torch.distributed as dist
 
-    eng = PrefillEngine(ModelConfig(num_layers=1), mode="sharded", group=dist.group.WORLD, num_pages=16)
+    eng = ModelRunner(ModelConfig(num_layers=1), mode="sharded", group=dist.group.WORLD, num_pages=16)
     out = eng.decode(2)
     eng.add_request([5, 6])
     return out, eng.decode(1), eng.stats["steps"]
@@ -48,3 +48,13 @@ def test_ownership_scheme_keyword_and_its_deprecated_name():
     with pytest.warns(DeprecationWarning, match=r"ownership_layout=\.\.\.\) is deprecated"):
         old = _engine(mode="single", ownership_layout="block")
     assert old.ownership == eng.ownership and old.alloc_ownership == eng.alloc_ownership
+
+
+def test_prefill_engine_is_a_deprecated_name_of_model_runner():
+    import dtkv.model
+
+    with pytest.warns(DeprecationWarning, match=r"dtkv\.model\.PrefillEngine is deprecated.*dtkv\.model\.ModelRunner"):
+        old = dtkv.model.PrefillEngine
+    assert old is dtkv.model.ModelRunner
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchRunner'"):
+        dtkv.model.NoSuchRunner  # noqa: B018

@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from dtkv.model import ModelConfig, PrefillEngine
+from dtkv.model import ModelConfig, ModelRunner
 from dtkv.transfer import mooncake_available
 
 _OK, _WHY = mooncake_available()
@@ -37,7 +37,7 @@ def _prefill_rank(rank, world, args, cached):
     import torch.distributed as dist
 
     cfg = dataclasses.replace(ModelConfig(), page_size=args["page_size"], kv_dtype=args["kv_dtype"])
-    eng = PrefillEngine(cfg, mode="sharded_direct", group=dist.group.WORLD, num_pages=64, prefix_cache=cached)
+    eng = ModelRunner(cfg, mode="sharded_direct", group=dist.group.WORLD, num_pages=64, prefix_cache=cached)
     if cached:  # an earlier request with the same system prompt leaves its pages in the cache
         earlier = eng.add_request(SYSTEM + OTHER)
         eng.prefill(16)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dtkv.model import ModelConfig, PrefillEngine
+from dtkv.model import ModelConfig, ModelRunner
 from dtkv.transfer import mooncake_available
 
 _OK, _WHY = mooncake_available()
@@ -29,7 +29,7 @@ def _prompts(cfg):
 
 
 def _engine(cfg, mode, group):
-    eng = PrefillEngine(cfg, mode=mode, group=group, num_pages=NUM_PAGES)
+    eng = ModelRunner(cfg, mode=mode, group=group, num_pages=NUM_PAGES)
     for p in _prompts(cfg):
         eng.add_request(p)
     eng.prefill(CHUNK)

@@ -19,7 +19,7 @@ Entry points:
 - :func:`check_selection` (``DTKV_DEBUG``): the sharded top-k against the full view's, raising
   :class:`SelectionMismatchError` on every rank.
 
-The reference model runs it as ``PrefillEngine(..., decode_mode="sharded")``. The page-table format is defined in
+The reference model runs it as ``ModelRunner(..., decode_mode="sharded")``. The page-table format is defined in
 :mod:`dtkv.page_table`.
 """
 

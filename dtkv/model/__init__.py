@@ -1,6 +1,6 @@
 """The tiny DSA reference model: MLA latent attention + top-k indexer over paged KV served by dtkv.
 
-Entry points: :class:`ModelConfig`, :class:`TinyDSA` (weights and per-layer math) and :class:`PrefillEngine`
+Entry points: :class:`ModelConfig`, :class:`TinyDSA` (weights and per-layer math) and :class:`ModelRunner`
 (chunked CP prefill and greedy decode in the ``single``/``replicated``/``sharded``/``sharded_direct`` modes;
 decode over a full view or, with ``decode_mode="sharded"``, straight on the sharded pool).
 """
@@ -8,7 +8,16 @@ decode over a full view or, with ``decode_mode="sharded"``, straight on the shar
 from __future__ import annotations
 
 from dtkv.model.config import KVDtype, ModelConfig
-from dtkv.model.engine import DecodeMode, KVMode, PrefillEngine, Request, StepPlan
 from dtkv.model.model import TinyDSA
+from dtkv.model.runner import DecodeMode, KVMode, ModelRunner, Request, StepPlan
 
-__all__ = ["DecodeMode", "KVDtype", "KVMode", "ModelConfig", "PrefillEngine", "Request", "StepPlan", "TinyDSA"]
+__all__ = ["DecodeMode", "KVDtype", "KVMode", "ModelConfig", "ModelRunner", "Request", "StepPlan", "TinyDSA"]
+
+
+def __getattr__(name: str):
+    if name == "PrefillEngine":  # the pre-0.1 name of ModelRunner (it runs prefill and decode)
+        from dtkv._util import warn_deprecated
+
+        warn_deprecated("dtkv.model.PrefillEngine", "dtkv.model.ModelRunner")
+        return ModelRunner
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

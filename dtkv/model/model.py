@@ -62,7 +62,7 @@ def _rope(x_NXE: torch.Tensor, pos_N: torch.Tensor) -> torch.Tensor:
 class TinyDSA:
     """Deterministic seeded weights and the per-layer math of the reference model.
 
-    The model does not own a KV cache: :class:`dtkv.model.engine.PrefillEngine` moves rows between these
+    The model does not own a KV cache: :class:`dtkv.model.ModelRunner` moves rows between these
     functions and the (sharded or replicated) pools.
     """
 

@@ -1,11 +1,11 @@
-"""PD disaggregation of the reference model: CP prefill ranks hand each request to a decode engine over Mooncake.
+"""PD disaggregation of the reference model: CP prefill ranks hand each request to a decode process over Mooncake.
 
-- :func:`send_prefilled` (every prefill rank, SPMD): after ``engine.prefill(...)``, sends each request's prompt
+- :func:`send_prefilled` (every prefill rank, SPMD): after ``runner.prefill(...)``, sends each request's prompt
   pages -- the pages this rank owns, with their positions -- and, from one rank, a metadata row
   ``(num_tokens, first_token)`` (:data:`META_ROW_BYTES`, two little-endian int64).
-- :func:`receive_prefilled` (decode): adds each prompt to a ``single``-mode :class:`dtkv.model.PrefillEngine`,
+- :func:`receive_prefilled` (decode): adds each prompt to a ``single``-mode :class:`dtkv.model.ModelRunner`,
   allocates its pages there, receives KV and first token into them, and leaves the requests ready for
-  ``engine.decode(steps)``.
+  ``runner.decode(steps)``.
 - :func:`kv_digest`: a hash of requests' stored KV bytes over their prompt tokens (what the two sides compare).
 
 ``python -m dtkv.demo --pd`` is wired through :func:`start_decode` (host the rendezvous store and spawn the
@@ -34,7 +34,7 @@ __all__ = [
     "receive_prefilled",
     "send_from_rank",
     "send_prefilled",
-    "shard_for_engine",
+    "shard_for_runner",
     "start_decode",
 ]
 
@@ -42,21 +42,21 @@ META_ROW_BYTES = 16
 """Metadata row of a request: ``struct.pack("<qq", num_tokens, first_token)``."""
 
 
-def shard_for_engine(engine, *, staging_bytes: int = 0) -> KVShard:
-    """The :class:`KVShard` of a :class:`dtkv.model.PrefillEngine`'s pool, with one metadata row."""
-    return KVShard.from_pool(engine.pool, staging_bytes=staging_bytes, meta_num_rows=1, meta_row_bytes=META_ROW_BYTES)
+def shard_for_runner(runner, *, staging_bytes: int = 0) -> KVShard:
+    """The :class:`KVShard` of a :class:`dtkv.model.ModelRunner`'s pool, with one metadata row."""
+    return KVShard.from_pool(runner.pool, staging_bytes=staging_bytes, meta_num_rows=1, meta_row_bytes=META_ROW_BYTES)
 
 
 def _prompt_pages(req, page_size: int) -> list[int]:
     return req.pages[: cdiv(len(req.prompt), page_size)]
 
 
-def send_prefilled(engine, sender: PrefillSender, *, tag: str = "", timeout_s: float | None = None) -> list[SendReport]:
-    """Send every prefilled request of ``engine`` (blocking; call on every prefill rank, same order).
+def send_prefilled(runner, sender: PrefillSender, *, tag: str = "", timeout_s: float | None = None) -> list[SendReport]:
+    """Send every prefilled request of ``runner`` (blocking; call on every prefill rank, same order).
 
     Args:
-        engine: a CP :class:`dtkv.model.PrefillEngine` in a sharded mode whose requests finished prefill.
-        sender: a connected :class:`dtkv.transfer.PrefillSender` over ``shard_for_engine(engine)``.
+        runner: a CP :class:`dtkv.model.ModelRunner` in a sharded mode whose requests finished prefill.
+        sender: a connected :class:`dtkv.transfer.PrefillSender` over ``shard_for_runner(runner)``.
         tag: prefix of the request ids (``f"{tag}req-{rid}"``), e.g. to reuse one bootstrap namespace.
 
     Raises:
@@ -64,40 +64,40 @@ def send_prefilled(engine, sender: PrefillSender, *, tag: str = "", timeout_s: f
         TransferError: see :meth:`dtkv.transfer.PrefillSender.send_request`.
     """
     reports = []
-    for r in engine.requests:
+    for r in runner.requests:
         if r.num_computed < len(r.prompt) or not r.output:
             raise ValueError(
                 f"request {r.rid} must finish prefill before it is sent, got num_computed={r.num_computed}"
             )
         meta = struct.pack("<qq", len(r.prompt), r.output[0])
-        pages = _prompt_pages(r, engine.cfg.page_size)
+        pages = _prompt_pages(r, runner.cfg.page_size)
         reports.append(sender.send_request(f"{tag}req-{r.rid}", pages, meta=meta, timeout_s=timeout_s))
     return reports
 
 
 def receive_prefilled(
-    engine, receiver: DecodeReceiver, prompts: Sequence[Sequence[int]], *, tag: str = "", timeout_s: float | None = None
+    runner, receiver: DecodeReceiver, prompts: Sequence[Sequence[int]], *, tag: str = "", timeout_s: float | None = None
 ) -> list[ReceiveReport]:
-    """Add ``prompts`` to a decode engine and receive their KV and first tokens (blocking, in order).
+    """Add ``prompts`` to a decode runner and receive their KV and first tokens (blocking, in order).
 
     Args:
-        engine: a ``single``-mode :class:`dtkv.model.PrefillEngine` with no requests yet; its pool is the
-            receiver's shard (``shard_for_engine(engine)``).
+        runner: a ``single``-mode :class:`dtkv.model.ModelRunner` with no requests yet; its pool is the
+            receiver's shard (``shard_for_runner(runner)``).
         receiver: a connected :class:`dtkv.transfer.DecodeReceiver`.
         prompts: the token ids of each request, in the prefill side's request order.
 
     Returns:
-        One :class:`dtkv.transfer.ReceiveReport` per request; afterwards ``engine.decode(steps)`` continues them.
+        One :class:`dtkv.transfer.ReceiveReport` per request; afterwards ``runner.decode(steps)`` continues them.
 
     Raises:
         TransferError: a transfer failed, or the metadata row disagrees with the prompt length.
     """
-    ps = engine.cfg.page_size
+    ps = runner.cfg.page_size
     meta = next(iter(receiver.shards.values())).meta
     reports = []
     for prompt in prompts:
-        req = engine.add_request(prompt)
-        req.pages = engine.allocator.alloc_balanced(cdiv(len(req.prompt), ps)).tolist()
+        req = runner.add_request(prompt)
+        req.pages = runner.allocator.alloc_balanced(cdiv(len(req.prompt), ps)).tolist()
         rid = f"{tag}req-{req.rid}"
         meta.zero_()
         reports.append(
@@ -116,7 +116,7 @@ def receive_prefilled(
 
 
 def kv_digest(kv: Sequence[dict[str, torch.Tensor]], num_tokens: Sequence[int]) -> str:
-    """Hash of ``kv[i][name][:, :num_tokens[i]]`` over requests and names (``engine.kv_bytes`` output)."""
+    """Hash of ``kv[i][name][:, :num_tokens[i]]`` over requests and names (``runner.kv_bytes`` output)."""
     h = hashlib.blake2b(digest_size=16)
     for per_req, n in zip(kv, num_tokens):
         for name in sorted(per_req):
@@ -136,11 +136,11 @@ def _request_bytes(cfg, prompts) -> int:
     return max(cdiv(len(p), cfg.page_size) for p in prompts) * per_page
 
 
-def send_from_rank(engine, args: dict, baseline_kv: Sequence[dict[str, torch.Tensor]] | None = None) -> dict:
-    """Prefill-rank side of ``demo --pd``: send every request of ``engine`` to the decode process.
+def send_from_rank(runner, args: dict, baseline_kv: Sequence[dict[str, torch.Tensor]] | None = None) -> dict:
+    """Prefill-rank side of ``demo --pd``: send every request of ``runner`` to the decode process.
 
     Args:
-        engine: the rank's sharded :class:`dtkv.model.PrefillEngine` after prefill.
+        runner: the rank's sharded :class:`dtkv.model.ModelRunner` after prefill.
         args: the demo arguments, with ``pd_port`` and ``pd_namespace`` from :func:`start_decode`.
         baseline_kv: the replicated baseline's ``kv_bytes`` per request, hashed for decode to compare against.
 
@@ -150,14 +150,14 @@ def send_from_rank(engine, args: dict, baseline_kv: Sequence[dict[str, torch.Ten
     from dtkv.transfer import Bootstrap, create_store
 
     store = create_store(port=args["pd_port"], is_master=False, timeout_s=args.get("timeout", 300.0))
-    prompts = [r.prompt for r in engine.requests]
+    prompts = [r.prompt for r in runner.requests]
     sender = PrefillSender(
-        shard_for_engine(engine, staging_bytes=_request_bytes(engine.cfg, prompts)),
+        shard_for_runner(runner, staging_bytes=_request_bytes(runner.cfg, prompts)),
         Bootstrap(store, namespace=args["pd_namespace"]),
     )
     try:
         sender.connect()
-        reports = send_prefilled(engine, sender)
+        reports = send_prefilled(runner, sender)
     finally:
         sender.close()
     out = {
@@ -175,22 +175,22 @@ def send_from_rank(engine, args: dict, baseline_kv: Sequence[dict[str, torch.Ten
 def _decode_main(conn, args: dict, prompts: list[list[int]], port: int, namespace: str) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
-        from dtkv.model import PrefillEngine
+        from dtkv.model import ModelRunner
         from dtkv.transfer import Bootstrap, create_store
 
         torch.set_num_threads(1)
         cfg = _cfg(args)
         steps = args["decode_steps"]
         num_pages = sum(cdiv(len(p) + steps + 1, cfg.page_size) + 1 for p in prompts) + 1
-        engine = PrefillEngine(cfg, mode="single", num_pages=num_pages)
+        runner = ModelRunner(cfg, mode="single", num_pages=num_pages)
         store = create_store(port=port, is_master=False, timeout_s=args.get("timeout", 300.0))
         receiver = DecodeReceiver(
-            shard_for_engine(engine, staging_bytes=_request_bytes(cfg, prompts)), Bootstrap(store, namespace=namespace)
+            shard_for_runner(runner, staging_bytes=_request_bytes(cfg, prompts)), Bootstrap(store, namespace=namespace)
         )
         receiver.connect()
-        reports = receive_prefilled(engine, receiver, prompts)
-        digest = kv_digest([engine.kv_bytes(r.rid) for r in engine.requests], [len(p) for p in prompts])
-        outputs = engine.decode(steps)
+        reports = receive_prefilled(runner, receiver, prompts)
+        digest = kv_digest([runner.kv_bytes(r.rid) for r in runner.requests], [len(p) for p in prompts])
+        outputs = runner.decode(steps)
         receiver.close()
         conn.send({"outputs": outputs, "kv_digest": digest, "entries": sum(r.num_entries for r in reports)})
     except BaseException as e:  # report, never hang the parent

@@ -2,7 +2,7 @@
 
 - :func:`chat_workload` -> :class:`ChatWorkload`: seeded token ids of a system prompt, the user turns of one
   conversation and the questions of several requests that share the system prompt.
-- :func:`run_workload` -> :class:`WorkloadRun`: drives a :class:`dtkv.model.PrefillEngine` through it (SPMD,
+- :func:`run_workload` -> :class:`WorkloadRun`: drives a :class:`dtkv.model.ModelRunner` through it (SPMD,
   every rank the same calls) and records every produced token's logits, every request's tokens and the stored
   KV bytes of each request just before it finishes (or at the end, for the one left live).
 - :func:`compare_runs`: whether two runs agree bit for bit (tokens, logits, KV bytes).
@@ -46,7 +46,7 @@ class WorkloadRun:
     logits: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     """Request id -> float64 logits ``[V]`` of each generated token, in order."""
     kv: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
-    """Request id -> ``engine.kv_bytes(rid)`` just before it finished (or at the end, if live)."""
+    """Request id -> ``runner.kv_bytes(rid)`` just before it finished (or at the end, if live)."""
     prompt_tokens: int = 0
     """Prompt tokens of every request."""
     prefill_tokens: int = 0
@@ -85,24 +85,24 @@ def chat_workload(
 
 
 def run_workload(
-    engine, workload: ChatWorkload, *, chunk: int, decode_steps: int, after_step: Callable[[object], None] | None = None
+    runner, workload: ChatWorkload, *, chunk: int, decode_steps: int, after_step: Callable[[object], None] | None = None
 ) -> WorkloadRun:
-    """Run ``workload`` on ``engine`` (a fresh :class:`dtkv.model.PrefillEngine`; collective in CP modes).
+    """Run ``workload`` on ``runner`` (a fresh :class:`dtkv.model.ModelRunner`; collective in CP modes).
 
     Prefill runs ``chunk`` tokens per request per step; every request then decodes ``decode_steps`` tokens
-    (requests live at the time decode along). See the module docstring for the schedule. ``after_step(engine)``
+    (requests live at the time decode along). See the module docstring for the schedule. ``after_step(runner)``
     is called after every step and every finished request (e.g. to check invariants).
     """
     run = WorkloadRun()
     system = list(workload.system)
 
     def note() -> None:
-        run.peak_pages_allocated = max(run.peak_pages_allocated, engine.allocator.num_allocated())
+        run.peak_pages_allocated = max(run.peak_pages_allocated, runner.allocator.num_allocated())
         if after_step is not None:
-            after_step(engine)
+            after_step(runner)
 
     def add(prompt: list[int]):
-        req = engine.add_request(prompt)
+        req = runner.add_request(prompt)
         run.outputs[req.rid], run.logits[req.rid] = req.output, []
         run.prompt_tokens += len(prompt)
         run.hit_tokens += req.cached_tokens
@@ -114,26 +114,26 @@ def run_workload(
 
     def prefill() -> None:
         while True:
-            todo = [r for r in engine.requests if not r.finished and r.num_computed < len(r.prompt)]
+            todo = [r for r in runner.requests if not r.finished and r.num_computed < len(r.prompt)]
             if not todo:
                 return
             lens = [min(chunk, len(r.prompt) - r.num_computed) for r in todo]
             run.prefill_tokens += sum(lens)
-            for r, row in zip(todo, engine.step(todo, lens)):
+            for r, row in zip(todo, runner.step(todo, lens)):
                 if r.num_computed == len(r.prompt):
                     produce(r, row)
             note()
 
     def decode() -> None:
         for _ in range(decode_steps):
-            reqs = [r for r in engine.requests if r.output and not r.finished]
-            for r, row in zip(reqs, engine.decode_step(reqs)):  # in the engine's decode_mode
+            reqs = [r for r in runner.requests if r.output and not r.finished]
+            for r, row in zip(reqs, runner.decode_step(reqs)):  # in the runner's decode_mode
                 produce(r, row)
             note()
 
     def finish(req) -> None:
-        run.kv[req.rid] = engine.kv_bytes(req.rid)
-        engine.finish_request(req.rid)
+        run.kv[req.rid] = runner.kv_bytes(req.rid)
+        runner.finish_request(req.rid)
         note()
 
     prompt = system + list(workload.user_turns[0])
@@ -156,9 +156,9 @@ def run_workload(
         decode()
         finish(turn)
     for r in shared[-1:]:
-        run.kv[r.rid] = engine.kv_bytes(r.rid)
-    if engine.prefix_cache is not None:
-        run.evicted_pages = engine.prefix_cache.stats["evicted_pages"]
+        run.kv[r.rid] = runner.kv_bytes(r.rid)
+    if runner.prefix_cache is not None:
+        run.evicted_pages = runner.prefix_cache.stats["evicted_pages"]
     return run
 
 

@@ -4,7 +4,7 @@
 mode               what each CP rank stores and how rows get there
 =================  ===========================================================================================
 ``single``         one process, no CP: the whole pool, every row written locally (the numerical reference)
-``replicated``     CP, the baseline engines run today: every rank all-gathers the chunk's KV rows and stores
+``replicated``     CP, the baseline inference engines run today: every rank all-gathers the chunk's KV rows and stores
                    the whole logical pool (``cp`` copies)
 ``sharded``        CP, page-ownership-sharded pool: rows are all-gathered and each rank keeps only the pages it
                    owns (owner-filtered write); attention reads a materialized full view
@@ -17,12 +17,12 @@ mode               what each CP rank stores and how rows get there
 All CP modes use the same split of tokens over ranks, so they run identical arithmetic and their outputs
 and stored KV bytes are bitwise equal; ``single`` differs only in float64 summation order (see
 :mod:`dtkv.model.model`). Each step has a host *plan* (:class:`StepPlan`: split, allocation, locations,
-materialization plan, remapped page tables) and a *run* (:meth:`PrefillEngine.forward`) that only moves
+materialization plan, remapped page tables) and a *run* (:meth:`ModelRunner.forward`) that only moves
 tensors, so the run compiles with ``torch.compile(fullgraph=True)``.
 
 With ``prefix_cache=True`` the runner keeps a :class:`dtkv.PrefixCache` over its allocator
 (:mod:`dtkv.model._prefix`): a new request starts from its prompt's longest cached prefix of full pages and
-computes only the rest; fully computed pages are shared after every step; :meth:`PrefillEngine.finish_request`
+computes only the rest; fully computed pages are shared after every step; :meth:`ModelRunner.finish_request`
 caches a request's pages and releases its references, and cached pages no request holds are evicted (LRU) when a
 step's pages would not fit. Results are bitwise those of the same run without the cache.
 
@@ -62,7 +62,7 @@ from dtkv.pool import ShardedKVPool
 from dtkv.prefix_cache import PrefixCache
 from dtkv.split import allocate_for_split, plan_cp_split
 
-__all__ = ["DecodeMode", "KVMode", "PrefillEngine", "Request", "StepPlan"]
+__all__ = ["DecodeMode", "KVMode", "ModelRunner", "Request", "StepPlan"]
 
 KVMode = Literal["single", "replicated", "sharded", "sharded_direct"]
 _MODES = ("single", "replicated", "sharded", "sharded_direct")
@@ -80,7 +80,7 @@ class Request:
     num_computed: int = 0
     output: list[int] = field(default_factory=list)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (not computed)
-    finished: bool = False  # pages released (PrefillEngine.finish_request)
+    finished: bool = False  # pages released (ModelRunner.finish_request)
 
     @property
     def tokens(self) -> list[int]:
@@ -89,7 +89,7 @@ class Request:
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class StepPlan:
-    """Host-side metadata of one step on one rank (plan phase); :meth:`PrefillEngine.forward` reads it."""
+    """Host-side metadata of one step on one rank (plan phase); :meth:`ModelRunner.forward` reads it."""
 
     ids_local: torch.Tensor  # int64 [n_local] token ids of the local rows
     pos_local: torch.Tensor  # int64 [n_local] absolute positions
@@ -107,10 +107,10 @@ class StepPlan:
     max_local: int
 
 
-class PrefillEngine:
+class ModelRunner:
     """Runs chunked prefill and greedy decode of :class:`TinyDSA` with KV in one of four modes (module table).
 
-    Every rank of ``group`` builds an engine with the same arguments and calls the same methods (SPMD).
+    Every rank of ``group`` builds a runner with the same arguments and calls the same methods (SPMD).
 
     Args:
         cfg: model geometry.
@@ -140,7 +140,7 @@ class PrefillEngine:
         decode_mode: DecodeMode = "full",
     ) -> None:
         if ownership_layout is not None:
-            warn_deprecated("PrefillEngine(ownership_layout=...)", "PrefillEngine(ownership_scheme=...)")
+            warn_deprecated("ModelRunner(ownership_layout=...)", "ModelRunner(ownership_scheme=...)")
             ownership_scheme = ownership_layout
         if mode not in _MODES:
             raise ValueError(f"mode must be one of {_MODES}, got mode={mode!r}")
