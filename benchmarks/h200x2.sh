@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The GPU measurements of benchmarks/results/*_h200x2_*: run from the repository root on a host with 2 GPUs on NVLink.
 #   bash benchmarks/h200x2.sh views     # bench_materialize --check, its sweep, bench_prefill (--profile)
+#   bash benchmarks/h200x2.sh narrow    # bench_prefill at 32K-256K and the 128K overlap, with more samples
 #   bash benchmarks/h200x2.sh rest      # bench_decode, the transformers parity grid on NCCL, the CUDA tests and bench_ops
 # Logs and results go to $OUT (default benchmarks/results/run-<date>) and, packed, to $OUT/h200x2_<phase>.tar.gz.
 set -uo pipefail
-phase=${1:?usage: h200x2.sh views|rest}
+phase=${1:?usage: h200x2.sh views|narrow|rest|hf|tests}
 OUT=${OUT:-benchmarks/results/run-$(date +%F)}
 mkdir -p "$OUT/$phase"
 R="$OUT/$phase"
@@ -20,22 +21,35 @@ step() {  # step NAME SECONDS CMD...: run with a deadline, log to $R/NAME.log, r
   echo "$name rc=$? ${secs}s-limit took=$(( $(date +%s) - t0 ))s" | tee -a "$R/steps.txt"
 }
 TR="torchrun --nproc-per-node 2"
+cuda_tests() {  # cuda_tests GPU SECONDS: the suite's CUDA cases (expecttest comes as a wheel in .whl/: no network there)
+  [ -d /tmp/whl ] || python -m zipfile -e .whl/expecttest-0.3.0-py3-none-any.whl /tmp/whl
+  CUDA_VISIBLE_DEVICES=$1 PYTHONPATH=$PYTHONPATH:/tmp/whl timeout "$2" python -m pytest -q -p no:cacheprovider \
+    tests/test_ops_*.py tests/test_model.py tests/test_split.py tests/test_materialize_copy_engine.py -k cuda > "$R/cuda_tests.log" 2>&1
+}
 case $phase in
   views)
     step mat_check 120 $TR benchmarks/bench_materialize.py --check
     step mat 190 env OUT="$R" $TR benchmarks/bench_materialize.py --tokens 32768 131072 262144 1048576 --layers 1 8 --reps 5 --overlap-reps 5
     step prefill 250 env OUT="$R" $TR benchmarks/bench_prefill.py --contexts 65536 131072 262144 --samples 20 --json --profile
     ;;
+  narrow)  # more samples where the views phase left an interval across a target
+    step prefill 300 env OUT="$R" $TR benchmarks/bench_prefill.py --contexts 32768 65536 131072 262144 --samples 60 --json
+    step mat_overlap 200 env OUT="$R" $TR benchmarks/bench_materialize.py --tokens 131072 --layers 8 --reps 10 --overlap-reps 40
+    ;;
   rest)
-    pip install -q --no-deps .whl/expecttest-*.whl > /dev/null 2>&1 || true   # the GPU image lacks it (no network)
     step decode 150 $TR benchmarks/bench_decode.py --out-dir "$R"
     # correctness runs beside each other (the timed ones run alone, or on a GPU of their own)
-    CUDA_VISIBLE_DEVICES=0 timeout 330 python -m pytest -q -p no:cacheprovider tests/test_ops_*.py tests/test_model.py \
-      tests/test_split.py tests/test_materialize_copy_engine.py -k cuda > "$R/cuda_tests.log" 2>&1 &
+    cuda_tests 0 330 &
     tests=$!
     step hf_parity 170 $TR benchmarks/bench_hf_parity.py --device cuda --dtypes bfloat16,float32 --page-sizes 64 --out "$R"
     step ops_bench 150 env CUDA_VISIBLE_DEVICES=1 python benchmarks/bench_ops.py --out "$R/ops_h200_$(date +%F).md"
     wait $tests; echo "cuda_tests rc=$?" | tee -a "$R/steps.txt"
+    ;;
+  hf)
+    step hf_parity 170 $TR benchmarks/bench_hf_parity.py --device cuda --dtypes bfloat16,float32 --page-sizes 64 --out "$R"
+    ;;
+  tests)
+    cuda_tests 0 330; echo "cuda_tests rc=$?" | tee -a "$R/steps.txt"
     ;;
 esac
 tar -C "$OUT" -czf "$OUT/h200x2_$phase.tar.gz" "$phase"

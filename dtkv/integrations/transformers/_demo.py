@@ -30,28 +30,49 @@ TOLERANCE = {
 summation-order noise, amplified by the stored format's rounding (measurements in
 ``tests/test_integration_transformers.py``). bfloat16 models: the logits themselves are bf16, so a last-bit
 difference anywhere shows as an ulp of the logits (2**-7 at magnitude 1); measured on CPU: <= 7.8e-3."""
-MIN_WITHIN = {"float32": 0.97, "bfloat16": 0.90}
-"""Fraction of positions that must be within the tolerance, by model dtype. The model is discontinuous (MoE
-top-2 routing, index top-k): noise flips a near-tie at an isolated position, and the logits there jump. A bf16
-model's noise is the last bit of every op (the sparse attention sums in another order than SDPA), so such
-positions are more frequent (CPU measurements: 94.8-100% within 3e-2, tokens always equal)."""
+MIN_WITHIN = {
+    ("float32", "fp32"): 0.97,
+    ("float32", "bf16"): 0.97,
+    ("float32", "fp8"): 0.90,
+    ("bfloat16", "fp32"): 0.90,
+    ("bfloat16", "bf16"): 0.90,
+    ("bfloat16", "fp8"): 0.90,
+}
+"""Fraction of positions that must be within the tolerance, by (model dtype, KV dtype). The model is
+discontinuous (MoE top-2 routing, index top-k): noise flips a near-tie at an isolated position, and the logits
+there jump. A bf16 model's noise is the last bit of every op (the sparse attention sums in another order than
+SDPA), so such positions are more frequent (CPU: 94.8-100% within 3e-2, tokens always equal; 2 H200s: 98.1-99.4%).
+fp8 KV adds a discontinuity of its own: a last-bit difference in a key before quantization can move it to the
+next fp8 code (1/16 of its value), so float32 models with fp8 KV get the lower bound (CPU >= 97%; 2 H200s, where
+cuBLAS sums the chunked and the whole-sequence projections in different orders: 94.2-99.0%)."""
+FLIP_MARGIN = 2.0
+"""A bfloat16 model's greedy token may differ from the reference's only at a near tie: where the reference's own
+margin between the two tokens is at most ``FLIP_MARGIN * tolerance`` (each logit moved by at most the noise).
+Float32 models must choose every token as the reference does."""
 MAX_DIFF = 1.0
 """Bound on any position's logit difference."""
 
 
-def parity_of(model_dtype: str, kv_dtype: str, diffs: torch.Tensor, tokens_equal: bool) -> dict:
-    """The demo's verdict from per-position max abs logit differences ``[num_positions]``."""
+def parity_of(
+    model_dtype: str, kv_dtype: str, diffs: torch.Tensor, tokens_equal: bool, flip_margins: list[float] = ()
+) -> dict:
+    """The demo's verdict from per-position max abs logit differences ``[num_positions]`` and, for every greedy
+    token that differs from the reference's, the reference's margin between its token and the one chosen."""
     tol = TOLERANCE[(model_dtype, kv_dtype)]
-    within = float((diffs <= tol).float().mean()) if diffs.numel() else 1.0
+    within = int((diffs <= tol).sum()) / diffs.numel() if diffs.numel() else 1.0  # exact (no float32 mean)
     worst = float(diffs.max()) if diffs.numel() else 0.0
+    min_within = MIN_WITHIN[(model_dtype, kv_dtype)]
+    flips_ok = tokens_equal or (model_dtype == "bfloat16" and max(flip_margins, default=0.0) <= FLIP_MARGIN * tol)
     return {
-        "parity": bool(tokens_equal and within >= MIN_WITHIN[model_dtype] and worst <= MAX_DIFF),
+        "parity": bool(flips_ok and within >= min_within and worst <= MAX_DIFF),
         "tokens_equal": bool(tokens_equal),
+        "token_flips": len(flip_margins),
+        "max_flip_margin": max(flip_margins, default=0.0),
         "max_abs_logit_diff": worst,
         "mean_abs_logit_diff": float(diffs.mean()) if diffs.numel() else 0.0,
         "within_tolerance": within,
         "tolerance": tol,
-        "min_within_tolerance": MIN_WITHIN[model_dtype],
+        "min_within_tolerance": min_within,
     }
 
 
@@ -109,18 +130,22 @@ def _compare(lm, runner, prompts, outputs, logits, decode_logits, args) -> dict:
     full precision (the cost of the KV format itself, reported only)."""
     res = {}
     for key, layouts in (("", runner.layouts), ("_full_precision", None)):
-        diffs, tokens_equal = [], True
+        diffs, tokens_equal, margins = [], True, []
         for i, p in enumerate(prompts):
             ref = reference_logits(lm, p + outputs[i][:-1], layouts=layouts)
             got = torch.cat([logits[i]] + [step[i : i + 1] for step in decode_logits]).to(ref.device)
             diffs.append((ref - got).abs().amax(-1).cpu())
-            tokens_equal &= ref[len(p) - 1 :].argmax(-1).tolist() == outputs[i]
+            gen = ref[len(p) - 1 :]
+            for row, want, chosen in zip(gen, gen.argmax(-1).tolist(), outputs[i]):
+                if want != chosen:  # teacher-forced on dtkv's tokens, so later positions still compare
+                    margins.append(float(row[want] - row[chosen]))
+            tokens_equal &= not margins
         d = torch.cat(diffs)
         if key:
             res["max_abs_logit_diff_full_precision"] = float(d.max())
             res["tokens_equal_full_precision"] = bool(tokens_equal)
         else:
-            res.update(parity_of(args["dtype"], args["kv_dtype"], d, tokens_equal))
+            res.update(parity_of(args["dtype"], args["kv_dtype"], d, tokens_equal, margins))
     return res
 
 
@@ -138,6 +163,8 @@ def summary(args: dict, results: list[dict], wall: float, device: str) -> dict:
         "tolerance": r0["tolerance"],
         "min_within_tolerance": r0["min_within_tolerance"],
         "tokens_equal": r0["tokens_equal"],
+        "token_flips": r0["token_flips"],
+        "max_flip_margin": r0["max_flip_margin"],
         "reference": "the model's own forward (stable index top-k ties, keys in the pools' formats)",
         "max_abs_logit_diff_full_precision": r0["max_abs_logit_diff_full_precision"],
         "tokens_equal_full_precision": r0["tokens_equal_full_precision"],

@@ -134,8 +134,22 @@ def reference_logits(
     """
     device = next(model.parameters()).device
     ids = torch.tensor([list(token_ids)], dtype=torch.int64, device=device)
-    with stable_topk(model, layouts=layouts):
+    with stable_topk(model, layouts=layouts), float32_attention():
         return model(input_ids=ids, use_cache=False).logits[0].float()
+
+
+def float32_attention() -> contextlib.AbstractContextManager:
+    """SDPA's math backend inside the block: half-precision attention computed in float32, rounded once.
+
+    That is what :func:`dtkv.integrations.transformers.dsa_attention` computes. SDPA's fused CUDA kernels
+    round the probabilities to the input dtype before multiplying by V; in a bfloat16 model that alone moves the
+    logits of these small random models as much as swapping SDPA for the eager attention does (mean 0.09,
+    greedy choices change at ~14% of the positions, measured on CPU and H200), so it would hide what a
+    comparison is for. Float32 models are unaffected.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.MATH)
 
 
 def tiny_config(model: str, **overrides):
