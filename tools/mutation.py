@@ -69,7 +69,7 @@ TARGETS: dict[str, Target] = {
         ),
     ),
     "materialize": Target(
-        files=("dtkv/materialize.py",),
+        files=("dtkv/materialize/_plan.py", "dtkv/materialize/_views.py"),
         tests=("tests/test_materialize.py", "tests/test_materialize_single_rank.py"),
     ),
     "transfer": Target(
