@@ -14,18 +14,17 @@ decode process), :func:`send_from_rank` (in each prefill rank) and :meth:`Decode
 
 from __future__ import annotations
 
-import hashlib
-import multiprocessing as mp
 import os
-import struct
-import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
+from dtkv._pd_process import DecodeProcess, spawn_decode
 from dtkv._util import cdiv
-from dtkv.transfer import DecodeReceiver, KVShard, PrefillSender, ReceiveReport, SendReport, TransferError
+from dtkv.transfer import DecodeReceiver, PrefillSender, ReceiveReport, SendReport
+from dtkv.transfer import prefilled as _prefilled
+from dtkv.transfer.prefilled import META_ROW_BYTES, kv_digest, shard_for_runner
 
 __all__ = [
     "META_ROW_BYTES",
@@ -38,18 +37,6 @@ __all__ = [
     "start_decode",
 ]
 
-META_ROW_BYTES = 16
-"""Metadata row of a request: ``struct.pack("<qq", num_tokens, first_token)``."""
-
-
-def shard_for_runner(runner, *, staging_bytes: int = 0) -> KVShard:
-    """The :class:`KVShard` of a :class:`dtkv.model.ModelRunner`'s pool, with one metadata row."""
-    return KVShard.from_pool(runner.pool, staging_bytes=staging_bytes, meta_num_rows=1, meta_row_bytes=META_ROW_BYTES)
-
-
-def _prompt_pages(req, page_size: int) -> list[int]:
-    return req.pages[: cdiv(len(req.prompt), page_size)]
-
 
 def send_prefilled(runner, sender: PrefillSender, *, tag: str = "", timeout_s: float | None = None) -> list[SendReport]:
     """Send every prefilled request of ``runner`` (blocking; call on every prefill rank, same order).
@@ -60,19 +47,10 @@ def send_prefilled(runner, sender: PrefillSender, *, tag: str = "", timeout_s: f
         tag: prefix of the request ids (``f"{tag}req-{rid}"``), e.g. to reuse one bootstrap namespace.
 
     Raises:
-        ValueError: a request has not finished prefill.
+        ValueError: a request has not finished prefill (nothing is sent).
         TransferError: see :meth:`dtkv.transfer.PrefillSender.send_request`.
     """
-    reports = []
-    for r in runner.requests:
-        if r.num_computed < len(r.prompt) or not r.output:
-            raise ValueError(
-                f"request {r.rid} must finish prefill before it is sent, got num_computed={r.num_computed}"
-            )
-        meta = struct.pack("<qq", len(r.prompt), r.output[0])
-        pages = _prompt_pages(r, runner.cfg.page_size)
-        reports.append(sender.send_request(f"{tag}req-{r.rid}", pages, meta=meta, timeout_s=timeout_s))
-    return reports
+    return _prefilled.send_prefilled(runner, sender, page_size=runner.cfg.page_size, tag=tag, timeout_s=timeout_s)
 
 
 def receive_prefilled(
@@ -90,38 +68,13 @@ def receive_prefilled(
         One :class:`dtkv.transfer.ReceiveReport` per request; afterwards ``runner.decode(steps)`` continues them.
 
     Raises:
-        TransferError: a transfer failed, or the metadata row disagrees with the prompt length.
+        TransferError: a transfer failed, or the metadata row disagrees with the prompt length or holds a first
+            token outside the vocabulary.
     """
-    ps = runner.cfg.page_size
-    meta = next(iter(receiver.shards.values())).meta
-    reports = []
-    for prompt in prompts:
-        req = runner.add_request(prompt)
-        req.pages = runner.allocator.alloc_balanced(cdiv(len(req.prompt), ps)).tolist()
-        rid = f"{tag}req-{req.rid}"
-        meta.zero_()
-        reports.append(
-            receiver.receive_request(rid, req.pages, num_tokens=len(req.prompt), dst_meta_slot=0, timeout_s=timeout_s)
-        )
-        num_tokens, first = struct.unpack("<qq", bytes(meta[0].tolist()))
-        if num_tokens != len(req.prompt):
-            raise TransferError(
-                f"metadata row says {num_tokens} tokens, the prompt has {len(req.prompt)}",
-                request_id=rid,
-                peer="prefill",
-            )
-        req.num_computed = len(req.prompt)
-        req.output = [int(first)]
-    return reports
-
-
-def kv_digest(kv: Sequence[dict[str, torch.Tensor]], num_tokens: Sequence[int]) -> str:
-    """Hash of ``kv[i][name][:, :num_tokens[i]]`` over requests and names (``runner.kv_bytes`` output)."""
-    h = hashlib.blake2b(digest_size=16)
-    for per_req, n in zip(kv, num_tokens):
-        for name in sorted(per_req):
-            h.update(per_req[name][:, :n].contiguous().numpy().tobytes())
-    return h.hexdigest()
+    cfg = runner.cfg
+    return _prefilled.receive_prefilled(
+        runner, receiver, prompts, page_size=cfg.page_size, vocab_size=cfg.vocab_size, tag=tag, timeout_s=timeout_s
+    )
 
 
 # ------------------------------------------------------------------------------------------ demo wiring
@@ -132,8 +85,7 @@ def _cfg(args: dict):
 
 
 def _request_bytes(cfg, prompts) -> int:
-    per_page = cfg.num_layers * sum(lay.page_bytes for lay in cfg.layouts.values())
-    return max(cdiv(len(p), cfg.page_size) for p in prompts) * per_page
+    return _prefilled.request_bytes(cfg.layouts, cfg.num_layers, cfg.page_size, [len(p) for p in prompts])
 
 
 def send_from_rank(runner, args: dict, baseline_kv: Sequence[dict[str, torch.Tensor]] | None = None) -> dict:
@@ -197,63 +149,6 @@ def _decode_main(conn, args: dict, prompts: list[list[int]], port: int, namespac
         conn.send({"error": f"{type(e).__name__}: {e}"})
 
 
-@dataclass
-class DecodeProcess:
-    """The decode side of ``demo --pd``: a spawned process, the store it rendezvouses through, its pipe."""
-
-    process: mp.Process
-    conn: object
-    store: object
-    rank_args: dict
-    """Extra demo arguments for the prefill ranks (``pd_port``, ``pd_namespace``)."""
-
-    def result(self, timeout_s: float = 300.0) -> dict:
-        """Decode's answer: ``outputs``, ``kv_digest`` and ``entries``, or ``error`` (then ends the process)."""
-        try:
-            if not self.conn.poll(timeout_s):
-                return {"error": f"decode did not answer within {timeout_s} s"}
-            return self.conn.recv()
-        finally:
-            self.process.join(timeout=10)
-            if self.process.is_alive():
-                self.process.kill()
-
-    def finish(self, rank_results: Sequence[dict], timeout_s: float = 300.0) -> dict:
-        """Collect decode's result and compare it with the ranks': the ``pd_*`` entries of the demo's JSON.
-
-        ``pd_parity`` is true when decode's received KV hashes equal to the replicated baseline's (prompt tokens)
-        and decode's generated tokens equal the CP run's (``rank_results[0]["outputs"]``).
-        """
-        got = self.result(timeout_s)
-        if "error" in got:
-            return {"pd_parity": False, "pd_error": got["error"]}
-        r0 = rank_results[0]
-        kv_ok = all(r.get("pd_kv_digest") == got["kv_digest"] for r in rank_results)
-        tokens_ok = got["outputs"] == r0["outputs"]
-        return {
-            "pd_parity": kv_ok and tokens_ok,
-            "pd_kv_equal": kv_ok,
-            "pd_tokens_equal": tokens_ok,
-            "pd_outputs": got["outputs"],
-            "pd_entries": sum(r["pd_entries"] for r in rank_results),
-            "pd_min_entries": r0["pd_min_entries"],
-            "pd_calls": sum(r["pd_calls"] for r in rank_results),
-            "pd_bytes": sum(r["pd_bytes"] for r in rank_results),
-        }
-
-
 def start_decode(args: dict, prompts: Sequence[Sequence[int]]) -> DecodeProcess:
     """Host the rendezvous ``TCPStore`` on 127.0.0.1 and spawn the decode process (``demo --pd``)."""
-    from dtkv.transfer import create_store
-
-    store = create_store(port=0, is_master=True, timeout_s=args.get("timeout", 300.0))
-    namespace = uuid.uuid4().hex
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(
-        target=_decode_main, args=(child, dict(args), [list(p) for p in prompts], store.port, namespace), daemon=True
-    )
-    proc.start()
-    return DecodeProcess(
-        process=proc, conn=parent, store=store, rank_args={"pd_port": store.port, "pd_namespace": namespace}
-    )
+    return spawn_decode(_decode_main, args, prompts)

@@ -8,13 +8,12 @@ model (same seed) in a single-process :class:`DSAModelRunner`, receives every re
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
+
+from dtkv._pd_process import DecodeProcess, spawn_decode
 
 __all__ = ["DecodeProcess", "send_from_rank", "start_decode"]
 
@@ -77,57 +76,6 @@ def _decode_main(conn, args: dict, prompts: list[list[int]], port: int, namespac
         conn.send({"error": f"{type(e).__name__}: {e}"})
 
 
-@dataclass
-class DecodeProcess:
-    """The decode side of ``demo --model ... --pd``: a spawned process, its rendezvous store, its pipe."""
-
-    process: mp.Process
-    conn: object
-    store: object
-    rank_args: dict
-    """Extra demo arguments for the prefill ranks (``pd_port``, ``pd_namespace``)."""
-
-    def finish(self, rank_results: Sequence[dict], timeout_s: float = 300.0) -> dict:
-        """Decode's answer compared with the prefill ranks': the ``pd_*`` entries of the demo's JSON.
-
-        ``pd_parity``: decode's received KV hashes equal to what the CP ranks store (prompt tokens), and its
-        generated tokens equal the CP run's.
-        """
-        try:
-            got = self.conn.recv() if self.conn.poll(timeout_s) else {"error": f"no answer within {timeout_s} s"}
-        finally:
-            self.process.join(timeout=10)
-            if self.process.is_alive():
-                self.process.kill()
-        if "error" in got:
-            return {"pd_parity": False, "pd_error": got["error"]}
-        r0 = rank_results[0]
-        kv_ok = all(r.get("pd_kv_digest") == got["kv_digest"] for r in rank_results)
-        tokens_ok = got["outputs"] == r0["outputs"]
-        return {
-            "pd_parity": kv_ok and tokens_ok,
-            "pd_kv_equal": kv_ok,
-            "pd_tokens_equal": tokens_ok,
-            "pd_outputs": got["outputs"],
-            "pd_entries": sum(r["pd_entries"] for r in rank_results),
-            "pd_min_entries": r0["pd_min_entries"],
-            "pd_calls": sum(r["pd_calls"] for r in rank_results),
-            "pd_bytes": sum(r["pd_bytes"] for r in rank_results),
-        }
-
-
 def start_decode(args: dict, prompts: Sequence[Sequence[int]]) -> DecodeProcess:
     """Host the rendezvous ``TCPStore`` on 127.0.0.1 and spawn the decode process."""
-    from dtkv.transfer import create_store
-
-    store = create_store(port=0, is_master=True, timeout_s=args.get("timeout", 300.0))
-    namespace = uuid.uuid4().hex
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(
-        target=_decode_main, args=(child, dict(args), [list(p) for p in prompts], store.port, namespace), daemon=True
-    )
-    proc.start()
-    return DecodeProcess(
-        process=proc, conn=parent, store=store, rank_args={"pd_port": store.port, "pd_namespace": namespace}
-    )
+    return spawn_decode(_decode_main, args, prompts)

@@ -15,30 +15,19 @@ transfer checks the layouts of both sides and refuses a mismatch.
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections.abc import Sequence
 
-import torch
-
 from dtkv.integrations.transformers.runner import DSAModelRunner
-from dtkv.transfer import DecodeReceiver, KVShard, PrefillSender, ReceiveReport, SendReport, TransferError
+from dtkv.transfer import DecodeReceiver, PrefillSender, ReceiveReport, SendReport
+from dtkv.transfer import prefilled as _prefilled
+from dtkv.transfer.prefilled import META_ROW_BYTES, kv_digest, shard_for_runner
 
 __all__ = ["META_ROW_BYTES", "kv_digest", "receive_prefilled", "request_bytes", "send_prefilled", "shard_for_runner"]
-
-META_ROW_BYTES = 16
-"""Metadata row of a request: ``struct.pack("<qq", num_tokens, first_token)``."""
-
-
-def shard_for_runner(runner: DSAModelRunner, *, staging_bytes: int = 0) -> KVShard:
-    """This rank's :class:`dtkv.transfer.KVShard` over ``runner.pool`` (zero copy), with one metadata row."""
-    return KVShard.from_pool(runner.pool, staging_bytes=staging_bytes, meta_num_rows=1, meta_row_bytes=META_ROW_BYTES)
 
 
 def request_bytes(runner: DSAModelRunner, prompt_lens: Sequence[int]) -> int:
     """Bytes of the largest request's prompt pages over every layer and layout (a staging size that fits)."""
-    per_page = runner.geometry.num_layers * sum(lay.page_bytes for lay in runner.layouts.values())
-    return max(-(-n // runner.page_size) for n in prompt_lens) * per_page
+    return _prefilled.request_bytes(runner.layouts, runner.geometry.num_layers, runner.page_size, prompt_lens)
 
 
 def send_prefilled(
@@ -55,19 +44,7 @@ def send_prefilled(
         ValueError: a request has not finished prefill (nothing is sent).
         TransferError: see :meth:`dtkv.transfer.PrefillSender.send_request`.
     """
-    for r in runner.requests:
-        if r.num_computed < len(r.prompt) or not r.output:
-            raise ValueError(
-                f"request {r.rid} must finish prefill before it is sent, got num_computed={r.num_computed} "
-                f"of {len(r.prompt)} prompt tokens"
-            )
-    ps = runner.page_size
-    reports = []
-    for r in runner.requests:
-        meta = struct.pack("<qq", len(r.prompt), r.output[0])
-        pages = r.pages[: -(-len(r.prompt) // ps)]
-        reports.append(sender.send_request(f"{tag}req-{r.rid}", pages, meta=meta, timeout_s=timeout_s))
-    return reports
+    return _prefilled.send_prefilled(runner, sender, page_size=runner.page_size, tag=tag, timeout_s=timeout_s)
 
 
 def receive_prefilled(
@@ -90,41 +67,15 @@ def receive_prefilled(
         One :class:`dtkv.transfer.ReceiveReport` per request; then ``runner.decode(steps)`` continues them.
 
     Raises:
-        TransferError: a transfer failed, or the metadata row disagrees with the prompt length.
+        TransferError: a transfer failed, or the metadata row disagrees with the prompt length or holds a first
+            token outside the vocabulary.
     """
-    ps = runner.page_size
-    meta = next(iter(receiver.shards.values())).meta
-    reports = []
-    for prompt in prompts:
-        req = runner.add_request(prompt)
-        req.pages = runner.allocator.alloc_balanced(-(-len(req.prompt) // ps)).tolist()
-        rid = f"{tag}req-{req.rid}"
-        meta.zero_()
-        reports.append(
-            receiver.receive_request(rid, req.pages, num_tokens=len(req.prompt), dst_meta_slot=0, timeout_s=timeout_s)
-        )
-        num_tokens, first = struct.unpack("<qq", bytes(meta[0].tolist()))
-        if num_tokens != len(req.prompt):
-            raise TransferError(
-                f"metadata row says {num_tokens} tokens, the prompt has {len(req.prompt)}",
-                request_id=rid,
-                peer="prefill",
-            )
-        if not 0 <= first < runner.geometry.vocab_size:
-            raise TransferError(
-                f"metadata row holds first token {first}, outside [0, {runner.geometry.vocab_size})",
-                request_id=rid,
-                peer="prefill",
-            )
-        req.num_computed = len(req.prompt)
-        req.output = [int(first)]
-    return reports
-
-
-def kv_digest(kv: Sequence[dict[str, torch.Tensor]], num_tokens: Sequence[int]) -> str:
-    """Hash of ``kv[i][name][:, :num_tokens[i]]`` over requests and names (``runner.kv_bytes`` output)."""
-    h = hashlib.blake2b(digest_size=16)
-    for per_req, n in zip(kv, num_tokens):
-        for name in sorted(per_req):
-            h.update(per_req[name][:, :n].contiguous().numpy().tobytes())
-    return h.hexdigest()
+    return _prefilled.receive_prefilled(
+        runner,
+        receiver,
+        prompts,
+        page_size=runner.page_size,
+        vocab_size=runner.geometry.vocab_size,
+        tag=tag,
+        timeout_s=timeout_s,
+    )

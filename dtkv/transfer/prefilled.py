@@ -1,0 +1,130 @@
+"""Hand a runner's prefilled requests across: the prefill ranks' send, the decode side's receive, a KV digest.
+
+A *runner* is anything with ``requests`` (each with ``rid``, ``prompt``, ``pages``, ``num_computed``,
+``output``), ``add_request(prompt)``, an ``allocator`` and a ``pool``: :class:`dtkv.model.ModelRunner` and
+:class:`dtkv.integrations.transformers.DSAModelRunner` (their ``pd`` modules bind ``page_size`` and
+``vocab_size``). Per request, the prompt's pages travel (each prefill rank sends the pages it owns, with their
+positions) and one rank sends a metadata row ``(num_tokens, first_token)`` (:data:`META_ROW_BYTES`: two
+little-endian int64). The decode side checks that row before it trusts it: the token count must equal the
+prompt's, the first token must lie in the vocabulary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+import torch
+
+from dtkv._util import cdiv
+from dtkv.transfer.decode import DecodeReceiver, ReceiveReport
+from dtkv.transfer.errors import TransferError
+from dtkv.transfer.prefill import PrefillSender, SendReport
+from dtkv.transfer.shard import KVShard
+
+__all__ = ["META_ROW_BYTES", "kv_digest", "receive_prefilled", "request_bytes", "send_prefilled", "shard_for_runner"]
+
+META_ROW_BYTES = 16
+"""Metadata row of a request: ``struct.pack("<qq", num_tokens, first_token)``."""
+
+
+def shard_for_runner(runner, *, staging_bytes: int = 0) -> KVShard:
+    """This rank's :class:`KVShard` over ``runner.pool`` (zero copy), with one metadata row."""
+    return KVShard.from_pool(runner.pool, staging_bytes=staging_bytes, meta_num_rows=1, meta_row_bytes=META_ROW_BYTES)
+
+
+def request_bytes(layouts, num_layers: int, page_size: int, prompt_lens: Sequence[int]) -> int:
+    """Bytes of the largest request's prompt pages over ``num_layers`` layers of every layout (a staging size)."""
+    per_page = num_layers * sum(lay.page_bytes for lay in layouts.values())
+    return max((cdiv(n, page_size) for n in prompt_lens), default=0) * per_page
+
+
+def send_prefilled(
+    runner, sender: PrefillSender, *, page_size: int, tag: str = "", timeout_s: float | None = None
+) -> list[SendReport]:
+    """Send every prefilled request of ``runner`` (blocking; every prefill rank, same order).
+
+    Args:
+        runner: a CP runner whose requests finished prefill (each has its first token).
+        sender: a connected :class:`PrefillSender` over ``shard_for_runner(runner)``.
+        page_size: tokens per page of the runner's pool.
+        tag: prefix of the request ids (``f"{tag}req-{rid}"``), e.g. to reuse one bootstrap namespace.
+
+    Raises:
+        ValueError: a request has not finished prefill (checked for every request first: nothing is sent).
+        TransferError: see :meth:`PrefillSender.send_request`.
+    """
+    for r in runner.requests:
+        if r.num_computed < len(r.prompt) or not r.output:
+            raise ValueError(
+                f"request {r.rid} must finish prefill before it is sent, got num_computed={r.num_computed} "
+                f"of {len(r.prompt)} prompt tokens"
+            )
+    reports = []
+    for r in runner.requests:
+        meta = struct.pack("<qq", len(r.prompt), r.output[0])
+        pages = r.pages[: cdiv(len(r.prompt), page_size)]
+        reports.append(sender.send_request(f"{tag}req-{r.rid}", pages, meta=meta, timeout_s=timeout_s))
+    return reports
+
+
+def receive_prefilled(
+    runner,
+    receiver: DecodeReceiver,
+    prompts: Sequence[Sequence[int]],
+    *,
+    page_size: int,
+    vocab_size: int,
+    tag: str = "",
+    timeout_s: float | None = None,
+) -> list[ReceiveReport]:
+    """Add ``prompts`` to a decode ``runner`` and receive their KV and first tokens (blocking, in order).
+
+    Args:
+        runner: the decode side's runner (same model and layouts) with no requests yet; its pool is the
+            receiver's shard (:func:`shard_for_runner`).
+        receiver: a connected :class:`DecodeReceiver`.
+        prompts: token ids of each request, in the prefill side's request order.
+        page_size, vocab_size: of the runner's pool and model.
+
+    Returns:
+        One :class:`ReceiveReport` per request; then ``runner.decode(steps)`` continues them.
+
+    Raises:
+        TransferError: a transfer failed, or the metadata row disagrees with the prompt length or holds a first
+            token outside ``[0, vocab_size)``.
+    """
+    meta = next(iter(receiver.shards.values())).meta
+    reports = []
+    for prompt in prompts:
+        req = runner.add_request(prompt)
+        req.pages = runner.allocator.alloc_balanced(cdiv(len(req.prompt), page_size)).tolist()
+        rid = f"{tag}req-{req.rid}"
+        meta.zero_()
+        reports.append(
+            receiver.receive_request(rid, req.pages, num_tokens=len(req.prompt), dst_meta_slot=0, timeout_s=timeout_s)
+        )
+        num_tokens, first = struct.unpack("<qq", bytes(meta[0].tolist()))
+        if num_tokens != len(req.prompt):
+            raise TransferError(
+                f"metadata row says {num_tokens} tokens, the prompt has {len(req.prompt)}",
+                request_id=rid,
+                peer="prefill",
+            )
+        if not 0 <= first < vocab_size:
+            raise TransferError(
+                f"metadata row holds first token {first}, outside [0, {vocab_size})", request_id=rid, peer="prefill"
+            )
+        req.num_computed = len(req.prompt)
+        req.output = [int(first)]
+    return reports
+
+
+def kv_digest(kv: Sequence[dict[str, torch.Tensor]], num_tokens: Sequence[int]) -> str:
+    """Hash of ``kv[i][name][:, :num_tokens[i]]`` over requests and names (a runner's ``kv_bytes`` output)."""
+    h = hashlib.blake2b(digest_size=16)
+    for per_req, n in zip(kv, num_tokens):
+        for name in sorted(per_req):
+            h.update(per_req[name][:, :n].contiguous().numpy().tobytes())
+    return h.hexdigest()
