@@ -2,10 +2,11 @@
 # The GPU measurements of benchmarks/results/*_h200x2_*: run from the repository root on a host with 2 GPUs on NVLink.
 #   bash benchmarks/h200x2.sh views     # bench_materialize --check, its sweep, bench_prefill (--profile)
 #   bash benchmarks/h200x2.sh narrow    # bench_prefill at 32K-256K and the 128K overlap, with more samples
+#   bash benchmarks/h200x2.sh demo      # python -m dtkv.demo on NCCL (reference and transformers models)
 #   bash benchmarks/h200x2.sh rest      # bench_decode, the transformers parity grid on NCCL, the CUDA tests and bench_ops
 # Logs and results go to $OUT (default benchmarks/results/run-<date>) and, packed, to $OUT/h200x2_<phase>.tar.gz.
 set -uo pipefail
-phase=${1:?usage: h200x2.sh views|narrow|rest|hf|tests}
+phase=${1:?usage: h200x2.sh views|narrow|rest|hf|demo|tests}
 OUT=${OUT:-benchmarks/results/run-$(date +%F)}
 mkdir -p "$OUT/$phase"
 R="$OUT/$phase"
@@ -47,6 +48,13 @@ case $phase in
     ;;
   hf)
     step hf_parity 170 $TR benchmarks/bench_hf_parity.py --device cuda --dtypes bfloat16,float32 --page-sizes 64 --out "$R"
+    ;;
+  demo)  # the demo on NCCL: reference model (full and sharded decode, multi-turn prefix cache), transformers models
+    step demo_ref 120 $TR -m dtkv.demo --json --device cuda
+    step demo_sharded_decode 120 $TR -m dtkv.demo --json --device cuda --decode sharded --kv-dtype fp8
+    step demo_multi_turn 150 $TR -m dtkv.demo --json --device cuda --multi-turn
+    step demo_glm5 120 $TR -m dtkv.demo --json --device cuda --model glm5 --dtype bfloat16
+    step demo_deepseek 120 $TR -m dtkv.demo --json --device cuda --model deepseek-v32 --kv-dtype fp8
     ;;
   tests)
     cuda_tests 0 330; echo "cuda_tests rc=$?" | tee -a "$R/steps.txt"

@@ -67,7 +67,13 @@ def run_rank(rank: int, world: int, args: dict, init_file: str | None = None) ->
         if use_cuda:
             torch.cuda.set_device(local_rank)
         store = dist.FileStore(init_file, world)
-        dist.init_process_group("nccl" if use_cuda else "gloo", store=store, rank=rank, world_size=world)
+        dist.init_process_group(
+            "nccl" if use_cuda else "gloo",
+            store=store,
+            rank=rank,
+            world_size=world,
+            device_id=torch.device("cuda", local_rank) if use_cuda else None,  # NCCL: no guessing the GPU
+        )
     group = dist.group.WORLD if world > 1 else None
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if args["model"] != "reference":
@@ -251,7 +257,8 @@ def _torchrun(args: dict, rank: int, world: int, local_rank: int) -> tuple[list[
     if use_cuda:
         torch.cuda.set_device(local_rank)
     timeout = datetime.timedelta(seconds=args["timeout"])
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
+    device_id = torch.device("cuda", local_rank) if use_cuda else None  # NCCL: no guessing the GPU by rank
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout, device_id=device_id)
     meta = dist.new_group(backend="gloo", timeout=timeout)  # results travel on their own CPU group
     pd = None
     try:
