@@ -89,6 +89,7 @@ TARGETS: dict[str, Target] = {
             "tests/test_split_properties.py",
             "tests/test_split_reference.py",
             "tests/test_split_index.py",
+            "tests/test_split_local.py",
         ),
     ),
 }
