@@ -15,6 +15,8 @@ Entry points (each takes ``backend="auto" | "torch" | "triton"``):
   (``dtkv::pack_owned_pages``), with :func:`gathered_page_table`.
 - :func:`pack_layer_pages` (registered op ``dtkv::pack_layer_pages``) and :func:`pack_layer_pages_into` (eager,
   preallocated outputs) -- one send list packed out of every layout of a layer in one launch.
+- :func:`indexer_scores` -- DSA indexer scores of decode queries over their fp8 indexer pages, packed as
+  selection keys (``dtkv::indexer_scores``).
 - :func:`remap` -- logical indices to gathered-buffer coordinates (``dtkv::remap``).
 
 Ownership is a :class:`dtkv.PageOwnership` or its :class:`OwnershipSpec` (:func:`ownership_spec`), a plain tuple that
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 from dtkv.ops._common import HAS_TRITON, OwnershipSpec, ownership_spec
 from dtkv.ops.direct_write import direct_write
+from dtkv.ops.indexer_scores import indexer_scores
 from dtkv.ops.pack_layer_pages import pack_layer_pages, pack_layer_pages_into
 from dtkv.ops.pack_owned_pages import PackPlan, gathered_page_table, pack_owned_pages, plan_pack
 from dtkv.ops.quantize_write_indexer_fp8 import (
@@ -49,6 +52,7 @@ __all__ = [
     "dequantize_mla_fp8",
     "direct_write",
     "gathered_page_table",
+    "indexer_scores",
     "ownership_spec",
     "pack_layer_pages",
     "pack_layer_pages_into",
