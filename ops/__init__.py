@@ -18,6 +18,8 @@ Entry points (each takes ``backend="auto" | "torch" | "triton"``):
 - :func:`indexer_scores` -- DSA indexer scores of decode queries over their fp8 indexer pages, packed as
   selection keys (``dtkv::indexer_scores``).
 - :func:`remap` -- logical indices to gathered-buffer coordinates (``dtkv::remap``).
+- :func:`sparse_indices` -- logical token locations to a sparse-attention kernel's int32 token slots (remap,
+  bound, pad: ``dtkv::sparse_indices``); :func:`sparse_mla` -- MLA attention over selected rows (``dtkv::sparse_mla``).
 
 Ownership is a :class:`dtkv.PageOwnership` or its :class:`OwnershipSpec` (:func:`ownership_spec`), a plain tuple that
 compiles on every torch version (torch < 2.13 cannot guard on ``Placement`` subclasses inside compiled code).
@@ -42,6 +44,8 @@ from dtkv.ops.quantize_write_indexer_fp8 import (
 )
 from dtkv.ops.quantize_write_mla_fp8 import dequantize_mla_fp8, quantize_mla_fp8, quantize_write_mla_fp8
 from dtkv.ops.remap import remap
+from dtkv.ops.sparse_indices import sparse_indices
+from dtkv.ops.sparse_mla import sparse_mla
 from dtkv.ops.write_owned import write_owned
 
 __all__ = [
@@ -63,5 +67,7 @@ __all__ = [
     "quantize_write_indexer_fp8",
     "quantize_write_mla_fp8",
     "remap",
+    "sparse_indices",
+    "sparse_mla",
     "write_owned",
 ]
