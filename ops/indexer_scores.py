@@ -126,8 +126,8 @@ def _indexer_scores_kernel(
     w_sn,
     tiles_per_prog,
     S: tl.constexpr,
-    I: tl.constexpr,
-    IP: tl.constexpr,
+    NH: tl.constexpr,
+    NHP: tl.constexpr,
     J: tl.constexpr,
     JP: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -137,17 +137,17 @@ def _indexer_scores_kernel(
 ):
     """Program ``(n, c)`` scores ``tiles_per_prog`` tiles of ``BLOCK_S`` key columns of query ``n``."""
     n = tl.program_id(0).to(tl.int64)
-    ci = tl.arange(0, IP)
+    ci = tl.arange(0, NHP)
     cj = tl.arange(0, JP)
-    qm = (ci < I)[:, None] & (cj < J)[None, :]
-    w = tl.load(w_ptr + n * w_sn + ci, mask=ci < I, other=0.0).to(tl.float32)
+    qm = (ci < NH)[:, None] & (cj < J)[None, :]
+    w = tl.load(w_ptr + n * w_sn + ci, mask=ci < NH, other=0.0).to(tl.float32)
     if Q_FP8:
         qf = tl.load(q_ptr + n * q_sn + ci[:, None] * q_si + cj[None, :], mask=qm, other=0.0).to(tl.float32)
         amax = tl.max(tl.abs(qf), axis=1)
         pos_amax = amax > 0
         inv = tl.where(pos_amax, tl.math.div_rn(tl.zeros_like(amax) + 448.0, tl.where(pos_amax, amax, 1.0)), 1.0)
         w = w * tl.math.div_rn(amax, 448.0)  # the query's scale, folded into the head weight
-        qt = tl.trans(e4m3_bits(qf * inv[:, None], PREROUND).to(tl.float8e4nv, bitcast=True))  # [JP, IP]
+        qt = tl.trans(e4m3_bits(qf * inv[:, None], PREROUND).to(tl.float8e4nv, bitcast=True))  # [JP, NHP]
     else:
         qt = tl.trans(tl.load(q_ptr + n * q_sn + ci[:, None] * q_si + cj[None, :], mask=qm, other=0.0))
         if PREROUND:  # the interpreter's bf16/fp16 dot is wrong: the same products (exact) in float32
@@ -173,7 +173,7 @@ def _indexer_scores_kernel(
         if not Q_FP8:
             kf = kf.to(qt.dtype)
         if IMPRECISE_ACC > 0:
-            acc = tl.dot(kf, qt, max_num_imprecise_acc=IMPRECISE_ACC)  # [BLOCK_S, IP] fp32
+            acc = tl.dot(kf, qt, max_num_imprecise_acc=IMPRECISE_ACC)  # [BLOCK_S, NHP] fp32
         else:
             acc = tl.dot(kf, qt)
         s = tl.sum(tl.maximum(acc, 0.0) * w[None, :], axis=1) * scale
@@ -229,7 +229,7 @@ def _launch(keys, q, w, pool, page_ids, page_slots, query_pos, page_size: int, q
         _indexer_scores_kernel[(n, cdiv(tiles, per_prog))](
             keys, q, w, pool, page_ids, page_slots, query_pos,
             cols, num_pages, pool.shape[0], pool.stride(0), q.stride(0), q.stride(1), w.stride(0), per_prog,
-            S=page_size, I=heads, IP=_pow2_at_least(heads, 16), J=hd, JP=_pow2_at_least(hd, 32), BLOCK_S=block_s,
+            S=page_size, NH=heads, NHP=_pow2_at_least(heads, 16), J=hd, JP=_pow2_at_least(hd, 32), BLOCK_S=block_s,
             Q_FP8=q_fp8, PREROUND=INTERPRET, IMPRECISE_ACC=cfg["imprecise"],
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
