@@ -87,10 +87,10 @@ def indexer_scores_torch(
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     ids = page_ids.to(torch.int64)
     real = (ids >= 0) & (ids < pool.shape[0]) & (page_slots >= 0)
-    if pool.shape[0] == 0:  # this rank stores no page: every slot is padding
+    if pool.shape[0] == 0 or num_pages == 0:  # no page stored or none read: every slot is padding
         keys_NSJ = torch.zeros((n, num_pages * ps, hd), dtype=dtype, device=q.device)
     else:
-        pages = pool[torch.where(real, ids, torch.zeros_like(ids))].reshape(n * num_pages, -1)
+        pages = pool[torch.where(real, ids, torch.zeros_like(ids))].reshape(n * num_pages, pool.shape[1])
         codes = pages[:, : ps * hd].contiguous().view(torch.float8_e4m3fn).float().view(-1, ps, hd)
         scales = pages[:, ps * hd :].contiguous().view(torch.float32).view(-1, ps, 1)
         keys_NSJ = (codes * scales).reshape(n, num_pages * ps, hd).to(dtype)

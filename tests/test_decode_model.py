@@ -228,8 +228,10 @@ def _no_view_and_comm_bytes(rank, world, lens):
         calls = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if "all_gather" in str(func):
-                Count.sent += args[0].numel() * args[0].element_size()
+            name = str(func)
+            if "all_gather" in name or "allgather" in name:
+                sent = args[1] if "_allgather_base" in name else args[0]  # c10d's (output, input) or funcol's input
+                Count.sent += sent.numel() * sent.element_size()
                 Count.calls += 1
             return func(*args, **(kwargs or {}))
 
@@ -313,7 +315,7 @@ def _inject_lost_candidate(rank, world):
     import torch.distributed as dist
 
     import dtkv
-    import dtkv.decode.layer as layer_mod
+    import dtkv.decode._step_layer as layer_mod
     from dtkv.decode import INVALID_KEY, SelectionMismatchError
 
     eng = ModelRunner(_cfg("bf16"), mode="sharded", group=dist.group.WORLD, num_pages=NUM_PAGES, decode_mode="sharded")
