@@ -63,7 +63,7 @@ def plan_sharded_step(engine, reqs: Sequence) -> DecodePlan:
 
 def sharded_decode_step(engine, reqs: Sequence) -> torch.Tensor:
     """One greedy decode step of ``reqs`` on ``engine``'s sharded pool: logits float64 ``[len(reqs), V]``."""
-    model, cfg, pool = engine.model, engine.cfg, engine.pool
+    model, cfg = engine.model, engine.cfg
     for r in reqs:
         if r.num_computed >= len(r.tokens):
             raise ValueError(
