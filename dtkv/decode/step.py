@@ -150,7 +150,7 @@ class DecodeStep:
                                           send_pages=v)  # fmt: skip
         cuda = self.device.type == "cuda"
         self._plan_dev = torch.full((self.plan_layout.numel,), -1, dtype=torch.int32, device=self.device)
-        self._plan_host = torch.empty_like(self._plan_dev, device="cpu", pin_memory=cuda)
+        self._plan_host = torch.empty((self.plan_layout.numel,), dtype=torch.int32, pin_memory=cuda)
         self._copied = torch.cuda.Event() if cuda else None
         self.fields = self.plan_layout.views(self._plan_dev)
         self.rowbase = (torch.arange(b, dtype=torch.int64, device=self.device) * (m * ps) + _LOW32).view(b, 1)
