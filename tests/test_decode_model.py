@@ -324,8 +324,8 @@ def _inject_lost_candidate(rank, world):
     eng.prefill(CHUNK)
     honest = layer_mod.local_topk
 
-    def lossy(keys, k):  # the bug: the last rank loses its best candidate of every query
-        top = honest(keys, k)
+    def lossy(keys, k, **kwargs):  # the bug: the last rank loses its best candidate of every query
+        top = honest(keys, k)  # sorted: the first is the best
         if rank == world - 1:
             top = torch.cat((top[:, 1:], torch.full_like(top[:, :1], INVALID_KEY)), dim=1)
         return top

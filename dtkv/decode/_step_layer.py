@@ -9,7 +9,7 @@ Per layer (launches on one H200 in brackets; ``cp > 1`` adds the two exchanges o
 1. the new rows, written by their pages' owners (owner filter, no collective) [2: fp8 MLA row, fp8 indexer key];
 2. ``full_view`` only: this rank's pages of the batch packed and all-gathered into the view [1 pack + 2 gathers];
 3. indexer scores of the pages scored, packed as selection keys (:func:`dtkv.ops.indexer_scores`) [1], local top-k
-   (``torch.topk`` of int64 keys: ties by position) [a few];
+   (``torch.topk`` of int64 keys, unsorted: ties by position; a radix select of 8 passes over 64-bit keys) [~10-25];
 4. ``sharded`` at ``cp > 1``: the candidates all-gathered, global top-k [1 exchange + a few];
 5. selected positions -> token slots of the pages read (``(request, slot)`` coordinates through the plan's
    ``page_map``, rows this rank does not hold -> ``-1``) [2 + 1: :func:`dtkv.ops.sparse_indices`];
@@ -58,8 +58,8 @@ class LayerResult(NamedTuple):
     lse: torch.Tensor
     """Natural-log log-sum-exp of each query's selected logits ``[B, H]``."""
     keys: torch.Tensor
-    """int64 ``[B, K]`` the selection, as keys in selection order (:func:`dtkv.decode.unpack_keys` gives the
-    positions)."""
+    """int64 ``[B, K]`` the selection as keys, in no particular order (:meth:`dtkv.decode.DecodeStep.positions`
+    lists the positions in selection order: the keys sorted, then unpacked)."""
 
 
 def partial_message_bytes(heads: int, kv_lora_rank: int, out_itemsize: int, lse_itemsize: int) -> int:
@@ -98,13 +98,13 @@ def select(step, index: torch.Tensor, x: StepInputs) -> torch.Tensor:
         x.iq, x.iw, index, f["page_ids"], f["page_slots"], f["query_pos"], layout=step.index_layout,
         q_fp8=step.q_fp8, backend=step.indexer_backend,
     )  # fmt: skip
-    chosen = local_topk(keys, step.topk)
+    chosen = local_topk(keys, step.topk, sorted=False)  # the set; its order is the keys' own (sort them to list it)
     if not step.merges:
         return chosen
     b, k, cp = chosen.shape[0], step.topk, step.exchange.cp
     gathered = torch.empty((cp, b, k), dtype=torch.int64, device=chosen.device)
     step.exchange.all_gather(gathered, chosen)
-    return local_topk(gathered.transpose(0, 1).reshape(b, cp * k), k)
+    return local_topk(gathered.transpose(0, 1).reshape(b, cp * k), k, sorted=False)
 
 
 def attend(step, kv: torch.Tensor, x: StepInputs, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

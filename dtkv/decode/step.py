@@ -287,8 +287,9 @@ class DecodeStep:
     # ------------------------------------------------------------------------------------------ reporting
     @staticmethod
     def positions(result: LayerResult) -> torch.Tensor:
-        """int64 ``[B, K]`` selected positions in selection order, ``-1`` padding."""
-        return unpack_keys(result.keys)[1]
+        """int64 ``[B, K]`` selected positions in selection order (score descending, ties by position), ``-1``
+        padding (a sort of the keys: for checks, outside the hot path)."""
+        return unpack_keys(torch.sort(result.keys, dim=1, descending=True).values)[1]
 
     def comm_bytes(self) -> DecodeCommBytes:
         """What this rank sends to the collectives of one step (all layers), from the bucket's shapes: the partials
