@@ -276,7 +276,7 @@ def run_scenario(context: int, batch: int, geom: Geometry, opts: dict, *, group,
                 del res  # graph memory: released with the step
                 rows.append({**common, "graph": graph, "step_ms": statistics.median(t), "step_ms_min": min(t)})
                 if rank == 0 and opts["print"]:
-                    print(json.dumps({k: v for k, v in rows[-1].items() if k != "phase_us"}), flush=True)
+                    print(json.dumps(rows[-1]), flush=True)
             del step
             gc.collect()
     report.add_parity(rows, last)

@@ -184,3 +184,76 @@ def test_three_modes_agree_with_the_triton_indexer_fp8_queries(ranks2):
                 pos, out, _ = row[mode]
                 assert torch.equal(torch.sort(pos, 1).values, torch.sort(pos_s, 1).values), (mode, row["layer"])
                 assert float((out - out_s).abs().max() / out_s.abs().max()) < 1e-5
+
+
+def _too_large_for_one_rank(rank, world, comm):
+    import torch.distributed as dist
+
+    from dtkv import PageAllocator, ShardedKVPool
+    from dtkv.decode import DecodeStep, DecodeStepConfig
+
+    own = PageOwnership(world, NUM_PAGES)
+    pool = ShardedKVPool(_layouts(), own, num_layers=1, group=dist.group.WORLD)
+    try:
+        cfg = DecodeStepConfig(num_heads=HEADS, topk=TOPK, softmax_scale=0.1, max_batch=2, max_pages=8,
+                               attention="torch", comm=comm)  # fmt: skip
+        st = DecodeStep(pool, cfg)  # scored_pages defaults to ceil(8 / 2) + 1 = 5
+    except ValueError as e:
+        return "init: " + str(e)
+    alloc = PageAllocator(own)
+    tables = [alloc.alloc_balanced(2).tolist(), alloc.alloc([world - 1] * 6).tolist()]  # 6 pages on the last rank
+    before = st._plan_dev.clone()
+    try:
+        st.set_plan(tables, [8, 6 * PS])
+    except ValueError as e:
+        return str(e), torch.equal(before, st._plan_dev)
+    return None
+
+
+@pytest.mark.multirank
+def test_a_plan_too_large_for_one_rank_raises_on_every_rank(ranks2):
+    """Only the last rank holds too many of the request's pages, but every rank raises the same error (checked from
+    the tables every rank holds: no rank is left waiting in a collective) and the device plan is unchanged."""
+    got = ranks2.run(_too_large_for_one_rank, "nccl")
+    assert got[0] == got[1] and got[0][1] is True, got
+    assert got[0][0] == (
+        "request 1 keeps 6 pages on rank 1, more than the step's scored_pages=5: use a larger bucket (scored_pages)"
+    )
+
+
+@pytest.mark.multirank
+def test_symm_mem_needs_cuda_on_every_rank(ranks2):
+    got = ranks2.run(_too_large_for_one_rank, "symm_mem")
+    assert got[0] == got[1] and got[0].startswith("init: comm='symm_mem' needs CUDA tensors"), got
+
+
+def test_rejects_bad_configs_plans_and_calls():
+    from dtkv import ShardedKVPool
+    from dtkv.decode import DecodeStep, DecodeStepConfig
+
+    pool = ShardedKVPool(_layouts(), PageOwnership(1, 16), num_layers=1)
+    kw = {"num_heads": HEADS, "topk": TOPK, "softmax_scale": 0.1, "max_batch": 2, "max_pages": 4, "attention": "torch"}
+    with pytest.raises(ValueError, match=r"mode must be one of \('sharded', 'full_view', 'replicated'\), got mode='x'"):
+        DecodeStepConfig(mode="x", **kw)
+    with pytest.raises(ValueError, match=r"comm must be one of \('nccl', 'symm_mem'\), got comm='mpi'"):
+        DecodeStepConfig(comm="mpi", **kw)
+    with pytest.raises(ValueError, match="max_batch must be >= 1, got max_batch=0"):
+        DecodeStepConfig(**{**kw, "max_batch": 0})
+    with pytest.raises(ValueError, match="pool has no layout 'latent'"):
+        DecodeStep(pool, DecodeStepConfig(kv_name="latent", **kw))
+    sharded = ShardedKVPool(_layouts(), PageOwnership(1, 16), num_layers=1)
+    st = DecodeStep(sharded, DecodeStepConfig(**kw))
+    before = st._plan_dev.clone()
+    with pytest.raises(ValueError, match=r"len\(seq_lens\) must be <= 2 \(the step's batch bucket\), got 3"):
+        st.set_plan([[0], [1], [2]], [1, 1, 1])
+    with pytest.raises(ValueError, match="the longest request's pages must be <= 4 .*max_pages.*got 5"):
+        st.set_plan([[0, 1, 2, 3, 4]], [5 * PS])
+    with pytest.raises(ValueError, match="page_tables\\[0\\] must not repeat a page"):
+        st.set_plan([[0, 0]], [PS + 1])
+    assert torch.equal(before, st._plan_dev)  # nothing copied
+    with pytest.raises(ValueError, match="inputs must hold one StepInputs per layer \\(1\\); see alloc_inputs"):
+        st.run()
+    with pytest.raises(RuntimeError, match="capture\\(\\) records CUDA graphs; this step runs on cpu"):
+        st.capture()
+    with pytest.raises(RuntimeError, match="replay\\(\\) needs capture\\(\\) first"):
+        st.replay()

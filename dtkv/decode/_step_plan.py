@@ -19,6 +19,9 @@ field             shape         meaning
 ``send_idx``      ``[V]``       full view only: this rank's local pages of the batch, in view order; -1 padding
 ================  ============  ===================================================================================
 
+Every check is computed from what every rank holds (the page tables, the lengths, the ownership), so a plan that
+does not fit raises on every rank together, before any collective.
+
 Modes: ``sharded`` (and ``replicated``, a pool every rank holds whole: ``cp_size`` 1) score the rank's own pages;
 ``full_view`` scores every page of the view, whose rows are rank ``c``'s send list at ``[c * V, (c + 1) * V)``.
 """
@@ -76,6 +79,26 @@ def _fit(name: str, got: int, cap: int, what: str) -> None:
         raise ValueError(f"{name} must be <= {cap} (the step's {what}), got {got}: use a larger bucket")
 
 
+def _fit_every_rank(table: torch.Tensor, need: list[int], ownership: PageOwnership, cap: int) -> None:
+    """Every rank's largest per-request page count against the bucket, computed on every rank from the same tables:
+    a step too large for one rank raises on all of them (none is left waiting in a collective)."""
+    if not need:
+        return
+    width = max(need)
+    used = torch.arange(width)[None, :] < torch.tensor(need, dtype=torch.int64)[:, None]
+    owners = torch.where(
+        used, ownership.owner(table[:, :width].clamp(min=0)), torch.full_like(used, -1, dtype=torch.int64)
+    )
+    counts = torch.stack([(owners == r).sum(1) for r in range(ownership.cp_size)])  # [C, n]
+    worst = int(counts.max())
+    if worst > cap:
+        r, b = divmod(int(counts.argmax()), counts.shape[1])
+        raise ValueError(
+            f"request {b} keeps {worst} pages on rank {r}, more than the step's scored_pages={cap}: use a larger "
+            "bucket (scored_pages)"
+        )
+
+
 def build_step_plan(
     layout: StepPlanLayout,
     mode: str,
@@ -115,8 +138,8 @@ def build_step_plan(
     m = layout.max_pages
     pmap = f["page_map"].view(layout.batch, m)
     if mode != "full_view":
+        _fit_every_rank(table, need, ownership, layout.scored_pages)
         width = int((plan.owned_slots >= 0).sum(1).max()) if n else 0
-        _fit("the pages one request keeps on this rank", width, layout.scored_pages, "scored_pages")
         f["page_ids"][:n, :width] = plan.owned_local_pages[:, :width].to(torch.int32)
         f["page_slots"][:n, :width] = plan.owned_slots[:, :width].to(torch.int32)
         cols = min(plan.slot_local_page.shape[1], m)
