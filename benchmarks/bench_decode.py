@@ -127,11 +127,11 @@ def fill_random(pool: ShardedKVPool, gen: torch.Generator) -> None:
 
 
 def fill_inputs(step: DecodeStep, seed: int) -> None:
-    """The same random queries and rows on every rank (one seeded CPU generator)."""
-    g = torch.Generator().manual_seed(seed)
+    """The same random queries and rows on every rank (one generator per device, seeded alike)."""
+    g = torch.Generator(device=step.device).manual_seed(seed)
     for x in step.inputs:
         for t in x:
-            src = torch.randn(t.shape, generator=g) / (8 if t is x.q else 1)
+            src = torch.randn(t.shape, generator=g, device=step.device) / (8 if t is x.q else 1)
             t.copy_((src.abs() / src.shape[-1] if t is x.iw else src).to(t.dtype))
 
 

@@ -92,7 +92,7 @@ def _overlap(a, b):
     out = []
     for x, y in zip(a.tolist(), b.tolist()):
         sx, sy = {p for p in x if p >= 0}, {p for p in y if p >= 0}
-        out.append(len(sx & sy) / max(1, len(sx | sy)))
+        out.append(len(sx & sy) / len(sx | sy) if sx | sy else 1.0)
     return min(out)
 
 
