@@ -240,3 +240,19 @@ def test_kernel_builds_for_sm90_with_wgmma_and_no_spills():
     assert res.returncode == 0, res.stderr[-2000:]
     lines = [ln.split() for ln in res.stdout.strip().splitlines()]
     assert [ln[:3] for ln in lines] == [["True", "True", "True"], ["False", "True", "True"]], res.stdout
+
+
+@pytest.mark.parametrize("programs,block_s", [(1, 16), (3, 32), (1056, 128)])
+def test_triton_any_grid_gives_the_same_keys(monkeypatch, programs, block_s):
+    """Tiles per program (the grid's loop) and the tile width change no key bit (here, under the interpreter): a key
+    is scored by the same operations wherever it lands. On a GPU the launch parameters are fixed
+    (``KERNEL_CONFIG``), so sharded, full-view and replicated steps score a key with the same instructions."""
+    skip_unless("triton", "cpu")
+    from dtkv.ops.indexer_scores import KERNEL_CONFIG
+
+    lay, pool, ids, slots, qpos, q, w = _case(3, 4, 32, 16, 9, 7, seed=13)
+    base = indexer_scores(q, w, pool, ids, slots, qpos, layout=lay, q_fp8=True, backend="triton")
+    monkeypatch.setitem(KERNEL_CONFIG, "programs", programs)
+    monkeypatch.setitem(KERNEL_CONFIG, "block_s", block_s)
+    got = indexer_scores(q, w, pool, ids, slots, qpos, layout=lay, q_fp8=True, backend="triton")
+    assert torch.equal(got, base)
