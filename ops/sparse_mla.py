@@ -66,7 +66,7 @@ def sparse_mla_torch(
     separate contractions summed, then scaled, as the reference model writes them (:mod:`dtkv.model.model`).
     """
     dt = compute_dtype or (torch.float64 if q.dtype == torch.float64 else torch.float32)
-    n, _, _ = q.shape
+    n, h, _ = q.shape
     L = kv_lora_rank
     idx = indices.to(torch.int64)
     ok = (idx >= 0) & (idx < kv_rows.shape[0])
@@ -83,7 +83,7 @@ def sparse_mla_torch(
     p = torch.softmax(logits, dim=-1)
     p = torch.where(ok[:, None, :], p, torch.zeros_like(p))  # a query with no row: softmax is NaN, weights 0
     out = torch.einsum("nhk,nkr->nhr", p, sel[..., :L])
-    return out.reshape(n, -1, L), lse
+    return out.reshape(n, h, L), lse
 
 
 # ----------------------------------------------------------------------------------------- Triton kernel
