@@ -1,6 +1,6 @@
 """``dtkv::sparse_mla``: MLA attention over selected rows, fp8 or latent, against a float64 loop reference.
 
-``ref_sparse_mla`` decodes each selected row from its bytes by the layout's definition (e4m3 bytes times the fp32
+``ref_sparse_mla`` (``tests/attention_reference.py``) decodes each selected row from its bytes by the layout's definition (e4m3 bytes times the fp32
 scale of their block, then the bf16 rope; :class:`dtkv.MLAFp8Layout`) and runs the softmax per (query, head) in
 float64, sharing no code with ``ops/``. Tolerances, per path:
 
@@ -15,9 +15,7 @@ Empty queries (every index ``-1`` or out of range) are exact on every path: zero
 
 from __future__ import annotations
 
-import math
 import re
-import struct
 
 import pytest
 import torch
@@ -25,43 +23,10 @@ import torch
 from dtkv import MLAFp8Layout
 from dtkv.ops import quantize_mla_fp8, sparse_mla
 from dtkv.ops.sparse_mla import sparse_mla_torch
+from tests.attention_reference import ref_sparse_mla
 from tests.ops_reference import BACKENDS, skip_unless
 
 LAY = MLAFp8Layout(page_size=4, kv_lora_rank=64, rope_dim=16, quant_block=32)
-
-
-def decode_row(row: torch.Tensor, L: int, R: int, qb: int) -> list[float]:
-    """One stored row -> float64 values, by the format's definition (latent: e4m3 value times its block's fp32 scale,
-    the product in float32 as the format dequantizes)."""
-    if row.dtype != torch.uint8:
-        return [float(x) for x in row.double()]
-    b = row.tolist()
-    nb = L // qb
-    scales = torch.tensor(b[L : L + 4 * nb], dtype=torch.uint8).view(torch.float32).tolist()
-    lat = torch.tensor(b[:L], dtype=torch.uint8).view(torch.float8_e4m3fn).float().tolist()
-    rope = torch.tensor(b[L + 4 * nb : L + 4 * nb + 2 * R], dtype=torch.uint8).view(torch.bfloat16).double().tolist()
-    f32 = lambda x: struct.unpack("f", struct.pack("f", x))[0]  # noqa: E731
-    return [f32(lat[i] * scales[i // qb]) for i in range(L)] + rope
-
-
-def ref_sparse_mla(q, rows, indices, scale, L, R, qb):
-    n, h, _ = q.shape
-    out = torch.zeros(n, h, L, dtype=torch.float64)
-    lse = torch.full((n, h), float("-inf"), dtype=torch.float64)
-    qd = q.double()
-    for i in range(n):
-        keys = [decode_row(rows[j], L, R, qb) for j in indices[i].tolist() if 0 <= j < rows.shape[0]]
-        if not keys:
-            continue
-        k = torch.tensor(keys, dtype=torch.float64)  # [K', L + R]
-        for hh in range(h):
-            s = [float(qd[i, hh] @ k[j]) * scale for j in range(k.shape[0])]
-            m = max(s)
-            w = [math.exp(x - m) for x in s]
-            total = sum(w)
-            lse[i, hh] = m + math.log(total)
-            out[i, hh] = sum(wj / total * k[j, :L] for j, wj in enumerate(w))
-    return out, lse
 
 
 def _case(seed, n=5, heads=4, rows=40, k=20, fp8=True, q_dtype=torch.float32):
