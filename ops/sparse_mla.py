@@ -37,9 +37,10 @@ _LATENT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # ----------------------------------------------------------------------------------------- torch reference
 def dequantize_rows(rows: torch.Tensor, kv_lora_rank: int, rope_dim: int, quant_block: int) -> torch.Tensor:
-    """Stored rows ``[..., row]`` (fp8 uint8 or float latent) -> float32 ``[..., L + R]`` (latent then rope)."""
+    """Stored rows ``[..., row]`` -> ``[..., L + R]`` (latent then rope): fp8 uint8 rows dequantized to float32, float
+    latent rows as they are."""
     if rows.dtype != torch.uint8:
-        return rows[..., : kv_lora_rank + rope_dim].float()
+        return rows[..., : kv_lora_rank + rope_dim]
     nb = kv_lora_rank // quant_block
     lat = rows[..., :kv_lora_rank].contiguous().view(torch.float8_e4m3fn).float()
     scales = rows[..., kv_lora_rank : kv_lora_rank + 4 * nb].contiguous().view(torch.float32)
