@@ -18,8 +18,15 @@ from dtkv.integrations.transformers.runner import DSAModelRunner, num_pages_for
 __all__ = ["DTYPES", "FLASHMLA_DIMS", "MIN_WITHIN", "TOLERANCE", "parity_of", "run_rank", "summary"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-FLASHMLA_DIMS = {"num_attention_heads": 64, "num_key_value_heads": 64, "kv_lora_rank": 512, "qk_rope_head_dim": 64}
-"""``--attention flashmla``: :func:`tiny_model` at FlashMLA's dims (and pages of 64 tokens)."""
+FLASHMLA_DIMS = {
+    "num_attention_heads": 64,
+    "num_key_value_heads": 64,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "index_head_dim": 128,
+}
+"""``--attention flashmla``: :func:`tiny_model` at FlashMLA's dims (and pages of 64 tokens; the indexer's rope of 64
+dims needs more than 64 indexer dims)."""
 TOLERANCE = {
     ("float32", "fp32"): 1e-5,
     ("float32", "fp8"): 1e-4,
