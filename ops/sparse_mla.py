@@ -37,9 +37,10 @@ _LATENT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # ----------------------------------------------------------------------------------------- torch reference
 def dequantize_rows(rows: torch.Tensor, kv_lora_rank: int, rope_dim: int, quant_block: int) -> torch.Tensor:
-    """Stored rows ``[..., row]`` (fp8 uint8 or float latent) -> float32 ``[..., L + R]`` (latent then rope)."""
+    """Stored rows ``[..., row]`` -> ``[..., L + R]`` (latent then rope): fp8 uint8 rows dequantized to float32, float
+    latent rows as they are."""
     if rows.dtype != torch.uint8:
-        return rows[..., : kv_lora_rank + rope_dim].float()
+        return rows[..., : kv_lora_rank + rope_dim]
     nb = kv_lora_rank // quant_block
     lat = rows[..., :kv_lora_rank].contiguous().view(torch.float8_e4m3fn).float()
     scales = rows[..., kv_lora_rank : kv_lora_rank + 4 * nb].contiguous().view(torch.float32)
@@ -66,7 +67,7 @@ def sparse_mla_torch(
     separate contractions summed, then scaled, as the reference model writes them (:mod:`dtkv.model.model`).
     """
     dt = compute_dtype or (torch.float64 if q.dtype == torch.float64 else torch.float32)
-    n, _, _ = q.shape
+    n, h, _ = q.shape
     L = kv_lora_rank
     idx = indices.to(torch.int64)
     ok = (idx >= 0) & (idx < kv_rows.shape[0])
@@ -83,7 +84,7 @@ def sparse_mla_torch(
     p = torch.softmax(logits, dim=-1)
     p = torch.where(ok[:, None, :], p, torch.zeros_like(p))  # a query with no row: softmax is NaN, weights 0
     out = torch.einsum("nhk,nkr->nhr", p, sel[..., :L])
-    return out.reshape(n, -1, L), lse
+    return out.reshape(n, h, L), lse
 
 
 # ----------------------------------------------------------------------------------------- Triton kernel

@@ -73,6 +73,10 @@ class AttentionBackend(ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, spec={self.spec!r}, device={str(self.device)!r})"
 
+    def cast_queries(self, q: torch.Tensor) -> torch.Tensor:
+        """``q`` in a dtype this backend takes (FlashMLA: bf16; Triton: float64 as float32; torch: as is)."""
+        return q
+
     # ------------------------------------------------------------------------------------------ indices (run)
     def index_width(self, topk: int) -> int:
         """Index width for ``topk`` keys: the next multiple of :attr:`index_multiple`."""

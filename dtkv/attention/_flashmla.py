@@ -57,6 +57,9 @@ class FlashMLAAttention(AttentionBackend):
     def _q_dtypes(self) -> tuple[torch.dtype, ...]:
         return (torch.bfloat16,)
 
+    def cast_queries(self, q: torch.Tensor) -> torch.Tensor:
+        return q.to(torch.bfloat16)
+
     def plan_decode(self, num_queries: int, width: int) -> DecodeSchedule:
         schedule = super().plan_decode(num_queries, width)
         if self.spec.fp8:

@@ -18,6 +18,9 @@ class TritonAttention(AttentionBackend):
 
     name = "triton"
 
+    def cast_queries(self, q: torch.Tensor) -> torch.Tensor:
+        return q.float() if q.dtype == torch.float64 else q
+
     def _run(self, q, kv, indices, softmax_scale, schedule, *, decode):
         lay = self.spec.layout
         if q.dtype == torch.float64:
