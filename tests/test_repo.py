@@ -31,7 +31,7 @@ def test_exact_pins_live_only_in_the_ci_constraints():
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     reqs = list(project["dependencies"]) + [r for extra in project["optional-dependencies"].values() for r in extra]
-    assert not [r for r in reqs if "==" in r], reqs
+    assert not [r for r in reqs if "==" in r.split(";")[0]], reqs  # markers may compare with ==
     assert not [r for r in project["dependencies"] if r.startswith("triton")]
     pins = (ROOT / ".ci" / "constraints.txt").read_text()
     assert "torch==2.13.0" in pins and "transformers==5.17.0" in pins
