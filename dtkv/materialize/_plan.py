@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
 from dtkv._agree import agree
-from dtkv._util import cdiv, unique_in_order
-from dtkv.layouts import KVLayout
+from dtkv._scratch import scratch_bytes as scratch_bytes  # light home: dtkv.capacity imports no kernels
+from dtkv._util import unique_in_order
 from dtkv.ops import PackPlan, plan_pack
 from dtkv.ownership import OwnershipSpec, PageOwnership, ownership_spec
 
@@ -252,19 +252,3 @@ def agree_plan(plan: MaterializePlan, group: dist.ProcessGroup | None) -> None:
     if plan.agreed or group is None or dist.get_world_size(group) == 1:
         return
     _agree_plan(plan, group, None)
-
-
-def scratch_bytes(
-    layouts: Mapping[str, KVLayout], *, max_pages: int, cp: int, prefetch: bool = True, slack_pages: int | None = None
-) -> int:
-    """Bytes of materialization scratch on one rank for batches reading up to ``max_pages`` pages.
-
-    Per layout: the view (``cp * M`` pages) plus the send buffers (``M`` pages), with
-    ``M = ceil(max_pages / cp) + slack_pages`` (owner-balanced allocation keeps per-rank counts within about a
-    page per request; the default slack is ``cp`` pages). Doubled when ``prefetch`` keeps two layers live. An
-    upper bound: send buffers are not allocated where the pool's pages already sit in send order.
-    """
-    slack = cp if slack_pages is None else slack_pages
-    m = cdiv(max_pages, cp) + slack
-    per_layer = sum((cp * m + m) * lay.page_bytes for lay in layouts.values())
-    return per_layer * (2 if prefetch else 1)
