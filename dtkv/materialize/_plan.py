@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from dtkv._agree import agree
 from dtkv._scratch import scratch_bytes as scratch_bytes  # light home: dtkv.capacity imports no kernels
-from dtkv._util import unique_in_order
+from dtkv._util import as_int_array, unique_in_order
 from dtkv.ops import PackPlan, plan_pack
 from dtkv.ownership import OwnershipSpec, PageOwnership, ownership_spec
 
@@ -130,8 +130,8 @@ def _build(
     if not isinstance(ownership, PageOwnership):
         raise TypeError(f"ownership must be a dtkv.PageOwnership, got {type(ownership).__name__}")
     _check_rank(rank, ownership.cp_size)
-    h = torch.as_tensor(history_pages, dtype=torch.int64).flatten().cpu()
-    c = torch.as_tensor(current_pages, dtype=torch.int64).flatten().cpu()
+    h = torch.from_numpy(as_int_array("history_pages", history_pages, ndim=None))  # floats/bools refused
+    c = torch.from_numpy(as_int_array("current_pages", current_pages, ndim=None))
     ownership.check_pages("history_pages", h)
     ownership.check_pages("current_pages", c)
     c = unique_in_order(c[c >= 0])
@@ -198,7 +198,8 @@ def plan_materialize(
             :meth:`Materializer.view` returned.
 
     Raises:
-        TypeError / ValueError: ``rank`` is not in ``[0, cp_size)`` or a page is outside ``[0, num_pages)`` -- with
+        TypeError / ValueError: ``rank`` is not in ``[0, cp_size)``, a page is not an int (floats and bools are
+            refused, never truncated) or is outside ``[0, num_pages)`` -- with
             ``group``, on every rank, naming the failing ranks (:func:`dtkv._agree.agree`).
         MaterializeError: (with ``group``) on every rank, when the plans differ, naming the first differing size
             (or the digest) and each rank's value.
