@@ -99,13 +99,14 @@ def sharded_decode_step(engine, reqs: Sequence) -> torch.Tensor:
 
 
 def _decode_step(engine, reqs: Sequence) -> DecodeStep:
-    """A :class:`DecodeStep` sized for exactly this step (eager, torch kernels), its plan set (host)."""
+    """A :class:`DecodeStep` sized for exactly this step (eager; the runner's attention backend, the torch indexer:
+    float64 on the reference model), its plan set (host)."""
     cfg = engine.cfg
     width = max(len(r.pages) for r in reqs)
     config = DecodeStepConfig(
         mode="sharded", num_heads=cfg.num_heads, topk=cfg.index_topk,
         softmax_scale=1.0 / math.sqrt(cfg.kv_lora_rank + cfg.rope_dim), max_batch=len(reqs), max_pages=width,
-        scored_pages=width, attention="torch", indexer="torch",
+        scored_pages=width, attention=engine.attention.name, indexer="torch",
     )  # fmt: skip
     step = DecodeStep(engine.pool, config)
     step.set_plan([r.pages for r in reqs], [r.num_computed + 1 for r in reqs])
