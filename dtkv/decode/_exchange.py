@@ -50,7 +50,7 @@ class Exchange:
         max_bytes: the largest message one rank contributes (``symm_mem`` allocates for it once).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, device: torch.device, *, backend: Comm, max_bytes: int):
+    def __init__(self, group: dist.ProcessGroup | None, device: torch.device, *, backend: str, max_bytes: int):
         if backend not in COMMS:
             raise ValueError(f"comm must be one of {COMMS}, got comm={backend!r}")
         self.group, self.device, self.backend = group, torch.device(device), backend
@@ -89,6 +89,7 @@ class Exchange:
     def _barrier(self) -> None:
         from dtkv.materialize._symm import BARRIER_TIMEOUT_MS
 
+        assert self._buf is not None, "symm_mem barrier without a buffer"
         self._buf.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
@@ -103,6 +104,7 @@ class Exchange:
         if n > self.max_bytes:
             raise ValueError(f"a message of {n} bytes exceeds the exchange's max_bytes={self.max_bytes}")
         if self._buf is None:
+            assert self.group is not None, "an active exchange has a group"
             all_gather_into(dst.reshape(-1), src, self.group)
             return out
         p = self._parity

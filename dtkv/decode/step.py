@@ -180,7 +180,7 @@ class DecodeStep:
             sizes += [t.numel() * t.element_size() for t in self.view_send]
         self.exchange = Exchange(self.group, self.device, backend=config.comm, max_bytes=max(sizes))
         self.inputs: list[StepInputs] | None = None
-        self._graph = None
+        self._graph: torch.cuda.CUDAGraph | None = None
         self._graph_out: list[LayerResult] | None = None
 
     # ------------------------------------------------------------------------------------------ plan
@@ -285,7 +285,7 @@ class DecodeStep:
     def replay(self) -> list[LayerResult]:
         """Replay the captured step over the current plan and inputs; the results live in graph memory (valid until
         the next replay)."""
-        if self._graph is None:
+        if self._graph is None or self._graph_out is None:
             raise RuntimeError("replay() needs capture() first")
         self._graph.replay()
         return self._graph_out
