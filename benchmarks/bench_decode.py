@@ -62,6 +62,7 @@ if importlib.util.find_spec("dtkv") is None:  # a checkout that is not installed
     sys.path.insert(0, str(ROOT))
 
 import _decode_report as report  # noqa: E402
+import bench_indexer_scores as isweep  # noqa: E402
 from _dist_bench import barrier, hardware_tag, sync, today  # noqa: E402
 
 from dtkv import IndexerFp8Layout, MLAFp8Layout, PageAllocator, PageOwnership, ShardedKVPool  # noqa: E402
@@ -69,7 +70,7 @@ from dtkv._util import cdiv  # noqa: E402
 from dtkv.decode import MODES, DecodeStep, DecodeStepConfig  # noqa: E402
 from dtkv.decode import _step_layer as layer_ops  # noqa: E402
 from dtkv.ops import indexer_scores  # noqa: E402
-from dtkv.ops.indexer_scores import KERNEL_CONFIG, indexer_scores_bytes  # noqa: E402
+from dtkv.ops.indexer_scores import indexer_scores_bytes  # noqa: E402
 
 H200_HBM_GBPS = 4800.0
 """H200 HBM3e bandwidth (spec sheet): the ceiling the indexer's GB/s is held against."""
@@ -297,63 +298,33 @@ def _plain_indexer(q, w, pool, ids, lay) -> torch.Tensor:
     return (s * w[:, :, None]).sum(1) * scales
 
 
-def _copy_gbps(device: torch.device) -> float:
-    """GB/s of a 1 GiB device copy (read + write): the HBM bandwidth a streaming kernel can reach here."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    ms = statistics.median(timed(lambda: dst.copy_(src), 10, 2, device, None))
-    return 2 * src.numel() / (ms * 1e6)
-
-
 def indexer_sweep(geom: Geometry, opts: dict, device: torch.device) -> list[dict]:
-    """The indexer kernel alone at one large shape (16 queries x 128K tokens, own pool), per launch config."""
+    """The indexer kernel alone (:mod:`bench_indexer_scores`): with ``--indexer-sweep`` every candidate launch at
+    every sweep shape, else the default launch at 16 queries x 128K tokens; plus the plain-torch indexer there."""
     if device.type != "cuda":
         return []
-    n, ctx, ps = 16, 131072, geom.page_size
     lay = geom.layouts["index"]
-    pages = n * ctx // ps
-    pool = torch.randint(0, 120, (pages, lay.page_shape[0]), dtype=torch.uint8, device=device)
-    pool[:, lay.scale_offset :].view(torch.float32).fill_(1e-3)
-    ids = torch.randperm(pages, device=device, dtype=torch.int32).view(n, -1)
-    slots = torch.arange(ctx // ps, device=device, dtype=torch.int32).expand(n, -1).contiguous()
-    qpos = torch.full((n,), ctx - 1, dtype=torch.int32, device=device)
+    if opts["indexer_sweep"]:
+        rows = isweep.sweep(device, heads=geom.index_heads, lay=lay)
+    else:
+        rows = isweep.sweep(device, shapes=[(16, 131072)], candidates=isweep.CANDIDATES[:1], heads=geom.index_heads,
+                            lay=lay)  # fmt: skip
+    n, ctx = 16, 131072
+    pool = isweep.make_pool(n * ctx // lay.page_size, lay, device)
+    ids, _, _ = isweep.page_sets(n, ctx, pool.shape[0], lay, device)[0]
     q = torch.randn(n, geom.index_heads, geom.index_head_dim, device=device, dtype=torch.bfloat16)
     w = torch.rand(n, geom.index_heads, device=device)
     nbytes = indexer_scores_bytes(num_valid_keys=n * ctx, num_cols=n * ctx, num_queries=n, heads=geom.index_heads,
                                   head_dim=geom.index_head_dim)  # fmt: skip
-    saved = dict(KERNEL_CONFIG)
-    grid = [saved]
-    if opts["indexer_sweep"]:
-        grid = [dict(saved, block_s=b, num_warps=w_, num_stages=s, programs=p)
-                for b in (64, 128) for w_ in (4, 8) for s in (3, 4) for p in (1056, 2112)]  # fmt: skip
-    rows = []
-    copy_gbps = _copy_gbps(device)
     try:
-        for cfg in grid:
-            KERNEL_CONFIG.update(cfg)
-            for q_fp8 in (True, False):
-
-                def call(q_fp8=q_fp8):
-                    return indexer_scores(q, w, pool, ids, slots, qpos, layout=lay, q_fp8=q_fp8, backend="triton")
-
-                try:
-                    ms = statistics.median(timed(lambda: [call() for _ in range(10)], 5, 1, device, None)) / 10
-                except Exception as e:  # a config that does not compile: report it, keep sweeping
-                    rows.append({"config": dict(cfg), "q_fp8": q_fp8, "error": f"{type(e).__name__}: {e}"[:300]})
-                    continue
-                gbps = nbytes / (ms * 1e6)
-                rows.append({"config": dict(cfg), "q_fp8": q_fp8, "queries": n, "context": ctx, "bytes": nbytes,
-                             "ms": ms, "gbps": gbps, "hbm_fraction": gbps / H200_HBM_GBPS,
-                             "copy_gbps": copy_gbps, "copy_fraction": gbps / copy_gbps})  # fmt: skip
-        try:
-            ms = statistics.median(timed(lambda: _plain_indexer(q, w, pool, ids, lay), 3, 1, device, None))
-            rows.append({"config": "plain torch (gather, fp8 -> bf16, einsum, relu, head sum)", "q_fp8": False,
-                         "ms": ms, "gbps": nbytes / (ms * 1e6), "bytes": nbytes})  # fmt: skip
-        except torch.cuda.OutOfMemoryError:
-            pass
-    finally:
-        KERNEL_CONFIG.clear()
-        KERNEL_CONFIG.update(saved)
+        ms = statistics.median(timed(lambda: _plain_indexer(q, w, pool, ids, lay), 3, 1, device, None))
+        rows.append({"name": "plain torch (gather, fp8 -> bf16, einsum, relu, head sum)", "config": "plain torch",
+                     "q_fp8": False, "queries": n, "context": ctx, "shape": f"{n}x{ctx}", "bucket": [2, 0],
+                     "ms": ms, "gbps": nbytes / (ms * 1e6), "hbm_fraction": nbytes / (ms * 1e6) / H200_HBM_GBPS,
+                     "bytes": nbytes, "bitwise": False, "ok": False, "max_rel_err": float("nan"),
+                     "topk_agree": float("nan")})  # fmt: skip
+    except torch.cuda.OutOfMemoryError:
+        pass
     return rows
 
 
@@ -393,7 +364,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--q-fp8", choices=("auto", "on", "off"), default="auto", help="fp8 indexer queries")
     p.add_argument("--mem-budget-gb", type=float, help="GPU memory the pools may take (default 70%% of the GPU)")
     p.add_argument("--no-phases", action="store_true", help="skip the per-phase timing of one layer")
-    p.add_argument("--indexer-sweep", action="store_true", help="time the indexer kernel over launch configs")
+    p.add_argument(
+        "--indexer-sweep",
+        action="store_true",
+        help="time the indexer kernel's candidate launches at its sweep shapes (bench_indexer_scores.py)",
+    )
     p.add_argument("--quick", action="store_true", help="32K and 128K x batch 1 and 4, 3 reps (~2 minutes)")
     p.add_argument("--smoke", action="store_true", help="CPU: spawn 2 gloo ranks, tiny geometry and contexts")
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))

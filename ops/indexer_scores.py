@@ -32,7 +32,12 @@ exact, and a selection differs only where two scores are that close.
 
 **Bytes.** Per valid key ``J`` code bytes and 4 scale bytes are read once (8448 per 64-token page at ``J = 128``),
 plus 8 bytes written per output column; queries and weights are ``N * I * (J * itemsize + 4)``. Padding pages and
-non-causal keys are not read.
+pages wholly past the query are not read (the page kernel reads the rest of a query's last, partial page).
+
+**Launch.** :func:`launch_config` picks the kernel and its parameters (:class:`IndexerLaunch`) from
+:data:`LAUNCH_TABLE` by (batch bucket, key bucket), :data:`DEFAULT_LAUNCH` where the table has no entry; the
+kernels are in :mod:`dtkv.ops._indexer_kernels`. ``benchmarks/bench_indexer_scores.py`` times the candidates on a
+GPU and writes the winners into the table.
 
 Legend: ``N`` queries, ``I`` indexer heads, ``J`` indexer dims, ``P`` local pages, ``S`` page size, ``L`` pages
 read per query.
@@ -40,15 +45,38 @@ read per query.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
 import torch
 
 from dtkv._checks import check_tensor
 from dtkv._util import cdiv
 from dtkv.layouts import IndexerFp8Layout
 
-from ._common import INTERPRET, device_ctx, e4m3_bits, e4m3_blocks_torch, index_arg, resolve_backend, tl, triton
+from ._common import INTERPRET, device_ctx, e4m3_blocks_torch, index_arg, resolve_backend
+from ._indexer_kernels import indexer_cols_kernel, indexer_pages_kernel
 
-__all__ = ["KERNEL_CONFIG", "indexer_scores", "indexer_scores_bytes", "indexer_scores_torch"]
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # no Triton, or one without host-side TMA descriptors: pointer loads
+    TensorDescriptor = None
+
+__all__ = [
+    "BATCH_BUCKETS",
+    "DEFAULT_LAUNCH",
+    "KEY_BUCKETS",
+    "LAUNCH_TABLE",
+    "IndexerLaunch",
+    "indexer_scores",
+    "indexer_scores_bytes",
+    "indexer_scores_torch",
+    "launch_bucket",
+    "launch_config",
+    "use_launch",
+]
 
 _INVALID_KEY = -(2**63)
 _LOW32 = 2**32 - 1
@@ -107,92 +135,99 @@ def indexer_scores_torch(
     return _pack_keys(scores, pos, valid)
 
 
-# ----------------------------------------------------------------------------------------- Triton kernel
-@triton.jit
-def _indexer_scores_kernel(
-    keys_ptr,  # [N, L*S] int64, contiguous
-    q_ptr,  # [N, I, J] bf16/fp16/fp32; strides (q_sn, q_si, 1)
-    w_ptr,  # [N, I] floating; strides (w_sn, 1)
-    pool_ptr,  # uint8 [P, S*(J+4)]; page stride page_stride (bytes), pages contiguous
-    ids_ptr,  # [N, L] int32/int64, contiguous: local page read, -1 padding
-    slots_ptr,  # [N, L] int32/int64, contiguous: its logical page slot, -1 padding
-    qpos_ptr,  # [N] int32/int64: position of the query
-    num_cols,  # L * S
-    num_page_cols,  # L
-    num_local_pages,  # P
-    page_stride,
-    q_sn,
-    q_si,
-    w_sn,
-    tiles_per_prog,
-    S: tl.constexpr,
-    NH: tl.constexpr,
-    NHP: tl.constexpr,
-    J: tl.constexpr,
-    JP: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    Q_FP8: tl.constexpr,
-    PREROUND: tl.constexpr,
-    IMPRECISE_ACC: tl.constexpr,
-):
-    """Program ``(n, c)`` scores ``tiles_per_prog`` tiles of ``BLOCK_S`` key columns of query ``n``."""
-    n = tl.program_id(0).to(tl.int64)
-    ci = tl.arange(0, NHP)
-    cj = tl.arange(0, JP)
-    qm = (ci < NH)[:, None] & (cj < J)[None, :]
-    w = tl.load(w_ptr + n * w_sn + ci, mask=ci < NH, other=0.0).to(tl.float32)
-    if Q_FP8:
-        qf = tl.load(q_ptr + n * q_sn + ci[:, None] * q_si + cj[None, :], mask=qm, other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(qf), axis=1)
-        pos_amax = amax > 0
-        inv = tl.where(pos_amax, tl.math.div_rn(tl.zeros_like(amax) + 448.0, tl.where(pos_amax, amax, 1.0)), 1.0)
-        w = w * tl.math.div_rn(amax, 448.0)  # the query's scale, folded into the head weight
-        qt = tl.trans(e4m3_bits(qf * inv[:, None], PREROUND).to(tl.float8e4nv, bitcast=True))  # [JP, NHP]
-    else:
-        qt = tl.trans(tl.load(q_ptr + n * q_sn + ci[:, None] * q_si + cj[None, :], mask=qm, other=0.0))
-        if PREROUND:  # the interpreter's bf16/fp16 dot is wrong: the same products (exact) in float32
-            qt = qt.to(tl.float32)
-    qpos = tl.load(qpos_ptr + n).to(tl.int64)
-    row_ids = ids_ptr + n * num_page_cols
-    row_slots = slots_ptr + n * num_page_cols
-    row_keys = keys_ptr + n * num_cols
-    first = tl.program_id(1) * tiles_per_prog
-    for t in range(0, tiles_per_prog):
-        col = (first + t) * BLOCK_S + tl.arange(0, BLOCK_S)
-        inside = col < num_cols
-        pg = col // S
-        off = col - pg * S
-        pid = tl.load(row_ids + pg, mask=inside, other=-1).to(tl.int64)
-        slot = tl.load(row_slots + pg, mask=inside, other=-1).to(tl.int64)
-        pos = slot * S + off
-        valid = inside & (pid >= 0) & (pid < num_local_pages) & (slot >= 0) & (pos <= qpos)
-        base = tl.where(valid, pid, 0) * page_stride
-        k_ptrs = (pool_ptr + (base + off * J)[:, None] + cj[None, :]).to(tl.pointer_type(tl.float8e4nv))
-        kf = tl.load(k_ptrs, mask=valid[:, None] & (cj < J)[None, :], other=0.0, eviction_policy="evict_first")
-        scale = tl.load((pool_ptr + base + S * J + 4 * off).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)
-        if not Q_FP8:
-            kf = kf.to(qt.dtype)
-        if IMPRECISE_ACC > 0:
-            acc = tl.dot(kf, qt, max_num_imprecise_acc=IMPRECISE_ACC)  # [BLOCK_S, NHP] fp32
-        else:
-            acc = tl.dot(kf, qt)
-        s = tl.sum(tl.maximum(acc, 0.0) * w[None, :], axis=1) * scale
-        # the int64 selection key: ord32(score) * 2**32 + (2**32 - 1 - position); -0.0 -> +0.0, one NaN
-        s = tl.where(s == 0.0, 0.0, s)
-        s = tl.where(s != s, float("nan"), s)
-        bits = s.to(tl.int32, bitcast=True)
-        ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
-        key = ordered * 4294967296 + (4294967295 - pos)
-        key = tl.where(valid & (s != float("-inf")), key, -9223372036854775808)
-        tl.store(row_keys + col, key, mask=inside)
+# ----------------------------------------------------------------------------------------- launch configuration
+_KERNELS = ("pages", "cols")
 
 
-KERNEL_CONFIG: dict[str, int] = {"block_s": 64, "num_warps": 4, "num_stages": 4, "programs": 1056, "imprecise": 0}
-"""Launch parameters: key columns per tile, warps, pipeline stages, the grid's target program count (tiles per
-program grow to keep the grid near it), and ``max_num_imprecise_acc`` of the fp8 dot (0: Triton's default). Fixed,
-never chosen per shape: every call scores a key with the same instructions, so sharded, full-view and replicated
-steps get the same bits for the same key. ``benchmarks/bench_decode.py --indexer-sweep`` times alternatives on a
-GPU."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class IndexerLaunch:
+    """Launch parameters of the Triton kernels (:mod:`dtkv.ops._indexer_kernels`); none changes a key's bits
+    (every kernel scores a key with the same instructions at ``num_warps=4``; ``imprecise`` does change them)."""
+
+    kernel: str = "pages"
+    """``"pages"``: one page per tile, the page id loaded once and pipelined ahead; ``"cols"``: the first kernel,
+    tiles of ``block_s`` columns gathered column by column (also what pages above 128 tokens get)."""
+    tma: bool = True
+    """``"pages"``: TMA loads of the codes and scales where the pool allows (a Hopper GPU or the interpreter,
+    16-byte aligned pool, page stride and rows); ``cp.async`` pointer loads otherwise."""
+    pages_per_iter: int = 1
+    """``"pages"``: pages per loop iteration (their loads issued together)."""
+    block_s: int = 64
+    """``"cols"``: key columns per tile."""
+    num_warps: int = 4
+    num_stages: int = 8
+    """Software-pipeline stages; with a page id loaded before its tile, Triton gives the tile loads about
+    ``num_stages / 2`` iterations of look-ahead (``num_stages=4``: one tile, no overlap within a program)."""
+    ctas_per_sm: int = 4
+    """Grid target: ``ctas_per_sm`` programs per SM (tiles per program grow to keep the grid near it; a query's
+    pages are split over programs when the batch is small)."""
+    imprecise: int = 0
+    """``max_num_imprecise_acc`` of the fp8 dot (0: Triton's default)."""
+
+    def __post_init__(self) -> None:
+        if self.kernel not in _KERNELS:
+            raise ValueError(f"kernel must be one of {_KERNELS}, got kernel={self.kernel!r}")
+        for name in ("pages_per_iter", "block_s", "num_warps", "num_stages", "ctas_per_sm"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {name}={v!r}")
+        if self.block_s & (self.block_s - 1) or self.block_s < 16:
+            raise ValueError(f"block_s must be a power of two >= 16, got block_s={self.block_s}")
+
+
+DEFAULT_LAUNCH = IndexerLaunch()
+"""What a shape without a :data:`LAUNCH_TABLE` entry gets: page tiles by TMA, 8 stages (about 4 tiles in
+flight per program), 4 programs per SM (about 106-113 registers and 42 KB of shared memory each at DeepSeek-V3.2
+geometry: 4 fit an SM)."""
+
+BATCH_BUCKETS: tuple[int, ...] = (1, 4)
+"""Upper bounds of the batch buckets (queries per call): ``n <= 1``, ``n <= 4``, more."""
+KEY_BUCKETS: tuple[int, ...] = (262144,)
+"""Upper bounds of the key buckets (key columns per query, ``L * S``): ``<= 256K``, more."""
+
+# BEGIN LAUNCH_TABLE (benchmarks/bench_indexer_scores.py --apply-table rewrites this block from a sweep)
+LAUNCH_TABLE: dict[tuple[int, int], IndexerLaunch] = {}
+# END LAUNCH_TABLE
+"""``(batch bucket, key bucket) -> IndexerLaunch`` measured on one H200 (``--indexer-sweep``); only launches
+whose keys are bitwise those of :data:`DEFAULT_LAUNCH` enter it, so sharded, full-view and replicated steps
+(which read different page counts) select the same keys."""
+
+_FORCED: list[IndexerLaunch] = []
+
+
+def launch_bucket(num_queries: int, num_keys: int) -> tuple[int, int]:
+    """The table cell of a call with ``num_queries`` queries of ``num_keys`` key columns each."""
+    b = next((i for i, hi in enumerate(BATCH_BUCKETS) if num_queries <= hi), len(BATCH_BUCKETS))
+    k = next((i for i, hi in enumerate(KEY_BUCKETS) if num_keys <= hi), len(KEY_BUCKETS))
+    return b, k
+
+
+def launch_config(num_queries: int, num_keys: int) -> IndexerLaunch:
+    """The launch a call of this shape gets: :func:`use_launch`'s if one is active, else the table's cell, else
+    :data:`DEFAULT_LAUNCH`."""
+    if _FORCED:
+        return _FORCED[-1]
+    return LAUNCH_TABLE.get(launch_bucket(num_queries, num_keys), DEFAULT_LAUNCH)
+
+
+@contextlib.contextmanager
+def use_launch(cfg: IndexerLaunch) -> Iterator[None]:
+    """Every call in the block launches ``cfg`` (benchmarks and tests; eager only: a captured graph keeps the
+    launch it recorded)."""
+    if not isinstance(cfg, IndexerLaunch):
+        raise TypeError(f"cfg must be an IndexerLaunch, got {type(cfg).__name__}")
+    _FORCED.append(cfg)
+    try:
+        yield
+    finally:
+        _FORCED.pop()
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # the interpreter: an H200's count, so the grids match a GPU's
 
 
 def _pow2_at_least(x: int, floor: int) -> int:
@@ -200,7 +235,7 @@ def _pow2_at_least(x: int, floor: int) -> int:
 
 
 def _triton_takes(q: torch.Tensor, pool: torch.Tensor, page_size: int, q_fp8: bool) -> str:
-    """Why the kernel cannot take these arguments ('' when it can)."""
+    """Why the kernels cannot take these arguments ('' when they can)."""
     hd = q.shape[2]
     if q.dtype == torch.float64:
         return "q is float64 (the kernel computes in float32)"
@@ -215,23 +250,53 @@ def _triton_takes(q: torch.Tensor, pool: torch.Tensor, page_size: int, q_fp8: bo
     return ""
 
 
+def _tma_descriptors(pool: torch.Tensor, page_size: int, hd: int, sp: int, jp: int) -> tuple | None:
+    """TMA descriptors of the pool's codes ``[P, S, J]`` and scales ``[P, S]``, or None where TMA cannot read
+    it (no descriptor support, a pre-Hopper GPU, no page, 16-byte alignment, boxes over 256)."""
+    if TensorDescriptor is None or pool.shape[0] == 0 or max(sp, jp) > 256:
+        return None
+    if pool.device.type == "cuda" and torch.cuda.get_device_capability(pool.device) < (9, 0):
+        return None
+    if pool.device.type != "cuda" and not INTERPRET:
+        return None
+    ps, stride = page_size, pool.stride(0)
+    if pool.data_ptr() % 16 or stride % 16 or hd % 16 or (ps * hd) % 16:
+        return None
+    num = pool.shape[0]
+    codes = TensorDescriptor(pool.view(torch.float8_e4m3fn), [num, ps, hd], [stride, hd, 1], [1, sp, jp])
+    scales = pool[:, ps * hd :].view(torch.float32)
+    return codes, TensorDescriptor(scales, [num, ps], [stride // 4, 1], [1, sp])
+
+
 def _launch(keys, q, w, pool, page_ids, page_slots, query_pos, page_size: int, q_fp8: bool) -> None:
     n, heads, hd = q.shape
     num_pages = page_ids.shape[1]
     cols = num_pages * page_size
-    cfg = KERNEL_CONFIG
-    block_s = cfg["block_s"]
-    tiles = cdiv(cols, block_s)
-    per_prog = max(1, cdiv(tiles * n, max(1, cfg["programs"])))
+    cfg = launch_config(n, cols)
+    target = _num_sms(q.device) * cfg.ctas_per_sm
     q = q if q.stride(2) == 1 else q.contiguous()
     w = w if w.stride(1) == 1 else w.contiguous()
+    nhp, jp, sp = _pow2_at_least(heads, 16), _pow2_at_least(hd, 32), _pow2_at_least(page_size, 16)
+    common = dict(NH=heads, NHP=nhp, J=hd, JP=jp, Q_FP8=q_fp8, PREROUND=INTERPRET, IMPRECISE_ACC=cfg.imprecise,
+                  num_warps=cfg.num_warps)  # fmt: skip
     with device_ctx(q.device):
-        _indexer_scores_kernel[(n, cdiv(tiles, per_prog))](
+        if cfg.kernel == "pages" and sp <= 128:
+            per = max(1, cdiv(num_pages * n, target))
+            per = cdiv(per, cfg.pages_per_iter) * cfg.pages_per_iter
+            desc = _tma_descriptors(pool, page_size, hd, sp, jp) if cfg.tma else None
+            indexer_pages_kernel[(n, cdiv(num_pages, per))](
+                keys, q, w, pool, *(desc or (None, None)), page_ids, page_slots, query_pos,
+                num_pages, pool.shape[0], pool.stride(0), q.stride(0), q.stride(1), w.stride(0), per,
+                S=page_size, SP=sp, PAGES=cfg.pages_per_iter, NUM_STAGES=cfg.num_stages, TMA=desc is not None,
+                **common,
+            )  # fmt: skip
+            return
+        tiles = cdiv(cols, cfg.block_s)
+        per = max(1, cdiv(tiles * n, target))
+        indexer_cols_kernel[(n, cdiv(tiles, per))](
             keys, q, w, pool, page_ids, page_slots, query_pos,
-            cols, num_pages, pool.shape[0], pool.stride(0), q.stride(0), q.stride(1), w.stride(0), per_prog,
-            S=page_size, NH=heads, NHP=_pow2_at_least(heads, 16), J=hd, JP=_pow2_at_least(hd, 32), BLOCK_S=block_s,
-            Q_FP8=q_fp8, PREROUND=INTERPRET, IMPRECISE_ACC=cfg["imprecise"],
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            cols, num_pages, pool.shape[0], pool.stride(0), q.stride(0), q.stride(1), w.stride(0), per,
+            S=page_size, BLOCK_S=cfg.block_s, num_stages=cfg.num_stages, **common,
         )  # fmt: skip
 
 

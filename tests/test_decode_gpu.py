@@ -25,6 +25,7 @@ import torch
 from dtkv import IndexerFp8Layout, MLAFp8Layout, PageAllocator, PageOwnership, ShardedKVPool
 from dtkv.decode import DecodeStep, DecodeStepConfig, unpack_keys
 from dtkv.ops import indexer_scores
+from dtkv.ops.indexer_scores import DEFAULT_LAUNCH, LAUNCH_TABLE, IndexerLaunch, use_launch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -96,20 +97,37 @@ def _overlap(a, b):
     return min(out)
 
 
+_LAUNCHES = {
+    "default": DEFAULT_LAUNCH,
+    "pages_cp_async": IndexerLaunch(tma=False),
+    "pages_tma_x2_s12_c2": IndexerLaunch(pages_per_iter=2, num_stages=12, ctas_per_sm=2),
+    "pages_cp_async_x2_s6": IndexerLaunch(tma=False, pages_per_iter=2, num_stages=6),
+    "cols_first_kernel": IndexerLaunch(kernel="cols", num_stages=4, ctas_per_sm=8),
+    **{f"table_{b}_{k}": cfg for (b, k), cfg in LAUNCH_TABLE.items()},
+}
+
+
+@pytest.mark.parametrize("launch", list(_LAUNCHES), ids=str)
 @pytest.mark.parametrize("q_fp8,tol", [(False, 1e-4), (True, 2e-3)], ids=["bf16_q", "fp8_q"])
-def test_indexer_kernel_vs_reference_cuda(q_fp8, tol):
+def test_indexer_kernel_vs_reference_cuda(q_fp8, tol, launch):
+    """Every launch against the reference (padding pages, a page past the pool, partial and empty causal ranges);
+    the page kernels and the table's entries also bitwise against the default launch (what keeps the three decode
+    modes' selections identical when they read different page counts)."""
     lay = IndexerFp8Layout()
     g = torch.Generator(device="cuda").manual_seed(0)
     n, width, num_pages = 5, 130, 700
     pool = torch.randint(0, 120, (num_pages, lay.page_shape[0]), dtype=torch.uint8, device="cuda", generator=g)
     pool[:, lay.scale_offset :].view(torch.float32).uniform_(1e-3, 2e-3, generator=g)
-    ids = torch.randint(-1, num_pages, (n, width), device="cuda", generator=g, dtype=torch.int32)
+    ids = torch.randint(-1, num_pages + 1, (n, width), device="cuda", generator=g, dtype=torch.int32)
     slots = torch.argsort(torch.rand(n, width, device="cuda", generator=g), dim=1).to(torch.int32)
     qpos = torch.tensor([width * PS - 1, 5000, 63, 64, -1], device="cuda", dtype=torch.int32)
     q = torch.randn(n, IHEADS, 128, device="cuda", generator=g).bfloat16()
     w = torch.rand(n, IHEADS, device="cuda", generator=g)
     ref = indexer_scores(q, w, pool, ids, slots, qpos, layout=lay, q_fp8=q_fp8, backend="torch")
-    got = indexer_scores(q, w, pool, ids, slots, qpos, layout=lay, q_fp8=q_fp8, backend="triton")
+    with use_launch(DEFAULT_LAUNCH):
+        base = indexer_scores(q, w, pool, ids, slots, qpos, layout=lay, q_fp8=q_fp8, backend="triton")
+    with use_launch(_LAUNCHES[launch]):
+        got = indexer_scores(q, w, pool, ids, slots, qpos, layout=lay, q_fp8=q_fp8, backend="triton")
     sr, pr, vr = unpack_keys(ref)
     sg, pg, vg = unpack_keys(got)
     assert torch.equal(vr, vg) and torch.equal(pr, pg)
@@ -119,6 +137,8 @@ def test_indexer_kernel_vs_reference_cuda(q_fp8, tol):
     top_r = unpack_keys(torch.topk(ref, TOPK, dim=1).values)[1]
     top_g = unpack_keys(torch.topk(got, TOPK, dim=1).values)[1]
     assert _overlap(top_r, top_g) >= 0.99
+    if not launch.startswith("cols"):
+        assert torch.equal(got, base), "a page-kernel launch changed key bits against the default launch"
 
 
 @needs_flashmla
