@@ -67,7 +67,7 @@ TABLE_SOURCE = ROOT / "ops" / "indexer_scores.py"
 
 
 def _candidates() -> list[tuple[str, IndexerLaunch]]:
-    """The launches the sweep times (names are ``kernel-loads-stages-pages-ctas``)."""
+    """The launches the sweep times, named ``kernel-loads-stages-pages per iteration-programs per SM[-regs]``."""
     out = [("default", DEFAULT_LAUNCH)]
     for tma in (True, False):
         for stages in (6, 8, 12):
@@ -78,6 +78,9 @@ def _candidates() -> list[tuple[str, IndexerLaunch]]:
                         out.append((f"pages-{'tma' if tma else 'cpasync'}-s{stages}-p{ppi}-c{ctas}", cfg))
     for ctas in (1, 3, 8):
         out.append((f"pages-tma-s8-p1-c{ctas}", dataclasses.replace(DEFAULT_LAUNCH, ctas_per_sm=ctas)))
+    for tma, stages in ((False, 8), (False, 12), (True, 8)):  # 96 registers: 5 programs per SM
+        cfg = IndexerLaunch(tma=tma, num_stages=stages, ctas_per_sm=5, maxnreg=96)
+        out.append((f"pages-{'tma' if tma else 'cpasync'}-s{stages}-p1-c5-r96", cfg))
     out.append(("cols-b64-s4-c8 (first kernel)", IndexerLaunch(kernel="cols", num_stages=4, ctas_per_sm=8)))
     out.append(("cols-b64-s8-c4", IndexerLaunch(kernel="cols", num_stages=8, ctas_per_sm=4)))
     return out

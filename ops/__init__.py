@@ -11,6 +11,8 @@ Entry points (each takes ``backend="auto" | "torch" | "triton"``):
 - :func:`quantize_write_mla_fp8`, :func:`quantize_write_indexer_fp8` -- fused fp8 quantize-and-write, owner
   filter or ``direct=True`` likewise; references :func:`quantize_mla_fp8`, :func:`dequantize_mla_fp8`,
   :func:`quantize_indexer_fp8`, :func:`dequantize_indexer_pages`.
+- :func:`quantize_write_mla_indexer_fp8` -- both of a decode step's new-row writes of a layer (fp8 MLA row, fp8
+  indexer key; owner filter) in one launch (``dtkv::quantize_write_mla_indexer_fp8``).
 - :func:`plan_pack` (plan) + :func:`pack_owned_pages` (run) -- owner-major all-gather send buffers
   (``dtkv::pack_owned_pages``), with :func:`gathered_page_table`.
 - :func:`pack_layer_pages` (registered op ``dtkv::pack_layer_pages``) and :func:`pack_layer_pages_into` (eager,
@@ -43,6 +45,7 @@ from dtkv.ops.quantize_write_indexer_fp8 import (
     quantize_write_indexer_fp8,
 )
 from dtkv.ops.quantize_write_mla_fp8 import dequantize_mla_fp8, quantize_mla_fp8, quantize_write_mla_fp8
+from dtkv.ops.quantize_write_mla_indexer_fp8 import quantize_write_mla_indexer_fp8
 from dtkv.ops.remap import remap
 from dtkv.ops.sparse_indices import sparse_indices
 from dtkv.ops.sparse_mla import sparse_mla
@@ -66,6 +69,7 @@ __all__ = [
     "quantize_mla_fp8",
     "quantize_write_indexer_fp8",
     "quantize_write_mla_fp8",
+    "quantize_write_mla_indexer_fp8",
     "remap",
     "sparse_indices",
     "sparse_mla",

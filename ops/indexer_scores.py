@@ -163,6 +163,8 @@ class IndexerLaunch:
     pages are split over programs when the batch is small)."""
     imprecise: int = 0
     """``max_num_imprecise_acc`` of the fp8 dot (0: Triton's default)."""
+    maxnreg: int = 0
+    """Register cap per thread (0: the compiler's choice); 96 lets 5 programs of 4 warps share an SM."""
 
     def __post_init__(self) -> None:
         if self.kernel not in _KERNELS:
@@ -171,6 +173,8 @@ class IndexerLaunch:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {name}={v!r}")
+        if not isinstance(self.maxnreg, int) or isinstance(self.maxnreg, bool) or self.maxnreg < 0:
+            raise ValueError(f"maxnreg must be an int >= 0, got maxnreg={self.maxnreg!r}")
         if self.block_s & (self.block_s - 1) or self.block_s < 16:
             raise ValueError(f"block_s must be a power of two >= 16, got block_s={self.block_s}")
 
@@ -278,7 +282,7 @@ def _launch(keys, q, w, pool, page_ids, page_slots, query_pos, page_size: int, q
     w = w if w.stride(1) == 1 else w.contiguous()
     nhp, jp, sp = _pow2_at_least(heads, 16), _pow2_at_least(hd, 32), _pow2_at_least(page_size, 16)
     common = dict(NH=heads, NHP=nhp, J=hd, JP=jp, Q_FP8=q_fp8, PREROUND=INTERPRET, IMPRECISE_ACC=cfg.imprecise,
-                  num_warps=cfg.num_warps)  # fmt: skip
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg or None)  # fmt: skip
     with device_ctx(q.device):
         if cfg.kernel == "pages" and sp <= 128:
             per = max(1, cdiv(num_pages * n, target))
@@ -296,7 +300,7 @@ def _launch(keys, q, w, pool, page_ids, page_slots, query_pos, page_size: int, q
         indexer_cols_kernel[(n, cdiv(tiles, per))](
             keys, q, w, pool, page_ids, page_slots, query_pos,
             cols, num_pages, pool.shape[0], pool.stride(0), q.stride(0), q.stride(1), w.stride(0), per,
-            S=page_size, BLOCK_S=cfg.block_s, num_stages=cfg.num_stages, **common,
+            S=page_size, BLOCK_S=cfg.block_s, **common,
         )  # fmt: skip
 
 

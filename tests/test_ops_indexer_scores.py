@@ -43,6 +43,7 @@ LAUNCHES = {
     "pages_cp_async": IndexerLaunch(tma=False),
     "pages_tma_x2": IndexerLaunch(pages_per_iter=2, num_stages=6),
     "pages_cp_async_x2": IndexerLaunch(tma=False, pages_per_iter=2),
+    "pages_cp_async_r96": IndexerLaunch(tma=False, ctas_per_sm=5, maxnreg=96),
     "cols_64": IndexerLaunch(kernel="cols", num_stages=4, ctas_per_sm=8),
     "cols_128": IndexerLaunch(kernel="cols", block_s=128, num_warps=8),
 }
@@ -299,8 +300,8 @@ _SM90 = textwrap.dedent(
             s = {k: sig[k] for k in fn.arg_names if k in sig and k not in const}
             src = ASTSource(fn=fn, signature={**s, **{k: "constexpr" for k in const}}, constexprs=const,
                             attrs={(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in div})
-            c = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                               options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+            opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "maxnreg": cfg.maxnreg or None}
+            c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
             path = f"/tmp/dtkv_indexer_{os.getpid()}.ptx"
             open(path, "w").write(c.asm["ptx"])
             info = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", path + ".cubin"], capture_output=True,
@@ -383,5 +384,7 @@ def test_rejects_bad_launch():
         IndexerLaunch(num_stages=0)
     with pytest.raises(ValueError, match=re.escape("ctas_per_sm must be an int >= 1, got ctas_per_sm=True")):
         IndexerLaunch(ctas_per_sm=True)
+    with pytest.raises(ValueError, match=re.escape("maxnreg must be an int >= 0, got maxnreg=-1")):
+        IndexerLaunch(maxnreg=-1)
     with pytest.raises(ValueError, match=re.escape("block_s must be a power of two >= 16, got block_s=48")):
         IndexerLaunch(block_s=48)

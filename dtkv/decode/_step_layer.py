@@ -6,7 +6,8 @@ Legend: ``B`` query rows, ``L`` pages scored per query, ``S`` page size, ``K`` t
 
 Per layer (launches on one H200 in brackets; ``cp > 1`` adds the two exchanges of sharded decode):
 
-1. the new rows, written by their pages' owners (owner filter, no collective) [2: fp8 MLA row, fp8 indexer key];
+1. the new rows, written by their pages' owners (owner filter, no collective) [1: fp8 MLA row and fp8 indexer
+   key, :func:`dtkv.ops.quantize_write_mla_indexer_fp8`; 2 for bf16 latent rows];
 2. ``full_view`` only: this rank's pages of the batch packed and all-gathered into the view [1 pack + 2 gathers];
 3. indexer scores of the pages scored, packed as selection keys (:func:`dtkv.ops.indexer_scores`) [1], local top-k
    (``torch.topk`` of int64 keys, unsorted: ties by position; a radix select of 8 passes over 64-bit keys) [~10-25];
@@ -68,12 +69,17 @@ def partial_message_bytes(heads: int, kv_lora_rank: int, out_itemsize: int, lse_
 
 
 def write_rows(step, kv: torch.Tensor, index: torch.Tensor, x: StepInputs) -> None:
-    """The layer's new rows into this rank's pages (rows of pages it does not own are skipped)."""
+    """The layer's new rows into this rank's pages (rows of pages it does not own are skipped): fp8 MLA rows and
+    indexer keys in one launch, latent rows in two."""
     locs, spec, rank = step.fields["new_locs"], step.ownership_spec, step.rank
     lay = step.kv_layout
     if isinstance(lay, MLAFp8Layout):
-        ops.quantize_write_mla_fp8(kv, x.kv_row, locs, spec, rank, layout=lay, validate=False, backend=step.ops_backend)
-    elif isinstance(lay, MLALatentLayout):
+        ops.quantize_write_mla_indexer_fp8(
+            kv, index, x.kv_row, x.index_k, locs, spec, rank, kv_layout=lay, index_layout=step.index_layout,
+            validate=False, backend=step.ops_backend,
+        )  # fmt: skip
+        return
+    if isinstance(lay, MLALatentLayout):
         ops.write_owned(kv, x.kv_row.to(lay.dtype), locs, spec, rank, validate=False, backend=step.ops_backend)
     ops.quantize_write_indexer_fp8(
         index, x.index_k, locs, spec, rank, layout=step.index_layout, validate=False, backend=step.ops_backend

@@ -31,9 +31,10 @@ new requests within the bucket) without recapture, and allocates nothing.
 per query at DeepSeek-V3.2 geometry with FlashMLA's bf16 output). ``"nccl"`` is the default until the two are
 measured side by side on 2 GPUs (``benchmarks/bench_decode.py --comm nccl,symm_mem``).
 
-**Launches per layer** (one H200, graph, cp=1): 2 row writes, 1 indexer, ``torch.topk`` (a radix select: about
-8 passes over the 64-bit keys, a few launches each), 2 + 1 for the token slots, FlashMLA (1-2) and the seam's
-``lse`` rewrite (1); ``cp > 1`` adds 2 exchanges, a top-k of ``C * K`` keys and the merge (a few elementwise).
+**Launches per layer** (one H200, graph, cp=1): 1 row write (the fp8 MLA row and indexer key together), 1 indexer,
+``torch.topk`` (a radix select: about 8 passes over the 64-bit keys, a few launches each), 2 + 1 for the token
+slots, FlashMLA (1-2) and the seam's ``lse`` rewrite (1); ``cp > 1`` adds 2 exchanges, a top-k of ``C * K`` keys
+and the merge (a few elementwise).
 """
 
 from __future__ import annotations
