@@ -2,7 +2,7 @@
 # The decode step on GPUs: the CUDA tests, then benchmarks/bench_decode.py. Run from the repository root.
 #   bash benchmarks/gpu_decode.sh            # tests, --quick, the full grid (one H200: ~8 minutes in all)
 #   bash benchmarks/gpu_decode.sh quick      # tests and --quick only (~4 minutes)
-#   bash benchmarks/gpu_decode.sh sweep      # the indexer kernel over launch configs (~3 minutes)
+#   bash benchmarks/gpu_decode.sh sweep      # the indexer kernel's launches at 4 shapes (~3 minutes; one process)
 #   NP=2 bash benchmarks/gpu_decode.sh full  # 2 GPUs: sharded decode with NCCL and symmetric memory
 # Logs and results go to $OUT (default benchmarks/results/run-<date>)/decode; the summary is printed last.
 # FlashMLA: pip install --no-deps --target /tmp/site .whl/sgl_flash_mla-1.0.0-*.whl and PYTHONPATH=/tmp/site.
@@ -36,8 +36,7 @@ case $phase in
   quick) tests; step bench_quick 240 $TR benchmarks/bench_decode.py --quick --comm $COMM --out-dir "$R/quick" ;;
   full) step bench 420 env OUT="$R" $TR benchmarks/bench_decode.py --comm $COMM --out-dir "$R/full" ;;
   sweep)
-    step indexer_sweep 300 $TR benchmarks/bench_decode.py --contexts 32768 --batches 1 --modes replicated \
-      --graphs on --no-phases --reps 2 --indexer-sweep --out-dir "$R/sweep" ;;
+    step indexer_sweep 300 python benchmarks/bench_indexer_scores.py --out-dir "$R/sweep" ;;
   all)
     tests
     step bench_quick 240 $TR benchmarks/bench_decode.py --quick --comm $COMM --out-dir "$R/quick"
