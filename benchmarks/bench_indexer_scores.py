@@ -340,7 +340,7 @@ def summary(rows: list[dict]) -> str:
         d = f" [default {dft[0]['gbps']:.0f} GB/s]" if dft else ""
         k = f", kernel alone {b['kernel_gbps']:.0f} GB/s = {b['kernel_hbm_fraction']:.0%}" if b.get("kernel_us") else ""
         lines.append(f"  {shape:>12}: {b['name']} {b['gbps']:.0f} GB/s = {b['hbm_fraction']:.0%} of 4.8 TB/s{k}{d}")
-    bad = [r for r in rows if "gbps" in r and not (r["ok"] and r["bitwise"])]
+    bad = [r for r in rows if "gbps" in r and isinstance(r.get("config"), dict) and not (r["ok"] and r["bitwise"])]
     errs = [r for r in rows if "error" in r]
     lines.append(f"  {len(bad)} rows failed a check (not eligible), {len(errs)} errors")
     return "\n".join(lines)

@@ -68,7 +68,7 @@ def _score_keys(kf, qt, w, scale, pos, valid, IMPRECISE_ACC: tl.constexpr, Q_FP8
     return tl.where(valid & (s != float("-inf")), key, -9223372036854775808)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_page_cols", "num_local_pages", "pages_per_prog"])  # one build for every shape
 def indexer_pages_kernel(
     keys_ptr,  # [N, L*S] int64, contiguous
     q_ptr,  # [N, I, J] bf16/fp16/fp32; strides (q_sn, q_si, 1)
@@ -140,7 +140,7 @@ def indexer_pages_kernel(
                 tl.store(row_keys + p * S + r, key, mask=inside & (r < S))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_cols", "num_page_cols", "num_local_pages", "tiles_per_prog"])
 def indexer_cols_kernel(
     keys_ptr,  # [N, L*S] int64, contiguous
     q_ptr,  # [N, I, J] bf16/fp16/fp32; strides (q_sn, q_si, 1)
