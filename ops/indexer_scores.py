@@ -19,9 +19,10 @@ indexer does: the dot is then fp8 x fp8 on the tensor cores (twice the bf16 rate
 memory bandwidth: every key costs ``2 * I * J`` flops for its ``J + 4`` bytes (124 flop/byte at ``I = 64``,
 ``J = 128``: HBM speed needs ~600 TFLOP/s, beyond what a bf16 dot sustains). The price is e4m3 rounding of the
 queries (up to 2**-4 relative per element), so the selection differs from that of unquantized queries at
-near-ties; every mode of a decode step (sharded, full view, replicated) uses the same kernel, so they agree with
-each other exactly. ``q_fp8=False`` keeps ``q`` as given (bf16 for the kernel: bf16 x bf16 dot of the exactly
-converted codes): the reference model's formula.
+near-ties; every mode of a decode step (sharded, full view, replicated) scores a key with the same instructions
+(every launch the table holds gives the default launch's bits), so they agree with each other exactly.
+``q_fp8=False`` keeps ``q`` as given (bf16 for the kernel: bf16 x bf16 dot of the exactly converted codes): the
+reference model's formula.
 
 **Tolerance.** The reference dequantizes the keys first (codes x scale, float32, as
 :func:`dtkv.ops.dequantize_indexer_pages`) and computes in float32 (float64 when ``q`` is float64: the reference
