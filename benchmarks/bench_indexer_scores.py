@@ -67,7 +67,8 @@ TABLE_SOURCE = ROOT / "ops" / "indexer_scores.py"
 
 
 def _candidates() -> list[tuple[str, IndexerLaunch]]:
-    """The launches the sweep times, named ``kernel-loads-stages-pages per iteration-programs per SM[-regs]``."""
+    """The launches the sweep times, named ``kernel-loads-stages-pages per iteration-programs per SM[-regs]``
+    (``merged2``: two pages in one tile, ``w``: warps)."""
     out = [("default", DEFAULT_LAUNCH)]
     for tma in (True, False):
         for stages in (6, 8, 12):
@@ -81,13 +82,18 @@ def _candidates() -> list[tuple[str, IndexerLaunch]]:
     for tma, stages in ((False, 8), (False, 12), (True, 8)):  # 96 registers: 5 programs per SM
         cfg = IndexerLaunch(tma=tma, num_stages=stages, ctas_per_sm=5, maxnreg=96)
         out.append((f"pages-{'tma' if tma else 'cpasync'}-s{stages}-p1-c5-r96", cfg))
+    for warps, stages, ctas in ((4, 8, 3), (4, 6, 3), (8, 8, 2), (8, 6, 4)):  # 2 pages in one 128-row tile
+        cfg = IndexerLaunch(merge=True, pages_per_iter=2, num_warps=warps, num_stages=stages, ctas_per_sm=ctas)
+        out.append((f"pages-merged2-w{warps}-s{stages}-c{ctas}", cfg))
     out.append(("cols-b64-s4-c8 (first kernel)", IndexerLaunch(kernel="cols", num_stages=4, ctas_per_sm=8)))
     out.append(("cols-b64-s8-c4", IndexerLaunch(kernel="cols", num_stages=8, ctas_per_sm=4)))
     return out
 
 
 CANDIDATES: list[tuple[str, IndexerLaunch]] = _candidates()
-SMOKE_CANDIDATES = [c for c in CANDIDATES if c[0] in ("default", "pages-cpasync-s8-p2-c4", "cols-b64-s8-c4")]
+SMOKE_CANDIDATES = [
+    c for c in CANDIDATES if c[0] in ("default", "pages-cpasync-s8-p2-c4", "pages-merged2-w8-s8-c2", "cols-b64-s8-c4")
+]
 
 
 def _sync(device: torch.device) -> None:

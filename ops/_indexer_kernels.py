@@ -68,6 +68,42 @@ def _score_keys(kf, qt, w, scale, pos, valid, IMPRECISE_ACC: tl.constexpr, Q_FP8
     return tl.where(valid & (s != float("-inf")), key, -9223372036854775808)
 
 
+@triton.jit
+def _merged_pages(pool_ptr, row_ids, row_slots, row_keys, qt, w, qpos, start, end, num_local_pages, page_stride,
+                  S, SP, J, JP, PAGES, NUM_STAGES, Q_FP8, IMPRECISE_ACC):  # fmt: skip
+    """The page loop of :func:`indexer_pages_kernel` with ``MERGE``: rows ``u * SP + t`` of one ``[PAGES * SP, JP]``
+    tile are token ``t`` of page ``first + u`` (each page's id and slot two scalar loads, then spread over its
+    rows); one dot and one epilogue per ``PAGES`` pages."""
+    rr = tl.arange(0, PAGES * SP)
+    u = rr // SP
+    t = rr - u * SP
+    cj = tl.arange(0, JP)
+    for first in tl.range(start, end, PAGES, num_stages=NUM_STAGES):
+        pid = tl.full([PAGES * SP], -1, tl.int64)
+        slot = tl.full([PAGES * SP], -1, tl.int64)
+        for v in tl.static_range(PAGES):
+            p = first + v
+            pid_v = tl.load(row_ids + p, mask=p < end, other=-1).to(tl.int64)
+            slot_v = tl.load(row_slots + p, mask=p < end, other=-1).to(tl.int64)
+            pid = tl.where(u == v, pid_v, pid)
+            slot = tl.where(u == v, slot_v, slot)
+        ok = (pid >= 0) & (pid < num_local_pages) & (slot >= 0) & (slot * S <= qpos)
+        if SP != S:
+            ok = ok & (t < S)
+        base = tl.where(ok, pid, 0) * page_stride
+        k_ptrs = (pool_ptr + (base + t * J)[:, None] + cj[None, :]).to(tl.pointer_type(tl.float8e4nv))
+        kmask = ok[:, None] if JP == J else ok[:, None] & (cj < J)[None, :]
+        kf = tl.load(k_ptrs, mask=kmask, other=0.0, eviction_policy="evict_first")
+        s_ptrs = (pool_ptr + base + S * J + 4 * t).to(tl.pointer_type(tl.float32))
+        scale = tl.load(s_ptrs, mask=ok, other=0.0, eviction_policy="evict_first")
+        pos = slot * S + t
+        key = _score_keys(kf, qt, w, scale, pos, ok & (pos <= qpos), IMPRECISE_ACC, Q_FP8)
+        store = (first + u) < end
+        if SP != S:
+            store = store & (t < S)
+        tl.store(row_keys + (first + u) * S + t, key, mask=store)
+
+
 @triton.jit(do_not_specialize=["num_page_cols", "num_local_pages", "pages_per_prog"])  # one build for every shape
 def indexer_pages_kernel(
     keys_ptr,  # [N, L*S] int64, contiguous
@@ -93,13 +129,15 @@ def indexer_pages_kernel(
     J: tl.constexpr,
     JP: tl.constexpr,
     PAGES: tl.constexpr,
+    MERGE: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     TMA: tl.constexpr,
     Q_FP8: tl.constexpr,
     PREROUND: tl.constexpr,
     IMPRECISE_ACC: tl.constexpr,
 ):
-    """Program ``(n, c)`` scores page columns ``[c * pages_per_prog, (c + 1) * pages_per_prog)`` of query ``n``."""
+    """Program ``(n, c)`` scores page columns ``[c * pages_per_prog, (c + 1) * pages_per_prog)`` of query ``n``:
+    ``PAGES`` pages per iteration, one tile each, or with ``MERGE`` one tile of ``PAGES * SP`` rows (pointer loads)."""
     n = tl.program_id(0).to(tl.int64)
     qt, w = _query_operand(q_ptr, w_ptr, n, q_sn, q_si, w_sn, NH, NHP, J, JP, Q_FP8, PREROUND)
     qpos = tl.load(qpos_ptr + n).to(tl.int64)
@@ -110,6 +148,10 @@ def indexer_pages_kernel(
     row_keys = keys_ptr + n * num_page_cols * S
     start = tl.program_id(1) * pages_per_prog
     end = tl.minimum(start + pages_per_prog, num_page_cols)
+    if MERGE:
+        _merged_pages(pool_ptr, row_ids, row_slots, row_keys, qt, w, qpos, start, end, num_local_pages, page_stride,
+                      S, SP, J, JP, PAGES, NUM_STAGES, Q_FP8, IMPRECISE_ACC)  # fmt: skip
+        return
     for first in tl.range(start, end, PAGES, num_stages=NUM_STAGES):
         for u in tl.static_range(PAGES):
             p = first + u

@@ -153,6 +153,10 @@ class IndexerLaunch:
     16-byte aligned pool, page stride and rows); ``cp.async`` pointer loads otherwise."""
     pages_per_iter: int = 1
     """``"pages"``: pages per loop iteration (their loads issued together)."""
+    merge: bool = False
+    """``"pages"``: the ``pages_per_iter`` pages of an iteration in one tile of ``pages_per_iter`` x page-size rows
+    (one dot and epilogue; ``cp.async`` pointer loads whatever ``tma`` says; 8 warps give 2 pages of 64 one
+    warpgroup each)."""
     block_s: int = 64
     """``"cols"``: key columns per tile."""
     num_warps: int = 4
@@ -176,6 +180,10 @@ class IndexerLaunch:
                 raise ValueError(f"{name} must be an int >= 1, got {name}={v!r}")
         if not isinstance(self.maxnreg, int) or isinstance(self.maxnreg, bool) or self.maxnreg < 0:
             raise ValueError(f"maxnreg must be an int >= 0, got maxnreg={self.maxnreg!r}")
+        if not isinstance(self.merge, bool) or not isinstance(self.tma, bool):
+            raise TypeError(f"merge and tma must be bools, got merge={self.merge!r}, tma={self.tma!r}")
+        if self.pages_per_iter & (self.pages_per_iter - 1):
+            raise ValueError(f"pages_per_iter must be a power of two, got pages_per_iter={self.pages_per_iter}")
         if self.block_s & (self.block_s - 1) or self.block_s < 16:
             raise ValueError(f"block_s must be a power of two >= 16, got block_s={self.block_s}")
 
@@ -285,15 +293,15 @@ def _launch(keys, q, w, pool, page_ids, page_slots, query_pos, page_size: int, q
     common = dict(NH=heads, NHP=nhp, J=hd, JP=jp, Q_FP8=q_fp8, PREROUND=INTERPRET, IMPRECISE_ACC=cfg.imprecise,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg or None)  # fmt: skip
     with device_ctx(q.device):
-        if cfg.kernel == "pages" and sp <= 128:
+        if cfg.kernel == "pages" and sp * (cfg.pages_per_iter if cfg.merge else 1) <= 256 and sp <= 128:
             per = max(1, cdiv(num_pages * n, target))
             per = cdiv(per, cfg.pages_per_iter) * cfg.pages_per_iter
-            desc = _tma_descriptors(pool, page_size, hd, sp, jp) if cfg.tma else None
+            desc = _tma_descriptors(pool, page_size, hd, sp, jp) if cfg.tma and not cfg.merge else None
             indexer_pages_kernel[(n, cdiv(num_pages, per))](
                 keys, q, w, pool, *(desc or (None, None)), page_ids, page_slots, query_pos,
                 num_pages, pool.shape[0], pool.stride(0), q.stride(0), q.stride(1), w.stride(0), per,
-                S=page_size, SP=sp, PAGES=cfg.pages_per_iter, NUM_STAGES=cfg.num_stages, TMA=desc is not None,
-                **common,
+                S=page_size, SP=sp, PAGES=cfg.pages_per_iter, MERGE=cfg.merge, NUM_STAGES=cfg.num_stages,
+                TMA=desc is not None, **common,
             )  # fmt: skip
             return
         tiles = cdiv(cols, cfg.block_s)

@@ -44,6 +44,8 @@ LAUNCHES = {
     "pages_tma_x2": IndexerLaunch(pages_per_iter=2, num_stages=6),
     "pages_cp_async_x2": IndexerLaunch(tma=False, pages_per_iter=2),
     "pages_cp_async_r96": IndexerLaunch(tma=False, ctas_per_sm=5, maxnreg=96),
+    "pages_merged2": IndexerLaunch(merge=True, pages_per_iter=2, num_warps=8),
+    "pages_merged4": IndexerLaunch(merge=True, pages_per_iter=4, num_stages=6),
     "cols_64": IndexerLaunch(kernel="cols", num_stages=4, ctas_per_sm=8),
     "cols_128": IndexerLaunch(kernel="cols", block_s=128, num_warps=8),
 }
@@ -286,14 +288,16 @@ _SM90 = textwrap.dedent(
            "k_desc": "tensordesc<fp8e4nv[1, 64, 128]>", "s_desc": "tensordesc<fp32[1, 64]>"}
     div = ("keys_ptr", "q_ptr", "w_ptr", "pool_ptr", "ids_ptr", "slots_ptr", "qpos_ptr", "page_stride", "q_sn",
            "q_si", "w_sn")  # what the launcher specializes at DeepSeek-V3.2 geometry (multiples of 16)
-    launches = [DEFAULT_LAUNCH, dataclasses.replace(DEFAULT_LAUNCH, tma=False), *LAUNCH_TABLE.values()]
+    launches = [DEFAULT_LAUNCH, dataclasses.replace(DEFAULT_LAUNCH, tma=False),
+                dataclasses.replace(DEFAULT_LAUNCH, merge=True, pages_per_iter=2, num_warps=8), *LAUNCH_TABLE.values()]
     for cfg in launches:
         for fp8 in (True, False):
             const = dict(S=64, NH=64, NHP=64, J=128, JP=128, Q_FP8=fp8, PREROUND=False, IMPRECISE_ACC=cfg.imprecise)
             if cfg.kernel == "pages":
                 fn = indexer_pages_kernel
-                const.update(SP=64, PAGES=cfg.pages_per_iter, NUM_STAGES=cfg.num_stages, TMA=cfg.tma)
-                if not cfg.tma:
+                tma = cfg.tma and not cfg.merge
+                const.update(SP=64, PAGES=cfg.pages_per_iter, MERGE=cfg.merge, NUM_STAGES=cfg.num_stages, TMA=tma)
+                if not tma:
                     const.update(k_desc=None, s_desc=None)
             else:
                 fn, const["BLOCK_S"] = indexer_cols_kernel, cfg.block_s
@@ -309,7 +313,7 @@ _SM90 = textwrap.dedent(
             os.remove(path)
             ptx = c.asm["ptx"]
             print(json.dumps({"launch": repr(cfg), "fp8": fp8, "wgmma": "wgmma" in ptx,
-                              "tma": "cp.async.bulk.tensor" in ptx, "want_tma": cfg.kernel == "pages" and cfg.tma,
+                              "tma": "cp.async.bulk.tensor" in ptx, "want_tma": cfg.kernel == "pages" and tma,
                               "no_spills": "0 bytes spill stores" in info, "smem": c.metadata.shared,
                               "registers": int(re.search(r"Used (\\d+) registers", info).group(1))}))
     """
@@ -319,7 +323,7 @@ _SM90 = textwrap.dedent(
 @pytest.mark.slow
 def test_kernel_builds_for_sm90_with_wgmma_and_no_spills():
     """The kernels as the H200 compiles them (Triton's own sm_90 pipeline and ptxas, no GPU needed), at the default
-    launch, its ``cp.async`` fallback and every table entry: the dot is a Hopper ``wgmma`` in both precisions, TMA
+    launch, its ``cp.async`` fallback, the merged two-page tile and every table entry: the dot is a Hopper ``wgmma`` in both precisions, TMA
     launches issue TMA loads, no register spills. At the default launch the fp8 kernel fits 4 programs per SM (at
     most 128 registers per thread and 56 KB of shared memory), which its grid assumes."""
     triton = pytest.importorskip("triton")
@@ -330,7 +334,7 @@ def test_kernel_builds_for_sm90_with_wgmma_and_no_spills():
     res = subprocess.run([sys.executable, "-c", _SM90], capture_output=True, text=True, env=env, timeout=900)
     assert res.returncode == 0, res.stderr[-2000:]
     rows = [json.loads(ln) for ln in res.stdout.strip().splitlines()]
-    assert len(rows) == 2 * (2 + len(LAUNCH_TABLE)), res.stdout
+    assert len(rows) == 2 * (3 + len(LAUNCH_TABLE)), res.stdout
     for r in rows:
         assert r["wgmma"] and r["no_spills"] and r["tma"] == r["want_tma"], r
     first = rows[0]
@@ -384,6 +388,10 @@ def test_rejects_bad_launch():
         IndexerLaunch(num_stages=0)
     with pytest.raises(ValueError, match=re.escape("ctas_per_sm must be an int >= 1, got ctas_per_sm=True")):
         IndexerLaunch(ctas_per_sm=True)
+    with pytest.raises(ValueError, match=re.escape("pages_per_iter must be a power of two, got pages_per_iter=3")):
+        IndexerLaunch(pages_per_iter=3)
+    with pytest.raises(TypeError, match=re.escape("merge and tma must be bools, got merge=1, tma=True")):
+        IndexerLaunch(merge=1)
     with pytest.raises(ValueError, match=re.escape("maxnreg must be an int >= 0, got maxnreg=-1")):
         IndexerLaunch(maxnreg=-1)
     with pytest.raises(ValueError, match=re.escape("block_s must be a power of two >= 16, got block_s=48")):
