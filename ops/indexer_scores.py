@@ -148,9 +148,10 @@ class IndexerLaunch:
     kernel: str = "pages"
     """``"pages"``: one page per tile, the page id loaded once and pipelined ahead; ``"cols"``: the first kernel,
     tiles of ``block_s`` columns gathered column by column (also what pages above 128 tokens get)."""
-    tma: bool = True
+    tma: bool = False
     """``"pages"``: TMA loads of the codes and scales where the pool allows (a Hopper GPU or the interpreter,
-    16-byte aligned pool, page stride and rows); ``cp.async`` pointer loads otherwise."""
+    16-byte aligned pool, page stride and rows; ``cp.async`` pointer loads otherwise). Off by default: the pointer
+    loads take fewer instructions and barriers per page in the sm_90 build; the sweep decides per bucket."""
     pages_per_iter: int = 1
     """``"pages"``: pages per loop iteration (their loads issued together)."""
     merge: bool = False
@@ -189,9 +190,9 @@ class IndexerLaunch:
 
 
 DEFAULT_LAUNCH = IndexerLaunch()
-"""What a shape without a :data:`LAUNCH_TABLE` entry gets: page tiles by TMA, 8 stages (about 4 tiles in
-flight per program), 4 programs per SM (about 106-113 registers and 42 KB of shared memory each at DeepSeek-V3.2
-geometry: 4 fit an SM)."""
+"""What a shape without a :data:`LAUNCH_TABLE` entry gets: page tiles by ``cp.async``, 8 stages (about 4 tiles
+in flight per program), 4 programs per SM (about 105 registers and 42 KB of shared memory each at DeepSeek-V3.2
+geometry in the sm_90 build: 4 fit an SM)."""
 
 BATCH_BUCKETS: tuple[int, ...] = (1, 4)
 """Upper bounds of the batch buckets (queries per call): ``n <= 1``, ``n <= 4``, more."""

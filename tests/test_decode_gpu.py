@@ -99,9 +99,9 @@ def _overlap(a, b):
 
 _LAUNCHES = {
     "default": DEFAULT_LAUNCH,
-    "pages_cp_async": IndexerLaunch(tma=False),
-    "pages_tma_x2_s12_c2": IndexerLaunch(pages_per_iter=2, num_stages=12, ctas_per_sm=2),
-    "pages_cp_async_x2_s6": IndexerLaunch(tma=False, pages_per_iter=2, num_stages=6),
+    "pages_tma": IndexerLaunch(tma=True),
+    "pages_tma_x2_s12_c2": IndexerLaunch(tma=True, pages_per_iter=2, num_stages=12, ctas_per_sm=2),
+    "pages_cp_async_x2_s6": IndexerLaunch(pages_per_iter=2, num_stages=6),
     "pages_merged2_w8": IndexerLaunch(merge=True, pages_per_iter=2, num_warps=8, ctas_per_sm=2),
     "pages_merged2_w4": IndexerLaunch(merge=True, pages_per_iter=2, ctas_per_sm=3),
     "cols_first_kernel": IndexerLaunch(kernel="cols", num_stages=4, ctas_per_sm=8),

@@ -39,11 +39,11 @@ from tests.ops_reference import BACKENDS, skip_unless
 _mod = sys.modules["dtkv.ops.indexer_scores"]  # the package's attribute of that name is the function
 
 LAUNCHES = {
-    "pages_tma": DEFAULT_LAUNCH,
-    "pages_cp_async": IndexerLaunch(tma=False),
-    "pages_tma_x2": IndexerLaunch(pages_per_iter=2, num_stages=6),
-    "pages_cp_async_x2": IndexerLaunch(tma=False, pages_per_iter=2),
-    "pages_cp_async_r96": IndexerLaunch(tma=False, ctas_per_sm=5, maxnreg=96),
+    "pages_cp_async": DEFAULT_LAUNCH,
+    "pages_tma": IndexerLaunch(tma=True),
+    "pages_tma_x2": IndexerLaunch(tma=True, pages_per_iter=2, num_stages=6),
+    "pages_cp_async_x2": IndexerLaunch(pages_per_iter=2),
+    "pages_cp_async_r96": IndexerLaunch(ctas_per_sm=5, maxnreg=96),
     "pages_merged2": IndexerLaunch(merge=True, pages_per_iter=2, num_warps=8),
     "pages_merged4": IndexerLaunch(merge=True, pages_per_iter=4, num_stages=6),
     "cols_64": IndexerLaunch(kernel="cols", num_stages=4, ctas_per_sm=8),
@@ -288,7 +288,7 @@ _SM90 = textwrap.dedent(
            "k_desc": "tensordesc<fp8e4nv[1, 64, 128]>", "s_desc": "tensordesc<fp32[1, 64]>"}
     div = ("keys_ptr", "q_ptr", "w_ptr", "pool_ptr", "ids_ptr", "slots_ptr", "qpos_ptr", "page_stride", "q_sn",
            "q_si", "w_sn")  # what the launcher specializes at DeepSeek-V3.2 geometry (multiples of 16)
-    launches = [DEFAULT_LAUNCH, dataclasses.replace(DEFAULT_LAUNCH, tma=False),
+    launches = [DEFAULT_LAUNCH, dataclasses.replace(DEFAULT_LAUNCH, tma=True),
                 dataclasses.replace(DEFAULT_LAUNCH, merge=True, pages_per_iter=2, num_warps=8), *LAUNCH_TABLE.values()]
     for cfg in launches:
         for fp8 in (True, False):
@@ -323,7 +323,7 @@ _SM90 = textwrap.dedent(
 @pytest.mark.slow
 def test_kernel_builds_for_sm90_with_wgmma_and_no_spills():
     """The kernels as the H200 compiles them (Triton's own sm_90 pipeline and ptxas, no GPU needed), at the default
-    launch, its ``cp.async`` fallback, the merged two-page tile and every table entry: the dot is a Hopper ``wgmma`` in both precisions, TMA
+    launch, its TMA twin, the merged two-page tile and every table entry: the dot is a Hopper ``wgmma`` in both precisions, TMA
     launches issue TMA loads, no register spills. At the default launch the fp8 kernel fits 4 programs per SM (at
     most 128 registers per thread and 56 KB of shared memory), which its grid assumes."""
     triton = pytest.importorskip("triton")
@@ -390,7 +390,7 @@ def test_rejects_bad_launch():
         IndexerLaunch(ctas_per_sm=True)
     with pytest.raises(ValueError, match=re.escape("pages_per_iter must be a power of two, got pages_per_iter=3")):
         IndexerLaunch(pages_per_iter=3)
-    with pytest.raises(TypeError, match=re.escape("merge and tma must be bools, got merge=1, tma=True")):
+    with pytest.raises(TypeError, match=re.escape("merge and tma must be bools, got merge=1, tma=False")):
         IndexerLaunch(merge=1)
     with pytest.raises(ValueError, match=re.escape("maxnreg must be an int >= 0, got maxnreg=-1")):
         IndexerLaunch(maxnreg=-1)
