@@ -79,19 +79,18 @@ def launch_name(cfg: IndexerLaunch) -> str:
 
 
 def _candidates() -> list[tuple[str, IndexerLaunch]]:
-    """The launches the sweep times (:func:`launch_name`); the default first, the first kernel last."""
+    """The launches the sweep times (:func:`launch_name`): the default first, TMA launches last (a launch that
+    faults the device ends the sweep's use of it, so the pointer-load launches are measured first)."""
     cfgs = [DEFAULT_LAUNCH]
-    for tma in (False, True):
-        for stages in (6, 8, 12):
-            for ppi in (1, 2):
-                for ctas in (2, 4) if tma else (4,):
-                    cfgs.append(IndexerLaunch(tma=tma, num_stages=stages, pages_per_iter=ppi, ctas_per_sm=ctas))
+    cfgs += [IndexerLaunch(num_stages=st, pages_per_iter=ppi) for st in (6, 8, 12) for ppi in (1, 2)]
     cfgs += [dataclasses.replace(DEFAULT_LAUNCH, ctas_per_sm=c) for c in (1, 2, 3, 8)]
-    cfgs += [IndexerLaunch(tma=tma, num_stages=st, ctas_per_sm=5, maxnreg=96)  # 96 registers: 5 programs per SM
-             for tma, st in ((False, 8), (False, 12), (True, 8))]  # fmt: skip
+    cfgs += [IndexerLaunch(num_stages=st, ctas_per_sm=5, maxnreg=96) for st in (8, 12)]  # 5 programs per SM
     cfgs += [IndexerLaunch(merge=True, pages_per_iter=2, num_warps=w, num_stages=st, ctas_per_sm=c)
              for w, st, c in ((4, 8, 3), (4, 6, 3), (8, 8, 2), (8, 6, 4))]  # fmt: skip
     cfgs += [IndexerLaunch(kernel="cols", num_stages=4, ctas_per_sm=8), IndexerLaunch(kernel="cols", ctas_per_sm=4)]
+    cfgs += [IndexerLaunch(tma=True, num_stages=st, pages_per_iter=ppi, ctas_per_sm=c)
+             for st in (6, 8, 12) for ppi in (1, 2) for c in (2, 4)]  # fmt: skip
+    cfgs += [IndexerLaunch(tma=True, ctas_per_sm=5, maxnreg=96)]
     out = [("default", DEFAULT_LAUNCH)]
     for c in dict.fromkeys(cfgs[1:]):
         if c != DEFAULT_LAUNCH:
@@ -203,67 +202,71 @@ def copy_gbps(device: torch.device) -> float | None:
 
 def sweep(device: torch.device, *, shapes=SHAPES, candidates=None, pool_pages: int = 32768, reps: int = 5,
           heads: int = 64, lay: IndexerFp8Layout | None = None, bf16_rows: bool = True, log=print) -> list[dict]:  # fmt: skip
-    """Every candidate at every shape: the checks, then the timing. One row per (shape, candidate, q_fp8)."""
+    """Every candidate at every shape (candidate by candidate): the checks, then the timing; then the kernel alone
+    for the default and each shape's fastest checked launch. One row per (shape, candidate, q_fp8)."""
+    from dtkv.decode import unpack_keys
+
     lay = lay or IndexerFp8Layout()
     candidates = candidates or CANDIDATES
     pool = make_pool(pool_pages, lay, device)
     cgbps = copy_gbps(device)
     g = torch.Generator(device=device).manual_seed(2)
-    rows = []
+    shape_data = []
     for n, ctx in shapes:
         sets = page_sets(n, ctx, pool_pages, lay, device)
-        q = torch.randn(n, heads, lay.head_dim, device=device, dtype=torch.bfloat16, generator=g)
-        w = torch.rand(n, heads, device=device, generator=g)
         nbytes = indexer_scores_bytes(num_valid_keys=n * ctx, num_cols=n * ctx, num_queries=n, heads=heads,
                                       head_dim=lay.head_dim)  # fmt: skip
-        runs = [(c, True) for c in candidates] + ([(candidates[0], False)] if bf16_rows else [])
-        base = {"queries": n, "context": ctx, "shape": f"{n}x{ctx}", "bytes": nbytes,
-                "bucket": list(launch_bucket(n, ctx)), "calls_per_replay": max(4, len(sets))}  # fmt: skip
-        refs, defaults, timed_calls = {}, {}, {}
-        first = len(rows)
-        for (name, cfg), q_fp8 in runs:
-            row = {**base, "name": name, "config": dataclasses.asdict(cfg), "q_fp8": q_fp8}
+        shape_data.append({
+            "sets": sets, "nbytes": nbytes, "refs": {}, "defaults": {}, "timed": {},
+            "q": torch.randn(n, heads, lay.head_dim, device=device, dtype=torch.bfloat16, generator=g),
+            "w": torch.rand(n, heads, device=device, generator=g),
+            "base": {"queries": n, "context": ctx, "shape": f"{n}x{ctx}", "bytes": nbytes,
+                     "bucket": list(launch_bucket(n, ctx)), "calls_per_replay": max(4, len(sets))},
+        })  # fmt: skip
+    runs = [(c, True) for c in candidates] + ([(candidates[0], False)] if bf16_rows else [])
+    rows = []
+    for (name, cfg), q_fp8 in runs:
+        for sd in shape_data:
+            row = {**sd["base"], "name": name, "config": dataclasses.asdict(cfg), "q_fp8": q_fp8}
 
-            def call(s, q_fp8=q_fp8, q=q, w=w):
+            def call(s, q_fp8=q_fp8, q=sd["q"], w=sd["w"]):
                 ids, slots, qpos = s
                 return indexer_scores(q, w, pool, ids, slots, qpos, layout=lay, q_fp8=q_fp8, backend="triton")
 
             try:
+                if q_fp8 not in sd["refs"]:
+                    ids, slots, qpos = sd["sets"][0]
+                    ref = indexer_scores(sd["q"], sd["w"], pool, ids, slots, qpos, layout=lay, q_fp8=q_fp8,
+                                         backend="torch")  # fmt: skip
+                    top = torch.sort(unpack_keys(torch.topk(ref, min(TOPK, ref.shape[1]), dim=1).values)[1], dim=1)
+                    sd["refs"][q_fp8] = (ref, top.values)
                 with use_launch(cfg):
-                    keys = call(sets[0])
-                    if q_fp8 not in refs:
-                        ids, slots, qpos = sets[0]
-                        ref = indexer_scores(q, w, pool, ids, slots, qpos, layout=lay, q_fp8=q_fp8, backend="torch")
-                        from dtkv.decode import unpack_keys
-
-                        k = min(TOPK, ref.shape[1])
-                        ref_top = torch.sort(unpack_keys(torch.topk(ref, k, dim=1).values)[1], dim=1).values
-                        refs[q_fp8] = (ref, ref_top)
-                        del ref
-                    row.update(_check(keys, *refs[q_fp8], defaults.get(q_fp8), name == "default"))
+                    keys = call(sd["sets"][0])
+                    row.update(_check(keys, *sd["refs"][q_fp8], sd["defaults"].get(q_fp8), name == "default"))
                     if name == "default":
-                        defaults[q_fp8] = keys
-                    calls = [lambda s=s: call(s) for s in (sets * 4)[: row["calls_per_replay"]]]
+                        sd["defaults"][q_fp8] = keys
+                    calls = [lambda s=s: call(s) for s in (sd["sets"] * 4)[: row["calls_per_replay"]]]
                     ms = _time_calls(calls, device, reps)
-                    if q_fp8:
-                        timed_calls[name] = (cfg, calls)
+                if q_fp8:
+                    sd["timed"][name] = (cfg, calls)
             except Exception as e:  # a launch that does not compile or run: report it, keep sweeping
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
                 rows.append(row)
                 log(f"{row['shape']:>12} {name:<34} error {row['error'][:120]}")
                 continue
-            gbps = nbytes / (ms * 1e6)
+            gbps = sd["nbytes"] / (ms * 1e6)
             row.update(ms=ms, gbps=gbps, hbm_fraction=gbps / H200_HBM_GBPS, copy_gbps=cgbps,
                        copy_fraction=(gbps / cgbps) if cgbps else None)  # fmt: skip
             rows.append(row)
             log(f"{row['shape']:>12} {name:<34} fp8={int(q_fp8)} {ms * 1e3:8.1f} us {gbps:7.0f} GB/s "
                 f"{gbps / H200_HBM_GBPS:4.0%} bitwise={int(row['bitwise'])} ok={int(row['ok'])} "
                 f"err={row['max_rel_err']:.1e} topk={row['topk_agree']:.2f}")  # fmt: skip
-        # the kernel alone (profiler device time) for the default and the fastest checked launch
-        here = [r for r in rows[first:] if "gbps" in r and r["q_fp8"] and r["ok"] and r["bitwise"]]
-        for r in {id(r): r for r in [*(x for x in here if x["name"] == "default"),
-                                     *([max(here, key=lambda x: x["gbps"])] if here else [])]}.values():  # fmt: skip
-            cfg, calls = timed_calls[r["name"]]
+    for sd in shape_data:  # the kernel alone (profiler device time): the default and the fastest checked launch
+        here = [r for r in rows if r["shape"] == sd["base"]["shape"] and "gbps" in r and r["q_fp8"] and r["ok"]
+                and r["bitwise"]]  # fmt: skip
+        picks = [r for r in here if r["name"] == "default"] + ([max(here, key=lambda x: x["gbps"])] if here else [])
+        for r in {id(r): r for r in picks}.values():
+            cfg, calls = sd["timed"][r["name"]]
             try:
                 with use_launch(cfg):
                     us = kernel_us(calls, device)
@@ -271,13 +274,12 @@ def sweep(device: torch.device, *, shapes=SHAPES, candidates=None, pool_pages: i
                 log(f"{r['shape']:>12} {r['name']:<34} kernel alone: profiler failed ({type(e).__name__}: {e})")
                 us = None
             if us:
-                r.update(kernel_us=us, kernel_gbps=nbytes / (us * 1e3), kernel_hbm_fraction=nbytes / (us * 1e3) / 4800)
-                log(f"{r['shape']:>12} {r['name']:<34} kernel alone {us:8.1f} us {r['kernel_gbps']:7.0f} GB/s "
-                    f"{r['kernel_hbm_fraction']:4.0%}")  # fmt: skip
-        del refs, defaults, timed_calls
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    return rows
+                kg = sd["nbytes"] / (us * 1e3)
+                r.update(kernel_us=us, kernel_gbps=kg, kernel_hbm_fraction=kg / H200_HBM_GBPS)
+                log(f"{r['shape']:>12} {r['name']:<34} kernel alone {us:8.1f} us {kg:7.0f} GB/s "
+                    f"{kg / H200_HBM_GBPS:4.0%}")  # fmt: skip
+    order = {sd["base"]["shape"]: i for i, sd in enumerate(shape_data)}
+    return sorted(rows, key=lambda r: order[r["shape"]])
 
 
 def best_table(rows: list[dict]) -> dict[tuple[int, int], dict]:
@@ -386,6 +388,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--shapes", default=",".join(f"{n}x{t}" for n, t in SHAPES), help="QUERIESxTOKENS, comma separated")
     p.add_argument("--pool-pages", type=int, default=32768, help="pages of the pool (8448 B each)")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--only", metavar="REGEX", help="time only the candidates whose name matches (the default always)")
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--apply-table", metavar="JSONL", help="write a sweep's winners into ops/indexer_scores.py")
     p.add_argument("--smoke", action="store_true", help="CPU interpreter: tiny geometry, three launches")
@@ -412,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         device = torch.device("cuda", torch.cuda.current_device())
         shapes = [tuple(int(x) for x in s.split("x")) for s in ns.shapes.split(",")]
-        rows = sweep(device, shapes=shapes, pool_pages=ns.pool_pages, reps=ns.reps)
+        cands = [c for c in CANDIDATES if c[0] == "default" or not ns.only or re.search(ns.only, c[0])]
+        rows = sweep(device, shapes=shapes, candidates=cands, pool_pages=ns.pool_pages, reps=ns.reps)
         name = torch.cuda.get_device_name(device).lower()
         tag = next((f"{m}x1" for m in ("h200", "h100", "b200") if m in name), "gpux1")
     for path in write(rows, Path(ns.out_dir), tag, command):
