@@ -391,7 +391,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--only", metavar="REGEX", help="time only the candidates whose name matches (the default always)")
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--apply-table", metavar="JSONL", help="write a sweep's winners into ops/indexer_scores.py")
-    p.add_argument("--smoke", action="store_true", help="CPU interpreter: tiny geometry, three launches")
+    p.add_argument("--smoke", action="store_true", help="CPU interpreter: tiny geometry, four launches")
     return p
 
 
