@@ -200,3 +200,15 @@ def test_empty_query_rewrite_is_robust_to_either_convention(flashmla, monkeypatc
         out, lse = backend.decode(q, kv, idx, softmax_scale=SCALE)
         assert bool((lse[0] == float("-inf")).all()) and torch.allclose(lse[1], torch.zeros(H), atol=1e-6)
         assert math.isfinite(float(out.float().abs().max()))
+
+
+def test_a_schedule_not_for_merging_skips_the_rewrite(flashmla):
+    backend = flashmla(FP8, topk=64)
+    kv = _pages(FP8, 1, seed=0)
+    q = torch.zeros(2, H, 576, dtype=torch.bfloat16)
+    idx = torch.full((2, 64), -1, dtype=torch.int32)
+    idx[1, 0] = 3
+    out, lse = backend.decode(q, kv, idx, softmax_scale=SCALE, schedule=backend.plan_decode(2, 64, merge_lse=False))
+    assert bool((lse[0] == float("inf")).all()) and not out[0].any()  # the kernel's own convention, untouched
+    out, lse = backend.decode(q, kv, idx, softmax_scale=SCALE, schedule=backend.plan_decode(2, 64))
+    assert bool((lse[0] == float("-inf")).all())

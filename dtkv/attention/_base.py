@@ -36,6 +36,10 @@ class DecodeSchedule:
     """``N``: query rows of every call."""
     width: int
     """``W``: index width of every call."""
+    merge_lse: bool = True
+    """``lse`` is for merging partials: an empty query's is ``-inf`` (FlashMLA's ``+inf`` rewritten, one elementwise
+    launch). ``False`` (decode whose ``lse`` nobody merges: a full view, a replicated pool) skips the rewrite; an empty
+    query's ``lse`` is then whatever the kernel returns (FlashMLA: ``+inf``), ``out`` is 0 either way."""
     state: dict[str, Any] = field(default_factory=dict)
     """Backend-private (FlashMLA: ``"meta"``, its ``FlashMLASchedMeta``)."""
 
@@ -107,12 +111,15 @@ class AttentionBackend(ABC):
         )
 
     # ------------------------------------------------------------------------------------------ plan
-    def plan_decode(self, num_queries: int, width: int) -> DecodeSchedule:
-        """A :class:`DecodeSchedule` for decode calls of ``num_queries`` rows and index width ``width`` (plan)."""
+    def plan_decode(self, num_queries: int, width: int, *, merge_lse: bool = True) -> DecodeSchedule:
+        """A :class:`DecodeSchedule` for decode calls of ``num_queries`` rows and index width ``width`` (plan).
+
+        ``merge_lse=False`` for decode whose ``lse`` is not merged (see :attr:`DecodeSchedule.merge_lse`).
+        """
         check_int("num_queries", num_queries, min_value=0)
         check_int("width", width, min_value=1)
         self._check_width(width)
-        return DecodeSchedule(backend=self.name, num_queries=num_queries, width=width)
+        return DecodeSchedule(backend=self.name, num_queries=num_queries, width=width, merge_lse=bool(merge_lse))
 
     # ------------------------------------------------------------------------------------------ run
     def prefill(
