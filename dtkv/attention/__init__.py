@@ -22,8 +22,9 @@ Entry points:
   :data:`B_TOPK`); :class:`AttentionFitError` names each broken rule. :func:`available_backends`.
 - indices (run, on the device, no host sync): :meth:`AttentionBackend.indices` (logical token locations -> int32
   slots of the pages read, through a view's ``MaterializePlan.page_map``, a pool's page map or
-  :func:`owned_page_map`; ``-1`` preserved; bounded by the pages read; padded to the kernel's multiple:
-  :func:`dtkv.ops.sparse_indices`), :func:`positions_to_locs`.
+  :func:`owned_page_map`; or key positions through per-query page tables, e.g. a rank-local one with ``-1`` for
+  pages it does not own; ``-1`` preserved; bounded by the pages read; padded to the kernel's multiple: one
+  :func:`dtkv.ops.sparse_indices` launch), :func:`positions_to_locs`.
 - run: :meth:`AttentionBackend.prefill` (eager) and :meth:`AttentionBackend.decode` (CUDA-graph capturable after a
   warm-up, with a :class:`DecodeSchedule` from :meth:`AttentionBackend.plan_decode` per batch shape), one contract::
 

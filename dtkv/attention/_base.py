@@ -87,7 +87,14 @@ class AttentionBackend(ABC):
         check_int("topk", topk, min_value=0)
         return cdiv(max(topk, 1), self.index_multiple) * self.index_multiple
 
-    def indices(self, locs: torch.Tensor, kv: torch.Tensor, *, page_map: torch.Tensor | None = None) -> torch.Tensor:
+    def indices(
+        self,
+        locs: torch.Tensor,
+        kv: torch.Tensor,
+        *,
+        page_map: torch.Tensor | None = None,
+        page_table: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """int32 token slots ``[N, W]`` into ``kv`` from logical token locations (run phase: one launch, no sync).
 
         Args:
@@ -96,6 +103,10 @@ class AttentionBackend(ABC):
             kv: the pages ``[P, S, *row]`` the kernel will read: bounds every slot (``< P * S``).
             page_map: int32/int64 ``[num_pages]`` logical page -> page of ``kv``: a view's
                 ``MaterializePlan.page_map``, or :func:`dtkv.attention.owned_page_map` for a rank's own pages.
+            page_table: int32/int64 ``[N, M]`` each query's request pages (``-1`` padded): ``locs`` are then key
+                positions in the request (an indexer's top-k), turned into locations in the same launch; a
+                rank-local table (its local page where it owns the slot's page, else ``-1``, such as
+                :attr:`dtkv.decode.DecodePlan.slot_local_page`) gives own-page slots directly.
 
         Returns:
             ``dtkv.ops.sparse_indices(...)``: ``W = index_width(K)``, ``-1`` preserved and padded.
@@ -108,6 +119,7 @@ class AttentionBackend(ABC):
             page_map=page_map,
             page_size=page_size,
             width=self.index_width(locs.shape[1]),
+            page_table=page_table,
         )
 
     # ------------------------------------------------------------------------------------------ plan
