@@ -149,6 +149,7 @@ def cuda_available_everything(monkeypatch):
     import dtkv.attention._resolve as res
 
     monkeypatch.setattr(res, "availability", lambda name, device: "")
+    monkeypatch.setattr(res, "_warned", set())
 
 
 def test_auto_reports_a_faster_backend_that_does_not_fit(cuda_available_everything, caplog):
@@ -159,6 +160,10 @@ def test_auto_reports_a_faster_backend_that_does_not_fit(cuda_available_everythi
     rule = "flashmla needs 64 or 128 query heads per rank, got num_heads=16"
     assert rule in backend.reason and backend.reason.startswith("auto on cuda: fastest available that fits; flashmla")
     assert any(rule in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dtkv.attention"):
+        again = resolve_attention("auto", spec=spec, device="cuda", capability=(9, 0))
+    assert again.reason == backend.reason and not caplog.records  # reported once per process
     with pytest.raises(AttentionFitError, match=re.escape(f"attention does not fit 'flashmla': {rule}")):
         resolve_attention("flashmla", spec=spec, device="cuda", capability=(9, 0))
 
