@@ -30,6 +30,7 @@ from dtkv.attention import (
     AttentionSpec,
     available_backends,
     check_fit,
+    dense_page_table,
     fit_errors,
     owned_page_map,
     positions_to_locs,
@@ -190,6 +191,15 @@ def test_positions_to_locs_vs_loops():
                                                                                       rows=torch.arange(3)))  # fmt: skip
     with pytest.raises(ValueError, match=re.escape("page_table must have one row per query without rows=")):
         positions_to_locs(pos, table, page_size=4)
+
+
+def test_dense_page_table_from_csr_vs_loops():
+    kv_indptr = torch.tensor([0, 3, 3, 7, 8], dtype=torch.int32)  # an empty request, one past max_pages
+    kv_indices = torch.tensor([5, 2, 9, 0, 4, 6, 1, 3], dtype=torch.int32)
+    got = dense_page_table(kv_indptr, kv_indices, max_pages=3)
+    assert got.tolist() == [[5, 2, 9], [-1, -1, -1], [0, 4, 6], [3, -1, -1]]
+    empty = dense_page_table(torch.zeros(3, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), max_pages=2)
+    assert empty.tolist() == [[-1, -1], [-1, -1]]
 
 
 @pytest.mark.parametrize(("cp", "num_pages", "scheme"), [(1, 5, "interleave"), (3, 10, "interleave"), (3, 4, "block")])
