@@ -30,7 +30,7 @@ import functools
 import torch
 
 from dtkv.attention._spec import BACKENDS, AttentionFitError, AttentionSpec
-from dtkv.layouts import MLAFp8Layout
+from dtkv.layouts import MLAFp8Layout, MLALatentLayout
 from dtkv.ops import HAS_TRITON
 from dtkv.ops._common import INTERPRET
 
@@ -127,7 +127,7 @@ def fit_errors(
                 "triton needs kv_lora_rank and rope_dim to be powers of two >= 16, "
                 f"got kv_lora_rank={spec.kv_lora_rank}, rope_dim={spec.rope_dim}"
             )
-        if not spec.fp8 and lay.store_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        if isinstance(lay, MLALatentLayout) and lay.store_dtype not in (torch.bfloat16, torch.float16, torch.float32):
             errors.append(f"triton reads bf16/fp16/fp32 latent pages, got store_dtype={lay.store_dtype}")
     elif name == "flashmla":
         if spec.num_heads not in FLASHMLA_HEADS:

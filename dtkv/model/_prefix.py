@@ -4,7 +4,8 @@
   pages, capped so that at least one prompt token is computed (its logits give the first output token). The
   prefix ends on a page boundary, so the step's split is planned with a page-aligned prefix.
 - :func:`make_room` (plan phase, before allocation): evicts unused cached pages when the step's new pages would
-  not fit -- first of the owner classes the compute-owner allocation asks for, then any;
+  not fit where the allocation asks for them -- first of each owner class the compute-owner allocation asks more
+  of than it has free (even when the total fits: the eviction rule of :mod:`dtkv.prefix_cache`), then any;
   :func:`make_room_for_decode` likewise before a sharded decode step (``decode_mode="sharded"``).
 - :func:`cache_computed` (after each step): shares every request's fully computed pages.
 - :func:`release_request` (``finish_request``): caches the request's full pages and drops its references.
@@ -35,22 +36,30 @@ def attach_cached_prefix(engine, req) -> None:
 
 
 def make_room(engine, split) -> None:
-    """Evict cached pages so that the step's new pages fit (what ``allocate_for_split`` / ``alloc_balanced``
-    will ask for: per-owner counts of page-aligned requests under ``sharded_direct``, else a total)."""
+    """Evict cached pages so that the step's new pages fit where the allocation asks for them.
+
+    Under ``sharded_direct`` the compute-owner allocation (``allocate_for_split``) asks each owner for the new
+    pages of the page-aligned requests it computes: an owner short of free pages evicts its own cached leaves
+    first (:meth:`dtkv.PrefixCache.make_room` with ``per_owner``), even when the total still fits -- otherwise
+    those slots fall back to other owners' pages and their rows go through the handoff all-gather instead of a
+    direct write. Otherwise (and then) leaves are evicted while the total does not fit.
+    """
     ps = split.page_size
     prefix = np.asarray(split.prefix_lens, dtype=np.int64).reshape(split.num_reqs)
     extend = np.asarray(split.extend_lens, dtype=np.int64).reshape(split.num_reqs)
     have, need = cdiv(prefix, ps), cdiv(prefix + extend, ps)
     total = int(np.maximum(need - have, 0).sum())
-    if total <= engine.allocator.num_free():
-        return
+    alloc = engine.allocator
     per_owner = None
+    short = total > alloc.num_free()
     if engine.mode == "sharded_direct":
         owners = compute_owners(split).numpy()
         cols = np.arange(owners.shape[1], dtype=np.int64)[None, :]
         new = (cols >= have[:, None]) & (cols < need[:, None]) & split.page_aligned.numpy()[:, None]
-        per_owner = np.bincount(owners[new], minlength=engine.allocator.ownership.cp_size).tolist()
-    engine.prefix_cache.make_room(total, per_owner)
+        per_owner = np.bincount(owners[new], minlength=alloc.ownership.cp_size).tolist()
+        short = short or any(want > alloc.num_free(r) for r, want in enumerate(per_owner))
+    if short:
+        engine.prefix_cache.make_room(total, per_owner)
 
 
 def make_room_for_decode(engine, reqs: Sequence) -> None:

@@ -39,6 +39,7 @@ Decode runs in one of two ``decode_mode`` s:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -46,7 +47,8 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from dtkv import _env, ops
+from dtkv import _batch, _env, ops
+from dtkv._checks import check_int
 from dtkv._collectives import all_gather_rows, group_rank, group_size
 from dtkv._util import warn_deprecated
 from dtkv.allocator import PageAllocator
@@ -192,12 +194,22 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------------------ requests
     def add_request(self, prompt: Sequence[int]) -> Request:
-        ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("prompt must hold at least one token id, got an empty prompt")
-        bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids must be in [0, {self.cfg.vocab_size}), got {bad[0]}")
+        """Queue a prompt (token ids in ``[0, vocab_size)``; identical calls on every rank).
+
+        With a prefix cache the request starts from its prompt's longest cached prefix of full pages.
+
+        Raises:
+            TypeError: a token id is not an int (floats and bools are refused, never truncated).
+            ValueError: an empty prompt, an id outside the vocabulary, or more pages than the pool could ever hand
+                out (:func:`dtkv._batch.check_prompt`); nothing is queued.
+        """
+        alloc = self.allocator
+        ids = _batch.check_prompt(
+            prompt,
+            vocab_size=self.cfg.vocab_size,
+            page_size=self.cfg.page_size,
+            num_pages=alloc.ownership.num_pages - len(alloc.reserved),
+        )
         req = Request(rid=len(self.requests), prompt=ids)
         if self.prefix_cache is not None:
             _prefix.attach_cached_prefix(self, req)
@@ -205,21 +217,55 @@ class ModelRunner:
         return req
 
     def finish_request(self, rid: int) -> None:
-        """End request ``rid``: cache its full pages (with a prefix cache) and release its pages (SPMD)."""
-        if not 0 <= rid < len(self.requests):
-            raise ValueError(f"rid must name a request in [0, {len(self.requests)}), got rid={rid}")
-        if self.requests[rid].finished:
-            raise ValueError(f"rid must name a live request, got rid={rid}, which is finished already")
-        _prefix.release_request(self, self.requests[rid])
+        """End request ``rid``: cache its full pages (with a prefix cache) and release its pages (SPMD).
+
+        A finished request is never stepped, decoded or inspected again (those calls refuse it).
+
+        Raises:
+            TypeError / ValueError: ``rid`` is not an int naming a live request (:func:`dtkv._batch.check_rid`).
+        """
+        req = _batch.check_rid(rid, self.requests)
+        _prefix.release_request(self, req)
         if self.prefix_cache is not None and _env.debug_enabled():
             self.prefix_cache.check_agreement(self.group)
 
     # ------------------------------------------------------------------------------------------ plan
     def plan_step(self, reqs: Sequence[Request], extend_lens: Sequence[int]) -> StepPlan:
-        """Split, allocate pages and build every index the step's run needs (host; same on every rank)."""
+        """Split, allocate pages and build every index the step's run needs (host; same on every rank).
+
+        The inputs are checked first, on every rank together (:func:`dtkv._batch.agreed_step`: collective with a
+        group); a refused step changes nothing.
+
+        Raises:
+            TypeError / ValueError: the batch breaks a rule of :func:`dtkv._batch.check_batch` (empty, a request
+                not of this runner, finished or repeated, a length not an int in ``[1, tokens not yet computed]``).
+            AllocationError: the step's new pages exceed the free pages plus the evictable cached ones.
+        """
+        extend_lens = self._check_step(reqs, extend_lens)
+        with _batch.undo_new_pages(self.allocator, reqs):
+            return self._plan(reqs, extend_lens)
+
+    def _check_step(
+        self, reqs: Sequence[Request], extend_lens: Sequence[int] | None, *, decode: bool = False
+    ) -> list[int]:
+        """The step's input rules and its page budget, on every rank together (nothing changes)."""
+        cache = self.prefix_cache
+
+        def check() -> list[int]:
+            lens = _batch.check_batch(self.requests, reqs, extend_lens, decode=decode)
+            _batch.check_capacity(
+                reqs, lens, page_size=self.cfg.page_size, allocator=self.allocator,
+                evictable=cache.num_evictable if cache is not None else None,
+            )  # fmt: skip
+            return lens
+
+        value = functools.partial(_batch.batch_value, reqs)
+        return _batch.agreed_step(self.group, what="ModelRunner step", check=check, value=value)
+
+    def _plan(self, reqs: Sequence[Request], extend_lens: list[int]) -> StepPlan:
         ps = self.cfg.page_size
         prefix = [r.num_computed for r in reqs]
-        split = plan_cp_split(prefix, list(extend_lens), cp_size=self.cp, page_size=ps, mode=self.split_mode)
+        split = plan_cp_split(prefix, extend_lens, cp_size=self.cp, page_size=ps, mode=self.split_mode)
         self._allocate(reqs, extend_lens, split)
         # natural-order ids and locations of the step's tokens
         ids, locs = [], []
@@ -397,9 +443,17 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------------------ driver
     def step(self, reqs: Sequence[Request], extend_lens: Sequence[int], *, prefetch: bool = False) -> torch.Tensor:
-        """Plan and run one step for ``reqs``; returns logits of each request's last token ``[len(reqs), V]``."""
-        plan = self.plan_step(reqs, extend_lens)
-        logits = self.forward(plan, prefetch=prefetch)
+        """Plan and run one step for ``reqs``; returns logits of each request's last token ``[len(reqs), V]``.
+
+        Raises what :meth:`plan_step` raises, with nothing changed. A run that fails gives the step's new pages
+        back (the requests keep the pages and computed tokens they had).
+        """
+        return self._run_step(reqs, self._check_step(reqs, extend_lens), prefetch=prefetch)
+
+    def _run_step(self, reqs: Sequence[Request], extend_lens: list[int], *, prefetch: bool) -> torch.Tensor:
+        with _batch.undo_new_pages(self.allocator, reqs):
+            plan = self._plan(reqs, extend_lens)
+            logits = self.forward(plan, prefetch=prefetch)
         for r, n in zip(reqs, extend_lens):
             r.num_computed += n
         if self.prefix_cache is not None:
@@ -417,8 +471,7 @@ class ModelRunner:
 
     def prefill(self, chunk: int, *, prefetch: bool = False) -> list[int]:
         """Chunked prefill of every request, ``chunk`` tokens per request per step; returns each first token."""
-        if chunk < 1:
-            raise ValueError(f"chunk must be >= 1, got chunk={chunk}")
+        check_int("chunk", chunk, min_value=1)
         first: dict[int, int] = {}
         while True:
             todo = [r for r in self.requests if r.num_computed < len(r.prompt) and not r.finished]
@@ -441,6 +494,7 @@ class ModelRunner:
         or none prefilled) the call is a no-op on every rank -- no step, no collective -- and returns the outputs
         as they are, as an idle scheduler iteration would.
         """
+        check_int("steps", steps, min_value=0)
         for _ in range(steps):
             reqs = [r for r in self.requests if r.output and not r.finished]
             if not reqs:
@@ -454,30 +508,44 @@ class ModelRunner:
         """Run each request's last generated token through the model in ``decode_mode``: logits ``[len(reqs), V]``.
 
         Writes the token's KV rows and advances ``num_computed``; the caller appends the next token to ``output``.
+
+        Raises what :meth:`plan_step` raises (every request decodes one token), with nothing changed.
         """
+        lens = self._check_step(reqs, None, decode=True)
         if self.decode_mode != "sharded":
-            return self.step(reqs, [1] * len(reqs))
+            return self._run_step(reqs, lens, prefetch=False)
+        if self.prefix_cache is not None:
+            _prefix.make_room_for_decode(self, reqs)
+        with _batch.undo_new_pages(self.allocator, reqs):
+            logits = sharded_decode_step(self, reqs)
         if self.prefix_cache is None:
-            return sharded_decode_step(self, reqs)
-        _prefix.make_room_for_decode(self, reqs)
-        logits = sharded_decode_step(self, reqs)
+            return logits
         _prefix.cache_computed(self, reqs)
         if _env.debug_enabled():
             self.prefix_cache.check_agreement(self.group)
         return logits
 
     # ------------------------------------------------------------------------------------------ inspection
+    def _check_inspect(self, rid: int) -> Request:
+        """The live request ``rid``, checked on every rank together when reading it is collective."""
+        rule = f"request {rid} is finished: its pages were released, got rid={rid}"
+        return _batch.agreed_step(
+            self.pool.group, what="ModelRunner.kv_bytes", value=lambda r: r.rid,
+            check=lambda: _batch.check_rid(rid, self.requests, finished_rule=rule),
+        )  # fmt: skip
+
     def kv_bytes(self, rid: int) -> dict[str, torch.Tensor]:
         """The stored bytes of request ``rid``'s computed tokens in token order (collective in sharded modes).
 
         Returns:
             name -> uint8 ``[num_layers, num_tokens, token_bytes]`` (indexer: K bytes then the scale bytes).
+
+        Raises:
+            TypeError / ValueError: ``rid`` is not an int naming a live request (negative ids never wrap).
         """
         from dtkv.pool import gather_pages
 
-        r = self.requests[rid]
-        if r.finished:
-            raise ValueError(f"request {rid} is finished: its pages were released, got rid={rid}")
+        r = self._check_inspect(rid)
         ps, n = self.cfg.page_size, r.num_computed
         pages = torch.tensor(r.pages, dtype=torch.int64)
         pos = torch.arange(n)

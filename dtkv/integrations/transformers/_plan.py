@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dtkv import ops
-from dtkv._util import cdiv
+from dtkv._util import as_int_list, cdiv
 from dtkv.allocator import PageAllocator
 from dtkv.materialize import MaterializePlan, plan_materialize
 from dtkv.ownership import PageOwnership
@@ -37,6 +37,8 @@ class Request:
     """Tokens whose KV is stored."""
     output: list[int] = field(default_factory=list)
     """Generated tokens (the first one comes from the prefill's last logits)."""
+    finished: bool = False
+    """Pages released (:meth:`DSAModelRunner.free_request`): never stepped again."""
 
     @property
     def tokens(self) -> list[int]:
@@ -128,12 +130,13 @@ def plan_step(
     """Split, allocate pages and build every index of one step (host; identical on every rank).
 
     ``mode`` is the runner's KV mode (``single``, ``sharded`` or ``sharded_direct``). Pages are appended to
-    each request's ``pages``; nothing else of the requests changes. With ``group`` the ranks check that they
-    planned the same view (collective; every rank raises together otherwise, see
-    :func:`dtkv.materialize.plan_materialize`).
+    each request's ``pages``; nothing else of the requests changes. The batch's rules
+    (:func:`dtkv._batch.check_batch`) are the caller's: :meth:`DSAModelRunner.plan_step` checks them first. With
+    ``group`` the ranks check that they planned the same view (collective; every rank raises together otherwise,
+    see :func:`dtkv.materialize.plan_materialize`).
     """
     cp, ps = allocator.ownership.cp_size, page_size
-    lens = [int(n) for n in extend_lens]
+    lens = as_int_list("extend_lens", extend_lens, min_value=1)
     prefix = [r.num_computed for r in reqs]
     split = plan_cp_split(prefix, lens, cp_size=cp, page_size=ps, mode=split_mode)
     _allocate(allocator, reqs, lens, split, direct=mode == "sharded_direct", page_size=ps)

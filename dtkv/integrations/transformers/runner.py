@@ -19,12 +19,15 @@ the final hidden states are all-gathered and the model's ``lm_head`` gives the l
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 
+from dtkv import _batch
+from dtkv._checks import check_int
 from dtkv._collectives import all_gather_rows, group_rank, group_size
 from dtkv._util import cdiv
 from dtkv.allocator import PageAllocator
@@ -163,43 +166,63 @@ class DSAModelRunner:
 
     # ------------------------------------------------------------------------------------------ requests
     def add_request(self, prompt: Sequence[int]) -> Request:
-        """Queue a prompt (token ids in ``[0, vocab_size)``); identical calls on every rank."""
-        ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("prompt must hold at least one token id, got an empty prompt")
-        vocab = self.geometry.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[0]}")
+        """Queue a prompt (token ids in ``[0, vocab_size)``); identical calls on every rank.
+
+        Raises:
+            TypeError: a token id is not an int (floats and bools are refused, never truncated).
+            ValueError: an empty prompt, an id outside the vocabulary, or more pages than the pool could ever hand
+                out (:func:`dtkv._batch.check_prompt`); nothing is queued.
+        """
+        alloc = self.allocator
+        ids = _batch.check_prompt(
+            prompt,
+            vocab_size=self.geometry.vocab_size,
+            page_size=self.page_size,
+            num_pages=alloc.ownership.num_pages - len(alloc.reserved),
+        )
         req = Request(rid=len(self.requests), prompt=ids)
         self.requests.append(req)
         return req
 
     def free_request(self, rid: int) -> None:
-        """Return request ``rid``'s pages to the allocator (its KV is then gone)."""
-        req = self.requests[rid]
+        """Return request ``rid``'s pages to the allocator and end it: its KV is gone, and the request is never
+        stepped, prefilled, decoded or inspected again (those calls refuse or skip it).
+
+        Raises:
+            TypeError / ValueError: ``rid`` is not an int naming a live request (:func:`dtkv._batch.check_rid`).
+        """
+        req = _batch.check_rid(rid, self.requests)
         self.allocator.free(req.pages)
-        req.pages, req.num_computed = [], 0
+        req.pages, req.num_computed, req.finished = [], 0, True
 
     # ------------------------------------------------------------------------------------------ plan / run
     def plan_step(self, reqs: Sequence[Request], extend_lens: Sequence[int]) -> StepPlan:
         """Split, allocate and index one step of ``reqs`` (host, plan phase; same on every rank).
 
+        The inputs are checked first, on every rank together (:func:`dtkv._batch.agreed_step`: collective with a
+        group); a refused step changes nothing.
+
         Raises:
-            ValueError: ``extend_lens`` does not hold one length per request, a length is < 1, or a request would
-                run past its known tokens (prompt plus generated); nothing is allocated.
+            TypeError / ValueError: the batch breaks a rule of :func:`dtkv._batch.check_batch` (empty, a request
+                not of this runner, finished or repeated, a length not an int in ``[1, tokens not yet computed]``).
+            AllocationError: the step's new pages exceed the free pages.
         """
-        lens = list(extend_lens)
-        if len(lens) != len(reqs) or not reqs:
-            raise ValueError(
-                f"extend_lens must hold one length per request of a non-empty batch, got {len(lens)} for {len(reqs)}"
-            )
-        for r, n in zip(reqs, lens):
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1 or r.num_computed + n > len(r.tokens):
-                raise ValueError(
-                    f"extend_lens must be ints in [1, tokens not yet computed], got {n!r} for request {r.rid} "
-                    f"({r.num_computed} of {len(r.tokens)} tokens computed)"
-                )
+        lens = self._check_step(reqs, extend_lens)
+        with _batch.undo_new_pages(self.allocator, reqs):
+            return self._plan(reqs, lens)
+
+    def _check_step(self, reqs: Sequence[Request], extend_lens: Sequence[int] | None, *, decode: bool = False):
+        """The step's input rules and its page budget, on every rank together (nothing changes)."""
+
+        def check() -> list[int]:
+            lens = _batch.check_batch(self.requests, reqs, extend_lens, decode=decode)
+            _batch.check_capacity(reqs, lens, page_size=self.page_size, allocator=self.allocator)
+            return lens
+
+        value = functools.partial(_batch.batch_value, reqs)
+        return _batch.agreed_step(self.group, what="DSAModelRunner step", check=check, value=value)
+
+    def _plan(self, reqs: Sequence[Request], lens: list[int]) -> StepPlan:
         return plan_step(
             reqs, lens, allocator=self.allocator, ownership=self.ownership, rank=self.rank,
             page_size=self.page_size, split_mode=self.split_mode, mode=self.mode, device=self.device, group=self.group,
@@ -237,11 +260,19 @@ class DSAModelRunner:
     def step(
         self, reqs: Sequence[Request], extend_lens: Sequence[int], *, prefetch: bool = False, all_logits: bool = False
     ) -> torch.Tensor:
-        """Plan and run one step; advances each request by its extend length. Returns :meth:`forward`'s logits."""
-        plan = self.plan_step(reqs, extend_lens)
-        logits = self.forward(plan, prefetch=prefetch, all_logits=all_logits)
-        for r, n in zip(reqs, extend_lens):
-            r.num_computed += int(n)
+        """Plan and run one step; advances each request by its extend length. Returns :meth:`forward`'s logits.
+
+        Raises what :meth:`plan_step` raises, with nothing changed. A run that fails gives the step's new pages
+        back (the requests keep the pages and computed tokens they had).
+        """
+        return self._run_step(reqs, self._check_step(reqs, extend_lens), prefetch=prefetch, all_logits=all_logits)
+
+    def _run_step(self, reqs: Sequence[Request], lens: list[int], *, prefetch: bool, all_logits: bool) -> torch.Tensor:
+        with _batch.undo_new_pages(self.allocator, reqs):
+            plan = self._plan(reqs, lens)
+            logits = self.forward(plan, prefetch=prefetch, all_logits=all_logits)
+        for r, n in zip(reqs, lens):
+            r.num_computed += n
         self.stats["steps"] += 1
         self.stats["direct_rows"] += int(plan.direct_rows.numel())
         self.stats["handoff_rows"] += int(plan.handoff_rows.numel())
@@ -262,9 +293,9 @@ class DSAModelRunner:
         """
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"chunk_size must be an int >= 1, got chunk_size={chunk_size!r}")
-        todo_all = [r for r in self.requests if r.num_computed < len(r.prompt)]
+        todo_all = [r for r in self.requests if not r.finished and r.num_computed < len(r.prompt)]
         logits: dict[int, list[torch.Tensor]] = {r.rid: [] for r in todo_all}
-        while todo := [r for r in self.requests if r.num_computed < len(r.prompt)]:
+        while todo := [r for r in self.requests if not r.finished and r.num_computed < len(r.prompt)]:
             lens = [min(chunk_size, len(r.prompt) - r.num_computed) for r in todo]
             out = self.step(todo, lens, prefetch=prefetch, all_logits=return_logits).float()
             rows = torch.tensor(lens).cumsum(0) - 1 if return_logits else torch.arange(len(todo))
@@ -285,17 +316,26 @@ class DSAModelRunner:
             Every request's generated tokens; with ``return_logits``, also per step the logits
             ``[num_decoding, V]`` float32 that chose the next tokens.
         """
+        check_int("steps", steps, min_value=0)
         step_logits = []
         for _ in range(steps):
-            reqs = [r for r in self.requests if r.output and r.num_computed == len(r.tokens) - 1]
+            reqs = [r for r in self.requests if not r.finished and r.output and r.num_computed == len(r.tokens) - 1]
             if not reqs:
                 break
-            out = self.step(reqs, [1] * len(reqs)).float()
+            out = self.decode_step(reqs).float()
             step_logits.append(out)
             for r, row in zip(reqs, out):
                 r.output.append(int(row.argmax()))
         outputs = [list(r.output) for r in self.requests]
         return (outputs, step_logits) if return_logits else outputs
+
+    def decode_step(self, reqs: Sequence[Request]) -> torch.Tensor:
+        """Run each request's next token (its last generated one) through the model: logits ``[len(reqs), V]``.
+
+        Writes the token's KV and advances ``num_computed``; the caller appends the next token to ``output``.
+        Raises what :meth:`plan_step` raises (every request decodes one token), with nothing changed.
+        """
+        return self._run_step(reqs, self._check_step(reqs, None, decode=True), prefetch=False, all_logits=False)
 
     # ------------------------------------------------------------------------------------------ inspection
     def kv_bytes(self, rid: int) -> dict[str, torch.Tensor]:
@@ -303,8 +343,15 @@ class DSAModelRunner:
 
         Returns:
             name -> uint8 CPU ``[num_layers, num_tokens, token_bytes]`` (fp8 indexer: key bytes then scale bytes).
+
+        Raises:
+            TypeError / ValueError: ``rid`` is not an int naming a live request (negative ids never wrap).
         """
-        r = self.requests[rid]
+        rule = f"request {rid} is finished: its pages were released, got rid={rid}"
+        r = _batch.agreed_step(
+            self.group, what="DSAModelRunner.kv_bytes", value=lambda req: req.rid,
+            check=lambda: _batch.check_rid(rid, self.requests, finished_rule=rule),
+        )  # fmt: skip
         ps, n = self.page_size, r.num_computed
         pos = torch.arange(n)
         pg, off = torch.tensor(r.pages, dtype=torch.int64)[pos // ps], pos % ps
