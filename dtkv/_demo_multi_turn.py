@@ -66,6 +66,7 @@ def multi_turn_rank(rank: int, args: dict, cfg, group, device) -> dict:
             num_pages=num_pages if cache else room,
             device=device,
             prefix_cache=cache,
+            attention=args.get("attention", "torch"),
         )
         if group is not None:
             dist.barrier(group)

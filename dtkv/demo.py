@@ -86,6 +86,8 @@ def run_rank(rank: int, world: int, args: dict, init_file: str | None = None) ->
             dist.destroy_process_group()
         return out
     cfg = replace(ModelConfig(), page_size=args["page_size"], kv_dtype=args["kv_dtype"])
+    if args.get("attention") == "flashmla":  # FlashMLA's dims (dtkv.attention): 64 heads, 512 + 64, pages of 64
+        cfg = replace(cfg, num_heads=64, kv_lora_rank=512, rope_dim=64, quant_block=128, page_size=64)
     if args.get("multi_turn"):
         from dtkv._demo_multi_turn import multi_turn_rank
 
@@ -108,6 +110,7 @@ def run_rank(rank: int, world: int, args: dict, init_file: str | None = None) ->
             num_pages=num_pages,
             device=device,
             decode_mode=decode_mode,
+            attention=args.get("attention", "torch"),
         )
         for p in prompts:
             eng.add_request(p)
@@ -327,6 +330,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--shared-requests", type=int, default=3, help="--multi-turn: requests sharing the system prompt")
     p.add_argument("--pool-pages", type=int, default=None, help="--multi-turn: pages of the cached run")
     p.add_argument(
+        "--attention",
+        choices=("torch", "triton", "flashmla"),
+        default="torch",
+        help="attention backend (dtkv.attention; default torch, the reference); flashmla runs the model at its dims: "
+        "64 heads, kv_lora_rank 512, rope 64, page size 64",
+    )
+    p.add_argument(
         "--decode",
         choices=("full", "sharded"),
         default="full",
@@ -365,6 +375,9 @@ def main(argv: list[str] | None = None) -> int:
     if env is not None and ns.pd and os.environ.get("LOCAL_WORLD_SIZE", str(env[1])) != str(env[1]):
         return _usage_error("--pd under torchrun needs a single node (the decode process rendezvouses on 127.0.0.1), "
                             f"got WORLD_SIZE={env[1]}, LOCAL_WORLD_SIZE={os.environ['LOCAL_WORLD_SIZE']}")  # fmt: skip
+    if ns.decode != "full" and ns.attention != "torch":
+        return _usage_error("--decode sharded checks its float64 decode against the torch attention's: drop "
+                            f"--attention {ns.attention}")  # fmt: skip
     if ns.model != "reference" and ns.decode != "full":
         return _usage_error(f"--decode sharded is for the reference model, got --model {ns.model} --decode {ns.decode}")
     if ns.model == "reference" and (ns.kv_dtype == "fp32" or ns.dtype != "float32"):
@@ -450,7 +463,7 @@ def _reference_summary(ns, args: dict, results: list[dict], wall: float) -> dict
         "requests": ns.requests,
         "chunk": ns.chunk,
         "chunks": -(-max(len(p) for p in _prompts(ns.tokens, ns.requests, 97, ns.seed)) // ns.chunk),
-        "page_size": ns.page_size,
+        "page_size": 64 if ns.attention == "flashmla" else ns.page_size,
         "kv_dtype": ns.kv_dtype,
         "split": ns.split,
         "mode": r0["mode"],
@@ -467,6 +480,7 @@ def _reference_summary(ns, args: dict, results: list[dict], wall: float) -> dict
         "wall_seconds": wall,
         "generated": r0["outputs"],
         "decode": ns.decode,
+        "attention": ns.attention,
         "decode_logits_max_rel": decode_rel,
         "decode_comm_bytes_per_step": r0["decode_comm_bytes"] // max(1, ns.decode_steps),
     }

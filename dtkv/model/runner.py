@@ -52,12 +52,13 @@ from dtkv._checks import check_int
 from dtkv._collectives import all_gather_rows, group_rank, group_size
 from dtkv._util import warn_deprecated
 from dtkv.allocator import PageAllocator
+from dtkv.attention import AttentionBackend, AttentionName, resolve_attention
 from dtkv.debug import check_write_ownership
 from dtkv.materialize import MaterializePlan, Materializer, check_view, gather_view, plan_materialize
 from dtkv.model import _prefix
 from dtkv.model.config import ModelConfig
 from dtkv.model.kvio import token_rows, write_rows
-from dtkv.model.model import TinyDSA
+from dtkv.model.model import TinyDSA, attention_spec
 from dtkv.model.sharded_decode import sharded_decode_step
 from dtkv.ownership import OwnershipScheme, PageOwnership, ownership_spec
 from dtkv.pool import ShardedKVPool
@@ -125,6 +126,11 @@ class ModelRunner:
         device: where pools and compute live.
         prefix_cache: keep a :class:`dtkv.PrefixCache` and serve new requests from cached pages (module doc).
         decode_mode: ``"full"`` (full-view decode) or ``"sharded"`` (decode on the sharded pool; module table).
+        attention: the prefill / full-view attention backend (:mod:`dtkv.attention`): ``"auto"`` (the fastest that is
+            available on ``device`` and fits the model: torch on a CPU), ``"torch"`` (float64, the reference),
+            ``"triton"``, ``"flashmla"`` (needs FlashMLA-fitting dims: 64 or 128 heads, ``kv_lora_rank`` 512,
+            ``rope_dim`` 64, fp8 pages of 64 tokens with ``quant_block`` 128), or a resolved backend. The choice is
+            :attr:`attention` (its ``reason`` says why). Sharded decode keeps :mod:`dtkv.decode`'s own math.
     """
 
     def __init__(
@@ -140,6 +146,7 @@ class ModelRunner:
         device: torch.device | str = "cpu",
         prefix_cache: bool = False,
         decode_mode: DecodeMode = "full",
+        attention: AttentionName | AttentionBackend = "auto",
     ) -> None:
         if ownership_layout is not None:
             warn_deprecated("ModelRunner(ownership_layout=...)", "ModelRunner(ownership_scheme=...)")
@@ -165,6 +172,11 @@ class ModelRunner:
         self.rank = group_rank(self.group)
         self.device = torch.device(device)
         self.model = TinyDSA(cfg, self.device)
+        self.attention = (
+            attention
+            if isinstance(attention, AttentionBackend)
+            else resolve_attention(attention, spec=attention_spec(cfg), device=self.device)
+        )
         sharded = mode in ("sharded", "sharded_direct")
         self.ownership = PageOwnership(self.cp if sharded else 1, num_pages, ownership_scheme)
         self.spec = ownership_spec(self.ownership)  # plain ints: what the compiled run passes to the ops
@@ -417,13 +429,14 @@ class ModelRunner:
             self._write("kv", layer, q["kv"], plan)
             self._write("index", layer, q["index_k"], plan)
             views = self._views(layer, plan, mat)
-            keys = token_rows(views["kv"], cfg.kv_layout)
             index_keys = token_rows(views["index"], cfg.index_layout)
             attn = h.new_zeros((h.shape[0], cfg.num_heads * cfg.kv_lora_rank), dtype=torch.float64)
             for req_i, lo, hi, kv_len in plan.groups:
                 rows = plan.req_view_locs[req_i][:kv_len]
                 qs = {k: v[lo:hi] for k, v in q.items() if k not in ("kv", "index_k")}
-                attn[lo:hi] = model.attend(qs, plan.pos_local[lo:hi], keys[rows], index_keys[rows])
+                attn[lo:hi] = model.attend_view(
+                    qs, plan.pos_local[lo:hi], views["kv"], rows, index_keys[rows], self.attention
+                )
             h = model.finish_layer(layer, h, attn)
         h_all = self._gather(h, plan.max_local)
         return model.logits(h_all[plan.last_rows_gathered])

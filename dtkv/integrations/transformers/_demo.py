@@ -15,9 +15,18 @@ import torch.distributed as dist
 from dtkv.integrations.transformers.reference import reference_logits, tiny_model
 from dtkv.integrations.transformers.runner import DSAModelRunner, num_pages_for
 
-__all__ = ["DTYPES", "MIN_WITHIN", "TOLERANCE", "parity_of", "run_rank", "summary"]
+__all__ = ["DTYPES", "FLASHMLA_DIMS", "MIN_WITHIN", "TOLERANCE", "parity_of", "run_rank", "summary"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+FLASHMLA_DIMS = {
+    "num_attention_heads": 64,
+    "num_key_value_heads": 64,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "index_head_dim": 128,
+}
+"""``--attention flashmla``: :func:`tiny_model` at FlashMLA's dims (and pages of 64 tokens; the indexer's rope of 64
+dims needs more than 64 indexer dims)."""
 TOLERANCE = {
     ("float32", "fp32"): 1e-5,
     ("float32", "fp8"): 1e-4,
@@ -79,17 +88,21 @@ def parity_of(
 def run_rank(rank: int, world: int, args: dict, group, device: torch.device, prompts: list[list[int]]) -> dict:
     """One rank's demo run (collective over ``group``); rank 0 also compares with the reference."""
     dtype = DTYPES[args["dtype"]]
-    lm = tiny_model(args["model"], seed=args["seed"], dtype=dtype, device=device)
+    attention = args.get("attention", "torch")
+    dims = FLASHMLA_DIMS if attention == "flashmla" else {}
+    page_size = 64 if attention == "flashmla" else args["page_size"]
+    lm = tiny_model(args["model"], seed=args["seed"], dtype=dtype, device=device, **dims)
     num_pages = num_pages_for(
-        [len(p) for p in prompts], page_size=args["page_size"], decode_steps=args["decode_steps"], cp_size=world
+        [len(p) for p in prompts], page_size=page_size, decode_steps=args["decode_steps"], cp_size=world
     )
     runner = DSAModelRunner(
         lm,
         group=group,
         num_pages=num_pages,
-        page_size=args["page_size"],
+        page_size=page_size,
         kv_dtype=args["kv_dtype"],
         split=args["split"],
+        attention=attention,
     )
     for p in prompts:
         runner.add_request(p)
@@ -169,12 +182,13 @@ def summary(args: dict, results: list[dict], wall: float, device: str) -> dict:
         "max_abs_logit_diff_full_precision": r0["max_abs_logit_diff_full_precision"],
         "tokens_equal_full_precision": r0["tokens_equal_full_precision"],
         "model": args["model"],
+        "attention": args.get("attention", "torch"),
         "dtype": args["dtype"],
         "cp": args["cp"],
         "tokens": args["tokens"],
         "requests": args["requests"],
         "chunk": args["chunk"],
-        "page_size": args["page_size"],
+        "page_size": 64 if args.get("attention") == "flashmla" else args["page_size"],
         "kv_dtype": args["kv_dtype"],
         "split": args["split"],
         "mode": r0["mode"],

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from dtkv import _env, ops
 from dtkv._collectives import all_gather_rows
+from dtkv.attention import AttentionBackend
 from dtkv.debug import check_write_ownership
 from dtkv.integrations.transformers._family import DSAFamily, DSAGeometry
 from dtkv.integrations.transformers._kvio import read_rows, write_rows
@@ -58,6 +59,7 @@ class AttentionContext:
         mode: str,
         family: DSAFamily,
         geometry: DSAGeometry,
+        attention: AttentionBackend | None = None,
     ) -> None:
         self.pool, self.layouts, self.ownership, self.rank, self.group = pool, layouts, ownership, rank, group
         self.spec: OwnershipSpec = ownership.spec  # plain ints: what compiled code passes to the ops
@@ -67,6 +69,8 @@ class AttentionContext:
         self.indexer_rope = family.indexer_rope
         self.plan: StepPlan | None = None
         self.materializer: Materializer | None = None
+        self.attention = attention
+        """The attention backend (:mod:`dtkv.attention`); None or ``torch``: the expanded form below."""
 
     # ------------------------------------------------------------------------------------------ writes
     def _gather(self, x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -184,6 +188,9 @@ def dsa_attention(attn, ctx: AttentionContext, hidden_states: torch.Tensor, posi
     k = topk_NK.shape[1]
     if n == 0:  # no local rows (e.g. decode steps on other ranks): the collectives above were all this rank owed
         return attn.o_proj(hidden_states.new_zeros((1, 0, h * attn.v_head_dim))), topk_NK
+    if ctx.attention is not None and ctx.attention.name != "torch":
+        out = _absorbed_attention(attn, ctx.attention, query_HNC, views["kv"], topk_NK)
+        return attn.o_proj(out.to(hidden_states.dtype).reshape(1, n, h * attn.v_head_dim)), topk_NK
     latent_VC = read_rows(views["kv"], ctx.layouts["kv"], hidden_states.dtype)
     sel = latent_VC[topk_NK.clamp(min=0)].reshape(1, 1, n * k, r + e)  # [1, 1, N*k, R + E]
     # the class's expand_kv (kv_b_proj), never an instance wrap such as the reference's key rounding
@@ -196,6 +203,24 @@ def dsa_attention(attn, ctx: AttentionContext, hidden_states: torch.Tensor, posi
     probs = torch.softmax(logits_HNK, dim=-1)
     out = torch.einsum("hnk,hnkv->nhv", probs, value.float()).to(hidden_states.dtype)
     return attn.o_proj(out.reshape(1, n, h * attn.v_head_dim)), topk_NK
+
+
+def _absorbed_attention(attn, backend: AttentionBackend, query_HNC, kv_view, topk_NK) -> torch.Tensor:
+    """MLA in the absorbed form through a :mod:`dtkv.attention` kernel: ``[N, H, v_head_dim]`` (float32 products).
+
+    ``kv_b_proj``'s weight ``[H * (nope + v), R]`` is ``W_UK [H, nope, R]`` then ``W_UV [H, v, R]`` per head. The
+    latent query is ``q_nope @ W_UK`` (``[N, H, R]``, then the rope query: ``[N, H, R + E]``), the kernel attends
+    over the stored latent rows (keys: latent and rope; values: the latent), and ``W_UV`` maps its latent output to
+    the value heads: the same attention as the expanded form, other roundings (FlashMLA: bf16 queries and keys).
+    """
+    h, nope, v = attn.num_heads, attn.qk_nope_head_dim, attn.v_head_dim
+    r = attn.kv_lora_rank
+    w = attn.kv_b_proj.weight.view(h, nope + v, r)
+    q_lat = torch.einsum("hnd,hdr->nhr", query_HNC[..., :nope].float(), w[:, :nope].float())
+    q = torch.cat((q_lat, query_HNC[..., nope:].transpose(0, 1).float()), dim=-1)  # [N, H, R + E]
+    idx = backend.indices(topk_NK, kv_view)
+    o_lat, _ = backend.prefill(backend.cast_queries(q), kv_view, idx, softmax_scale=attn.scaling)
+    return torch.einsum("nhr,hvr->nhv", o_lat.float(), w[:, nope:].float())
 
 
 def check_unbound(model: torch.nn.Module) -> None:

@@ -31,6 +31,7 @@ from dtkv._checks import check_int
 from dtkv._collectives import all_gather_rows, group_rank, group_size
 from dtkv._util import cdiv
 from dtkv.allocator import PageAllocator
+from dtkv.attention import AttentionBackend, AttentionName, AttentionSpec, resolve_attention
 from dtkv.integrations.transformers._family import KV_DTYPES, KVDtype, family_of, geometry_of, kv_layouts
 from dtkv.integrations.transformers._plan import Request, StepPlan, plan_step
 from dtkv.integrations.transformers.attention import AttentionContext, check_unbound, install, uninstall
@@ -71,11 +72,17 @@ class DSAModelRunner:
         split: CP split, ``"zigzag"`` (page-aligned where a request touches >= 2cp pages) or ``"round_robin"``.
         direct_writes: compute-owner direct writes (mode ``sharded_direct``); default: with zigzag. Needs zigzag.
         scheme: ownership scheme of the pool, ``"interleave"`` or ``"block"``.
+        attention: the attention backend (:mod:`dtkv.attention`): ``"auto"`` (the fastest available on the model's
+            device that fits: torch on a CPU), ``"torch"`` (the expanded form, float32 inside: the parity reference),
+            ``"triton"`` or ``"flashmla"`` (the absorbed form: ``q_nope`` through ``kv_b_proj``'s key half into the
+            latent, the output through its value half; FlashMLA needs 64 or 128 heads, ``kv_lora_rank`` 512,
+            ``qk_rope_head_dim`` 64, ``kv_dtype`` bf16 or fp8 with ``page_size`` 64), or a resolved backend.
 
     Attributes:
         pool: the :class:`dtkv.ShardedKVPool` (``"kv"`` and ``"index"``, one layer per decoder layer).
         requests: the :class:`Request` objects, in the order they were added.
         stats: ``steps``, ``direct_rows``, ``handoff_rows``, ``scratch_bytes`` (largest materialization scratch).
+        attention: the resolved backend (its ``name``, and ``reason`` for the choice).
 
     Raises:
         TypeError: ``model`` is not a supported DSA causal LM.
@@ -94,6 +101,7 @@ class DSAModelRunner:
         split: Literal["zigzag", "round_robin"] = "zigzag",
         direct_writes: bool | None = None,
         scheme: Literal["interleave", "block"] = "interleave",
+        attention: AttentionName | AttentionBackend = "auto",
     ) -> None:
         self.family = family_of(model)
         self.geometry = geometry_of(model)
@@ -118,6 +126,13 @@ class DSAModelRunner:
         self.split_mode, self.kv_dtype, self.page_size = split, kv_dtype, page_size
         self.layouts = kv_layouts(self.geometry, kv_dtype, page_size)
         self.device = next(model.parameters()).device
+        if isinstance(attention, AttentionBackend):
+            self.attention = attention
+        else:
+            spec = AttentionSpec(
+                num_heads=model.config.num_attention_heads, layout=self.layouts["kv"], topk=self.geometry.index_topk
+            )
+            self.attention = resolve_attention(attention, spec=spec, device=self.device)
         self.ownership = PageOwnership(self.cp_size, num_pages, scheme)
         self.pool = ShardedKVPool(
             self.layouts, self.ownership, num_layers=self.geometry.num_layers, group=self.group, device=self.device
@@ -135,6 +150,7 @@ class DSAModelRunner:
             mode=self.mode,
             family=self.family,
             geometry=self.geometry,
+            attention=self.attention,
         )
         install(model, self.ctx)
 
