@@ -12,8 +12,10 @@ positions drawn from its causal range.
   metadata from one ``get_mla_metadata()`` warmed up once.
 - **dtkv**: the same kernel through the seam, everything included: ``backend.indices(locs, kv, page_map=...)``
   (logical token locations -> bounded, padded int32 slots: one ``dtkv::sparse_indices`` launch), the planned
-  :class:`dtkv.attention.DecodeSchedule`, the kernel, and the seam's in-place ``lse`` fix (FlashMLA's ``+inf`` for
-  an empty query -> ``-inf``).
+  :class:`dtkv.attention.DecodeSchedule` and the kernel. Decode over a view or a replicated pool is not merged, so
+  its schedule is planned with ``merge_lse=False``; decode rows also report ``dtkv_merged_ms`` / ``ratio_merged``:
+  the schedule of a sharded rank's partial (``merge_lse=True``), which adds the seam's in-place ``lse`` fix
+  (FlashMLA's ``+inf`` for an empty query -> ``-inf``, what :func:`dtkv.decode.combine_partials` needs).
 
 ``sparse_prefill``: ``flash_mla_sparse_fwd`` over bf16 latent pages, ``tokens`` queries (8K-64K) of one request of
 ``context`` tokens; eager, paired CUDA-event timings (raw and dtkv back to back, median). ``sparse_decode``:
@@ -81,18 +83,18 @@ def _fp8_pages(num_pages: int, dev, g: torch.Generator) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------- timing
-def _paired(fa, fb, reps: int) -> tuple[list[float], list[float]]:
-    """Milliseconds of ``fa`` and ``fb`` run back to back ``reps`` times (order alternating), CUDA events."""
-    ta, tb = [], []
+def _paired(fns, reps: int) -> list[list[float]]:
+    """Milliseconds of each of ``fns`` run back to back ``reps`` times (the order rotating), CUDA events."""
+    times: list[list[float]] = [[] for _ in fns]
     for i in range(reps):
-        for fn, acc in ((fa, ta), (fb, tb)) if i % 2 == 0 else ((fb, tb), (fa, ta)):
+        for j in [(i + k) % len(fns) for k in range(len(fns))]:
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
-            fn()
+            fns[j]()
             e.record()
             e.synchronize()
-            acc.append(s.elapsed_time(e))
-    return ta, tb
+            times[j].append(s.elapsed_time(e))
+    return times
 
 
 def _graph(fn) -> torch.cuda.CUDAGraph:
@@ -132,7 +134,7 @@ def prefill_case(n: int, context: int, dev, reps: int, g: torch.Generator) -> di
 
     raw(), seam()
     torch.cuda.synchronize()
-    t_raw, t_dtkv = _paired(raw, seam, reps)
+    t_raw, t_dtkv = _paired([raw, seam], reps)
     bitwise = all(torch.equal(a, b) for a, b in zip(res["raw"], res["dtkv"]))
     return _row("sparse_prefill", n, 1, context, t_raw, t_dtkv, bitwise, flops=2.0 * n * HEADS * TOPK * (D_QK + D_V))
 
@@ -150,7 +152,10 @@ def decode_case(batch: int, context: int, dev, rounds: int, layers: int, g: torc
     meta = fm.get_mla_metadata()[0]
     spec = AttentionSpec(num_heads=HEADS, layout=MLAFp8Layout(page_size=PS), topk=TOPK)
     backend = resolve_attention("flashmla", spec=spec, device=dev)
-    schedule = backend.plan_decode(batch, backend.index_width(TOPK))
+    # decode of a view or a replicated pool is not merged: its schedule skips the lse rewrite (the headline row);
+    # a sharded rank's partial is merged, so its schedule rewrites FlashMLA's +inf (reported beside it)
+    schedule = backend.plan_decode(batch, backend.index_width(TOPK), merge_lse=False)
+    merged = backend.plan_decode(batch, backend.index_width(TOPK), merge_lse=True)
     res = {}
 
     def raw():
@@ -158,22 +163,29 @@ def decode_case(batch: int, context: int, dev, rounds: int, layers: int, g: torc
             res["raw"] = fm.flash_mla_with_kvcache(q4, kc4, None, None, D_V, meta, softmax_scale=SCALE,
                                                    is_fp8_kvcache=True, indices=raw_idx, use_legacy=True)  # fmt: skip
 
-    def seam():
+    def seam(key="dtkv", sched=schedule):
         for _ in range(layers):
             idx = backend.indices(locs, kc, page_map=perm)
-            res["dtkv"] = backend.decode(q, kc, idx, softmax_scale=SCALE, schedule=schedule)
+            res[key] = backend.decode(q, kc, idx, softmax_scale=SCALE, schedule=sched)
 
-    raw(), seam()  # warm-up: both metadata built on the device
-    g_raw, g_dtkv = _graph(raw), _graph(seam)
-    t_raw, t_dtkv = _paired(g_raw.replay, g_dtkv.replay, rounds)
+    def seam_merged():
+        seam("merged", merged)
+
+    raw(), seam(), seam_merged()  # warm-up: every metadata built on the device
+    graphs = [_graph(raw), _graph(seam), _graph(seam_merged)]
+    t_raw, t_dtkv, t_merged = _paired([gr.replay for gr in graphs], rounds)
     out_raw, lse_raw = res["raw"]
-    bitwise = torch.equal(out_raw.view(batch, HEADS, D_V), res["dtkv"][0]) and torch.equal(
-        lse_raw.view(batch, HEADS), res["dtkv"][1]
+    bitwise = all(
+        torch.equal(out_raw.view(batch, HEADS, D_V), res[k][0]) and torch.equal(lse_raw.view(batch, HEADS), res[k][1])
+        for k in ("dtkv", "merged")
     )
-    del g_raw, g_dtkv
+    del graphs
     per_call = lambda ts: [t / layers for t in ts]  # noqa: E731
-    return _row("sparse_decode", batch, batch, context, per_call(t_raw), per_call(t_dtkv), bitwise,
-                flops=2.0 * batch * HEADS * TOPK * (D_QK + D_V), layers=layers)  # fmt: skip
+    row = _row("sparse_decode", batch, batch, context, per_call(t_raw), per_call(t_dtkv), bitwise,
+               flops=2.0 * batch * HEADS * TOPK * (D_QK + D_V), layers=layers)  # fmt: skip
+    merged_ms = statistics.median(per_call(t_merged))
+    row.update(dtkv_merged_ms=round(merged_ms, 5), ratio_merged=round(row["raw_ms"] / merged_ms, 4))
+    return row
 
 
 def _row(kernel, tokens, batch, context, t_raw, t_dtkv, bitwise, *, flops, layers=None) -> dict:
@@ -222,8 +234,9 @@ def summary(rows: list[dict], empty: dict, title: str, extra: str) -> str:
              "| kernel | tokens | batch | context | raw ms | dtkv ms | ratio | paired ratio (median, min) | bitwise | "
              "raw TFLOP/s |", "|---|---:|---:|---:|---:|---:|---:|---|---|---:|"]  # fmt: skip
     for r in rows:
+        plain = f" ({r['ratio_merged']:.3f} with the lse rewrite of a merged partial)" if "ratio_merged" in r else ""
         lines.append(f"| {r['kernel']} | {r['tokens']} | {r['batch']} | {r['context']} | {r['raw_ms']:.4f} | "
-                     f"{r['dtkv_ms']:.4f} | {r['ratio']:.3f} | {r['paired_ratio_median']:.3f}, "
+                     f"{r['dtkv_ms']:.4f} | {r['ratio']:.3f}{plain} | {r['paired_ratio_median']:.3f}, "
                      f"{r['paired_ratio_min']:.3f} | {r['bitwise']} | {r['raw_tflops']} |")  # fmt: skip
     lines += ["", "## Targets", ""] + target_lines(rows)
     lines += ["", "## A query whose indices are all -1", "", f"`{json.dumps(empty)}`", ""]

@@ -463,7 +463,7 @@ def _reference_summary(ns, args: dict, results: list[dict], wall: float) -> dict
         "requests": ns.requests,
         "chunk": ns.chunk,
         "chunks": -(-max(len(p) for p in _prompts(ns.tokens, ns.requests, 97, ns.seed)) // ns.chunk),
-        "page_size": ns.page_size,
+        "page_size": 64 if ns.attention == "flashmla" else ns.page_size,
         "kv_dtype": ns.kv_dtype,
         "split": ns.split,
         "mode": r0["mode"],

@@ -27,7 +27,7 @@ import torch
 
 from dtkv._checks import check_tensor
 
-from ._common import INTERPRET, cdiv, device_ctx, index_arg, resolve_backend, tl, triton
+from ._common import cdiv, device_ctx, index_arg, resolve_backend, tl, triton
 
 __all__ = ["sparse_mla", "sparse_mla_torch"]
 
@@ -169,6 +169,8 @@ def _sparse_mla_kernel(
 
 KERNEL_CONFIG: dict[str, int] = {"BH": 32, "BK": 32, "num_warps": 8, "num_stages": 2}
 """Heads and rows per program step, warps, stages (``benchmarks/_dsa_kernels.py``'s configuration on an H200)."""
+KERNEL_CONFIG_F32: dict[str, int] = {"BH": 16, "BK": 16, "num_warps": 4, "num_stages": 1}
+"""float32 queries on the GPU: float32 tiles take twice the registers and shared memory of bf16 ones."""
 _INTERPRET_CONFIG: dict[str, int] = {"BH": 16, "BK": 16, "num_warps": 4, "num_stages": 1}
 
 
@@ -240,7 +242,10 @@ def _sparse_mla_op(
     else:
         num_rows = rows.shape[0]
     fp8 = rows.dtype == torch.uint8
-    cfg = _INTERPRET_CONFIG if INTERPRET and q.device.type != "cuda" else KERNEL_CONFIG
+    if q.device.type != "cuda":
+        cfg = _INTERPRET_CONFIG
+    else:
+        cfg = KERNEL_CONFIG_F32 if q.dtype == torch.float32 else KERNEL_CONFIG
     with device_ctx(q.device):
         _sparse_mla_kernel[(n, cdiv(heads, cfg["BH"]))](
             q, rows, rows.view(torch.float32) if fp8 else rows, rows.view(torch.bfloat16) if fp8 else rows,

@@ -16,12 +16,19 @@ from dtkv.ops import sparse_indices
 from tests.ops_reference import BACKENDS, backend_ok, skip_unless
 
 
-def ref_sparse_indices(locs, page_map, page_size, num_slots, width):
+def ref_sparse_indices(locs, page_map, page_size, num_slots, width, page_table=None):
     rows = []
-    for row in locs.tolist():
+    for n, row in enumerate(locs.tolist()):
         out = []
         for j in range(width):
             x = row[j] if j < len(row) else -1
+            if page_table is not None and x >= 0:
+                t = page_table[n]
+                x = (
+                    -1
+                    if x // page_size >= len(t) or t[x // page_size] < 0
+                    else t[x // page_size] * page_size + x % page_size
+                )
             if page_map is not None and x >= 0:
                 page = x // page_size
                 mapped = page_map[page] if page < len(page_map) else -1
@@ -117,7 +124,29 @@ def test_rejects_bad_arguments(kwargs, exc, msg):
 def test_opcheck(backend, with_map):
     skip_unless(backend, "cpu")
     page_map = torch.tensor(MAP, dtype=torch.int32) if with_map else None
-    torch.library.opcheck(torch.ops.dtkv.sparse_indices.default, (_locs(5, 7, 44, 1), page_map, 4, 36, 64, backend))
+    table = torch.tensor([[3, 1, -1, 2], [0, 4, 5, 9], [8, -1, -1, -1], [6, 7, 10, 2], [1, 1, 1, 1]])
+    for t in (None, table):
+        torch.library.opcheck(
+            torch.ops.dtkv.sparse_indices.default, (_locs(5, 7, 20, 1), page_map, t, 4, 36, 64, backend)
+        )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("with_map", [False, True])
+@pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64], ids=["table32", "table64"])
+def test_positions_through_page_tables(backend, with_map, table_dtype):
+    """Key positions of each row's request -> locations through its page table (and then the map), one launch; a
+    rank-local table with -1 for pages another rank stores gives own-page slots."""
+    skip_unless(backend, "cpu")
+    table = torch.tensor([[3, 1, -1, 2, 9], [0, 4, 5, 10, 6], [8, -1, -1, -1, -1], [6, 7, 10, 2, 0]], dtype=table_dtype)
+    pos = _locs(4, 11, 23, seed=5)  # page slots 0..5: slot 5 is past the table's width of 5
+    page_map = torch.tensor(MAP, dtype=torch.int32) if with_map else None
+    kw = dict(num_slots=40, page_map=page_map, page_size=4, width=16, page_table=table, backend=backend)
+    got = sparse_indices(pos, **kw)
+    assert torch.equal(got, ref_sparse_indices(pos, MAP if with_map else None, 4, 40, 16, table.tolist()))
+    assert torch.equal(sparse_indices(pos, **{**kw, "page_table": table.t().contiguous().t()}), got)  # any strides
+    with pytest.raises(ValueError, match=re.escape("page_table must have one row per row of locs (4), got")):
+        sparse_indices(pos, **{**kw, "page_table": table[:3]})
 
 
 def test_compiles_without_graph_breaks():

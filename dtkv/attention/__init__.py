@@ -22,8 +22,9 @@ Entry points:
   :data:`B_TOPK`); :class:`AttentionFitError` names each broken rule. :func:`available_backends`.
 - indices (run, on the device, no host sync): :meth:`AttentionBackend.indices` (logical token locations -> int32
   slots of the pages read, through a view's ``MaterializePlan.page_map``, a pool's page map or
-  :func:`owned_page_map`; ``-1`` preserved; bounded by the pages read; padded to the kernel's multiple:
-  :func:`dtkv.ops.sparse_indices`), :func:`positions_to_locs`.
+  :func:`owned_page_map`; or key positions through per-query page tables, e.g. a rank-local one with ``-1`` for
+  pages it does not own; ``-1`` preserved; bounded by the pages read; padded to the kernel's multiple: one
+  :func:`dtkv.ops.sparse_indices` launch), :func:`positions_to_locs`, :func:`dense_page_table` (CSR -> dense).
 - run: :meth:`AttentionBackend.prefill` (eager) and :meth:`AttentionBackend.decode` (CUDA-graph capturable after a
   warm-up, with a :class:`DecodeSchedule` from :meth:`AttentionBackend.plan_decode` per batch shape), one contract::
 
@@ -52,7 +53,7 @@ from dtkv.attention._fit import (
     check_fit,
     fit_errors,
 )
-from dtkv.attention._indices import owned_page_map, positions_to_locs
+from dtkv.attention._indices import dense_page_table, owned_page_map, positions_to_locs
 from dtkv.attention._resolve import available_backends, resolve_attention
 from dtkv.attention._spec import AUTO_ORDER, BACKENDS, AttentionFitError, AttentionName, AttentionSpec
 
@@ -71,6 +72,7 @@ __all__ = [
     "availability",
     "available_backends",
     "check_fit",
+    "dense_page_table",
     "fit_errors",
     "owned_page_map",
     "positions_to_locs",

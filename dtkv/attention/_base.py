@@ -36,6 +36,10 @@ class DecodeSchedule:
     """``N``: query rows of every call."""
     width: int
     """``W``: index width of every call."""
+    merge_lse: bool = True
+    """``lse`` is for merging partials: an empty query's is ``-inf`` (FlashMLA's ``+inf`` rewritten, one elementwise
+    launch). ``False`` (decode whose ``lse`` nobody merges: a full view, a replicated pool) skips the rewrite; an empty
+    query's ``lse`` is then whatever the kernel returns (FlashMLA: ``+inf``), ``out`` is 0 either way."""
     state: dict[str, Any] = field(default_factory=dict)
     """Backend-private (FlashMLA: ``"meta"``, its ``FlashMLASchedMeta``)."""
 
@@ -62,7 +66,7 @@ class AttentionBackend(ABC):
     """
 
     name: ClassVar[str] = "abstract"
-    index_multiple: ClassVar[int] = 1
+    index_multiple: int = 1
     """Index widths must be a multiple of this (FlashMLA: 64)."""
 
     def __init__(self, spec: AttentionSpec, device: torch.device | str, *, reason: str = "") -> None:
@@ -83,7 +87,14 @@ class AttentionBackend(ABC):
         check_int("topk", topk, min_value=0)
         return cdiv(max(topk, 1), self.index_multiple) * self.index_multiple
 
-    def indices(self, locs: torch.Tensor, kv: torch.Tensor, *, page_map: torch.Tensor | None = None) -> torch.Tensor:
+    def indices(
+        self,
+        locs: torch.Tensor,
+        kv: torch.Tensor,
+        *,
+        page_map: torch.Tensor | None = None,
+        page_table: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """int32 token slots ``[N, W]`` into ``kv`` from logical token locations (run phase: one launch, no sync).
 
         Args:
@@ -92,6 +103,10 @@ class AttentionBackend(ABC):
             kv: the pages ``[P, S, *row]`` the kernel will read: bounds every slot (``< P * S``).
             page_map: int32/int64 ``[num_pages]`` logical page -> page of ``kv``: a view's
                 ``MaterializePlan.page_map``, or :func:`dtkv.attention.owned_page_map` for a rank's own pages.
+            page_table: int32/int64 ``[N, M]`` each query's request pages (``-1`` padded): ``locs`` are then key
+                positions in the request (an indexer's top-k), turned into locations in the same launch; a
+                rank-local table (its local page where it owns the slot's page, else ``-1``, such as
+                :attr:`dtkv.decode.DecodePlan.slot_local_page`) gives own-page slots directly.
 
         Returns:
             ``dtkv.ops.sparse_indices(...)``: ``W = index_width(K)``, ``-1`` preserved and padded.
@@ -104,15 +119,19 @@ class AttentionBackend(ABC):
             page_map=page_map,
             page_size=page_size,
             width=self.index_width(locs.shape[1]),
+            page_table=page_table,
         )
 
     # ------------------------------------------------------------------------------------------ plan
-    def plan_decode(self, num_queries: int, width: int) -> DecodeSchedule:
-        """A :class:`DecodeSchedule` for decode calls of ``num_queries`` rows and index width ``width`` (plan)."""
+    def plan_decode(self, num_queries: int, width: int, *, merge_lse: bool = True) -> DecodeSchedule:
+        """A :class:`DecodeSchedule` for decode calls of ``num_queries`` rows and index width ``width`` (plan).
+
+        ``merge_lse=False`` for decode whose ``lse`` is not merged (see :attr:`DecodeSchedule.merge_lse`).
+        """
         check_int("num_queries", num_queries, min_value=0)
         check_int("width", width, min_value=1)
         self._check_width(width)
-        return DecodeSchedule(backend=self.name, num_queries=num_queries, width=width)
+        return DecodeSchedule(backend=self.name, num_queries=num_queries, width=width, merge_lse=bool(merge_lse))
 
     # ------------------------------------------------------------------------------------------ run
     def prefill(

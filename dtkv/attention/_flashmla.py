@@ -19,8 +19,9 @@ so the indices must come from :func:`dtkv.ops.sparse_indices` (bounded by the pa
 (deepseek-ai/FlashMLA ``csrc/sm90/decode/sparse_fp8/splitkv_mla.cuh``: ``o_scale = 0`` and
 ``lse = cur_L == 0 ? INFINITY : ...``; the split-KV combine and ``csrc/sm90/prefill/sparse/phase1.cuh`` likewise;
 ``tests/ref.py`` states the same). The seam turns that ``+inf`` into ``-inf`` in place (one elementwise launch), so an
-empty partial weighs nothing in :func:`dtkv.decode.combine_partials` (``+inf`` would turn the merge into NaN).
-``benchmarks/gpu_flashmla_check.py`` measures both on the GPU.
+empty partial weighs nothing in :func:`dtkv.decode.combine_partials` (``+inf`` would turn the merge into NaN); a
+decode schedule planned with ``merge_lse=False`` skips it.
+``tests/test_attention_cuda.py`` and ``benchmarks/bench_flashmla.py`` measure both on the GPU.
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ class FlashMLAAttention(AttentionBackend):
 
     def __init__(self, spec, device, *, reason: str = "") -> None:
         super().__init__(spec, device, reason=reason)
+        # bf16 latent pages go through the sparse prefill kernel, which takes top-k blocks of 2 * B_TOPK
+        # (``params.topk % (2*B_TOPK) == 0`` in csrc/sm90/prefill/sparse/phase1.cuh); the fp8 kernel takes B_TOPK
+        self.index_multiple = B_TOPK if spec.fp8 else 2 * B_TOPK
         why = availability("flashmla", self.device)
         if why:
             raise NotImplementedError(f"attention='flashmla' is unavailable: {why}")
@@ -60,8 +64,8 @@ class FlashMLAAttention(AttentionBackend):
     def cast_queries(self, q: torch.Tensor) -> torch.Tensor:
         return q.to(torch.bfloat16)
 
-    def plan_decode(self, num_queries: int, width: int) -> DecodeSchedule:
-        schedule = super().plan_decode(num_queries, width)
+    def plan_decode(self, num_queries: int, width: int, *, merge_lse: bool = True) -> DecodeSchedule:
+        schedule = super().plan_decode(num_queries, width, merge_lse=merge_lse)
         if self.spec.fp8:
             schedule.state.update(meta=self._fm.get_mla_metadata()[0], ready=False)
         else:
@@ -94,5 +98,6 @@ class FlashMLAAttention(AttentionBackend):
                     schedule.state["ready"] = True
                 out = out.view(n, h, r)
                 lse = lse.view(n, h) if decode else lse.view(h, n).t()  # FlashMLA's lse is [b, h, s_q]
-            lse.nan_to_num_(nan=float("nan"), posinf=float("-inf"), neginf=float("-inf"))  # empty: +inf -> -inf
+            if schedule is None or schedule.merge_lse:  # an empty query: FlashMLA's +inf -> -inf (weighs nothing)
+                lse.nan_to_num_(nan=float("nan"), posinf=float("-inf"), neginf=float("-inf"))
         return out, lse

@@ -1,5 +1,7 @@
 """Index construction from dtkv's page-table format (:mod:`dtkv.page_table`), on the device, with no host sync.
 
+- :func:`dense_page_table`: the CSR page table (``kv_indptr``, ``kv_indices``) as a dense ``[num_reqs, max_pages]``
+  one, ``-1`` padded (what :meth:`dtkv.attention.AttentionBackend.indices` and :func:`positions_to_locs` take).
 - :func:`positions_to_locs`: key positions of each query's request (what an indexer's top-k gives) -> logical token
   locations, through the requests' page tables.
 - :func:`owned_page_map`: logical page -> this rank's local page (``-1`` for pages it does not store): the page map
@@ -15,7 +17,27 @@ import torch
 from dtkv._checks import check_int, check_tensor
 from dtkv.ownership import PageOwnership
 
-__all__ = ["owned_page_map", "positions_to_locs"]
+__all__ = ["dense_page_table", "owned_page_map", "positions_to_locs"]
+
+
+def dense_page_table(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, *, max_pages: int) -> torch.Tensor:
+    """The CSR page table as a dense one: int64 ``[num_reqs, max_pages]``, ``-1`` padded (run phase: no host sync).
+
+    Args:
+        kv_indptr: int ``[num_reqs + 1]``, kv_indices: int ``[kv_indptr[-1]]`` (:mod:`dtkv.page_table`).
+        max_pages: columns (a host int, e.g. the plan's longest request); pages past it are dropped.
+    """
+    check_int("max_pages", max_pages, min_value=0)
+    check_tensor("kv_indptr", kv_indptr, ndim=1)
+    check_tensor("kv_indices", kv_indices, ndim=1, device=kv_indptr.device)
+    start = kv_indptr[:-1].to(torch.int64)
+    count = kv_indptr[1:].to(torch.int64) - start
+    col = torch.arange(max_pages, device=kv_indptr.device)
+    ok = col[None, :] < count[:, None]
+    src = torch.where(ok, start[:, None] + col[None, :], torch.zeros_like(ok, dtype=torch.int64))
+    if kv_indices.numel() == 0:
+        return torch.full(ok.shape, -1, dtype=torch.int64, device=kv_indptr.device)
+    return torch.where(ok, kv_indices.to(torch.int64)[src], torch.full_like(src, -1))
 
 
 def positions_to_locs(

@@ -13,6 +13,7 @@ from dtkv.attention._spec import AUTO_ORDER, BACKENDS, AttentionSpec
 __all__ = ["available_backends", "resolve_attention"]
 
 logger = logging.getLogger(__name__)
+_warned: set[str] = set()  # one WARNING per distinct report (every runner of a process resolves again)
 
 
 def _cls(name: str) -> type[AttentionBackend]:
@@ -47,7 +48,7 @@ def resolve_attention(
     ``"auto"`` takes, in :data:`dtkv.attention.AUTO_ORDER` (FlashMLA, Triton, torch), the first backend that is
     available on the device *and* fits ``spec``; on a CPU that is torch (Triton's CPU interpreter is slower). A faster
     backend that is available but does not fit is reported with its rules (a ``WARNING`` of the ``dtkv.attention``
-    logger); the choice is logged at ``INFO`` and kept in the backend's ``reason``.
+    logger, once per process and report) and in the backend's ``reason``; the choice is logged at ``INFO``.
 
     Args:
         name: ``"auto"`` | ``"torch"`` | ``"triton"`` | ``"flashmla"``.
@@ -83,7 +84,10 @@ def resolve_attention(
         errors = fit_errors(cand, spec, device=dev, capability=capability)
         if errors:
             notes.append(f"{cand}: does not fit ({'; '.join(errors)})")
-            logger.warning("dtkv attention: %s is available but does not fit: %s", cand, "; ".join(errors))
+            msg = f"dtkv attention: {cand} is available but does not fit: {'; '.join(errors)}"
+            if msg not in _warned:
+                _warned.add(msg)
+                logger.warning(msg)
             continue
         reason = f"auto on {dev.type}: fastest available that fits" + (f"; {'; '.join(notes)}" if notes else "")
         backend = _cls(cand)(spec, dev, reason=reason)

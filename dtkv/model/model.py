@@ -23,6 +23,7 @@ import math
 import torch
 
 from dtkv.attention import AttentionBackend, AttentionSpec
+from dtkv.layouts import MLAFp8Layout, MLALatentLayout
 from dtkv.model.config import ModelConfig
 from dtkv.ops.sparse_mla import sparse_mla_torch
 
@@ -63,7 +64,9 @@ def _rope(x_NXE: torch.Tensor, pos_N: torch.Tensor) -> torch.Tensor:
 
 def attention_spec(cfg: ModelConfig) -> AttentionSpec:
     """What the model's sparse attention looks like to a backend (:mod:`dtkv.attention`)."""
-    return AttentionSpec(num_heads=cfg.num_heads, layout=cfg.kv_layout, topk=cfg.index_topk)
+    layout = cfg.kv_layout
+    assert isinstance(layout, (MLALatentLayout, MLAFp8Layout)), f"an MLA layout, got {layout!r}"
+    return AttentionSpec(num_heads=cfg.num_heads, layout=layout, topk=cfg.index_topk)
 
 
 class TinyDSA:

@@ -188,7 +188,7 @@ def summary(args: dict, results: list[dict], wall: float, device: str) -> dict:
         "tokens": args["tokens"],
         "requests": args["requests"],
         "chunk": args["chunk"],
-        "page_size": args["page_size"],
+        "page_size": 64 if args.get("attention") == "flashmla" else args["page_size"],
         "kv_dtype": args["kv_dtype"],
         "split": args["split"],
         "mode": r0["mode"],
