@@ -165,7 +165,8 @@ class DecodeStep:
         # kernels: attention through the seam, the indexer op, the writes and packs
         spec = AttentionSpec(num_heads=config.num_heads, layout=self.kv_layout, topk=config.topk)
         self.attn = resolve_attention(config.attention, spec=spec, device=self.device)
-        self.schedule = self.attn.plan_decode(b, self.attn.index_width(config.topk))
+        # only a merged partial needs FlashMLA's +inf lse of an empty query turned into -inf (one launch a layer)
+        self.schedule = self.attn.plan_decode(b, self.attn.index_width(config.topk), merge_lse=self.merges)
         self.ops_backend = "auto"
         self.indexer_backend = config.indexer
         if config.indexer == "auto":
