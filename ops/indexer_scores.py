@@ -200,7 +200,16 @@ KEY_BUCKETS: tuple[int, ...] = (262144,)
 """Upper bounds of the key buckets (key columns per query, ``L * S``): ``<= 256K``, more."""
 
 # BEGIN LAUNCH_TABLE (benchmarks/bench_indexer_scores.py --apply-table rewrites this block from a sweep)
-LAUNCH_TABLE: dict[tuple[int, int], IndexerLaunch] = {}
+LAUNCH_TABLE: dict[tuple[int, int], IndexerLaunch] = {
+    # 1x131072: default, 1822 GB/s = 38% of 4.8 TB/s (2026-12-01)
+    (0, 0): IndexerLaunch(),
+    # 1x1048576: pages-cpasync-s8-p1-c3, 3330 GB/s = 69% of 4.8 TB/s (2026-12-01)
+    (0, 1): IndexerLaunch(ctas_per_sm=3),
+    # 4x131072: pages-cpasync-s6-p1-c4, 2929 GB/s = 61% of 4.8 TB/s (2026-12-01)
+    (1, 0): IndexerLaunch(num_stages=6),
+    # 16x131072: pages-cpasync-s6-p1-c4, 3710 GB/s = 77% of 4.8 TB/s (2026-12-01)
+    (2, 0): IndexerLaunch(num_stages=6),
+}
 # END LAUNCH_TABLE
 """``(batch bucket, key bucket) -> IndexerLaunch`` measured on one H200 (``--indexer-sweep``); only launches
 whose keys are bitwise those of :data:`DEFAULT_LAUNCH` enter it, so sharded, full-view and replicated steps
