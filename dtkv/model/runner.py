@@ -130,7 +130,8 @@ class ModelRunner:
             available on ``device`` and fits the model: torch on a CPU), ``"torch"`` (float64, the reference),
             ``"triton"``, ``"flashmla"`` (needs FlashMLA-fitting dims: 64 or 128 heads, ``kv_lora_rank`` 512,
             ``rope_dim`` 64, fp8 pages of 64 tokens with ``quant_block`` 128), or a resolved backend. The choice is
-            :attr:`attention` (its ``reason`` says why). Sharded decode keeps :mod:`dtkv.decode`'s own math.
+            :attr:`attention` (its ``reason`` says why). Sharded decode uses the same backend by name (through
+            :class:`dtkv.decode.DecodeStep`).
     """
 
     def __init__(

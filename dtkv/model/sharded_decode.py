@@ -5,8 +5,10 @@ so every rank holds every query; per layer it then
 
 1. writes the token's new KV and indexer rows into its pool, keeping only rows of pages it owns (owner-filtered
    write: the row reaches its owner with no collective, since every rank computed it);
-2. runs :func:`dtkv.decode.decode_layer`: indexer over its own pages, global top-k from the all-gathered local
-   candidates, attention over the selected rows it owns, LSE merge of the partials.
+2. runs the layer of a :class:`dtkv.decode.DecodeStep` (the production decode step, eager here, float64 on the
+   torch paths): indexer over its own pages (:func:`dtkv.ops.indexer_scores`), global top-k from the all-gathered
+   local candidates, attention over the selected rows it owns through the attention seam (:mod:`dtkv.attention`),
+   LSE merge of the partials.
 
 No page moves and no full view is built. Only the merged attention output continues, identical on every rank,
 so the ranks stay in lockstep. A request that crosses a page boundary gets its next page on the rank holding the
@@ -28,14 +30,15 @@ from dtkv import _env
 from dtkv._util import cdiv
 from dtkv.decode import (
     DecodePlan,
-    DecodeQueries,
+    DecodeStep,
+    DecodeStepConfig,
+    StepInputs,
     alloc_decode_pages,
     check_selection,
-    decode_layer,
     plan_decode,
     sharded_decode_comm_bytes,
 )
-from dtkv.model.kvio import token_rows, write_rows
+from dtkv.model.kvio import token_rows
 
 __all__ = ["plan_sharded_step", "sharded_decode_step"]
 
@@ -60,7 +63,7 @@ def plan_sharded_step(engine, reqs: Sequence) -> DecodePlan:
 
 def sharded_decode_step(engine, reqs: Sequence) -> torch.Tensor:
     """One greedy decode step of ``reqs`` on ``engine``'s sharded pool: logits float64 ``[len(reqs), V]``."""
-    model, cfg, pool = engine.model, engine.cfg, engine.pool
+    model, cfg = engine.model, engine.cfg
     for r in reqs:
         if r.num_computed >= len(r.tokens):
             raise ValueError(
@@ -71,24 +74,14 @@ def sharded_decode_step(engine, reqs: Sequence) -> torch.Tensor:
     ids = torch.tensor([r.tokens[r.num_computed] for r in reqs], dtype=torch.int64, device=engine.device)
     n = len(reqs)
     h = model.embed_tokens(ids)
-    scale = 1.0 / math.sqrt(cfg.kv_lora_rank + cfg.rope_dim)
+    step = _decode_step(engine, reqs)
     for layer in range(cfg.num_layers):
         q = model.project(layer, h, plan.query_pos)
-        for name, rows in (("kv", q["kv"]), ("index", q["index_k"])):
-            write_rows(pool.local(name, layer), cfg.layouts[name], rows, plan.new_locs, engine.spec, pool.rank)
-        queries = DecodeQueries(iq=q["iq"], iw=q["iw"], q_nope=q["q_nope"], q_rope=q["q_rope"])
-        res = decode_layer(
-            pool.local("kv", layer),
-            pool.local("index", layer),
-            cfg.kv_layout,
-            cfg.index_layout,
-            plan,
-            queries,
-            softmax_scale=scale,
-            group=pool.group,
-        )
+        x = StepInputs(iq=q["iq"], iw=q["iw"], q=torch.cat((q["q_nope"], q["q_rope"]), dim=-1), kv_row=q["kv"],
+                       index_k=q["index_k"])  # fmt: skip
+        res = step.layer(layer, x)  # writes the new rows (owner filter), selects, attends, merges
         if _env.debug_enabled():
-            _check_against_full_view(engine, layer, reqs, plan, q, res.positions)
+            _check_against_full_view(engine, layer, reqs, plan, q, DecodeStep.positions(res))
         h = model.finish_layer(layer, h, res.out.reshape(n, -1))
     comm = sharded_decode_comm_bytes(
         num_queries=n,
@@ -103,6 +96,22 @@ def sharded_decode_step(engine, reqs: Sequence) -> torch.Tensor:
     for r in reqs:
         r.num_computed += 1
     return model.logits(h)
+
+
+def _decode_step(engine, reqs: Sequence) -> DecodeStep:
+    """A :class:`DecodeStep` sized for exactly this step (eager; the runner's attention backend, the torch indexer:
+    float64 on the reference model), its plan set (host)."""
+    cfg = engine.cfg
+    width = max(len(r.pages) for r in reqs)
+    config = DecodeStepConfig(
+        mode="sharded", num_heads=cfg.num_heads, topk=cfg.index_topk,
+        softmax_scale=1.0 / math.sqrt(cfg.kv_lora_rank + cfg.rope_dim), max_batch=len(reqs), max_pages=width,
+        scored_pages=width, attention=engine.attention.name, indexer="torch",
+    )  # fmt: skip
+    step = DecodeStep(engine.pool, config)
+    step.set_plan([r.pages for r in reqs], [r.num_computed + 1 for r in reqs])
+    step.exchange.begin_step()
+    return step
 
 
 def _check_against_full_view(engine, layer: int, reqs: Sequence, plan: DecodePlan, q, positions: torch.Tensor) -> None:
