@@ -53,6 +53,7 @@ __all__ = [
     "device_ctx",
     "e4m3_blocks_torch",
     "index_arg",
+    "locate",
     "locate_args",
     "owner_and_local",
     "ownership_args",
@@ -245,6 +246,25 @@ if HAS_TRITON:
         """
         rmask = r < num_rows
         loc = tl.load(locs_ptr + r, mask=rmask, other=-1)
+        keep, local, off = locate(
+            loc, rmask, num_locs, num_local_pages, rank, PAGE_SIZE, CP, PAGES_PER_RANK, SCHEME, IDX64
+        )
+        return keep, local.to(tl.int64), off.to(tl.int64)
+
+    @triton.jit
+    def locate(
+        loc,  # [BLOCK_R] int32/int64 locations as loaded (-1 where rmask is off)
+        rmask,  # [BLOCK_R] rows that exist
+        num_locs,
+        num_local_pages,
+        rank,
+        PAGE_SIZE: tl.constexpr,
+        CP: tl.constexpr,
+        PAGES_PER_RANK: tl.constexpr,
+        SCHEME: tl.constexpr,
+        IDX64: tl.constexpr,
+    ):
+        """:func:`locate_rows` on locations already loaded; ``local``/``offset`` int32, or int64 with ``IDX64``."""
         in_range = rmask & (loc >= 0) & (loc < num_locs)
         if IDX64:
             loc = loc.to(tl.int64)
@@ -254,7 +274,7 @@ if HAS_TRITON:
         off = loc - page * PAGE_SIZE
         owner, local = owner_local(page, CP, PAGES_PER_RANK, SCHEME)
         keep = in_range & (owner == rank) & (local < num_local_pages)
-        return keep, local.to(tl.int64), off.to(tl.int64)
+        return keep, local, off
 
     @triton.jit
     def e4m3_bits(y, PREROUND: tl.constexpr):
@@ -283,7 +303,7 @@ if HAS_TRITON:
         return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 else:  # pragma: no cover
-    owner_local = locate_rows = e4m3_bits = bf16_rn = None
+    owner_local = locate_rows = locate = e4m3_bits = bf16_rn = None
 
 
 def locate_args(cp_size: int, num_pages: int, scheme_code: int, page_size: int) -> dict[str, int | bool]:

@@ -16,7 +16,8 @@ import torch
 
 from dtkv._checks import check_tensor
 
-from ._common import OwnershipLike, locate_rows, tl, triton, word_view
+from ._common import OwnershipLike, cdiv, locate, tl, triton, word_view
+from ._copy import load_span, needs_int64, row_dst, span_chunks, store_span
 from ._row_write import (
     RowWriteOp,
     call_row_write,
@@ -26,6 +27,7 @@ from ._row_write import (
     owned_rows_torch,
     register_row_write_rule,
 )
+from ._tuned import launch_config, num_sms
 
 __all__ = ["write_owned", "write_owned_torch"]
 
@@ -49,7 +51,7 @@ def write_owned_torch(
     pool.index_put_((local, off), rows[sel])
 
 
-# ----------------------------------------------------------------------------------------- Triton kernel
+# ----------------------------------------------------------------------------------------- Triton kernels
 @triton.jit
 def _write_owned_kernel(
     pool_ptr,  # [P, S, W] words; page stride page_stride, row stride ROW_STRIDE
@@ -65,54 +67,149 @@ def _write_owned_kernel(
     PAGES_PER_RANK: tl.constexpr,
     SCHEME: tl.constexpr,
     IDX64: tl.constexpr,
+    OFF64: tl.constexpr,
     ROW_STRIDE: tl.constexpr,
     W: tl.constexpr,
+    CW0: tl.constexpr,
+    CW1: tl.constexpr,
+    CW2: tl.constexpr,
+    CW3: tl.constexpr,
+    DIRECT: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    BLOCK_W: tl.constexpr,
 ):
-    """One program copies ``BLOCK_R`` rows, ``BLOCK_W`` words at a time; skipped rows issue no memory traffic.
+    """One program copies a tile of ``BLOCK_R`` rows (chunks of ``ops/_copy.py``).
 
-    A tile with no kept row (three in four under an owner filter at cp=4, since rows arrive in page runs) skips
-    its copy loop altogether (measured on an H200: 57-60% -> 71-78% of the copy ceiling for the owner filter).
+    ``DIRECT`` (every row is normally kept): the rows are read under the row bound alone, so their loads are in
+    flight together with the locations' (one memory round trip per tile); only the stores wait for the mask.
+    Otherwise (owner filter) only kept rows are read, and a tile with no kept row skips its copy.
     """
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    keep, local, off = locate_rows(
-        locs_ptr, r, num_rows, num_locs, num_local_pages, rank, PAGE_SIZE, CP, PAGES_PER_RANK, SCHEME, IDX64
-    )
-    if tl.max(keep.to(tl.int32), axis=0) > 0:
-        dst = local * page_stride + off * ROW_STRIDE
-        src = r.to(tl.int64) * W
-        for c in tl.static_range(0, W, BLOCK_W):
-            cols = c + tl.arange(0, BLOCK_W)
-            m = keep[:, None] & (cols < W)[None, :]
-            v = tl.load(rows_ptr + src[:, None] + cols[None, :], mask=m, eviction_policy="evict_first")
-            tl.store(pool_ptr + dst[:, None] + cols[None, :], v, mask=m)
+    if OFF64:
+        r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    else:
+        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = r < num_rows
+    src = r * W
+    if DIRECT:
+        v0, v1, v2, v3 = load_span(rows_ptr, src, rmask, W, CW0, CW1, CW2, CW3)
+    loc = tl.load(locs_ptr + r, mask=rmask, other=-1)
+    keep, local, off = locate(loc, rmask, num_locs, num_local_pages, rank, PAGE_SIZE, CP, PAGES_PER_RANK, SCHEME, IDX64)
+    dst = row_dst(local, off, page_stride, ROW_STRIDE, OFF64)
+    if DIRECT:
+        store_span(pool_ptr, dst, keep, v0, v1, v2, v3, W, CW0, CW1, CW2, CW3)
+    elif tl.max(keep.to(tl.int32), axis=0) > 0:
+        v0, v1, v2, v3 = load_span(rows_ptr, src, keep, W, CW0, CW1, CW2, CW3)
+        store_span(pool_ptr, dst, keep, v0, v1, v2, v3, W, CW0, CW1, CW2, CW3)
 
 
-KERNEL_CONFIG: dict[str, int] = {"block_r": 8, "block_w": 128, "num_warps": 4, "filter_block_r": 32}
-"""Launch parameters of the row-scatter kernel, swept by ``benchmarks/bench_ops.py`` on an H200
-(``benchmarks/results/ops_h200_2026-11-29.md``): ``block_r`` rows per program when every row is kept,
-``filter_block_r`` for the owner filter (``0``: ``block_r * cp``, at most 64), ``block_w`` words per step (``0``: the
-whole row, up to 256)."""
+@triton.jit
+def _write_owned_compact_kernel(
+    pool_ptr,  # [P, S, W] words; page stride page_stride, row stride ROW_STRIDE
+    rows_ptr,  # [N, W] words, contiguous
+    locs_ptr,  # [N], int32/int64, contiguous
+    num_rows,
+    num_local_pages,
+    page_stride,
+    num_locs,
+    rank,
+    PAGE_SIZE: tl.constexpr,
+    CP: tl.constexpr,
+    PAGES_PER_RANK: tl.constexpr,
+    SCHEME: tl.constexpr,
+    IDX64: tl.constexpr,
+    OFF64: tl.constexpr,
+    ROW_STRIDE: tl.constexpr,
+    W: tl.constexpr,
+    CW0: tl.constexpr,
+    CW1: tl.constexpr,
+    CW2: tl.constexpr,
+    CW3: tl.constexpr,
+    WINDOW: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """Owner filter: each program takes windows of ``WINDOW`` rows (``pid``, ``pid + grid``, ...) and copies only
+    their kept rows, gathered into dense tiles of ``BLOCK_R`` rows.
+
+    The ``j``-th kept row of a window is row ``#{w : incl[w] <= j}`` (``incl`` the inclusive count of kept rows),
+    or ``first + j`` when the kept rows form one run (rows in token order: whole pages). So a round-robin split,
+    where every tile of consecutive rows keeps a few, still copies full tiles. The next window's locations are
+    loaded before the current window's rows are copied (a persistent grid hides that latency).
+    """
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    w = tl.arange(0, WINDOW)
+    jj = tl.arange(0, BLOCK_R)
+    if OFF64:
+        nxt = pid.to(tl.int64) * WINDOW + w
+    else:
+        nxt = pid * WINDOW + w
+    loc_next = tl.load(locs_ptr + nxt, mask=nxt < num_rows, other=-1)
+    for t in range(pid, tl.cdiv(num_rows, WINDOW), nprog):
+        if OFF64:
+            w0 = t.to(tl.int64) * WINDOW
+        else:
+            w0 = t * WINDOW
+        loc_w = loc_next
+        nxt = w0 + nprog * WINDOW + w
+        loc_next = tl.load(locs_ptr + nxt, mask=nxt < num_rows, other=-1)
+        keep_w, _, _ = locate(
+            loc_w, w0 + w < num_rows, num_locs, num_local_pages, rank, PAGE_SIZE, CP, PAGES_PER_RANK, SCHEME, IDX64
+        )
+        k = keep_w.to(tl.int32)
+        cnt = tl.sum(k, axis=0)
+        first = tl.min(tl.where(keep_w, w, WINDOW), axis=0)
+        run = tl.max(tl.where(keep_w, w, -1), axis=0) - first + 1 == cnt
+        incl = tl.cumsum(k, axis=0)
+        for s in range(0, cnt, BLOCK_R):
+            j = s + jj
+            if run:
+                rj = first + j
+            else:
+                rj = tl.sum((incl[None, :] <= j[:, None]).to(tl.int32), axis=1)
+            r = tl.where(j < cnt, w0 + rj, num_rows)
+            rmask = r < num_rows
+            loc = tl.load(locs_ptr + r, mask=rmask, other=-1)
+            keep, local, off = locate(
+                loc, rmask, num_locs, num_local_pages, rank, PAGE_SIZE, CP, PAGES_PER_RANK, SCHEME, IDX64
+            )
+            v0, v1, v2, v3 = load_span(rows_ptr, r * W, keep, W, CW0, CW1, CW2, CW3)
+            dst = row_dst(local, off, page_stride, ROW_STRIDE, OFF64)
+            store_span(pool_ptr, dst, keep, v0, v1, v2, v3, W, CW0, CW1, CW2, CW3)
 
 
 def _launch(pool, rows, locs, cp_size, num_pages, scheme_code, rank, *, direct: bool) -> None:
-    """Launch :func:`_write_owned_kernel` on word views of the pool and the (contiguous) rows."""
+    """Launch a row-copy kernel on word views of the pool and the (contiguous) rows, configured by
+    ``ops/_tuned.py`` (``"write_owned"`` for the owner filter at cp > 1, ``"direct_write"`` otherwise)."""
     rows = rows.contiguous()
     pool_w = word_view(pool)
     rows_w = word_view(rows)
     if pool_w.dtype != rows_w.dtype:  # e.g. a page stride or an offset that only allows narrower words
         narrow = min(pool_w.dtype, rows_w.dtype, key=lambda d: d.itemsize)
         pool_w, rows_w = pool.view(narrow), rows.view(narrow)
-    num_words = rows_w.shape[1]
-    block_w = KERNEL_CONFIG["block_w"] or min(triton.next_power_of_2(num_words), 256)
-    block_r = KERNEL_CONFIG["block_r"]
-    if not direct and cp_size > 1:
-        block_r = KERNEL_CONFIG["filter_block_r"] or min(64, block_r * triton.next_power_of_2(cp_size))
+    n, num_words = rows_w.shape
+    if n == 0 or pool.shape[0] == 0:
+        return
+    owner_filter = not direct and cp_size > 1
+    cfg = launch_config("write_owned" if owner_filter else "direct_write", n, pool.device)
+    chunks = dict(zip(("CW0", "CW1", "CW2", "CW3"), span_chunks(num_words, int(cfg["chunk_w"]))))
+    pool_words = pool_w.shape[0] * pool_w.stride(0) + pool_w.shape[1] * pool_w.stride(1)
+    if owner_filter and cfg["variant"] == "compact":
+        window = int(cfg["window"])
+        grid = cdiv(n, window)
+        if cfg["programs_per_sm"]:
+            grid = min(grid, int(cfg["programs_per_sm"]) * num_sms(pool.device))
+        kernel, extra = _write_owned_compact_kernel, {"WINDOW": window, "grid": grid}
+        rows_span = n + 2 * grid * window
+        block_r = min(int(cfg["block_r"]), window)
+    elif not owner_filter or cfg["variant"] == "tile":
+        block_r = int(cfg["block_r"])
+        kernel, extra = _write_owned_kernel, {"DIRECT": not owner_filter}
+        rows_span = n + block_r
+    else:
+        raise ValueError(f"write_owned variant must be 'tile' or 'compact', got variant={cfg['variant']!r}")
     launch_rows(
-        _write_owned_kernel, pool_w, rows_w, locs, cp_size, num_pages, scheme_code, rank, pool.shape[1],
-        block_r=block_r, num_warps=KERNEL_CONFIG["num_warps"], ROW_STRIDE=pool_w.stride(1), W=num_words,
-        BLOCK_W=block_w,
+        kernel, pool_w, rows_w, locs, cp_size, num_pages, scheme_code, rank, pool.shape[1],
+        block_r=block_r, num_warps=int(cfg["num_warps"]), ROW_STRIDE=pool_w.stride(1), W=num_words,
+        OFF64=needs_int64(rows_span * num_words, pool_words), **chunks, **extra,
     )  # fmt: skip
 
 

@@ -1,0 +1,137 @@
+"""Launch configurations of the ``dtkv.ops`` Triton kernels: a small table tuned per size, read at every launch.
+
+Kernels never search at run time. A launch asks :func:`launch_config` for ``(op, size, device)``:
+
+- on a device named :data:`TUNED_DEVICE`, the entry of :data:`TUNED` ``[op]`` tuned at the size nearest to
+  ``size`` on a log scale: a size between two tuned sizes takes the nearer one (the boundary is their geometric
+  mean, a tie goes to the larger), a size below or above the tuned range the nearest end; keys an entry lacks come
+  from :data:`DEFAULTS`;
+- on any other device (another GPU, the CPU under the Triton interpreter), :data:`DEFAULTS` ``[op]``, or while
+  :data:`TUNED` has no entry for ``op``.
+
+:func:`override` (a context manager) replaces keys of one op's configuration for every size and device: the tests
+run each kernel variant through it and ``benchmarks/tune_ops.py`` times candidates with it.
+
+Ops (``op`` key: its ``size``; its configuration keys):
+
+- ``write_owned`` (owner filter at cp > 1): rows of the chunk; ``variant`` (``"tile"``: a tile of ``block_r`` rows
+  per program, tiles without a kept row skip their copy; ``"compact"``: a window of ``window`` rows per program,
+  its kept rows compacted into dense tiles of ``block_r``), ``block_r``, ``window``, ``chunk_w``, ``num_warps``,
+  ``programs_per_sm`` (``"compact"`` only: 0 = one window per program, else a persistent grid of that many programs
+  per multiprocessor, each prefetching its next window's locations).
+- ``direct_write`` (``direct=True``, or cp = 1): rows; ``block_r``, ``chunk_w`` (widest chunk of a row in words,
+  :func:`dtkv.ops._copy.span_chunks`; 0 = one masked chunk), ``num_warps``.
+- ``quantize_write_mla_fp8``, ``quantize_write_indexer_fp8``: rows; ``block_r``, ``num_warps``.
+- ``pack_owned_pages``, ``pack_layer_pages``: send rows; ``rows`` (pages per program), ``parts`` (programs per
+  page), ``chunk_w``, ``num_warps``.
+- ``remap``: indices (``numel``); ``block``, ``num_warps``, ``map16`` (``"never"``, ``"always"`` or ``"large"``: a
+  2-byte copy of ``page_map`` when its int32 form exceeds 128 KiB, so that it stays in L1), ``idx_cg`` (1: the
+  indices bypass L1).
+
+The :data:`TUNED` block is written by ``python benchmarks/tune_ops.py --write-table tuned.json`` from the JSON of a
+sweep on an H200 (``python benchmarks/tune_ops.py --out tuned.json``); edit :data:`DEFAULTS` by hand.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["DEFAULTS", "TUNED", "TUNED_DEVICE", "launch_config", "num_sms", "override"]
+
+Config = dict[str, int | str]
+
+TUNED_DEVICE = "NVIDIA H200"
+"""The device :data:`TUNED` was measured on (``torch.cuda.get_device_name``)."""
+
+DEFAULTS: dict[str, Config] = {
+    "write_owned": {
+        "variant": "compact", "block_r": 32, "window": 128, "chunk_w": 128, "num_warps": 4, "programs_per_sm": 0,
+    },
+    "direct_write": {"block_r": 16, "chunk_w": 128, "num_warps": 4},
+    "quantize_write_mla_fp8": {"block_r": 4, "num_warps": 4},
+    "quantize_write_indexer_fp8": {"block_r": 16, "num_warps": 2},
+    "pack_owned_pages": {"rows": 1, "parts": 1, "chunk_w": 4096, "num_warps": 8},
+    "pack_layer_pages": {"rows": 1, "parts": 1, "chunk_w": 4096, "num_warps": 8},
+    "remap": {"block": 1024, "num_warps": 4, "map16": "large", "idx_cg": 0},
+}  # fmt: skip
+"""Configurations for untuned devices and sizes; every op's full set of keys."""
+
+# BEGIN TUNED: written by `python benchmarks/tune_ops.py --write-table <json>`; do not edit by hand
+TUNED_ON = ""
+TUNED: dict[str, dict[int, Config]] = {}
+# END TUNED
+
+_OVERRIDES: dict[str, Config] = {}
+
+
+def _check_op(op: str) -> None:
+    if op not in DEFAULTS:
+        raise ValueError(f"op must be one of {sorted(DEFAULTS)}, got op={op!r}")
+
+
+@functools.lru_cache(maxsize=16)
+def _cuda_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type != "cuda":
+        return device.type
+    return _cuda_name(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _nearest(entries: dict[int, Config], size: int) -> Config:
+    """The entry tuned at the size nearest to ``size`` on a log scale (ties: the larger)."""
+    x = math.log2(max(size, 1))
+    return entries[min(entries, key=lambda s: (abs(math.log2(s) - x), -s))]
+
+
+def launch_config(op: str, size: int, device: torch.device) -> Config:
+    """The launch configuration of ``op`` for a call of ``size`` (the module docstring's rule); a fresh dict."""
+    _check_op(op)
+    cfg = dict(DEFAULTS[op])
+    entries = TUNED.get(op)
+    if entries and _device_name(device) == TUNED_DEVICE:
+        cfg.update(_nearest(entries, size))
+    cfg.update(_OVERRIDES.get(op, {}))
+    return cfg
+
+
+@contextlib.contextmanager
+def override(op: str, **cfg: int | str) -> Iterator[None]:
+    """Use ``cfg`` (some or all of ``op``'s keys) for every launch of ``op`` inside the block; nests, restores.
+
+    Raises:
+        ValueError: an unknown op or key.
+    """
+    _check_op(op)
+    unknown = sorted(set(cfg) - set(DEFAULTS[op]))
+    if unknown:
+        raise ValueError(f"override of {op!r} got unknown keys {unknown}; its keys are {sorted(DEFAULTS[op])}")
+    before = _OVERRIDES.get(op)
+    _OVERRIDES[op] = {**(before or {}), **cfg}
+    try:
+        yield
+    finally:
+        if before is None:
+            del _OVERRIDES[op]
+        else:
+            _OVERRIDES[op] = before
+
+
+@functools.lru_cache(maxsize=16)
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device, for persistent grids; 2 elsewhere (the interpreter's persistent programs
+    then each loop over several windows, as on a GPU)."""
+    if device.type != "cuda":
+        return 2
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
