@@ -197,7 +197,9 @@ def _launch(pool, rows, locs, cp_size, num_pages, scheme_code, rank, *, direct: 
         grid = cdiv(n, window)
         if cfg["programs_per_sm"]:
             grid = min(grid, int(cfg["programs_per_sm"]) * num_sms(pool.device))
-        kernel, extra = _write_owned_compact_kernel, {"WINDOW": window, "grid": grid}
+        # num_stages=1: no software pipelining of the window loop (its loads would be staged through shared
+        # memory, which costs occupancy; the next window's locations are prefetched by hand instead)
+        kernel, extra = _write_owned_compact_kernel, {"WINDOW": window, "grid": grid, "num_stages": 1}
         rows_span = n + 2 * grid * window
         block_r = min(int(cfg["block_r"]), window)
     elif not owner_filter or cfg["variant"] == "tile":
