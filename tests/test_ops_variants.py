@@ -270,7 +270,12 @@ def test_every_tune_candidate_matches_torch(op):
     candidate, completed from DEFAULTS, runs and gives the torch backend's bytes on every scenario of its op."""
     T = _tune_ops()
     scenarios = [make(20, torch.device("cpu")) for make in T.B.SCENARIOS[op]]
+    seen = []  # num_warps changes nothing under the interpreter: each other combination once
     for cand in T.CANDIDATES[op]:
+        key = {k: v for k, v in T.full(op, cand).items() if k != "num_warps"}
+        if key in seen:
+            continue
+        seen.append(key)
         with override(op, **T.full(op, cand)):
             for s in scenarios:
                 assert s.verify() is None, f"{op} {cand}: {s.op}"
