@@ -260,6 +260,7 @@ def _tune_ops():
     return module
 
 
+@pytest.mark.slow  # > 10 s on 2 cores for write_owned's 54 candidates: outside the quick subset (-m 'not slow')
 @pytest.mark.parametrize(
     "op",
     ["write_owned", "direct_write", "quantize_write_mla_fp8", "quantize_write_indexer_fp8", "pack_owned_pages",
