@@ -145,7 +145,7 @@ def _write_owned_compact_kernel(
     loc_next = tl.load(locs_ptr + nxt, mask=nxt < num_rows, other=-1)
     for t in range(pid, tl.cdiv(num_rows, WINDOW), nprog):
         if OFF64:
-            w0 = t.to(tl.int64) * WINDOW
+            w0 = tl.cast(t, tl.int64) * WINDOW
         else:
             w0 = t * WINDOW
         loc_w = loc_next

@@ -13,6 +13,7 @@ tolerances: the ops copy bytes and the quantizers do the same IEEE arithmetic as
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import sys
 from pathlib import Path
@@ -280,3 +281,23 @@ def test_every_tune_candidate_matches_torch(op):
         with override(op, **T.full(op, cand)):
             for s in scenarios:
                 assert s.verify() is None, f"{op} {cand}: {s.op}"
+
+
+# ----------------------------------------------------------------------------------------- int64 offsets
+def test_int64_offsets_give_the_same_bytes(monkeypatch):
+    """The kernels' int64 offset arithmetic (taken when a tensor's word offsets may reach 2**31, too large to test
+    here) forced on small inputs: the same bytes as the references."""
+    for name in ("write_owned", "quantize_write_mla_fp8", "quantize_write_indexer_fp8", "pack_layer_pages", "remap"):
+        # the modules (dtkv.ops exports functions of the same names)
+        monkeypatch.setattr(importlib.import_module(f"dtkv.ops.{name}"), "needs_int64", lambda *extents: True)
+    v = VARIANTS
+    test_owner_filter_variants_vs_reference(v["write_owned"][2], "cp4-random", "fp8row")
+    test_owner_filter_variants_vs_reference(v["write_owned"][3], "cp4-runs", "3words")
+    test_owner_filter_variants_vs_reference(v["write_owned"][0], "cp3-block-emptyrank", "5bytes")
+    test_direct_write_variants_vs_reference(v["direct_write"][0], "bf16row", torch.int64)
+    for direct in (False, True):
+        test_quantize_write_mla_fp8_variants_vs_reference(v["quantize_write_mla_fp8"][1], direct)
+        test_quantize_write_indexer_fp8_variants_vs_reference(v["quantize_write_indexer_fp8"][1], 8, direct)
+    test_pack_layer_pages_variants_vs_reference(v["pack_layer_pages"][1])
+    test_pack_owned_pages_variants_vs_reference(v["pack_owned_pages"][0], torch.int32)
+    test_remap_variants_vs_reference(v["remap"][2], torch.int64, torch.int32, 16)
