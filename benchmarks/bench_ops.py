@@ -21,7 +21,8 @@ Scenario per token count ``n`` (page size 64, pages scattered over a pool twice 
 
 Each row's ``target`` is the issue's: >= 90% of a plain copy of the same bytes measured in the same run, except the
 row-interleaved owner filter (every tile keeps some rows): >= 75%. Before timing, every scenario's Triton result on
-its first input set is compared bitwise with the torch backend's.
+every input set is compared bitwise with the torch backend's; each row is synchronized on its own, and a row that
+fails is listed under the table instead of ending the run.
 """
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ class Scenario:
     base_calls: list[Callable[[], object]]
     """The baseline, likewise."""
     verify: Callable[[], str | None]
-    """Triton (with the configuration in force) against torch on set 0: ``None`` if bitwise equal, else why not."""
+    """Triton (with the configuration in force) against torch on every input set: ``None`` if bitwise equal, else
+    why not (naming the set)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -125,12 +127,35 @@ class Result:
 
 
 # ----------------------------------------------------------------------------------------- timing
-def capture(calls: list[Callable[[], object]], device: torch.device) -> Callable[[], None]:
-    """Warm ``calls`` up and return a function running them all once (a CUDA-graph replay on CUDA)."""
+class Replay:
+    """A captured group of calls: calling it runs them all once (a CUDA-graph replay on CUDA).
+
+    It holds the calls, and with them every tensor they use, for as long as it lives: a CUDA graph does not own
+    its inputs, and ``torch.cuda.graph`` empties the allocator's cache at each capture, so a graph whose inputs
+    were freed before a later capture replays into unmapped memory (an illegal memory access).
+    """
+
+    __slots__ = ("calls", "graph")
+
+    def __init__(self, calls: list[Callable[[], object]], graph: torch.cuda.CUDAGraph | None) -> None:
+        self.calls = list(calls)
+        self.graph = graph
+
+    def __call__(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            for c in self.calls:
+                c()
+
+
+def capture(calls: list[Callable[[], object]], device: torch.device) -> Replay:
+    """Warm ``calls`` up and return a :class:`Replay` running them all once (synchronized and checked: a call that
+    fails raises here)."""
     for c in calls:
         c()
     if device.type != "cuda":
-        return lambda: [c() for c in calls] and None
+        return Replay(calls, None)
     torch.cuda.synchronize()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -142,28 +167,53 @@ def capture(calls: list[Callable[[], object]], device: torch.device) -> Callable
     with torch.cuda.graph(graph):
         for c in calls:
             c()
-    graph.replay()
+    replay = Replay(calls, graph)
+    replay()
     torch.cuda.synchronize()
-    return graph.replay
+    return replay
 
 
-def time_replays(replays: list[tuple[Callable[[], None], int]], device: torch.device, reps: int) -> list[float]:
+class ReplayError(RuntimeError):
+    """A replay of :func:`time_replays` failed; ``index`` is its position in the list (the error is chained)."""
+
+    def __init__(self, index: int, error: BaseException) -> None:
+        super().__init__(
+            f"replay {index} failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        )
+        self.index = index
+
+
+def time_replays(
+    replays: list[tuple[Callable[[], None], int]],
+    device: torch.device,
+    reps: int,
+    before: Callable[[int], None] | None = None,
+) -> list[float]:
     """Median microseconds per call of each ``(replay, calls per replay)``, the replays interleaved so that clock
-    or thermal drift affects each alike."""
+    or thermal drift affects each alike.
+
+    Each replay is synchronized on its own: one that fails raises :class:`ReplayError` naming it (``before(i)``,
+    when given, is called before replay ``i`` runs, so a process that dies there can be traced to it).
+    """
     times: list[list[float]] = [[] for _ in replays]
     for _ in range(reps):
         for i, (replay, count) in enumerate(replays):
-            if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                replay()
-                end.record()
-                end.synchronize()
-                times[i].append(start.elapsed_time(end) * 1e3 / count)
-            else:
-                t0 = time.perf_counter()
-                replay()
-                times[i].append((time.perf_counter() - t0) * 1e6 / count)
+            if before is not None:
+                before(i)
+            try:
+                if device.type == "cuda":
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    replay()
+                    end.record()
+                    end.synchronize()
+                    times[i].append(start.elapsed_time(end) * 1e3 / count)
+                else:
+                    t0 = time.perf_counter()
+                    replay()
+                    times[i].append((time.perf_counter() - t0) * 1e6 / count)
+            except Exception as e:  # noqa: BLE001 - named and re-raised
+                raise ReplayError(i, e) from e
     return [statistics.median(t) for t in times]
 
 
@@ -222,39 +272,50 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
-def _verify_pool(pool: torch.Tensor, run: Callable[[str], object], dev: torch.device) -> Callable[[], str | None]:
-    """Check of a mutating op: ``run(backend)`` writes ``pool``; from the same random start, Triton's bytes must be
-    the torch backend's (the reference is computed once, then reused for every configuration)."""
-    state: dict[str, torch.Tensor] = {}
+def _verify_pool(
+    pools: list[torch.Tensor], run: Callable[[int, str], object], dev: torch.device
+) -> Callable[[], str | None]:
+    """Check of a mutating op on every input set: ``run(i, backend)`` writes ``pools[i]``; from the same random
+    start, Triton's bytes must be the torch backend's (the references are computed once, then reused for every
+    configuration). Each set is synchronized before the next, so a failure names its set."""
+    refs: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def verify() -> str | None:
         if _backend(dev) != "triton":
             return None
-        if not state:
-            state["init"] = torch.empty_like(pool).view(torch.uint8).random_().view(pool.dtype)
-            pool.copy_(state["init"])
-            run("torch")
-            state["ref"] = pool.clone()
-        pool.copy_(state["init"])
-        run("triton")
-        _sync(dev)
-        return None if _same(pool, state["ref"]) else "pool bytes differ from the torch backend's"
+        if not refs:
+            for i, pool in enumerate(pools):
+                init = torch.empty_like(pool).view(torch.uint8).random_().view(pool.dtype)
+                pool.copy_(init)
+                run(i, "torch")
+                refs.append((init, pool.clone()))
+        for i, (pool, (init, ref)) in enumerate(zip(pools, refs)):
+            pool.copy_(init)
+            run(i, "triton")
+            _sync(dev)
+            if not _same(pool, ref):
+                return f"input set {i} of {len(pools)}: pool bytes differ from the torch backend's"
+        return None
 
     return verify
 
 
-def _verify_out(run: Callable[[str], torch.Tensor], dev: torch.device) -> Callable[[], str | None]:
-    """Check of a functional op: Triton's output bytes must be the torch backend's."""
-    state: dict[str, torch.Tensor] = {}
+def _verify_out(run: Callable[[int, str], torch.Tensor], count: int, dev: torch.device) -> Callable[[], str | None]:
+    """Check of a functional op on each of its ``count`` input sets: Triton's output bytes must be the torch
+    backend's (``run(i, backend)`` on set ``i``)."""
+    refs: list[torch.Tensor] = []
 
     def verify() -> str | None:
         if _backend(dev) != "triton":
             return None
-        if not state:
-            state["ref"] = run("torch")
-        outs = run("triton")
-        _sync(dev)
-        return None if _same(outs, state["ref"]) else "output bytes differ from the torch backend's"
+        if not refs:
+            refs.extend(run(i, "torch") for i in range(count))
+        for i, ref in enumerate(refs):
+            outs = run(i, "triton")
+            _sync(dev)
+            if not _same(outs, ref):
+                return f"input set {i} of {count}: output bytes differ from the torch backend's"
+        return None
 
     return verify
 
@@ -310,7 +371,7 @@ def write_scenario(
         op=label, tuned_op=name, tokens=n, size=n * cp, bytes_moved=2 * n * row_bytes + n * cp * 8,
         target=0.75 if (owner_filter and row_interleaved) else 0.90, baseline="index_copy_",
         calls=[lambda a=a: ours(*a) for a in sets], base_calls=[lambda a=a: base(*a) for a in sets],
-        verify=_verify_pool(sets[0][1], lambda be: ours(*sets[0], be=be), dev),
+        verify=_verify_pool([a[1] for a in sets], lambda i, be: ours(*sets[i], be=be), dev),
     )  # fmt: skip
 
 
@@ -333,7 +394,7 @@ def quant_mla_scenario(n: int, dev: torch.device) -> Scenario:
         op="quantize_write_mla_fp8 bf16", tuned_op="quantize_write_mla_fp8", tokens=n, size=n,
         bytes_moved=n * (1152 + 656 + 8), target=0.90, baseline="quantize + index_copy_",
         calls=[lambda a=a: ours(*a) for a in sets], base_calls=[lambda a=a: base(*a) for a in sets],
-        verify=_verify_pool(sets[0][0], lambda be: ours(*sets[0], be=be), dev),
+        verify=_verify_pool([a[0] for a in sets], lambda i, be: ours(*sets[i], be=be), dev),
     )  # fmt: skip
 
 
@@ -362,7 +423,7 @@ def quant_indexer_scenario(n: int, dev: torch.device) -> Scenario:
         op="quantize_write_indexer_fp8 bf16", tuned_op="quantize_write_indexer_fp8", tokens=n, size=n,
         bytes_moved=n * (256 + 132 + 8), target=0.90, baseline="quantize + 2x index_put_",
         calls=[lambda a=a: ours(*a) for a in sets], base_calls=[lambda a=a: base(*a) for a in sets],
-        verify=_verify_pool(sets[0][0], lambda be: ours(*sets[0], be=be), dev),
+        verify=_verify_pool([a[0] for a in sets], lambda i, be: ours(*sets[i], be=be), dev),
     )  # fmt: skip
 
 
@@ -391,7 +452,7 @@ def pack_scenario(n: int, dev: torch.device) -> Scenario:
         op="pack_owned_pages fp8 ps64", tuned_op="pack_owned_pages", tokens=n, size=num,
         bytes_moved=2 * num * page_bytes, target=0.90, baseline="index_select",
         calls=[lambda a=a: ours(*a) for a in sets], base_calls=[lambda p=p, i=i: p.index_select(0, i) for p, i in sets],
-        verify=_verify_out(lambda be: ours(*sets[0], be=be), dev),
+        verify=_verify_out(lambda i, be: ours(*sets[i], be=be), len(sets), dev),
     )  # fmt: skip
 
 
@@ -407,15 +468,15 @@ def pack_layer_scenario(n: int, dev: torch.device) -> Scenario:
         be = be or _backend(dev)
         return torch.ops.dtkv.pack_layer_pages(pools, idx, be)
 
-    def verify_run(be):
-        return torch.cat([o.flatten() for o in ours(*sets[0], be=be)])
+    def verify_run(i, be):
+        return torch.cat([o.flatten() for o in ours(*sets[i], be=be)])
 
     return Scenario(
         op="pack_layer_pages fp8+indexer ps64", tuned_op="pack_layer_pages", tokens=n, size=num,
         bytes_moved=2 * num * page_bytes, target=0.90, baseline="2x index_select",
         calls=[lambda a=a: ours(*a) for a in sets],
         base_calls=[lambda p=p, i=i: [x.index_select(0, i) for x in p] for p, i in sets],
-        verify=_verify_out(verify_run, dev),
+        verify=_verify_out(verify_run, len(sets), dev),
     )  # fmt: skip
 
 
@@ -433,7 +494,7 @@ def remap_scenario(n: int, dev: torch.device) -> Scenario:
         op="remap int32 topk64", tuned_op="remap", tokens=n, size=n * 64, bytes_moved=n * 64 * 8, target=0.90,
         baseline="torch gather + where", calls=[lambda x=x: ours(x) for x in sets],
         base_calls=[lambda x=x: _remap.remap_torch(x, page_map, PS) for x in sets],
-        verify=_verify_out(lambda be: ours(sets[0], be=be), dev),
+        verify=_verify_out(lambda i, be: ours(sets[i], be=be), len(sets), dev),
     )  # fmt: skip
 
 
@@ -530,15 +591,34 @@ def table(results: list[Result], ceiling: float) -> list[str]:
     ]
 
 
-def closing_note(results: list[Result]) -> str:
+def closing_note(results: list[Result], failed: list[str] = ()) -> str:
     missed = [r for r in results if not r.share >= r.target]
+    total = len(results) + len(failed)
     line = (
         f"Targets (>= 90% of the same-size copy; the row-interleaved owner filter >= 75%): "
-        f"{len(results) - len(missed)} of {len(results)} rows met."
+        f"{len(results) - len(missed)} of {total} rows met."
     )
     if missed:
         line += " Not met: " + "; ".join(f"{r.op} at {r.tokens} tokens ({100 * r.share:.1f}%)" for r in missed) + "."
+    if failed:
+        line += f" Failed (not measured): {len(failed)}, listed above."
     return line
+
+
+def context_ok(dev: torch.device) -> bool:
+    """Whether the CUDA context still runs work (an illegal memory access poisons it for the whole process)."""
+    if dev.type != "cuda":
+        return True
+    try:
+        torch.cuda.synchronize()
+        return torch.ones(1, device=dev).add_(1).item() == 2.0
+    except Exception:  # noqa: BLE001 - any error means: no
+        return False
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:200] if text else ''}"
 
 
 def device_tag(dev: torch.device) -> str:
@@ -566,9 +646,45 @@ def _triton_version() -> str:
         return "missing"
 
 
+def run_rows(tokens: list[int], ops: list[str], dev: torch.device, reps: int):
+    """Every scenario of ``ops`` at every token count, each row checked, measured and synchronized on its own: a row
+    that fails is reported, not fatal. After an error that leaves the CUDA context unusable (an illegal memory
+    access), the remaining rows are reported as not run. Returns ``(results, configs, bad, failed)``."""
+    results, configs, bad, failed = [], [], [], []
+    lost = ""
+    for n in tokens:
+        for op in ops:
+            for k, make in enumerate(SCENARIOS[op]):
+                where = f"{op} scenario {k} at {n} tokens"
+                if lost:
+                    failed.append(f"{where}: not run (the CUDA context was lost at {lost})")
+                    continue
+                s = None
+                try:
+                    s = make(n, dev)
+                    where = f"{s.op} at {n} tokens"
+                    why = s.verify()
+                    if why:
+                        bad.append(f"{where}: {why}")
+                    r = measure(s, dev, reps)
+                    _sync(dev)
+                    results.append(r)
+                    configs.append(f"  {s.op} @ {n}: {_tuned.launch_config(s.tuned_op, s.size, dev)}")
+                    print(f"  {s.op} {n}: {r.us:.1f} us, {100 * r.share:.0f}% of same-size copy", flush=True)
+                except Exception as e:  # noqa: BLE001 - a failing row is reported, the others still run
+                    failed.append(f"{where}: {_first_line(e)}")
+                    print(f"  {where}: FAILED {_first_line(e)}", flush=True)
+                    if not context_ok(dev):
+                        lost = where
+                finally:
+                    del s
+    return results, configs, bad, failed
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="*", help="token counts (default: GPU 64K 256K 1M, CPU 256)")
+    ap.add_argument("--ops", nargs="*", help=f"ops to measure (default all: {list(SCENARIOS)})")
     ap.add_argument("--reps", type=int, default=0)
     ap.add_argument("--out", help="also write the markdown report here")
     args = ap.parse_args()
@@ -577,7 +693,14 @@ def main() -> None:
         torch.set_num_threads(1)  # a smoke run: busy shared CPUs make intra-op threads spin
     tokens = args.tokens or ([65536, 262144, 1048576] if dev.type == "cuda" else [256])
     reps = args.reps or (20 if dev.type == "cuda" else 3)
-    check_line = check(dev)
+    ops = args.ops or list(SCENARIOS)
+    unknown = sorted(set(ops) - set(SCENARIOS))
+    if unknown:
+        raise SystemExit(f"--ops must name ops of {list(SCENARIOS)}, got {unknown}")
+    try:
+        check_line = check(dev)
+    except Exception as e:  # noqa: BLE001 - reported in the report's head; the rows still run if they can
+        check_line = f"Triton vs torch check FAILED: {_first_line(e)}"
     print(check_line, flush=True)
     ceiling_lines, ceiling = [], 0.0
     for big in [1 << 28, 1 << 30, 1 << 31] if dev.type == "cuda" else [1 << 22]:
@@ -588,18 +711,7 @@ def main() -> None:
             ceiling = max(ceiling, gbps)
             ceiling_lines.append(f"  copy {big >> 20:5d} MiB, {kind}: {gbps:.0f} GB/s")
         del groups
-    results, configs, bad = [], [], []
-    for n in tokens:
-        for make in [m for makers in SCENARIOS.values() for m in makers]:
-            s = make(n, dev)
-            why = s.verify()
-            if why:
-                bad.append(f"{s.op} at {n} tokens: {why}")
-            results.append(measure(s, dev, reps))
-            configs.append(f"  {s.op} @ {n}: {_tuned.launch_config(s.tuned_op, s.size, dev)}")
-            print(f"  {s.op} {n}: {results[-1].us:.1f} us, {100 * results[-1].share:.0f}% of same-size copy",
-                  flush=True)  # fmt: skip
-            del s
+    results, configs, bad, failed = run_rows(tokens, ops, dev, reps)
     date = datetime.date.today().isoformat()
     env = (
         f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'CPU'}, torch {torch.__version__}, "
@@ -609,7 +721,7 @@ def main() -> None:
     head = [
         f"Device: {env}; {tuned}",
         check_line,
-        "Every timed scenario bitwise equal to the torch backend on its first input set: "
+        "Every timed scenario bitwise equal to the torch backend on every input set: "
         + ("yes" if not bad else "NO: " + "; ".join(bad))
         if _backend(dev) == "triton"
         else "Scenario checks skipped (torch backend: no CUDA, no TRITON_INTERPRET=1)",
@@ -617,9 +729,10 @@ def main() -> None:
         *ceiling_lines,
         "",
     ]
+    fail_lines = ["", "Rows that failed (not in the table):", *(f"- {f}" for f in failed)] if failed else []
     text = "\n".join(
-        head + table(results, ceiling) + ["", closing_note(results), "", "Launch configurations (ops/_tuned.py):"]
-        + configs
+        head + table(results, ceiling) + fail_lines
+        + ["", closing_note(results, failed), "", "Launch configurations (ops/_tuned.py):"] + configs
     )  # fmt: skip
     print(text)
     targets = [Path(args.out)] if args.out else []
@@ -632,6 +745,8 @@ def main() -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text + "\n")
         print(f"wrote {path}")
+    if failed:
+        raise SystemExit(f"{len(failed)} row(s) failed")
 
 
 if __name__ == "__main__":
