@@ -49,6 +49,7 @@ from dtkv.ops import (
 from dtkv.ops._tuned import override
 from tests.ops_reference import (
     DEVICES,
+    address_check,
     assert_same_bytes,
     backend_ok,
     ref_gathered,
@@ -61,6 +62,14 @@ from tests.test_ops_variants import VARIANTS
 WIDE = [2**31, 2**31 + 5, 2**32, 2**32 + 5, -(2**32) + 3, -(2**31) - 1, 2**63 - 1, -(2**63)]
 """int64-only entries past int32; ``index_values`` also shifts good entries by multiples of 2**32, which narrow
 (mod 2**32) back onto them."""
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _in_bounds():
+    """Under the interpreter every kernel launch here also has each active lane's address checked against its
+    tensor arguments (module scope: hypothesis runs many examples per test)."""
+    with address_check():
+        yield
 
 
 def _examples(device: str) -> int:

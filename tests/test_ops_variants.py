@@ -31,6 +31,7 @@ from dtkv.ops import (
 )
 from dtkv.ops._tuned import override
 from tests.ops_reference import (
+    address_check,
     assert_same_bytes,
     backend_ok,
     ref_indexer_write,
@@ -81,6 +82,13 @@ def _ids(op: str) -> list:
 def _triton_runs():
     if not backend_ok("triton", "cpu"):
         pytest.skip("Triton cannot run on the CPU here (missing, or no TRITON_INTERPRET=1)")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _in_bounds():
+    """Every kernel launch here also has each active lane's address checked against its tensor arguments."""
+    with address_check():
+        yield
 
 
 def _table(n: int, dim: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -261,7 +269,7 @@ def _tune_ops():
     return module
 
 
-@pytest.mark.slow  # > 10 s on 2 cores for write_owned's 54 candidates: outside the quick subset (-m 'not slow')
+@pytest.mark.slow  # > 10 s on 2 cores for write_owned's 42 candidates: outside the quick subset (-m 'not slow')
 @pytest.mark.parametrize(
     "op",
     ["write_owned", "direct_write", "quantize_write_mla_fp8", "quantize_write_indexer_fp8", "pack_owned_pages",
