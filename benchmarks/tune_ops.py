@@ -279,9 +279,8 @@ def sweep_isolated(op: str, n: int, args, t_start: float, log) -> tuple[list[dic
             if e["event"] == "failed":
                 dropped[e["cand"]] = e["error"]
         done = next((e for e in events if e["event"] == "done"), None)
-        if done is not None and rc == 0:
+        if done is not None:  # every result is in (whatever the exit status)
             break
-        done = None
         if rc is None:
             notes.append(f"{op}@{label(n)}: the child passed the {args.deadline_s:.0f}s deadline and was stopped")
             break
