@@ -448,6 +448,7 @@ def run(
                     for case in CASES[op](dev, n, seed):
                         mine += check_case(op, case, cfgs)
                         count += len(cfgs)
+                log(f"  {op} at {n} tokens done ({time.perf_counter() - t0:.1f}s, {len(mine)} problems so far)")
             log(f"{op}: {count} runs ({len(cfgs)} configurations), {len(mine) or 'no'} problems, "
                 f"{time.perf_counter() - t0:.1f}s")  # fmt: skip
             for p in mine:
