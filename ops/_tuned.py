@@ -62,8 +62,50 @@ DEFAULTS: dict[str, Config] = {
 """Configurations for untuned devices and sizes; every op's full set of keys."""
 
 # BEGIN TUNED: written by `python benchmarks/tune_ops.py --write-table <json>`; do not edit by hand
-TUNED_ON = ""
-TUNED: dict[str, dict[int, Config]] = {}
+# fmt: off
+TUNED_ON = "NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, 2026-12-01 (dtkv h28-ops 410fcc1)"
+TUNED: dict[str, dict[int, Config]] = {
+    "direct_write": {
+        65536: {"block_r": 8, "chunk_w": 0, "num_warps": 4},
+        262144: {"block_r": 8, "chunk_w": 0, "num_warps": 4},
+        1048576: {"block_r": 8, "chunk_w": 0, "num_warps": 4},
+    },
+    "quantize_write_indexer_fp8": {
+        65536: {"block_r": 8, "num_warps": 2},
+        262144: {"block_r": 16, "num_warps": 2},
+        1048576: {"block_r": 16, "num_warps": 2},
+    },
+    "quantize_write_mla_fp8": {
+        65536: {"block_r": 2, "num_warps": 2},
+        262144: {"block_r": 2, "num_warps": 2},
+        1048576: {"block_r": 2, "num_warps": 2},
+    },
+    "remap": {
+        4194304: {"block": 2048, "num_warps": 8, "map16": "never", "idx_cg": 0},
+        16777216: {"block": 1024, "num_warps": 4, "map16": "never", "idx_cg": 1},
+        67108864: {"block": 1024, "num_warps": 4, "map16": "always", "idx_cg": 0},
+    },
+    "write_owned": {
+        262144: {"variant": "tile", "block_r": 16, "window": 128, "chunk_w": 128, "num_warps": 4, "programs_per_sm": 0},
+        1048576: {
+            "variant": "tile",
+            "block_r": 16,
+            "window": 128,
+            "chunk_w": 128,
+            "num_warps": 4,
+            "programs_per_sm": 0,
+        },
+        4194304: {
+            "variant": "tile",
+            "block_r": 16,
+            "window": 128,
+            "chunk_w": 128,
+            "num_warps": 4,
+            "programs_per_sm": 0,
+        },
+    },
+}
+# fmt: on
 # END TUNED
 
 _OVERRIDES: dict[str, Config] = {}
