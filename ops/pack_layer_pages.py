@@ -51,7 +51,9 @@ def _pack_part(dst_ptr, src_ptr, page_stride, row, page, valid, rmask, part, W: 
                CW0: tl.constexpr, CW1: tl.constexpr, CW2: tl.constexpr, CW3: tl.constexpr):  # fmt: skip
     """Copy part ``part`` (``W / PARTS`` words) of page ``page`` to send row ``row`` of each tile row (zeros where
     not ``valid``)."""
-    SPAN = W // PARTS
+    # annotated: a plain assignment would make SPAN a runtime scalar (Triton 3.6 and 3.7 turn every assigned
+    # constant into a tensor), and _chunk's `if C + CW > SPAN` a runtime branch whose sides differ in shape
+    SPAN: tl.constexpr = W // PARTS
     v0, v1, v2, v3 = load_span(src_ptr, page * page_stride + part * SPAN, valid, SPAN, CW0, CW1, CW2, CW3)
     store_span(dst_ptr, row * W + part * SPAN, rmask, v0, v1, v2, v3, SPAN, CW0, CW1, CW2, CW3)
 
