@@ -621,6 +621,45 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0][:200] if text else ''}"
 
 
+def _chain(e: BaseException) -> list[BaseException]:
+    """``e`` and its causes, outermost first."""
+    out: list[BaseException] = []
+    while e is not None and e not in out:
+        out.append(e)
+        e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+    return out
+
+
+def error_summary(e: BaseException) -> str:
+    """One line: the error and its innermost cause, with the source line of the innermost Triton compile error
+    (a kernel's ``CompilationError`` names only its call site; what failed is in the called function)."""
+    chain = _chain(e)
+    inner = chain[-1]
+    line = _first_line(e)
+    if inner is not e:
+        line += f" <- {_first_line(inner)}"
+    located = [x for x in chain if type(x).__name__ == "CompilationError"]
+    if located:  # "at L:C:", the source, a caret under the failing line, then (Triton 3.6+) the cause's repr
+        lines = str(located[-1]).splitlines()
+        caret = next((i for i, t in enumerate(lines) if t.strip() == "^"), None)
+        if caret:
+            cause = " ".join(t.strip() for t in lines[caret + 1 :] if t.strip())
+            line += f" [{lines[0].strip()} {lines[caret - 1].strip()}{' -> ' + cause if cause else ''}]"
+    return line[:600]
+
+
+def error_text(e: BaseException, max_chars: int = 6000) -> str:
+    """The whole chain, innermost cause first, each with its full message (what a log and a JSON keep)."""
+    parts = [f"{type(x).__name__}: {str(x).strip()}" for x in reversed(_chain(e))]
+    text = "\n--- raised from ---\n".join(parts)
+    return text if len(text) <= max_chars else text[: max_chars - 10] + "\n... (cut)"
+
+
+def _indent(text: str, last: int = 60) -> str:
+    lines = text.splitlines()
+    return "\n".join("      " + t for t in lines[-last:])
+
+
 def device_tag(dev: torch.device) -> str:
     """``h200`` for an ``NVIDIA H200``: the results file's hardware name."""
     if dev.type != "cuda":
@@ -649,8 +688,10 @@ def _triton_version() -> str:
 def run_rows(tokens: list[int], ops: list[str], dev: torch.device, reps: int):
     """Every scenario of ``ops`` at every token count, each row checked, measured and synchronized on its own: a row
     that fails is reported, not fatal. After an error that leaves the CUDA context unusable (an illegal memory
-    access), the remaining rows are reported as not run. Returns ``(results, configs, bad, failed)``."""
+    access), the remaining rows are reported as not run. Returns ``(results, configs, bad, failed, details)``:
+    ``failed`` one line per failed row, ``details`` the full error text of each (innermost cause first)."""
     results, configs, bad, failed = [], [], [], []
+    details = []  # the full error text of each failed row (the report's last section)
     lost = ""
     for n in tokens:
         for op in ops:
@@ -672,13 +713,14 @@ def run_rows(tokens: list[int], ops: list[str], dev: torch.device, reps: int):
                     configs.append(f"  {s.op} @ {n}: {_tuned.launch_config(s.tuned_op, s.size, dev)}")
                     print(f"  {s.op} {n}: {r.us:.1f} us, {100 * r.share:.0f}% of same-size copy", flush=True)
                 except Exception as e:  # noqa: BLE001 - a failing row is reported, the others still run
-                    failed.append(f"{where}: {_first_line(e)}")
-                    print(f"  {where}: FAILED {_first_line(e)}", flush=True)
+                    failed.append(f"{where}: {error_summary(e)}")
+                    details.append(f"{where}:\n{_indent(error_text(e))}")
+                    print(f"  {where}: FAILED {error_summary(e)}\n{_indent(error_text(e))}", flush=True)
                     if not context_ok(dev):
                         lost = where
                 finally:
                     del s
-    return results, configs, bad, failed
+    return results, configs, bad, failed, details
 
 
 def main() -> None:
@@ -700,7 +742,8 @@ def main() -> None:
     try:
         check_line = check(dev)
     except Exception as e:  # noqa: BLE001 - reported in the report's head; the rows still run if they can
-        check_line = f"Triton vs torch check FAILED: {_first_line(e)}"
+        check_line = f"Triton vs torch check FAILED: {error_summary(e)}"
+        print(_indent(error_text(e)), flush=True)
     print(check_line, flush=True)
     ceiling_lines, ceiling = [], 0.0
     for big in [1 << 28, 1 << 30, 1 << 31] if dev.type == "cuda" else [1 << 22]:
@@ -711,7 +754,7 @@ def main() -> None:
             ceiling = max(ceiling, gbps)
             ceiling_lines.append(f"  copy {big >> 20:5d} MiB, {kind}: {gbps:.0f} GB/s")
         del groups
-    results, configs, bad, failed = run_rows(tokens, ops, dev, reps)
+    results, configs, bad, failed, details = run_rows(tokens, ops, dev, reps)
     date = datetime.date.today().isoformat()
     env = (
         f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'CPU'}, torch {torch.__version__}, "
@@ -730,6 +773,8 @@ def main() -> None:
         "",
     ]
     fail_lines = ["", "Rows that failed (not in the table):", *(f"- {f}" for f in failed)] if failed else []
+    if details:
+        fail_lines += ["", "Errors of the failed rows (innermost cause first):", "", "```", *details, "```"]
     text = "\n".join(
         head + table(results, ceiling) + fail_lines
         + ["", closing_note(results, failed), "", "Launch configurations (ops/_tuned.py):"] + configs

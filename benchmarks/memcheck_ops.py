@@ -11,8 +11,7 @@
 
 Each case runs one op with one configuration (every distinct candidate of ``tune_ops.CANDIDATES``, the defaults) on
 inputs built as ``bench_ops.py`` builds them, over several seeds (its rotating input sets) and awkward sizes (one
-token, a partial last page, enough windows that every program of a persistent grid loops and prefetches past the
-end), with skipped rows of every kind (``-1``, past the pool, int64 values past 2**32, foreign pages). Every input
+token, a partial last page, windows of the owner filter whose last one is cut short), with skipped rows of every kind (``-1``, past the pool, int64 values past 2**32, foreign pages). Every input
 and preallocated output is copied into a buffer of its own, between two bands of :data:`BAND` bytes of poison: for
 an index or location tensor, a *valid* value (a lane that followed it would write or copy somewhere), elsewhere
 random bytes. A case fails when:
@@ -389,9 +388,8 @@ CASES: dict[str, Callable[[torch.device, int, int], Iterator[Case]]] = {
 """Input builders per ``ops/_tuned.py`` op: ``(device, tokens, seed) -> cases``."""
 
 SIZES = {"cuda": [1, 517, 70001], "cpu": [1, 517]}
-"""Tokens per case. 517 = 8 pages + 5 (a partial last page; cp=4: 2068 rows, 33 windows of 64, 17 of 128, 9 of 256,
-so with the interpreter's 2 "SMs" every persistent grid of 4 or 8 programs per SM loops over windows and prefetches
-past the end); 70001 on the GPU: 1094 windows of 256 > 132 SMs * 8."""
+"""Tokens per case. 517 = 8 pages + 5 (a partial last page; cp=4: 2068 rows, 33 windows of 64 and 65 of 32, the last
+one cut short); 70001 on the GPU (280004 rows: more programs than one wave of an H200)."""
 
 SEEDS = (0, 1, 2)
 """Input sets (``bench_ops``' rotating sets are its seeds; seed 1 also takes a page-strided layer view, odd seeds

@@ -280,15 +280,18 @@ if HAS_TRITON:
     def e4m3_bits(y, PREROUND: tl.constexpr):
         """fp32 -> e4m3fn bits (uint8) with round-to-nearest-even, saturating at +-448.
 
-        On the GPU the hardware conversion (``cvt.rn.satfinite``) does it. With ``PREROUND`` (set under the
-        interpreter) the value is first rounded to e4m3 precision with integer arithmetic (normal range: keep 3
-        mantissa bits; subnormal range below 2**-6: multiples of 2**-9 through the ``+2**14 - 2**14`` trick), so
-        the final conversion is exact: the interpreter's own conversion drops the carry into the exponent
-        (127.9 -> 64). Both give the bits of torch's ``.to(torch.float8_e4m3fn)``.
+        On the GPU the hardware conversion (``cvt.rn.satfinite.e4m3x2.f32``, two values an instruction) does it,
+        saturation included: a finite value past +-448 rounds to +-448 either way, so no clamp is spent on it (two
+        instructions a value, in kernels that are close to issue-bound; ``tests/test_ops_compile.py`` checks that the
+        compiled kernels use only that conversion). With ``PREROUND`` (set under the interpreter) the value is
+        clamped, then rounded to e4m3 precision with integer arithmetic (normal range: keep 3 mantissa bits;
+        subnormal range below 2**-6: multiples of 2**-9 through the ``+2**14 - 2**14`` trick), so the final
+        conversion is exact: the interpreter's own conversion drops the carry into the exponent (127.9 -> 64).
+        Both give the bits of torch's ``.clamp(-448, 448).to(torch.float8_e4m3fn)`` for finite values.
         """
-        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
         if not PREROUND:
             return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
         bits = y.to(tl.int32, bitcast=True)
         normal = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576
         a = tl.abs(y)

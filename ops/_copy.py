@@ -7,6 +7,13 @@ of a 656-byte fp8 row: ``64 + 16 + 2``), so no lane is masked off except in a fo
 load, so neither the compiler nor the hardware would start that load before the store, and a tile copied chunk by
 chunk waits for one memory round trip per chunk. Loads are ``evict_first`` (each byte is read once).
 
+A *flat tile* (:func:`flat_rows`) is ``R`` rows of ``W`` words taken as one span of ``R * W`` words, cut into
+chunks the same way: a warp's lanes cover consecutive words across row ends, so no lane idles at a row's tail and a
+row boundary inside a sector is written by one request. Word ``e`` of the tile is word ``e % W`` of tile row
+``e // W``; the kernel finds each word's destination from its row. Groups of :func:`vector_words` words stay in one
+row (``W`` and every stride are multiples of it), so the kernels may say so (``tl.multiple_of`` /
+``tl.max_contiguous``) and loads and stores stay 16 bytes wide.
+
 Legend: ``R`` rows of a tile, ``SPAN`` words of a span, ``CWk`` width of chunk ``k`` (0 = unused).
 """
 
@@ -16,7 +23,16 @@ import functools
 
 from ._common import HAS_TRITON, tl, triton
 
-__all__ = ["MAX_CHUNKS", "load_span", "needs_int64", "row_dst", "span_chunks", "store_span"]
+__all__ = [
+    "MAX_CHUNKS",
+    "flat_rows",
+    "load_span",
+    "needs_int64",
+    "row_dst",
+    "span_chunks",
+    "store_span",
+    "vector_words",
+]
 
 MAX_CHUNKS = 4
 """Chunks of one span (the tile's loads in flight together)."""
@@ -46,6 +62,15 @@ def span_chunks(span: int, chunk_w: int) -> tuple[int, int, int, int]:
     if rest:
         widths.append(1 << (rest - 1).bit_length())
     return (*widths, *([0] * (MAX_CHUNKS - len(widths))))  # type: ignore[return-value]
+
+
+def vector_words(word_bytes: int, *multiples: int) -> int:
+    """Words per 16-byte vector (``16 // word_bytes``), halved until it divides every one of ``multiples`` (row
+    width, strides and chunk widths of a flat tile, in words); 1 at least."""
+    vec = max(1, 16 // word_bytes)
+    while vec > 1 and any(m % vec for m in multiples):
+        vec //= 2
+    return vec
 
 
 def needs_int64(*extents: int) -> bool:
@@ -122,6 +147,19 @@ if HAS_TRITON:
             tl.store(p, v3, mask=m)
 
     @triton.jit
+    def flat_rows(first, step, count, C: tl.constexpr, CW: tl.constexpr, SPAN: tl.constexpr, W: tl.constexpr):
+        """``(row, col, valid)`` of words ``[C, C + CW)`` of a flat tile: word ``e`` is word ``col = e % W`` of tile
+        row ``j = e // W``, which is row ``first + j * step`` of the source; ``valid``: ``j < count`` and ``e <
+        SPAN`` (other lanes get row ``first``)."""
+        e = C + tl.arange(0, CW)
+        j = e // W
+        col = e - j * W
+        valid = j < count
+        if C + CW > SPAN:
+            valid = valid & (e < SPAN)
+        return first + tl.where(valid, j, 0) * step, col, valid
+
+    @triton.jit
     def row_dst(local, off, page_stride, ROW_STRIDE: tl.constexpr, OFF64: tl.constexpr):
         """Offset of each destination row, in the pool pointer's elements: ``local * page_stride + off * ROW_STRIDE``
         (int32 arithmetic unless ``OFF64``)."""
@@ -131,4 +169,4 @@ if HAS_TRITON:
         return local * page_stride + off * ROW_STRIDE
 
 else:  # pragma: no cover
-    load_span = store_span = row_dst = None
+    load_span = store_span = row_dst = flat_rows = None

@@ -15,12 +15,12 @@ run each kernel variant through it and ``benchmarks/tune_ops.py`` times candidat
 Ops (``op`` key: its ``size``; its configuration keys):
 
 - ``write_owned`` (owner filter at cp > 1): rows of the chunk; ``variant`` (``"tile"``: a tile of ``block_r`` rows
-  per program, tiles without a kept row skip their copy; ``"compact"``: a window of ``window`` rows per program,
-  its kept rows compacted into dense tiles of ``block_r``), ``block_r``, ``window``, ``chunk_w``, ``num_warps``,
-  ``programs_per_sm`` (``"compact"`` only: 0 = one window per program, else a persistent grid of that many programs
-  per multiprocessor, each prefetching its next window's locations).
-- ``direct_write`` (``direct=True``, or cp = 1): rows; ``block_r``, ``chunk_w`` (widest chunk of a row in words,
-  :func:`dtkv.ops._copy.span_chunks`; 0 = one masked chunk), ``num_warps``.
+  per program, tiles without a kept row skip their copy; ``"window"``: ``window / block_r`` programs per window of
+  ``window`` rows, a window whose kept rows are evenly spaced (whole pages, or every cp-th row) copied as dense
+  tiles of ``block_r`` kept rows), ``layout`` (``"rows"``: a ``[block_r, W]`` tile in chunks of each row;
+  ``"flat"``: the tile's ``block_r * W`` words as one span, :mod:`dtkv.ops._copy`), ``block_r``, ``window``,
+  ``chunk_w`` (widest chunk in words, :func:`dtkv.ops._copy.span_chunks`; 0 = one masked chunk), ``num_warps``.
+- ``direct_write`` (``direct=True``, or cp = 1): rows; ``layout``, ``block_r``, ``chunk_w``, ``num_warps``.
 - ``quantize_write_mla_fp8``, ``quantize_write_indexer_fp8``: rows; ``block_r``, ``num_warps``.
 - ``pack_owned_pages``, ``pack_layer_pages``: send rows; ``rows`` (pages per program), ``parts`` (programs per
   page), ``chunk_w``, ``num_warps``.
@@ -41,7 +41,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["DEFAULTS", "TUNED", "TUNED_DEVICE", "launch_config", "num_sms", "override"]
+__all__ = ["DEFAULTS", "TUNED", "TUNED_DEVICE", "launch_config", "override"]
 
 Config = dict[str, int | str]
 
@@ -49,14 +49,17 @@ TUNED_DEVICE = "NVIDIA H200"
 """The device :data:`TUNED` was measured on (``torch.cuda.get_device_name``)."""
 
 DEFAULTS: dict[str, Config] = {
-    "write_owned": {
-        "variant": "compact", "block_r": 32, "window": 128, "chunk_w": 128, "num_warps": 4, "programs_per_sm": 0,
-    },
-    "direct_write": {"block_r": 16, "chunk_w": 128, "num_warps": 4},
+    "write_owned": {"variant": "tile", "layout": "rows", "block_r": 16, "window": 64, "chunk_w": 128, "num_warps": 4},
+    "direct_write": {"layout": "rows", "block_r": 16, "chunk_w": 128, "num_warps": 4},
     "quantize_write_mla_fp8": {"block_r": 4, "num_warps": 4},
     "quantize_write_indexer_fp8": {"block_r": 16, "num_warps": 2},
-    "pack_owned_pages": {"rows": 1, "parts": 1, "chunk_w": 4096, "num_warps": 8},
-    "pack_layer_pages": {"rows": 1, "parts": 1, "chunk_w": 4096, "num_warps": 8},
+    # pack: two programs per 41 984-byte page (halves of 2624 words in chunks 2048 + 512 + 64), 8 warps: about 10
+    # words per thread, 36 registers (full occupancy), every load of a half in flight at once; compiled for sm_90
+    # offline (benchmarks/compile_ops.py). Closest to main's pack kernel (two 4096-word blocks per page, 4 warps),
+    # measured at 90-93% of the same-size copy on an H200 (2026-12-01); none of these configurations has been
+    # timed yet (Triton 3.6 did not compile them before the fix of ops/pack_layer_pages.py).
+    "pack_owned_pages": {"rows": 1, "parts": 2, "chunk_w": 4096, "num_warps": 8},
+    "pack_layer_pages": {"rows": 1, "parts": 2, "chunk_w": 4096, "num_warps": 8},
     "remap": {"block": 1024, "num_warps": 4, "map16": "large", "idx_cg": 0},
 }  # fmt: skip
 """Configurations for untuned devices and sizes; every op's full set of keys."""
@@ -66,9 +69,9 @@ DEFAULTS: dict[str, Config] = {
 TUNED_ON = "NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, 2026-12-01 (dtkv h28-ops 410fcc1)"
 TUNED: dict[str, dict[int, Config]] = {
     "direct_write": {
-        65536: {"block_r": 8, "chunk_w": 0, "num_warps": 4},
-        262144: {"block_r": 8, "chunk_w": 0, "num_warps": 4},
-        1048576: {"block_r": 8, "chunk_w": 0, "num_warps": 4},
+        65536: {"layout": "rows", "block_r": 8, "chunk_w": 0, "num_warps": 4},
+        262144: {"layout": "rows", "block_r": 8, "chunk_w": 0, "num_warps": 4},
+        1048576: {"layout": "rows", "block_r": 8, "chunk_w": 0, "num_warps": 4},
     },
     "quantize_write_indexer_fp8": {
         65536: {"block_r": 8, "num_warps": 2},
@@ -86,23 +89,9 @@ TUNED: dict[str, dict[int, Config]] = {
         67108864: {"block": 1024, "num_warps": 4, "map16": "always", "idx_cg": 0},
     },
     "write_owned": {
-        262144: {"variant": "tile", "block_r": 16, "window": 128, "chunk_w": 128, "num_warps": 4, "programs_per_sm": 0},
-        1048576: {
-            "variant": "tile",
-            "block_r": 16,
-            "window": 128,
-            "chunk_w": 128,
-            "num_warps": 4,
-            "programs_per_sm": 0,
-        },
-        4194304: {
-            "variant": "tile",
-            "block_r": 16,
-            "window": 128,
-            "chunk_w": 128,
-            "num_warps": 4,
-            "programs_per_sm": 0,
-        },
+        262144: {"variant": "tile", "layout": "rows", "block_r": 16, "window": 128, "chunk_w": 128, "num_warps": 4},
+        1048576: {"variant": "tile", "layout": "rows", "block_r": 16, "window": 128, "chunk_w": 128, "num_warps": 4},
+        4194304: {"variant": "tile", "layout": "rows", "block_r": 16, "window": 128, "chunk_w": 128, "num_warps": 4},
     },
 }
 # fmt: on
@@ -164,16 +153,3 @@ def override(op: str, **cfg: int | str) -> Iterator[None]:
             del _OVERRIDES[op]
         else:
             _OVERRIDES[op] = before
-
-
-@functools.lru_cache(maxsize=16)
-def _cuda_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def num_sms(device: torch.device) -> int:
-    """Multiprocessors of a CUDA device, for persistent grids; 2 elsewhere (the interpreter's persistent programs
-    then each loop over several windows, as on a GPU)."""
-    if device.type != "cuda":
-        return 2
-    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())

@@ -160,12 +160,15 @@ def _quantize_write_mla_fp8_kernel(
     inv = tl.where(pos, tl.math.div_rn(tl.zeros_like(amax) + 448.0, tl.where(pos, amax, 1.0)), 1.0)
     q = e4m3_bits(x * inv[:, :, None], PREROUND)
     tl.store(pool_ptr + base[:, None, None] + col[None, :, :], q, mask=keep[:, None, None] & cmask[None, :, :])
-    s_ptr = (pool_ptr + base[:, None] + L + 4 * nb[None, :]).to(tl.pointer_type(tl.float32))
-    tl.store(s_ptr, scale, mask=keep[:, None] & (nb < NB)[None, :])
+    # typed row pointers first, then the element index: the scales and rope dims are then contiguous fp32 / bf16
+    # elements to the compiler, stored as 16-byte vectors (a byte offset 4 * nb cast afterwards is stored 4 bytes
+    # at a time, the rope 2 bytes at a time)
+    s_row = (pool_ptr + base + L).to(tl.pointer_type(tl.float32))  # [BLOCK_R]
+    tl.store(s_row[:, None] + nb[None, :], scale, mask=keep[:, None] & (nb < NB)[None, :])
     if kv_ptr.dtype.element_ty != tl.bfloat16:
         rope = bf16_rn(rope.to(tl.float32))
-    r_ptr = (pool_ptr + base[:, None] + (L + 4 * NB) + 2 * ri[None, :]).to(tl.pointer_type(tl.bfloat16))
-    tl.store(r_ptr, rope, mask=keep[:, None] & (ri < R)[None, :])
+    r_row = (pool_ptr + base + (L + 4 * NB)).to(tl.pointer_type(tl.bfloat16))  # [BLOCK_R]
+    tl.store(r_row[:, None] + ri[None, :], rope, mask=keep[:, None] & (ri < R)[None, :])
 
 
 def _triton_aligned(pool: torch.Tensor, kv_lora_rank: int) -> bool:

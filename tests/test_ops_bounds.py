@@ -119,9 +119,10 @@ def test_the_harness_flags_a_kernel_that_follows_a_location_past_the_end(monkeyp
 
 
 QUICK = {  # op: configurations (completed from DEFAULTS) of the quick subset; the slow test runs every candidate
-    "write_owned": [{}, {"variant": "tile", "block_r": 64}, {"window": 64, "block_r": 16, "programs_per_sm": 4},
-                    {"window": 256, "block_r": 32, "programs_per_sm": 4}],
-    "direct_write": [{}, {"chunk_w": 0, "block_r": 8}],
+    "write_owned": [{}, {"variant": "tile", "block_r": 64}, {"variant": "window", "window": 64, "block_r": 16},
+                    {"variant": "window", "layout": "flat", "window": 32, "block_r": 8, "chunk_w": 512},
+                    {"variant": "tile", "layout": "flat", "block_r": 16, "chunk_w": 1024}],
+    "direct_write": [{}, {"chunk_w": 0, "block_r": 8}, {"layout": "flat", "block_r": 8, "chunk_w": 512}],
     "quantize_write_mla_fp8": [{}, {"block_r": 16}],
     "quantize_write_indexer_fp8": [{}, {"block_r": 64}],
     "pack_owned_pages": [{}, {"rows": 2, "parts": 2}],
@@ -131,7 +132,7 @@ QUICK = {  # op: configurations (completed from DEFAULTS) of the quick subset; t
 
 
 @pytest.mark.parametrize("op", list(QUICK))
-def test_default_and_persistent_configurations_stay_in_bounds(op):
+def test_default_window_and_flat_configurations_stay_in_bounds(op):
     cfgs = [M.T.full(op, c) for c in QUICK[op]]
     problems = []
     with M.interpreter_address_check():

@@ -14,7 +14,7 @@ negatives and, in int64, locations past 2**31 and 2**32 (and ``2**63 - 1``). Emp
 - ``remap``: any ``indices`` and ``page_map`` layouts.
 
 Each example also draws the Triton kernels' launch configuration among ``VARIANTS`` of ``tests/test_ops_variants.py``
-(tile or compacting owner filter, persistent or not, chunk plans, pages per program, the 2-byte remap map), so every
+(tile or window owner filter, row or flat tiles, chunk plans, pages per program, the 2-byte remap map), so every
 kernel variant meets the drawn index layouts.
 
 Bitwise, no tolerance: the writes copy bytes, the fp8 writes do the same IEEE arithmetic on every backend.

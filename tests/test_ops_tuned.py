@@ -3,8 +3,8 @@
 
 Contract: on the tuned device an op gets the entry tuned at the size nearest on a log scale (ties: the larger),
 with missing keys from ``DEFAULTS``; anywhere else ``DEFAULTS``; ``override`` wins everywhere, nests and restores
-(also on error); unknown ops and keys are refused by name. ``--write-table`` turns a sweep's JSON into a TUNED block
-that imports back to the same table and refuses ops or keys the table does not know.
+(also on error); unknown ops and keys are refused by name. ``--write-table`` merges a sweep's winners into the TUNED
+block (other ops and sizes keep their entries) and refuses ops or keys the table does not know.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from dtkv.ops import _tuned
-from dtkv.ops._copy import needs_int64, span_chunks
+from dtkv.ops._copy import needs_int64, span_chunks, vector_words
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = {4194304: {"block": 2048}, 16777216: {"block": 4096, "map16": "always"}, 67108864: {"num_warps": 8}}
@@ -88,10 +88,6 @@ def test_tuned_table_is_well_formed():
     assert bool(_tuned.TUNED) == bool(_tuned.TUNED_ON)
 
 
-def test_num_sms_off_cuda():
-    assert _tuned.num_sms(torch.device("cpu")) == 2
-
-
 # ----------------------------------------------------------------------------------------- chunk plan
 @pytest.mark.parametrize(
     "span,chunk_w,want",
@@ -113,6 +109,17 @@ def test_span_chunks_rejects_bad_arguments():
         span_chunks(0, 64)
     with pytest.raises(ValueError, match=re.escape("chunk_w must be 0 or a power of two, got chunk_w=48")):
         span_chunks(82, 48)
+
+
+@pytest.mark.parametrize(
+    "word_bytes,multiples,want",
+    [(8, (82, 5248, 82, 512, 128, 16), 2), (8, (82, 5248, 82, 512, 128, 16, 1), 1), (4, (3, 24, 3), 1),
+     (4, (144, 9216, 144, 1024, 128), 4), (1, (656, 41984, 656), 16), (1, (5, 40, 5), 1), (2, (6, 48), 2),
+     (16, (4,), 1)],
+)  # fmt: skip
+def test_vector_words(word_bytes, multiples, want):
+    """Words of a 16-byte vector that divide the row width, the strides and every chunk of a flat tile."""
+    assert vector_words(word_bytes, *multiples) == want
 
 
 def test_needs_int64():
@@ -141,30 +148,72 @@ DOC = {
     "device": "NVIDIA H200", "torch": "2.11.0+cu130", "triton": "3.6.0", "date": "2026-12-02", "commit": "abc1234",
     "tuned": {
         "write_owned": {
-            "262144": {"variant": "compact", "block_r": 32, "window": 128, "chunk_w": 128, "num_warps": 4,
-                       "programs_per_sm": 8},
-            "4194304": {"variant": "tile", "block_r": 64, "window": 128, "chunk_w": 128, "num_warps": 8,
-                        "programs_per_sm": 0},
+            "262144": {"variant": "window", "layout": "flat", "block_r": 16, "window": 64, "chunk_w": 1024,
+                       "num_warps": 4},
+            "4194304": {"variant": "tile", "layout": "rows", "block_r": 64, "window": 128, "chunk_w": 128,
+                        "num_warps": 8},
         },
         "remap": {"67108864": {"block": 2048, "num_warps": 8, "map16": "always", "idx_cg": 1}},
     },
 }  # fmt: skip
+BEFORE = {
+    "write_owned": {1048576: {"block_r": 8}, 4194304: {"block_r": 32}},
+    "direct_write": {65536: {"layout": "flat", "block_r": 4}},
+    "remap": {4194304: {"block": 512}},
+}
+"""The table a sweep is merged into (its origin: ``"earlier sweep"``)."""
 
 
-def test_write_table_round_trips(tmp_path):
+def _table_with(tmp_path: Path, tuned: dict, tuned_on: str) -> Path:
     T = _tune_ops()
     table = tmp_path / "_tuned.py"
-    table.write_text((ROOT / "ops" / "_tuned.py").read_text())
+    text = (ROOT / "ops" / "_tuned.py").read_text()
+    i, j = text.index(T.BEGIN), text.index(T.END)
+    table.write_text(text[:i] + T.render_table(tuned, tuned_on) + text[j + len(T.END) :])
+    return table
+
+
+def test_write_table_merges_a_sweep_into_the_table(tmp_path):
+    """The sweep's winners replace the entries of their op and size; every other op and size keeps its entry; the
+    origin of each sweep is kept; writing the same JSON again changes nothing."""
+    T = _tune_ops()
+    table = _table_with(tmp_path, BEFORE, "earlier sweep")
+    assert _load(table).TUNED == BEFORE
     (tmp_path / "tuned.json").write_text(json.dumps(DOC))
     T.write_table(str(tmp_path / "tuned.json"), table)
     m = _load(table)
-    want = {op: {int(s): cfg for s, cfg in e.items()} for op, e in DOC["tuned"].items()}
+    want = {op: dict(entries) for op, entries in BEFORE.items()}
+    for op, entries in DOC["tuned"].items():
+        want[op].update({int(s): cfg for s, cfg in entries.items()})
     assert m.TUNED == want
-    assert m.TUNED_ON == "NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, 2026-12-02 (dtkv abc1234)"
+    assert m.TUNED["write_owned"][1048576] == {"block_r": 8} and m.TUNED["direct_write"] == BEFORE["direct_write"]
+    assert m.TUNED_ON == ("earlier sweep; NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, 2026-12-02 (dtkv abc1234): "
+                          "remap, write_owned")  # fmt: skip
     assert m.DEFAULTS == _tuned.DEFAULTS
     assert all(len(line) <= 120 for line in table.read_text().splitlines())
+    before = table.read_text()
     T.write_table(str(tmp_path / "tuned.json"), table)  # again: the block is replaced, not appended
-    assert table.read_text().count(T.BEGIN) == 1 and _load(table).TUNED == want
+    assert table.read_text() == before and table.read_text().count(T.BEGIN) == 1
+
+
+def test_write_table_into_an_empty_table(tmp_path):
+    T = _tune_ops()
+    table = _table_with(tmp_path, {}, "")
+    (tmp_path / "tuned.json").write_text(json.dumps(DOC))
+    T.write_table(str(tmp_path / "tuned.json"), table)
+    m = _load(table)
+    assert m.TUNED == {op: {int(s): cfg for s, cfg in e.items()} for op, e in DOC["tuned"].items()}
+    assert m.TUNED_ON == "NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, 2026-12-02 (dtkv abc1234): remap, write_owned"
+
+
+def test_the_repository_table_merges_into_itself_unchanged(tmp_path):
+    """The table in the repository is one ``--write-table`` leaves as it is when a sweep tunes nothing."""
+    T = _tune_ops()
+    table = tmp_path / "_tuned.py"
+    table.write_text((ROOT / "ops" / "_tuned.py").read_text())
+    (tmp_path / "tuned.json").write_text(json.dumps({**DOC, "tuned": {}}))
+    T.write_table(str(tmp_path / "tuned.json"), table)
+    assert _load(table).TUNED == _tuned.TUNED and _load(table).TUNED_ON == _tuned.TUNED_ON
 
 
 @pytest.mark.parametrize(
@@ -179,5 +228,16 @@ def test_write_table_rejects_unknown_ops_and_keys(tmp_path, tuned, message):
     table.write_text(before)
     (tmp_path / "tuned.json").write_text(json.dumps({**DOC, "tuned": tuned}))
     with pytest.raises(ValueError, match=re.escape(message)):
+        T.write_table(str(tmp_path / "tuned.json"), table)
+    assert table.read_text() == before
+
+
+def test_write_table_refuses_a_table_entry_with_a_stale_key(tmp_path):
+    """An entry the table kept from an older schema (a key DEFAULTS no longer has) is named, not carried on."""
+    T = _tune_ops()
+    table = _table_with(tmp_path, {"write_owned": {65536: {"programs_per_sm": 4}}}, "old sweep")
+    before = table.read_text()
+    (tmp_path / "tuned.json").write_text(json.dumps(DOC))
+    with pytest.raises(ValueError, match=re.escape("tuned config of 'write_owned' at 65536 has unknown keys")):
         T.write_table(str(tmp_path / "tuned.json"), table)
     assert table.read_text() == before

@@ -1,11 +1,12 @@
 """Every kernel variant and launch configuration of ``ops/_tuned.py`` writes the reference's bytes.
 
 The ops read their launch configuration from a table (``ops/_tuned.py``) that picks, per size, among kernel
-variants: the row copy's chunking (``ops/_copy.py``), the owner filter's tile and compacting kernels (one window per
-program or a persistent grid), the pack's pages per program and parts per page, remap's 2-byte map copy. Each case
-here forces one configuration (:func:`dtkv.ops._tuned.override`) and compares bitwise with the independent
-references of ``tests/ops_reference.py``: rows in token order (runs of whole pages, the compacting kernel's fast
-path) and at random (every window keeps a few), partial last pages, ``-1`` rows, ranks that store no pages, rows of
+variants: the row copy's chunking and flat tiles (``ops/_copy.py``), the owner filter's tile and window kernels, the
+pack's pages per program and parts per page, remap's 2-byte map copy. Each case here forces one configuration
+(:func:`dtkv.ops._tuned.override`) and compares bitwise with the independent references of
+``tests/ops_reference.py``: rows in token order (runs of whole pages: the window kernel's dense tiles of step 1),
+round robin (every cp-th row: step cp, windows broken by ``-1`` rows take the masked path) and at random, partial
+last pages, ``-1`` rows, ranks that store no pages, rows of
 82 and 144 int64 words and of 3 int32 or 5 byte words (chunks that end mid-way, a masked fourth chunk). No
 tolerances: the ops copy bytes and the quantizers do the same IEEE arithmetic as the reference.
 ``test_every_tune_candidate_matches_torch`` runs each candidate of ``benchmarks/tune_ops.py`` the way its sweep does.
@@ -43,17 +44,23 @@ from tests.ops_reference import (
 
 VARIANTS: dict[str, list[dict]] = {
     "write_owned": [
-        {"variant": "tile", "block_r": 4, "chunk_w": 128},
-        {"variant": "tile", "block_r": 16, "chunk_w": 0},
-        {"variant": "compact", "window": 8, "block_r": 4, "programs_per_sm": 0},
-        {"variant": "compact", "window": 16, "block_r": 16, "programs_per_sm": 1, "chunk_w": 2},
-        {"variant": "compact", "window": 4, "block_r": 2, "programs_per_sm": 2, "chunk_w": 4},
+        {"variant": "tile", "layout": "rows", "block_r": 4, "chunk_w": 128},
+        {"variant": "tile", "layout": "rows", "block_r": 16, "chunk_w": 0},
+        {"variant": "tile", "layout": "flat", "block_r": 4, "chunk_w": 128},
+        {"variant": "tile", "layout": "flat", "block_r": 8, "chunk_w": 2},
+        {"variant": "window", "layout": "rows", "window": 8, "block_r": 4},
+        {"variant": "window", "layout": "flat", "window": 16, "block_r": 4, "chunk_w": 4},
+        {"variant": "window", "layout": "rows", "window": 4, "block_r": 4, "chunk_w": 2},
+        {"variant": "window", "layout": "flat", "window": 32, "block_r": 2, "chunk_w": 0},
     ],
     "direct_write": [
-        {"block_r": 4, "chunk_w": 128},
-        {"block_r": 8, "chunk_w": 0},
-        {"block_r": 2, "chunk_w": 2},
-        {"block_r": 16, "chunk_w": 8},
+        {"layout": "rows", "block_r": 4, "chunk_w": 128},
+        {"layout": "rows", "block_r": 8, "chunk_w": 0},
+        {"layout": "rows", "block_r": 2, "chunk_w": 2},
+        {"layout": "rows", "block_r": 16, "chunk_w": 8},
+        {"layout": "flat", "block_r": 4, "chunk_w": 0},
+        {"layout": "flat", "block_r": 8, "chunk_w": 16},
+        {"layout": "flat", "block_r": 1, "chunk_w": 128},
     ],
     "quantize_write_mla_fp8": [{"block_r": 1}, {"block_r": 2}, {"block_r": 8}],
     "quantize_write_indexer_fp8": [{"block_r": 1}, {"block_r": 4}, {"block_r": 32}],
@@ -70,7 +77,8 @@ VARIANTS: dict[str, list[dict]] = {
         {"map16": "large", "idx_cg": 1},
     ],
 }
-"""Configurations reaching every code path of the kernels (``programs_per_sm``: the CPU counts as 2 SMs)."""
+"""Configurations reaching every code path of the kernels (chunks that end mid-row, a masked fourth chunk, windows
+of one and of several programs)."""
 VARIANTS["pack_owned_pages"] = VARIANTS["pack_layer_pages"]
 
 
@@ -108,19 +116,25 @@ ROW_KINDS = {  # (dtype, dim): 656 B = 82 int64 words (64+16+2), 1152 B = 144, 1
 GEOMETRIES = {  # (cp, num_pages, scheme, page_size, row order)
     "cp4-runs": (4, 13, "interleave", 8, "token"),
     "cp4-random": (4, 13, "interleave", 8, "random"),
+    "cp4-roundrobin": (4, 13, "interleave", 8, "roundrobin"),
     "cp3-block-emptyrank": (3, 4, "block", 3, "random"),  # pages per rank [2, 2, 0]
 }
 FILTER_CASES = [
     pytest.param(g, k, id=f"{g}-{k}")
     for g, k in [("cp4-runs", "fp8row"), ("cp4-runs", "3words"), ("cp4-random", "bf16row"), ("cp4-random", "5bytes"),
-                 ("cp3-block-emptyrank", "fp8row"), ("cp3-block-emptyrank", "3words")]
+                 ("cp4-roundrobin", "fp8row"), ("cp4-roundrobin", "5bytes"), ("cp3-block-emptyrank", "fp8row"),
+                 ("cp3-block-emptyrank", "3words")]
 ]  # fmt: skip
 
 
 def _chunk_locs(own: PageOwnership, ps: int, order: str, seed: int) -> torch.Tensor:
-    """A full chunk's locations: every page but a partial last one, in token order or shuffled, some ``-1``."""
+    """A full chunk's locations: every page but a partial last one, in token order, round robin or shuffled, some
+    ``-1``."""
     n = own.num_pages * ps - (ps // 2)
     locs = torch.arange(n)
+    if order == "roundrobin":  # offset t of every page, then t + 1: consecutive rows cycle through the owners
+        locs = (torch.arange(own.num_pages)[None, :] * ps + torch.arange(ps)[:, None]).flatten()
+        locs = locs[locs < n]
     if order == "random":
         locs = locs[torch.randperm(n, generator=torch.Generator().manual_seed(seed))]
     locs[5::11] = -1
