@@ -728,7 +728,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="*", help="token counts (default: GPU 64K 256K 1M, CPU 256)")
     ap.add_argument("--ops", nargs="*", help=f"ops to measure (default all: {list(SCENARIOS)})")
     ap.add_argument("--reps", type=int, default=0)
-    ap.add_argument("--out", help="also write the markdown report here")
+    ap.add_argument("--out", help="also write the markdown report here (a file, or a directory: under its own name)")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dev.type == "cpu":
@@ -780,9 +780,11 @@ def main() -> None:
         + ["", closing_note(results, failed), "", "Launch configurations (ops/_tuned.py):"] + configs
     )  # fmt: skip
     print(text)
-    targets = [Path(args.out)] if args.out else []
+    name = f"ops_{device_tag(dev)}_{date}.md"
+    targets = []
+    if args.out:  # a file, or a directory to write the report into under its own name
+        targets.append(Path(args.out) / name if Path(args.out).is_dir() else Path(args.out))
     if dev.type == "cuda":
-        name = f"ops_{device_tag(dev)}_{date}.md"
         targets.append(RESULTS / name)
         if os.environ.get("OUT"):
             targets.append(Path(os.environ["OUT"]) / name)

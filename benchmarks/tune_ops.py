@@ -584,12 +584,27 @@ def merged_table(doc: dict, current: dict[str, dict[int, dict]], current_on: str
     return tuned, "; ".join(origins)
 
 
+def _wrap(text: str, width: int) -> list[str]:
+    """``text`` cut at spaces into pieces of at most ``width`` characters (their concatenation is ``text``)."""
+    parts, cur = [], ""
+    for word in text.split(" "):
+        piece = word if not cur else " " + word
+        if cur and len(cur) + len(piece) > width:
+            parts.append(cur + " ")
+            cur = word
+        else:
+            cur += piece
+    return [*parts, cur]
+
+
 def render_table(tuned: dict[str, dict[int, dict]], tuned_on: str) -> str:
     """The TUNED block of ``ops/_tuned.py`` for a table (see :func:`merged_table`)."""
     lines = [
         f"{BEGIN}: written by `python benchmarks/tune_ops.py --write-table <json>`; do not edit by hand",
         "# fmt: off",
-        f"TUNED_ON = {json.dumps(tuned_on)}",
+        "TUNED_ON = (",
+        *(f"    {json.dumps(part)}" for part in _wrap(tuned_on, 100)),
+        ")",
         "TUNED: dict[str, dict[int, Config]] = {",
     ]
     for op in sorted(tuned):

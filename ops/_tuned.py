@@ -66,12 +66,26 @@ DEFAULTS: dict[str, Config] = {
 
 # BEGIN TUNED: written by `python benchmarks/tune_ops.py --write-table <json>`; do not edit by hand
 # fmt: off
-TUNED_ON = "NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, 2026-12-01 (dtkv h28-ops 410fcc1)"
+TUNED_ON = (
+    "NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, 2026-12-01 (dtkv h28-ops 410fcc1); NVIDIA H200, torch "
+    "2.11.0+cu130, triton 3.6.0, 2026-12-01 (dtkv h28-ops 41aa3a6): direct_write, pack_layer_pages, "
+    "pack_owned_pages, quantize_write_mla_fp8, remap, write_owned"
+)
 TUNED: dict[str, dict[int, Config]] = {
     "direct_write": {
-        65536: {"layout": "rows", "block_r": 8, "chunk_w": 0, "num_warps": 4},
-        262144: {"layout": "rows", "block_r": 8, "chunk_w": 0, "num_warps": 4},
-        1048576: {"layout": "rows", "block_r": 8, "chunk_w": 0, "num_warps": 4},
+        65536: {"layout": "flat", "block_r": 16, "chunk_w": 1024, "num_warps": 4},
+        262144: {"layout": "flat", "block_r": 8, "chunk_w": 512, "num_warps": 8},
+        1048576: {"layout": "flat", "block_r": 16, "chunk_w": 1024, "num_warps": 4},
+    },
+    "pack_layer_pages": {
+        1024: {"rows": 1, "parts": 1, "chunk_w": 4096, "num_warps": 8},
+        4096: {"rows": 1, "parts": 1, "chunk_w": 4096, "num_warps": 8},
+        16384: {"rows": 1, "parts": 1, "chunk_w": 4096, "num_warps": 8},
+    },
+    "pack_owned_pages": {
+        1024: {"rows": 1, "parts": 1, "chunk_w": 4096, "num_warps": 8},
+        4096: {"rows": 1, "parts": 1, "chunk_w": 4096, "num_warps": 8},
+        16384: {"rows": 1, "parts": 1, "chunk_w": 4096, "num_warps": 8},
     },
     "quantize_write_indexer_fp8": {
         65536: {"block_r": 8, "num_warps": 2},
@@ -79,23 +93,23 @@ TUNED: dict[str, dict[int, Config]] = {
         1048576: {"block_r": 16, "num_warps": 2},
     },
     "quantize_write_mla_fp8": {
-        65536: {"block_r": 2, "num_warps": 2},
-        262144: {"block_r": 2, "num_warps": 2},
-        1048576: {"block_r": 2, "num_warps": 2},
+        65536: {"block_r": 2, "num_warps": 1},
+        262144: {"block_r": 2, "num_warps": 1},
+        1048576: {"block_r": 2, "num_warps": 1},
     },
     "remap": {
         4194304: {"block": 2048, "num_warps": 8, "map16": "never", "idx_cg": 0},
         16777216: {"block": 1024, "num_warps": 4, "map16": "never", "idx_cg": 1},
-        67108864: {"block": 1024, "num_warps": 4, "map16": "always", "idx_cg": 0},
+        67108864: {"block": 1024, "num_warps": 4, "map16": "always", "idx_cg": 1},
     },
     "write_owned": {
-        262144: {"variant": "tile", "layout": "rows", "block_r": 16, "window": 128, "chunk_w": 128, "num_warps": 4},
-        1048576: {"variant": "tile", "layout": "rows", "block_r": 16, "window": 128, "chunk_w": 128, "num_warps": 4},
-        4194304: {"variant": "tile", "layout": "rows", "block_r": 16, "window": 128, "chunk_w": 128, "num_warps": 4},
+        262144: {"variant": "tile", "layout": "flat", "block_r": 16, "window": 64, "chunk_w": 1024, "num_warps": 4},
+        1048576: {"variant": "window", "layout": "flat", "block_r": 16, "window": 64, "chunk_w": 1024, "num_warps": 4},
+        4194304: {"variant": "window", "layout": "flat", "block_r": 16, "window": 64, "chunk_w": 1024, "num_warps": 4},
     },
 }
 # fmt: on
-# END TUNED
+# END TUNED# END TUNED
 
 _OVERRIDES: dict[str, Config] = {}
 
