@@ -55,6 +55,8 @@ from dtkv.ops._tuned import DEFAULTS, TUNED, override  # noqa: E402
 CANNOT = 2
 """Exit status when nothing can be compiled here."""
 OPS = list(DEFAULTS)
+EXTRA_OPS = ["quantize_write_mla_indexer_fp8", "indexer_scores", "sparse_indices", "sparse_mla"]
+"""Ops with launch choices of their own (not in ``ops/_tuned.py``): compiled at their own launches."""
 INT64_MODULES = ("write_owned", "quantize_write_mla_fp8", "quantize_write_indexer_fp8", "pack_layer_pages", "remap")
 """Modules whose launches choose int32 or int64 offsets with ``needs_int64`` (``--int64`` forces int64)."""
 
@@ -240,6 +242,53 @@ def _awkward(op: str) -> list[tuple[str, Callable[[], object]]]:
     return out
 
 
+def _extra(op: str) -> list[tuple[str, Callable[[], object]]]:
+    """Small DeepSeek-V3.2-shaped calls of the :data:`EXTRA_OPS` (their own launch tables apply)."""
+    from dtkv import IndexerFp8Layout, MLAFp8Layout, PageOwnership
+    from dtkv.ops import indexer_scores, quantize_write_mla_indexer_fp8, sparse_indices, sparse_mla
+    from dtkv.ops.indexer_scores import LAUNCH_TABLE, IndexerLaunch, use_launch
+
+    z, u8, i32 = torch.zeros, torch.uint8, torch.int32
+    kvl, ixl = MLAFp8Layout(page_size=64), IndexerFp8Layout(page_size=64)
+    out: list[tuple[str, Callable[[], object]]] = []
+    if op == "quantize_write_mla_indexer_fp8":
+        for cp, dtype in ((1, torch.bfloat16), (2, torch.float32)):
+            out.append((f"cp {cp}, {dtype}", lambda cp=cp, dtype=dtype: quantize_write_mla_indexer_fp8(
+                z(3, 64, 656, dtype=u8), z(3, 64 * 132, dtype=u8), z(40, 576, dtype=dtype), z(40, 128, dtype=dtype),
+                torch.arange(40), PageOwnership(cp, 3 * cp), 0, kv_layout=kvl, index_layout=ixl, validate=False,
+                backend="triton")))  # fmt: skip
+    elif op == "indexer_scores":
+        launches = [IndexerLaunch(), *LAUNCH_TABLE.values(), IndexerLaunch(kernel="cols")]
+        for launch in dict.fromkeys(launches):
+            for q_fp8 in (True, False):
+
+                def call(launch=launch, q_fp8=q_fp8):
+                    with use_launch(launch):
+                        return indexer_scores(
+                            z(2, 64, 128, dtype=torch.bfloat16), z(2, 64), z(4, 64 * 132, dtype=u8),
+                            torch.tensor([[0, 1], [2, -1]]), torch.tensor([[0, 1], [0, -1]]), torch.tensor([100, 50]),
+                            layout=ixl, q_fp8=q_fp8, backend="triton",
+                        )  # fmt: skip
+
+                out.append((f"{launch}, q_fp8={q_fp8}", call))
+    elif op == "sparse_indices":
+        locs = torch.arange(-1, 99).view(4, 25)
+        out.append(("page map", lambda: sparse_indices(locs, num_slots=640, page_map=torch.arange(10), page_size=64,
+                                                       width=64, backend="triton")))  # fmt: skip
+        out.append(("page table", lambda: sparse_indices(locs, num_slots=640, page_table=torch.zeros(4, 3, dtype=i32),
+                                                         page_size=64, width=64, backend="triton")))  # fmt: skip
+    elif op == "sparse_mla":
+        idx = torch.zeros(3, 64, dtype=i32)
+        out.append(("fp8 rows", lambda: sparse_mla(z(3, 64, 576, dtype=torch.bfloat16), z(128, 656, dtype=u8), idx,
+                                                   0.04, kv_lora_rank=512, rope_dim=64, quant_block=128,
+                                                   backend="triton")))  # fmt: skip
+        out.append(("bf16 rows", lambda: sparse_mla(z(3, 64, 576, dtype=torch.bfloat16), z(128, 576, dtype=torch.bfloat16),
+                                                    idx, 0.04, kv_lora_rank=512, rope_dim=64, backend="triton")))  # fmt: skip
+        out.append(("float32 queries", lambda: sparse_mla(z(3, 64, 576), z(128, 576, dtype=torch.bfloat16), idx,
+                                                          0.04, kv_lora_rank=512, rope_dim=64, backend="triton")))  # fmt: skip
+    return out
+
+
 PATHS: dict[str, list[dict]] = {
     "write_owned": [
         {"variant": "tile", "layout": "rows"},
@@ -304,6 +353,20 @@ def compile_all(comp: OfflineCompiler, ops: list[str], which: list[str], *, int6
 
 def _compile_ops(comp: OfflineCompiler, ops: list[str], which: list[str], modes: list[bool], log) -> None:
     for op in ops:
+        if op in EXTRA_OPS:
+            n0, t0 = len(comp.records), time.perf_counter()
+            for case, call in _extra(op):
+                comp.where = f"{op} | {case}"
+                try:
+                    with _setattr(importlib.import_module(f"dtkv.ops.{op}"), "resolve_backend", lambda b, d: "triton"):
+                        call()
+                except Exception as e:  # noqa: BLE001 - a launch that fails before compiling
+                    comp.records.append({"kernel": "?", "where": comp.where, "ok": False, "error": B.error_text(e),
+                                         "launches": 1, "seconds": 0.0})  # fmt: skip
+            new = comp.records[n0:]
+            log(f"  {op} own launches: {len(new)} new kernels, {sum(not r['ok'] for r in new)} failed "
+                f"({time.perf_counter() - t0:.1f}s)")  # fmt: skip
+            continue
         cases = _bench(op) + _awkward(op)
         for force64 in modes:
             with contextlib.ExitStack() as stack:
@@ -340,7 +403,7 @@ def _setattr(obj, name: str, value) -> Iterator[None]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90, help="compute capability to compile for (default 90: H100/H200)")
-    ap.add_argument("--ops", nargs="*", default=OPS, help=f"ops (default all: {OPS})")
+    ap.add_argument("--ops", nargs="*", default=OPS + EXTRA_OPS, help=f"ops (default all: {OPS + EXTRA_OPS})")
     ap.add_argument("--configs", nargs="*", default=["defaults", "tuned", "paths"],
                     choices=["defaults", "tuned", "paths", "candidates"],
                     help="configuration sets (default: defaults tuned paths)")  # fmt: skip
@@ -348,9 +411,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write every kernel's record here")
     ap.add_argument("--sass", action="store_true", help="count each kernel's SASS instructions and memory accesses")
     args = ap.parse_args(argv)
-    unknown = sorted(set(args.ops) - set(OPS))
+    unknown = sorted(set(args.ops) - set(OPS + EXTRA_OPS))
     if unknown:
-        ap.error(f"--ops must name ops of {OPS}, got {unknown}")
+        ap.error(f"--ops must name ops of {OPS + EXTRA_OPS}, got {unknown}")
     why = cannot_compile_reason(args.arch)
     if why is not None:
         print(f"cannot compile here: {why}")
@@ -362,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"compile_ops: Triton {triton.__version__}, sm_{args.arch}, ops {args.ops}, configs {args.configs}")
     with comp.patch():
         compile_all(comp, args.ops, args.configs, int64=args.int64)
-    if set(args.ops) == set(OPS):  # every kernel of ops/ must have been compiled at least once
+    if set(args.ops) == set(OPS + EXTRA_OPS):  # every kernel of ops/ must have been compiled at least once
         reached = {r["kernel"] for r in comp.records}
         for name in kernels_of_ops():
             if name not in reached:
