@@ -41,7 +41,11 @@ def _worker(rank: int, world: int, init_file: str, conn) -> None:
         try:
             conn.send(("ok", fn(rank, world, *args, **kwargs)))
         except BaseException as e:  # noqa: BLE001 - everything goes back to the test
-            conn.send(("err", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}", e))
+            text = f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"
+            try:
+                conn.send(("err", text, e))
+            except Exception:  # noqa: BLE001 - an exception that does not pickle must not kill the rank silently
+                conn.send(("err", text, RankError(text)))
     dist.destroy_process_group()
 
 
@@ -82,7 +86,15 @@ class RankGroup:
             if not c.poll(self.timeout_s):
                 self.close()
                 raise TimeoutError(f"rank {r} did not answer within {self.timeout_s} s running {fn.__name__}")
-            status, *payload = c.recv()
+            try:
+                status, *payload = c.recv()
+            except EOFError:  # the rank's process died: say how, and what the others said
+                self._procs[r].join(timeout=5)
+                code = self._procs[r].exitcode
+                self.close()
+                raise RankError(
+                    f"rank {r} died running {fn.__name__} (exit code {code}); before it: {errors}"
+                ) from None
             if status == "ok":
                 results.append(payload[0])
             else:
