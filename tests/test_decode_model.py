@@ -210,8 +210,9 @@ def _no_view_and_comm_bytes(rank, world, lens):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import dtkv.materialize
-    import dtkv.model.runner as runner_mod
     import dtkv.pool
+    import dtkv.runtime._plan as plan_mod
+    import dtkv.runtime.context as context_mod
     from dtkv.decode import sharded_decode_comm_bytes
 
     cfg = _cfg("fp8")
@@ -235,9 +236,9 @@ def _no_view_and_comm_bytes(rank, world, lens):
 
     saved = {}
     targets = [
-        (runner_mod, "plan_materialize"),
-        (runner_mod, "gather_view"),
-        (runner_mod, "Materializer"),
+        (plan_mod, "plan_materialize"),
+        (context_mod, "gather_view"),
+        (context_mod, "Materializer"),
         (dtkv.materialize, "gather_view"),
         (dtkv.pool, "gather_pages"),
         (dtkv.pool.ShardedKVPool, "gather_full"),

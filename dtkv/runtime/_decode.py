@@ -1,0 +1,160 @@
+"""Sharded decode in the runtime: plan a step on the shards, then one layer's attention where the pages are.
+
+Every rank runs the dense part of the step for every request (so every rank holds every query); per layer the
+model writes the token's rows (each rank keeps the rows of pages it owns) and calls
+:meth:`dtkv.runtime.StepContext.decode_attention`, which runs
+
+- :func:`dtkv.decode.decode_layer` when the layer scores its own indexer over fp8 index pages
+  (:class:`dtkv.IndexerFp8Layout`: the reference model, and transformers models with ``kv_dtype="fp8"``);
+- otherwise the same two stages from :mod:`dtkv.decode`'s public pieces: the exact global top-k over index pages
+  stored as rows (bf16/fp32 ``MLALatentLayout`` of ``index_head_dim``), and the attention over a given selection
+  (GLM-5's layers that reuse the previous layer's top-k).
+
+A request that crosses a page boundary gets its next page on the rank holding the fewest of its pages
+(:func:`dtkv.decode.alloc_decode_pages`). Under ``DTKV_DEBUG`` each selection is checked against the top-k of the
+gathered full view (:func:`dtkv.decode.check_selection`, on every rank together).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from dtkv import _env, ops
+from dtkv._util import cdiv
+from dtkv.decode import (
+    DecodeLayerOutput,
+    DecodePlan,
+    DecodeQueries,
+    alloc_decode_pages,
+    check_selection,
+    decode_layer,
+    global_topk,
+    index_scores,
+    local_topk,
+    merge_partials,
+    partial_attention,
+    plan_decode,
+    selection_keys,
+    sharded_decode_comm_bytes,
+    unpack_keys,
+)
+from dtkv.layouts import IndexerFp8Layout, KVLayout, MLAFp8Layout
+from dtkv.runtime.kvio import read_rows
+
+__all__ = ["decode_attention", "plan_sharded_step"]
+
+
+def plan_sharded_step(runtime, reqs: Sequence) -> DecodePlan:
+    """Allocate each request's next page if its new token needs one, then plan the step (host; SPMD).
+
+    All or nothing: :class:`dtkv.AllocationError` leaves every request's pages as they were.
+    """
+    ps = runtime.page_size
+    seq_lens = [r.num_computed + 1 for r in reqs]
+    needs = [max(0, cdiv(n, ps) - len(r.pages)) for r, n in zip(reqs, seq_lens)]
+    for r, new in zip(reqs, alloc_decode_pages(runtime.allocator, [r.pages for r in reqs], needs)):
+        r.pages.extend(new)
+    return plan_decode(
+        [r.pages for r in reqs],
+        seq_lens,
+        runtime.ownership,
+        runtime.pool.rank,
+        page_size=ps,
+        topk=runtime.model_spec.index_topk,
+        device=runtime.device,
+    )
+
+
+def _index_keys(index_local: torch.Tensor, plan: DecodePlan, layout: KVLayout, dtype) -> torch.Tensor:
+    """Each query's owned index keys ``[N, L * page_size, J]`` (padding slots hold anything finite)."""
+    n, width = plan.owned_local_pages.shape
+    ps = layout.page_size
+    if index_local.shape[0] == 0:  # this rank stores no page of the pool: every slot is padding
+        return torch.zeros((n, width * ps, layout.row_dim), dtype=dtype, device=index_local.device)
+    pages = index_local[plan.owned_local_pages.clamp(min=0).flatten()]
+    return read_rows(pages, layout, dtype).reshape(n, width * ps, -1)
+
+
+def _select(index_local, layout: KVLayout, plan: DecodePlan, q: DecodeQueries, group) -> torch.Tensor:
+    """The global top-k positions ``[N, K]`` (``-1`` padding) over every rank's own index pages (collective)."""
+    ps, k = plan.page_size, plan.topk
+    keys_NSJ = _index_keys(index_local, plan, layout, q.iq.dtype)
+    offsets = torch.arange(ps, device=plan.owned_slots.device)
+    pos_NS = (plan.owned_slots[:, :, None] * ps + offsets).reshape(plan.num_queries, -1)
+    valid_NS = (plan.owned_slots[:, :, None] >= 0).expand(-1, -1, ps).reshape(plan.num_queries, -1)
+    valid_NS = valid_NS & (pos_NS <= plan.query_pos[:, None])
+    keys = selection_keys(index_scores(q.iq, q.iw, keys_NSJ), pos_NS, valid_NS)
+    return unpack_keys(global_topk(local_topk(keys, k), k, group))[1]
+
+
+def _attend(kv_local, layout: KVLayout, plan: DecodePlan, q: DecodeQueries, positions, scale: float, group):
+    """Attention over the selected ``positions`` ``[N, K]`` each rank owns, merged by LSE (collective)."""
+    ps, dtype = plan.page_size, q.q_nope.dtype
+    valid = positions >= 0
+    slot = torch.where(valid, positions // ps, torch.zeros_like(positions))
+    local_page = plan.slot_local_page.gather(1, slot)
+    mine = valid & (local_page >= 0)
+    rows_NK = torch.where(mine, local_page * ps + positions % ps, torch.zeros_like(positions))
+    flat = kv_local.reshape(-1, kv_local.shape[-1])
+    if flat.shape[0] == 0:  # this rank stores no page of the pool: every row is masked
+        flat = flat.new_zeros((1, flat.shape[1]))
+    picked = flat[rows_NK]  # [N, K, row]
+    sel = ops.dequantize_mla_fp8(picked, layout).to(dtype) if isinstance(layout, MLAFp8Layout) else picked.to(dtype)
+    r = layout.kv_lora_rank
+    out, lse = partial_attention(q.q_nope, q.q_rope, sel[..., :r], sel[..., r:], mine, softmax_scale=scale)
+    out, lse = merge_partials(out, lse, group)
+    return DecodeLayerOutput(out=out, lse=lse, positions=positions)
+
+
+def decode_attention(
+    runtime,
+    plan: DecodePlan,
+    layer: int,
+    q: DecodeQueries,
+    *,
+    softmax_scale: float,
+    positions: torch.Tensor | None = None,
+    page_tables: Sequence[Sequence[int]] | None = None,
+) -> DecodeLayerOutput:
+    """One layer of a sharded decode step on ``runtime``'s pools (collective; see the module docstring)."""
+    pool, group = runtime.pool, runtime.pool.group
+    kv_lay, idx_lay = pool.layouts["kv"], pool.layouts["index"]
+    kv_local, index_local = pool.local("kv", layer), pool.local("index", layer)
+    select = positions is None
+    if select and isinstance(idx_lay, IndexerFp8Layout):
+        res = decode_layer(kv_local, index_local, kv_lay, idx_lay, plan, q, softmax_scale=softmax_scale, group=group)
+    else:
+        if select:
+            positions = _select(index_local, idx_lay, plan, q, group)
+        res = _attend(kv_local, kv_lay, plan, q, positions, softmax_scale, group)
+    comm = sharded_decode_comm_bytes(
+        num_queries=plan.num_queries,
+        topk=plan.topk if select else 0,
+        num_heads=q.q_nope.shape[1],
+        kv_lora_rank=kv_lay.kv_lora_rank,
+        cp_size=plan.cp_size,
+        partial_itemsize=q.q_nope.element_size(),
+    )
+    runtime.stats["decode_comm_bytes"] += comm.sent
+    if select and _env.debug_enabled() and page_tables is not None:
+        _check_against_full_view(runtime, layer, plan, q, res.positions, page_tables)
+    return res
+
+
+def _check_against_full_view(runtime, layer: int, plan: DecodePlan, q: DecodeQueries, positions, page_tables) -> None:
+    """``DTKV_DEBUG``: the layer's sharded top-k against a stable sort over the full view's keys (collective)."""
+    ps, dtype = runtime.page_size, q.iq.dtype
+    index_keys = read_rows(runtime.pool.gather_full(layer, "index"), runtime.pool.layouts["index"], dtype)
+    reference = torch.full_like(positions, -1)
+    for b, pages in enumerate(page_tables):
+        kv_len = int(plan.query_pos[b]) + 1
+        pos = torch.arange(kv_len, device=index_keys.device)
+        rows = torch.tensor(list(pages), dtype=torch.int64, device=index_keys.device)[pos // ps] * ps + pos % ps
+        scores = index_scores(q.iq[b : b + 1], q.iw[b : b + 1], index_keys[rows][None])[0].to(torch.float32)
+        k = min(plan.topk, kv_len)
+        order = torch.sort(scores, descending=True, stable=True).indices[:k]  # ties: the lower position first
+        reference[b, :k] = order
+    check_selection(positions, reference, runtime.pool.group, what=f"layer {layer}")
+    runtime.stats["topk_checks"] += 1
