@@ -231,8 +231,8 @@ def test_stable_topk_makes_the_forward_length_invariant():
 def test_reference_round_trip_reads_what_the_pools_store(kv_dtype):
     """The reference's key rounding equals a write into a pool and a read back (bitwise), for both pools."""
     from dtkv import PageOwnership, ShardedKVPool
-    from dtkv.integrations.transformers._kvio import read_rows, write_rows
     from dtkv.integrations.transformers.reference import round_trip
+    from dtkv.runtime.kvio import read_rows, write_rows
 
     layouts = kv_layouts(geometry_of(model("glm5")), kv_dtype, 4)
     pool = ShardedKVPool(layouts, PageOwnership(1, 8), num_layers=1)
@@ -276,7 +276,7 @@ def test_runner_rejects_bad_input_and_close_restores_the_model():
         with pytest.raises(ValueError, match="extend_lens must hold one length per request"):
             runner.step(runner.requests, [1, 1])
         assert runner.requests[0].num_computed == 0 and runner.requests[0].pages == []  # nothing allocated
-        with pytest.raises(ValueError, match="another DSAModelRunner wraps this model"):
+        with pytest.raises(ValueError, match="another runtime wraps this model"):
             DSAModelRunner(lm, num_pages=8)
         with torch.no_grad():  # attached but idle: the model runs its own forward
             assert torch.equal(lm(ids).logits, before)
