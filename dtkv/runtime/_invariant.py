@@ -9,10 +9,15 @@ fixed-shape calls -- rows in blocks of :data:`BLOCK_M`, columns of a product wit
 the same kernel on the same operands whatever else shares the call: the same bits in every batch.
 
 Covered: ``torch.nn.functional.linear`` (every ``nn.Linear``; the weight's shape is fixed per call site, so only the
-rows are blocked), ``torch.matmul`` / ``@``, ``torch.mm``, ``torch.bmm``. ``torch.einsum``, ``addmm`` and ``baddbmm``
+rows are blocked), ``torch.matmul`` / ``@``, ``torch.mm``, ``torch.bmm`` and ``grouped_mm`` (transformers' MoE
+experts: each expert's rows on their own). ``torch.einsum``, ``addmm`` and ``baddbmm``
 raise inside the block (write the contraction with ``matmul``), so nothing is silently left batch-dependent.
-Everything else a DSA model runs is row-wise (norms, rotary embedding, softmax over a fixed top-k, the MoE's
-per-expert loop), hence batch-invariant already.
+Elementwise transcendental functions (``silu``, ``sigmoid``, ``exp``, ``sin``, ``cos``, ``rsqrt``, ...) are the
+other source: CPU kernels compute a tensor's last ``numel % (2 * vector width)`` elements with the scalar function,
+which differs from the vector one in the last bit for some inputs (``silu`` and ``sigmoid`` on AVX-512), so a
+value's result would depend on its place in the tensor; inside the block they run on zero-padded flat inputs
+(:func:`invariant_unary`). Everything else a DSA model runs is exact IEEE arithmetic or a per-row reduction over a
+row length that does not change (norms, softmax over a fixed top-k), hence batch-invariant already.
 
 It costs Python-level loops (tiny models: a few ms per layer); the parity tests and ``--multi-turn`` demo of the
 transformers models use it.
@@ -29,7 +34,16 @@ from torch.overrides import TorchFunctionMode
 
 from dtkv._util import cdiv
 
-__all__ = ["BLOCK_B", "BLOCK_M", "BLOCK_N", "batch_invariant", "invariant_linear", "invariant_matmul"]
+__all__ = [
+    "BLOCK_B",
+    "BLOCK_M",
+    "BLOCK_N",
+    "batch_invariant",
+    "invariant_grouped_mm",
+    "invariant_linear",
+    "invariant_matmul",
+    "invariant_unary",
+]
 
 BLOCK_M = 16
 """Rows per call."""
@@ -61,6 +75,8 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 def invariant_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``torch.matmul(a, b)`` (broadcasting, 1-D operands) computed in fixed-shape blocks."""
+    if a.numel() == 0 or b.numel() == 0:  # nothing to compute (a rank with no rows this step)
+        return torch.matmul(a, b)
     squeeze_m, squeeze_n = a.dim() == 1, b.dim() == 1
     if squeeze_m:
         a = a[None]
@@ -111,7 +127,57 @@ def _blocked_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out[:nb, :m, :n]
 
 
+def invariant_grouped_mm(mat_a, mat_b, *, offs=None, bias=None, out_dtype=None) -> torch.Tensor:
+    """``F.grouped_mm`` for the MoE forward (``mat_a [S, K]`` rows grouped by ``offs``, ``mat_b [G, K, N]``), each
+    group's rows through :func:`invariant_matmul`; rows past ``offs[-1]`` are zero."""
+    if mat_a.dim() != 2 or mat_b.dim() != 3 or offs is None:
+        raise NotImplementedError(
+            "batch_invariant() supports grouped_mm of a 2-D mat_a with offs and a 3-D mat_b (the MoE forward), got "
+            f"mat_a.dim()={mat_a.dim()}, mat_b.dim()={mat_b.dim()}, offs={'set' if offs is not None else None}"
+        )
+    out = mat_a.new_zeros((mat_a.shape[0], mat_b.shape[2]), dtype=out_dtype or mat_a.dtype)
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        if end > start:
+            rows = _blocked_mm(mat_a[start:end], mat_b[g])
+            if bias is not None:
+                rows = rows + bias[g]
+            out[start:end] = rows.to(out.dtype)
+        start = end
+    return out
+
+
+VEC_ELEMENTS = 128
+"""Elementwise transcendental ops run over a multiple of this many elements (see the module docstring)."""
+
+
+def invariant_unary(func, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """``func(x)`` for an elementwise transcendental ``func``, with every element on the vectorized path.
+
+    CPU kernels compute the last ``numel % (2 * vector width)`` elements with the scalar function, which may differ
+    from the vector one in the last bit (``silu`` and ``sigmoid`` do, measured on AVX-512): the result for a value
+    would depend on where it sits in the tensor. The flattened input is zero padded to a multiple of
+    :data:`VEC_ELEMENTS`, so no element is ever in a tail.
+    """
+    n = x.numel()
+    if n == 0:
+        return func(x, *args, **kwargs)
+    flat = _pad(x.reshape(-1), 0, cdiv(n, VEC_ELEMENTS) * VEC_ELEMENTS)
+    return func(flat, *args, **kwargs)[:n].reshape(x.shape)
+
+
+_UNARY = {
+    f
+    for name in ("silu", "sigmoid", "gelu", "tanh")
+    for f in (getattr(F, name, None), getattr(torch, name, None), getattr(torch.Tensor, name, None))
+    if f is not None
+} | {
+    f
+    for name in ("exp", "log", "sin", "cos", "rsqrt", "sqrt", "erf", "expm1", "log1p")
+    for f in (getattr(torch, name), getattr(torch.Tensor, name))
+}
 _MATMUL = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}
+_GROUPED = {f for f in (getattr(F, "grouped_mm", None), getattr(torch, "_grouped_mm", None)) if f is not None}
 _MM = {torch.mm, torch.Tensor.mm, torch.bmm, torch.Tensor.bmm}
 _REFUSED = {torch.einsum, torch.addmm, torch.Tensor.addmm, torch.baddbmm, torch.Tensor.baddbmm}
 
@@ -122,9 +188,15 @@ class _BatchInvariant(TorchFunctionMode):
         if func is F.linear:
             return invariant_linear(*args, **kwargs)
         if func in _MATMUL or func in _MM:
+            out = kwargs.pop("out", None)
             if kwargs:
                 raise TypeError(f"batch_invariant() does not support {func.__name__} with {sorted(kwargs)}")
-            return invariant_matmul(*args)
+            res = invariant_matmul(*args)
+            return res if out is None else out.copy_(res)
+        if func in _GROUPED:
+            return invariant_grouped_mm(*args, **kwargs)
+        if func in _UNARY and args and isinstance(args[0], torch.Tensor) and not kwargs.get("inplace", False):
+            return invariant_unary(func, *args, **kwargs)
         if func in _REFUSED:
             raise RuntimeError(
                 f"batch_invariant() cannot make {getattr(func, '__name__', func)} batch-invariant: write the "

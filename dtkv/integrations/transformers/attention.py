@@ -2,7 +2,7 @@
 
 Shape legend: ``N`` this rank's query rows, ``H`` attention heads, ``R`` latent dims (``kv_lora_rank``), ``E``
 rope dims, ``C`` query/key dims (``qk_nope_head_dim + E``), ``I`` indexer heads, ``J`` indexer dims, ``K``
-key-table entries, ``k`` keys kept per query (``min(index_topk, K)``), ``D`` hidden size.
+key-table entries, ``k`` keys kept per query (``index_topk``, ``-1`` padded), ``D`` hidden size.
 
 :func:`dsa_attention` runs one layer for this rank's rows, calling the attention module's own submodules as the
 transformers forward does (``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``, ``kv_a_proj_with_mqa``,
@@ -76,9 +76,12 @@ def _select_topk(indexer, ctx: StepContext, q_NIJ, w_NI, keys_KJ) -> torch.Tenso
     index_NK = torch.matmul(w_NI.unsqueeze(-2), scores).squeeze(-2)
     visible = (plan.key_req[None, :] == plan.req_idx[:, None]) & (plan.key_pos[None, :] <= plan.positions[:, None])
     index_NK = index_NK.masked_fill(~visible, float("-inf"))
-    k = min(indexer.index_topk, index_NK.shape[-1])
+    k = indexer.index_topk
+    if index_NK.shape[-1] < k:  # always index_topk entries (-1 padded): the same shapes in every step
+        pad = index_NK.new_full((index_NK.shape[0], k - index_NK.shape[-1]), float("-inf"))
+        index_NK = torch.cat((index_NK, pad), dim=1)
     top_val, top_col = torch.sort(index_NK, dim=-1, descending=True, stable=True)
-    top_val, top_col = top_val[:, :k], top_col[:, :k]
+    top_val, top_col = top_val[:, :k], top_col[:, :k].clamp(max=plan.key_locs.shape[0] - 1)
     locs = torch.where(top_val > float("-inf"), plan.key_locs[top_col], torch.full_like(top_col, -1))
     if plan.mat_plan is None:
         return locs
