@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dtkv._log import progress, setup_cli_logging
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 # Two GPUs of one host: no NVLink SHARP multicast (the anchors were measured so, and symmetric memory works without).
@@ -31,6 +33,7 @@ def init(device_kind: str = "auto") -> tuple[int, int, torch.device]:
     A process group that already exists (tests) is used as it is; :func:`finish` then leaves it alone.
     """
     global _OWNED
+    setup_cli_logging()  # progress lines on stderr (DTKV_LOGLEVEL), results stay on stdout
     cuda = torch.cuda.is_available() and device_kind != "cpu"
     if not dist.is_initialized():
         _OWNED = True
@@ -38,6 +41,7 @@ def init(device_kind: str = "auto") -> tuple[int, int, torch.device]:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if cuda else "gloo")
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    progress("ranks up: %d x %s (%s)", dist.get_world_size(), dev.type, dist.get_backend())
     return dist.get_rank(), dist.get_world_size(), dev
 
 

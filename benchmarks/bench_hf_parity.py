@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dtkv._log import Progress, setup_cli_logging
 from dtkv.demo import _json_all_gather, _prompts
 from dtkv.integrations.transformers import tiny_config
 from dtkv.integrations.transformers._demo import run_rank
@@ -86,6 +87,7 @@ def main() -> int:
     p.add_argument("--decode-steps", type=int, default=4)
     p.add_argument("--out", default=str(ROOT / "results"), help="directory of the results files")
     ns = p.parse_args()
+    setup_cli_logging()
     if not all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
         print(
             "error: run under torchrun (e.g. torchrun --nproc-per-node 2 benchmarks/bench_hf_parity.py)",
@@ -104,8 +106,11 @@ def main() -> int:
         ns.models.split(","), ns.dtypes.split(","), ns.splits.split(","), ns.kv_dtypes.split(","),
         [int(x) for x in ns.page_sizes.split(",")],
     )  # fmt: skip
+    grid = list(grid)
+    cases = Progress("parity case", total=len(grid))
     t0 = time.perf_counter()
     for model, dtype, split, kv_dtype, page_size in grid:
+        cases.step(f"{model} {dtype} {split} {kv_dtype} page size {page_size}")
         args = {
             "model": model, "dtype": dtype, "split": split, "kv_dtype": kv_dtype, "page_size": page_size,
             "tokens": ns.tokens, "requests": ns.requests, "chunk": ns.chunk, "decode_steps": ns.decode_steps,

@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _dist_bench as db  # noqa: E402
 
 from dtkv import IndexerFp8Layout, MLAFp8Layout, PageOwnership, ShardedKVPool  # noqa: E402
+from dtkv._log import phase  # noqa: E402
 from dtkv.materialize import Materializer, plan_materialize  # noqa: E402
 
 PS = 64
@@ -439,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     rank, world, dev = db.init()
     gpu = dev.type == "cuda"
     if args.check:
-        ok = check(rank, world, dev, args.backends or ["all_gather", "copy_engine"])
+        with phase("bitwise checks of every backend and path"):
+            ok = check(rank, world, dev, args.backends or ["all_gather", "copy_engine"])
         db.finish()
         return 0 if ok else 1
     args.backends = args.backends or (["all_gather", "copy_engine"] if gpu else ["all_gather"])
@@ -449,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     args.overlap_reps = args.overlap_reps or (10 if gpu else 2)
     args.gemm = args.gemm or ([4096, 7168, 14336] if gpu else [128, 128, 128])
     t0 = time.perf_counter()
-    rows = sweep(rank, world, dev, args)
+    with phase(f"sweep: tokens {args.tokens}, layers {args.layers}, backends {args.backends}"):
+        rows = sweep(rank, world, dev, args)
     if rank == 0:
         meta = {"world": world, "pg_backend": dist.get_backend(), **db.versions()}
         rows = [{**r, **meta} for r in rows]

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dtkv._log import Progress, setup_cli_logging
 from dtkv.split import plan_cp_split
 
 
@@ -110,10 +111,11 @@ def run(cfg: SplitConfig, *, iters: int, warmup: int, device: str) -> SplitResul
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iters", type=int, default=500)
-    parser.add_argument("--warmup", type=int, default=50)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--iters", type=int, default=500, help="timed plans per configuration (default 500)")
+    parser.add_argument("--warmup", type=int, default=50, help="untimed plans first (default 50)")
+    parser.add_argument("--device", default="cpu", help="where the plan's tensors go (default cpu)")
     args = parser.parse_args()
+    setup_cli_logging()
     torch.set_num_threads(1)
     sweep = [
         SplitConfig(cp_size=cp, mode=mode, page_aligned=aligned)
@@ -128,8 +130,10 @@ def main() -> None:
     header = f"{'mode':<12} {'aligned':>7} {'cp':>3} {'#al':>4} | {'plan p50':>9} {'p90':>7} | "
     header += f"{'plan+rank p50':>13} {'p90':>7} | {'plan+all p50':>12} {'p90':>7}   (us)"
     print(header)
+    configs = Progress("split configuration", total=len(sweep))
     for cfg in sweep:
         r = run(cfg, iters=args.iters, warmup=args.warmup, device=args.device)
+        configs.step(f"{cfg.mode} cp={cfg.cp_size}")
         print(
             f"{cfg.mode:<12} {str(cfg.page_aligned):>7} {cfg.cp_size:>3} {r.num_aligned:>4} | "
             f"{r.plan_p50_us:>9.1f} {r.plan_p90_us:>7.1f} | {r.rank_p50_us:>13.1f} {r.rank_p90_us:>7.1f} | "

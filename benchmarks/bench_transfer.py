@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from dtkv import IndexerFp8Layout, MLAFp8Layout, PageOwnership
+from dtkv._log import phase, setup_cli_logging
 from dtkv.transfer import (
     Bootstrap,
     DecodeReceiver,
@@ -295,15 +296,22 @@ HEADER = (
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", type=int, default=32768)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--tokens", type=int, default=32768, help="tokens of the request (default 32768)")
+    p.add_argument("--layers", type=int, default=8, help="layers of the KV (default 8)")
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions per scenario (default 5)")
     p.add_argument(
-        "--layer-groups", "--layer-chunks", type=int, default=4, help="pipeline layer groups of the auto rows"
+        "--layer-groups",
+        "--layer-chunks",
+        type=int,
+        default=4,
+        help="pipeline layer groups of the auto rows (default 4; --layer-chunks is a deprecated alias)",
     )
-    p.add_argument("--json", default=None, help="write the rows here")
-    p.add_argument("--only", default=None, help="run the scenarios whose name and staging contain this text")
+    p.add_argument("--json", default=None, help="write the rows here, a JSON file (default: none)")
+    p.add_argument(
+        "--only", default=None, help="run the scenarios whose name and staging contain this text (default: all)"
+    )
     args = p.parse_args()
+    setup_cli_logging()
     import mooncake
 
     print(
@@ -312,7 +320,8 @@ def main() -> None:
         f"reps={args.reps}"
     )
     print(HEADER)
-    results = run(args)
+    with phase(f"transfer scenarios, {args.tokens} tokens x {args.layers} layers, {args.reps} reps"):
+        results = run(args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in results], f, indent=1)

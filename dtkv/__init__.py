@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dtkv._env import debug_enabled, debug_mode, default_backend
 from dtkv._startup import ConfigMismatchError
+from dtkv._version import __version__ as __version__
 from dtkv.allocator import AllocationError, PageAllocator
 from dtkv.layouts import FP8_E4M3_MAX, IndexerFp8Layout, KVLayout, MLAFp8Layout, MLALatentLayout
 from dtkv.ownership import OwnershipScheme, OwnershipSpec, PageOwnership, ownership_spec
@@ -42,8 +43,6 @@ from dtkv.split import (
     take_local,
     verify_direct_write,
 )
-
-__version__ = "0.1.0.dev0"
 
 __all__ = [
     "FP8_E4M3_MAX",

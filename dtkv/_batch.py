@@ -19,7 +19,7 @@ the pools as they were:
   the others waiting in the step's first collective.
 - :func:`undo_new_pages`: a step that fails after allocating (its run raised) returns the pages it took.
 
-Requests are duck-typed: ``rid``, ``prompt``, ``output``, ``tokens`` (prompt + output), ``pages``,
+Requests are duck-typed: ``rid``, ``prompt``, ``output`` (their tokens are prompt + output), ``pages``,
 ``num_computed`` and ``finished``.
 """
 
@@ -150,16 +150,17 @@ def check_batch(requests: Sequence, reqs: object, extend_lens: object, *, decode
             f"extend_lens must hold one length per request of a non-empty batch, got {len(lens)} for {len(reqs)}"
         )
     for i, (r, n) in enumerate(zip(reqs, lens)):
-        left = len(r.tokens) - r.num_computed
+        known = len(r.prompt) + len(r.output)  # len(r.tokens) without building the list
+        left = known - r.num_computed
         if decode and left < 1:
             raise ValueError(
-                f"request {r.rid} has no token to decode (num_computed={r.num_computed}, {len(r.tokens)} tokens): "
+                f"request {r.rid} has no token to decode (num_computed={r.num_computed}, {known} tokens): "
                 "append the next token to its output first"
             )
         if not 1 <= n <= left:
             raise ValueError(
                 f"extend_lens must be ints in [1, tokens not yet computed], got {n} at extend_lens[{i}] for request "
-                f"{r.rid} ({r.num_computed} of {len(r.tokens)} tokens computed)"
+                f"{r.rid} ({r.num_computed} of {known} tokens computed)"
             )
     return lens
 

@@ -4,12 +4,17 @@
 | --- | --- | --- | --- |
 | ``DTKV_DEBUG`` | 0/1 | 0 | synchronizing ownership checks in writes and materialization |
 | ``DTKV_BACKEND`` | auto/torch/triton | auto | default op backend (``auto``: Triton on CUDA, else torch) |
-| ``DTKV_LOGLEVEL`` | a ``logging`` level name | WARNING | level of the ``dtkv`` logger |
+| ``DTKV_LOGLEVEL`` | a ``logging`` level name or number | unset | level of the ``dtkv`` logger (see below) |
 | ``DTKV_TRANSFER_TIMEOUT_S`` | float seconds | 30 | bound on every wait of the Mooncake transfer path |
 | ``DTKV_TRANSFER_SECRET`` | a string | unset | shared key: rendezvous-store values are HMAC-SHA256 signed and checked |
 
 Variables are read once, at import. Tests flip switches through the context managers below
 (:func:`debug_mode`, :func:`default_backend`), never by editing ``os.environ``.
+
+Logging: dtkv configures no logging of its own accord. Only an explicit ``DTKV_LOGLEVEL`` sets the level of
+the ``dtkv`` logger (at import; no handler is added: the program's handlers, or Python's default one for
+warnings and errors, print the records). dtkv's command-line tools call :func:`dtkv._log.setup_cli_logging`,
+which adds one stderr handler and uses ``DTKV_LOGLEVEL`` or, unset, ``INFO`` (their per-phase progress lines).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator
-from typing import Literal
+from typing import Literal, TypedDict
 
 __all__ = [
     "Backend",
@@ -26,6 +31,7 @@ __all__ = [
     "debug_mode",
     "default_backend",
     "get_backend",
+    "log_level",
     "transfer_secret",
     "transfer_timeout_s",
 ]
@@ -63,14 +69,37 @@ def _read_float(name: str, default: float) -> float:
     return value
 
 
-_state = {
+def _read_level(name: str) -> int | None:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    if raw.lstrip("-").isdigit():
+        return int(raw)
+    level = logging.getLevelName(raw.upper())  # the number of a level name, or "Level X" for an unknown one
+    if not isinstance(level, int):
+        names = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+        raise ValueError(f"{name} must be a logging level name {names} or a number, got {name}={raw!r}")
+    return level
+
+
+class _State(TypedDict):
+    debug: bool
+    backend: Backend
+    transfer_timeout_s: float
+    transfer_secret: bytes | None
+    log_level: int | None
+
+
+_state: _State = {
     "debug": _read_bool("DTKV_DEBUG"),
     "backend": _read_backend(),
     "transfer_timeout_s": _read_float("DTKV_TRANSFER_TIMEOUT_S", 30.0),
     "transfer_secret": os.environ.get("DTKV_TRANSFER_SECRET", "").encode() or None,
+    "log_level": _read_level("DTKV_LOGLEVEL"),
 }
 
-logging.getLogger("dtkv").setLevel(os.environ.get("DTKV_LOGLEVEL", "WARNING").strip().upper() or "WARNING")
+if _state["log_level"] is not None:  # the user asked for this level; unset, the logger is left alone
+    logging.getLogger("dtkv").setLevel(_state["log_level"])
 
 
 def debug_enabled() -> bool:
@@ -86,6 +115,12 @@ def get_backend() -> Backend:
 def transfer_timeout_s() -> float:
     """Bound in seconds on every wait of the transfer path (``DTKV_TRANSFER_TIMEOUT_S``)."""
     return _state["transfer_timeout_s"]
+
+
+def log_level() -> int | None:
+    """The ``logging`` level ``DTKV_LOGLEVEL`` names (``None`` when unset): what
+    :func:`dtkv._log.setup_cli_logging` gives the ``dtkv`` logger."""
+    return _state["log_level"]
 
 
 def transfer_secret() -> bytes | None:

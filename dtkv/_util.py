@@ -45,7 +45,8 @@ def as_int_array(
     """``values`` as a new int64 numpy array, or an error naming ``name``, the offending value and the rule.
 
     Accepts a sequence (or other iterable) of Python/numpy ints, an integer numpy array or an integer tensor (on
-    any device: copied to the host). Bools, floats and strings are rejected even inside a list.
+    any device: copied to the host). Bools, floats and strings are rejected even inside a list; an empty input of
+    any dtype (``[]``, ``torch.tensor([])``) is an empty array.
 
     Args:
         name: the argument's name, used in every message.
@@ -68,7 +69,8 @@ def as_int_array(
         except OverflowError:
             raise ValueError(f"{name} must fit in int64, got {name}={list(values)}") from None
     elif isinstance(values, torch.Tensor):
-        if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
+        non_int = values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool
+        if non_int and values.numel():  # an empty tensor holds nothing to truncate, like an empty list
             raise TypeError(f"{name} must be an integer tensor, got {name}.dtype={values.dtype}")
         if ndim is not None and values.dim() != ndim:
             raise ValueError(

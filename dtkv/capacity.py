@@ -6,7 +6,9 @@ needs (the per-layer view of the largest request, double-buffered for layer-ahea
 buffer). :func:`capacity` builds the pools and scratch on the ``meta`` device (no memory is touched) and
 reports the multiplier.
 
-Run ``python -m dtkv.capacity --preset glm5 --cp-size 8 --tokens 1048576 --json`` (``--cp`` is an alias).
+Run ``python -m dtkv.capacity --preset glm5 --cp 8 --tokens 1048576 --json`` (``--cp-size`` is a deprecated
+alias of ``--cp``; presets ``glm5``, ``deepseek-v32``, ``deepseek-v32-bf16``, with ``dsv32`` / ``dsv32-bf16``
+deprecated aliases). Arithmetic only: this module imports no kernels, no Triton and no materializer.
 
 Shared-prefix scenario (:func:`shared_prefix_capacity`): many concurrent requests that start with the same
 prefix (a system prompt, a document) and each add their own suffix. With a prefix cache
@@ -19,17 +21,27 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from dataclasses import asdict, dataclass
 
 from dtkv._checks import check_int
+from dtkv._scratch import scratch_bytes
 from dtkv._util import cdiv, warn_deprecated
 from dtkv.layouts import IndexerFp8Layout, KVLayout, MLAFp8Layout, MLALatentLayout
-from dtkv.materialize import scratch_bytes
 from dtkv.ownership import PageOwnership
 from dtkv.pool import ShardedKVPool
 
-__all__ = ["PRESETS", "CapacityReport", "ModelGeometry", "SharedPrefixReport", "capacity", "shared_prefix_capacity"]
+__all__ = [
+    "PRESETS",
+    "PRESET_ALIASES",
+    "CapacityReport",
+    "ModelGeometry",
+    "SharedPrefixReport",
+    "capacity",
+    "main",
+    "shared_prefix_capacity",
+]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -45,10 +57,12 @@ class ModelGeometry:
 
     @property
     def page_size(self) -> int:
+        """Tokens per page."""
         return self.layouts[0][1].page_size
 
     @property
     def page_bytes_per_layer(self) -> int:
+        """Bytes of one page of one layer, every layout together."""
         return sum(lay.page_bytes for _, lay in self.layouts)
 
 
@@ -58,17 +72,33 @@ PRESETS: dict[str, ModelGeometry] = {
         num_layers=78,
         layouts=(("kv", MLAFp8Layout(page_size=64)), ("index", IndexerFp8Layout(page_size=64))),
     ),
-    "dsv32": ModelGeometry(
-        name="dsv32",
+    "deepseek-v32": ModelGeometry(
+        name="deepseek-v32",
         num_layers=61,
         layouts=(("kv", MLAFp8Layout(page_size=64)), ("index", IndexerFp8Layout(page_size=64))),
     ),
-    "dsv32-bf16": ModelGeometry(
-        name="dsv32-bf16",
+    "deepseek-v32-bf16": ModelGeometry(
+        name="deepseek-v32-bf16",
         num_layers=61,
         layouts=(("kv", MLALatentLayout(page_size=64)), ("index", IndexerFp8Layout(page_size=64))),
     ),
 }
+"""The model geometries by name (the names ``python -m dtkv.demo --model`` uses): GLM-5 (78 layers) and
+DeepSeek-V3.2 (61 layers) with fp8 KV (656-byte MLA rows + the 8448-byte indexer page, page size 64), and
+DeepSeek-V3.2 with bf16 latent rows."""
+
+PRESET_ALIASES: dict[str, str] = {"dsv32": "deepseek-v32", "dsv32-bf16": "deepseek-v32-bf16"}
+"""Deprecated preset names -> their names in :data:`PRESETS` (accepted with a ``DeprecationWarning``)."""
+
+
+def _geometry(preset: str | ModelGeometry) -> ModelGeometry:
+    if isinstance(preset, str) and preset in PRESET_ALIASES:
+        warn_deprecated(f"preset {preset!r}", f"preset {PRESET_ALIASES[preset]!r}", stacklevel=4)
+        preset = PRESET_ALIASES[preset]
+    geo = PRESETS[preset] if isinstance(preset, str) and preset in PRESETS else preset
+    if not isinstance(geo, ModelGeometry):
+        raise ValueError(f"preset must be one of {sorted(PRESETS)} or a ModelGeometry, got preset={preset!r}")
+    return geo
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -121,9 +151,11 @@ def capacity(
     """Per-rank bytes and capacity multiplier of sharded vs replicated KV, computed on meta tensors.
 
     Args:
-        preset: a key of :data:`PRESETS` or a :class:`ModelGeometry`.
+        preset: a key of :data:`PRESETS` (or a deprecated alias of :data:`PRESET_ALIASES`) or a
+            :class:`ModelGeometry`.
         cp_size: CP group size (>= 1).
-        tokens: tokens of the replicated baseline pool; each rank's budget is that pool's bytes.
+        tokens: the per-rank budget, in tokens: each rank has the bytes of a replicated pool of ``tokens``
+            tokens (every rank holding every page), which the sharded pools then fill.
         max_request_tokens: the longest request the scratch must materialize (default ``tokens``).
         cp: deprecated name of ``cp_size`` (warns).
     """
@@ -134,9 +166,7 @@ def capacity(
         cp_size = cp
     if cp_size is None:
         raise TypeError("capacity() missing required keyword argument: 'cp_size'")
-    geo = PRESETS[preset] if isinstance(preset, str) and preset in PRESETS else preset
-    if not isinstance(geo, ModelGeometry):
-        raise ValueError(f"preset must be one of {sorted(PRESETS)} or a ModelGeometry, got preset={preset!r}")
+    geo = _geometry(preset)
     check_int("cp_size", cp_size, min_value=1)
     check_int("tokens", tokens, min_value=1)
     max_req = tokens if max_request_tokens is None else check_int("max_request_tokens", max_request_tokens, min_value=1)
@@ -225,7 +255,8 @@ def shared_prefix_capacity(
     """
     check_int("prefix_tokens", prefix_tokens, min_value=0)
     check_int("suffix_tokens", suffix_tokens, min_value=1)
-    pools = capacity(preset, cp_size=cp_size, tokens=tokens, max_request_tokens=prefix_tokens + suffix_tokens)
+    geo = _geometry(preset)
+    pools = capacity(geo, cp_size=cp_size, tokens=tokens, max_request_tokens=prefix_tokens + suffix_tokens)
     ps = pools.page_size
     shared = prefix_tokens // ps
     private = cdiv(prefix_tokens % ps + suffix_tokens, ps)
@@ -251,26 +282,73 @@ def shared_prefix_capacity(
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dtkv.capacity", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="glm5", choices=sorted(PRESETS))
-    parser.add_argument("--cp-size", "--cp", dest="cp_size", type=int, default=8, help="CP group size")
-    parser.add_argument("--tokens", type=int, default=1 << 20)
-    parser.add_argument("--max-request-tokens", type=int, default=None)
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument(
-        "--shared-prefix-tokens", type=int, default=None, help="shared-prefix scenario: tokens every request shares"
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m dtkv.capacity",
+        description=__doc__.split("\n\n")[0],
+        epilog="Sizes are computed on meta tensors: nothing is allocated. Output: GiB per rank, or --json (bytes).",
     )
-    parser.add_argument("--suffix-tokens", type=int, default=4096, help="shared-prefix scenario: tokens per request")
-    args = parser.parse_args(argv)
+    names = sorted(PRESETS) + sorted(PRESET_ALIASES)
+    p.add_argument(
+        "--preset",
+        default="glm5",
+        choices=names,
+        metavar="MODEL",
+        help=f"model geometry: {', '.join(sorted(PRESETS))} (deprecated aliases: "
+        f"{', '.join(f'{k} = {v}' for k, v in sorted(PRESET_ALIASES.items()))}; default glm5)",
+    )
+    p.add_argument("--cp", type=int, default=8, metavar="N", help="CP group size, ranks (default 8)")
+    p.add_argument("--cp-size", type=int, default=None, metavar="N", help="deprecated alias of --cp")
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=1 << 20,
+        help="per-rank KV budget, in tokens: each rank gets the bytes a replicated pool of this many tokens needs "
+        "(not a context length; default 1048576)",
+    )
+    p.add_argument(
+        "--max-request-tokens",
+        type=int,
+        default=None,
+        help="longest request the materialization scratch is sized for, tokens (default: --tokens)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout (sizes in bytes)")
+    p.add_argument(
+        "--shared-prefix-tokens",
+        type=int,
+        default=None,
+        help="shared-prefix scenario: tokens every request shares (default: off)",
+    )
+    p.add_argument(
+        "--suffix-tokens",
+        type=int,
+        default=4096,
+        help="shared-prefix scenario: tokens each request adds (default 4096)",
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m dtkv.capacity``: see ``--help``."""
+    from dtkv._log import setup_cli_logging
+
+    setup_cli_logging()
+    args = _parser().parse_args(argv)
+    log = logging.getLogger("dtkv.capacity")  # not __name__: that is "__main__" under python -m
+    if args.cp_size is not None:
+        log.warning("--cp-size is deprecated and will be removed in the next release; use --cp")
+        args.cp = args.cp_size
+    if args.preset in PRESET_ALIASES:
+        log.warning("--preset %s is deprecated; use --preset %s", args.preset, PRESET_ALIASES[args.preset])
+        args.preset = PRESET_ALIASES[args.preset]
     if args.shared_prefix_tokens is not None:
         return _shared_prefix_main(args)
-    rep = capacity(args.preset, cp_size=args.cp_size, tokens=args.tokens, max_request_tokens=args.max_request_tokens)
+    rep = capacity(args.preset, cp_size=args.cp, tokens=args.tokens, max_request_tokens=args.max_request_tokens)
     if args.json:
         print(json.dumps(rep.to_json()))
         return 0
     gib = 1 << 30
-    print(f"preset {rep.preset}: {rep.num_layers} layers, page {rep.page_size}, cp_size {rep.cp_size}")
+    print(f"preset {rep.preset}: {rep.num_layers} layers, page {rep.page_size}, cp {rep.cp_size}")
     print(f"  per-rank budget (replicated pool of {rep.tokens} tokens): {rep.kv_bytes_replicated / gib:9.2f} GiB")
     print(
         f"  materialization scratch (<= {rep.max_request_tokens} tokens):  {rep.scratch_bytes_per_rank / gib:9.2f} GiB"
@@ -283,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
 def _shared_prefix_main(args: argparse.Namespace) -> int:
     rep = shared_prefix_capacity(
         args.preset,
-        cp_size=args.cp_size,
+        cp_size=args.cp,
         tokens=args.tokens,
         prefix_tokens=args.shared_prefix_tokens,
         suffix_tokens=args.suffix_tokens,
@@ -292,9 +370,7 @@ def _shared_prefix_main(args: argparse.Namespace) -> int:
         print(json.dumps(rep.to_json()))
         return 0
     p = rep.pools
-    print(
-        f"preset {p.preset}: {p.num_layers} layers, page {p.page_size}, cp_size {p.cp_size}, budget {p.tokens} tokens"
-    )
+    print(f"preset {p.preset}: {p.num_layers} layers, page {p.page_size}, cp {p.cp_size}, budget {p.tokens} tokens")
     print(f"  requests of {rep.prefix_tokens} shared + {rep.suffix_tokens} own tokens:")
     print(f"  pages per request: {rep.pages_per_request} alone, {rep.private_pages} + {rep.shared_pages} shared once")
     print(f"  {'':24}{'no prefix cache':>16}{'prefix cache':>14}")

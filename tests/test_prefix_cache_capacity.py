@@ -12,10 +12,10 @@ from dtkv.capacity import capacity, shared_prefix_capacity
 
 
 def test_shared_pages_count_once_in_the_replicated_and_the_sharded_pools():
-    rep = shared_prefix_capacity("dsv32", cp_size=8, tokens=1 << 17, prefix_tokens=8200, suffix_tokens=1000)
+    rep = shared_prefix_capacity("deepseek-v32", cp_size=8, tokens=1 << 17, prefix_tokens=8200, suffix_tokens=1000)
     # page 64: the prefix has 128 full pages and 8 tokens; each request recomputes those 8 with its own 1000
     assert (rep.shared_pages, rep.private_pages, rep.pages_per_request) == (128, 16, 144)
-    pools = capacity("dsv32", cp_size=8, tokens=1 << 17, max_request_tokens=9200)
+    pools = capacity("deepseek-v32", cp_size=8, tokens=1 << 17, max_request_tokens=9200)
     assert rep.pools == pools
     replicated = (1 << 17) // 64  # the budget's pool: 2048 pages
     assert rep.requests_replicated == replicated // 144 == 14
@@ -37,7 +37,7 @@ def test_without_a_shared_prefix_the_cache_changes_nothing_and_a_prefix_too_larg
 
 
 def test_cli_shared_prefix_scenario_prints_one_json_object():
-    cmd = [sys.executable, "-m", "dtkv.capacity", "--preset", "dsv32", "--cp-size", "8", "--tokens", "131072"]
+    cmd = [sys.executable, "-m", "dtkv.capacity", "--preset", "deepseek-v32", "--cp", "8", "--tokens", "131072"]
     cmd += ["--shared-prefix-tokens", "8200", "--suffix-tokens", "1000", "--json"]
     out = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
     assert out["requests_replicated"] == 14 and out["shared_pages"] == 128

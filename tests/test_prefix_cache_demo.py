@@ -11,6 +11,7 @@ import pytest
 
 
 @pytest.mark.multirank
+@pytest.mark.slow  # > 10 s on 2 cores: outside the quick subset (-m 'not slow')
 def test_multi_turn_demo_json_reports_parity_hit_rate_and_tokens_saved():
     cmd = [sys.executable, "-m", "dtkv.demo", "--multi-turn", "--json", "--tokens", "96", "--chunk", "32"]
     cmd += ["--page-size", "4", "--turns", "3", "--shared-requests", "2", "--kv-dtype", "fp8"]

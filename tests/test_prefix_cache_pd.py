@@ -51,6 +51,7 @@ def _prefill_rank(rank, world, args, cached):
     return {**report, "cached_tokens": req.cached_tokens, "pages": list(req.pages)}
 
 
+@pytest.mark.slow  # > 10 s on 2 cores: outside the quick subset (-m 'not slow')
 def test_a_cached_request_transfers_the_same_bytes_to_decode_as_one_prefilled_from_scratch(ranks2):
     pd = _pd()
     got = {}

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -15,9 +17,28 @@ def _readme_commands() -> list[str]:
 
 def test_ci_runs_the_readme_test_command():
     demo_cmd, test_cmd = _readme_commands()
+    for cmd in (demo_cmd, test_cmd):  # each does its own set-up, with PyTorch's CPU wheel
+        assert (
+            cmd.startswith("pip install torch==2.13.0 ")
+            and "--extra-index-url https://download.pytorch.org/whl/cpu" in cmd
+        )
     assert "python -m dtkv.demo" in demo_cmd
+    assert "python -m pytest" in test_cmd and "-c .ci/constraints.txt" in test_cmd
     ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     assert test_cmd in ci_lines, f"{test_cmd!r} is not a line of .ci/run"
+
+
+def test_exact_pins_live_only_in_the_ci_constraints():
+    """The library's requirements are ranges (it installs into serving environments); CI's exact versions sit in
+    ``.ci/constraints.txt``. Triton is not a base dependency (torch's CUDA wheels bring their own)."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    reqs = list(project["dependencies"]) + [r for extra in project["optional-dependencies"].values() for r in extra]
+    assert not [r for r in reqs if "==" in r.split(";")[0]], reqs  # markers may compare with ==
+    assert not [r for r in project["dependencies"] if r.startswith("triton")]
+    pins = (ROOT / ".ci" / "constraints.txt").read_text()
+    assert "torch==2.13.0" in pins and "transformers==5.17.0" in pins
 
 
 def test_ops_ship_as_a_subpackage_not_a_top_level_module(tmp_path):
@@ -33,15 +54,86 @@ def test_ops_ship_as_a_subpackage_not_a_top_level_module(tmp_path):
 
 
 def test_every_env_var_is_read_in_one_place_and_documented():
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "usage.md").read_text()
     readers = []
     for path in list((ROOT / "dtkv").rglob("*.py")) + list((ROOT / "ops").rglob("*.py")):
         text = path.read_text()
         for name in re.findall(r"[\"'](DTKV_[A-Z_]+)[\"']", text):
             readers.append((path.relative_to(ROOT).as_posix(), name))
-            assert f"`{name}`" in readme, f"{name} (read in {path}) is missing from the README table"
+            assert f"`{name}`" in readme, f"{name} (read in {path}) is missing from the table of docs/usage.md"
     assert {p for p, _ in readers} <= {"dtkv/_env.py"}, readers
 
 
 def test_changelog_names_the_tested_torch_version():
     assert re.search(r"Tested with torch 2\.\d+", (ROOT / "CHANGELOG.md").read_text())
+
+
+def test_changelog_keeps_an_unreleased_section_above_the_first_release():
+    text = (ROOT / "CHANGELOG.md").read_text()
+    heads = re.findall(r"^## \[(.+?)\]", text, re.M)
+    assert heads[0] == "Unreleased" and heads[1] == "0.1.0", heads
+    first = text[text.index("## [0.1.0]") :]
+    assert "### Deprecated" not in first  # 0.1.0 is the first release: nothing released before it to deprecate
+
+
+def test_one_version_for_the_package_and_its_metadata():
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+    import dtkv
+    from dtkv._version import __version__
+
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "version" in meta["project"]["dynamic"] and "version" not in meta["project"]
+    assert meta["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "dtkv._version.__version__"}
+    assert dtkv.__version__ == __version__ and re.fullmatch(r"\d+\.\d+\.\d+\S*", __version__)
+    assert meta["project"]["license"] == "BSD-3-Clause" and (ROOT / "LICENSE").read_text().startswith("BSD 3-Clause")
+
+
+def test_python_m_dtkv_prints_the_version_and_lists_the_subcommands():
+    import subprocess
+    import sys
+
+    import dtkv
+
+    run = subprocess.run([sys.executable, "-m", "dtkv", "--version"], capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == f"dtkv {dtkv.__version__}"
+    text = subprocess.run([sys.executable, "-m", "dtkv", "--help"], capture_output=True, text=True, check=True).stdout
+    assert all(f"  {cmd} " in text for cmd in ("demo", "capacity", "bench"))
+    bench = subprocess.run([sys.executable, "-m", "dtkv", "bench"], capture_output=True, text=True, check=True).stdout
+    assert all(name in bench for name in ("materialize", "split", "transfer", "hf_parity"))
+    bad = subprocess.run([sys.executable, "-m", "dtkv", "nope"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "got 'nope'" in bad.stderr
+
+
+def _pytest_with_a_broken_mooncake(tmp_path, *args, env_extra=None):
+    """Run pytest's collection of one small test file with a ``mooncake`` package whose engine cannot load."""
+    import os
+    import subprocess
+    import sys
+
+    fake = tmp_path / "fake" / "mooncake"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "engine.py").write_text("raise ImportError('libibverbs.so.1: cannot open shared object file')\n")
+    env = dict(os.environ)
+    env.pop("DTKV_TEST_NO_MOONCAKE", None)
+    env.update(PYTHONPATH=os.pathsep.join([str(fake.parent), str(ROOT)]), **(env_extra or {}))
+    cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests/test_util.py"]
+    return subprocess.run(cmd + list(args), cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_an_installed_mooncake_whose_engine_does_not_load_fails_the_run_saying_how_to_fix_it(tmp_path):
+    out = _pytest_with_a_broken_mooncake(tmp_path)
+    assert out.returncode != 0
+    text = out.stdout + out.stderr
+    assert "the `mooncake` extra is installed but its transfer engine does not load" in text
+    assert "libibverbs.so.1" in text and "apt-get install libibverbs1" in text and "DTKV_TEST_NO_MOONCAKE=1" in text
+
+
+@pytest.mark.parametrize("how", ["env", "marker"])
+def test_the_mooncake_check_can_be_turned_off_explicitly(tmp_path, how):
+    if how == "env":
+        out = _pytest_with_a_broken_mooncake(tmp_path, env_extra={"DTKV_TEST_NO_MOONCAKE": "1"})
+    else:
+        out = _pytest_with_a_broken_mooncake(tmp_path, "-m", "not mooncake")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
 from dtkv._agree import agree
-from dtkv._util import cdiv, unique_in_order
-from dtkv.layouts import KVLayout
+from dtkv._scratch import scratch_bytes as scratch_bytes  # light home: dtkv.capacity imports no kernels
+from dtkv._util import as_int_array, unique_in_order
 from dtkv.ops import PackPlan, plan_pack
 from dtkv.ownership import OwnershipSpec, PageOwnership, ownership_spec
 
@@ -130,8 +130,8 @@ def _build(
     if not isinstance(ownership, PageOwnership):
         raise TypeError(f"ownership must be a dtkv.PageOwnership, got {type(ownership).__name__}")
     _check_rank(rank, ownership.cp_size)
-    h = torch.as_tensor(history_pages, dtype=torch.int64).flatten().cpu()
-    c = torch.as_tensor(current_pages, dtype=torch.int64).flatten().cpu()
+    h = torch.from_numpy(as_int_array("history_pages", history_pages, ndim=None))  # floats/bools refused
+    c = torch.from_numpy(as_int_array("current_pages", current_pages, ndim=None))
     ownership.check_pages("history_pages", h)
     ownership.check_pages("current_pages", c)
     c = unique_in_order(c[c >= 0])
@@ -198,7 +198,8 @@ def plan_materialize(
             :meth:`Materializer.view` returned.
 
     Raises:
-        TypeError / ValueError: ``rank`` is not in ``[0, cp_size)`` or a page is outside ``[0, num_pages)`` -- with
+        TypeError / ValueError: ``rank`` is not in ``[0, cp_size)``, a page is not an int (floats and bools are
+            refused, never truncated) or is outside ``[0, num_pages)`` -- with
             ``group``, on every rank, naming the failing ranks (:func:`dtkv._agree.agree`).
         MaterializeError: (with ``group``) on every rank, when the plans differ, naming the first differing size
             (or the digest) and each rank's value.
@@ -252,19 +253,3 @@ def agree_plan(plan: MaterializePlan, group: dist.ProcessGroup | None) -> None:
     if plan.agreed or group is None or dist.get_world_size(group) == 1:
         return
     _agree_plan(plan, group, None)
-
-
-def scratch_bytes(
-    layouts: Mapping[str, KVLayout], *, max_pages: int, cp: int, prefetch: bool = True, slack_pages: int | None = None
-) -> int:
-    """Bytes of materialization scratch on one rank for batches reading up to ``max_pages`` pages.
-
-    Per layout: the view (``cp * M`` pages) plus the send buffers (``M`` pages), with
-    ``M = ceil(max_pages / cp) + slack_pages`` (owner-balanced allocation keeps per-rank counts within about a
-    page per request; the default slack is ``cp`` pages). Doubled when ``prefetch`` keeps two layers live. An
-    upper bound: send buffers are not allocated where the pool's pages already sit in send order.
-    """
-    slack = cp if slack_pages is None else slack_pages
-    m = cdiv(max_pages, cp) + slack
-    per_layer = sum((cp * m + m) * lay.page_bytes for lay in layouts.values())
-    return per_layer * (2 if prefetch else 1)

@@ -408,10 +408,14 @@ class Runtime:
             name -> uint8 CPU ``[num_layers, num_tokens, token_bytes]`` (fp8 indexer: key bytes then scale bytes).
 
         Raises:
-            TypeError / ValueError: ``rid`` does not name a live request.
+            TypeError / ValueError: ``rid`` is not an int naming a live request (negative ids never wrap), on every
+                rank together.
         """
-        r = _batch.check_rid(rid, self.requests, finished_rule=f"request {rid} is finished: its pages were released, "
-                             f"got rid={rid}")  # fmt: skip
+        rule = f"request {rid} is finished: its pages were released, got rid={rid}"
+        r = _batch.agreed_step(
+            self.pool.group, what="Runtime.kv_bytes", value=lambda req: req.rid,
+            check=lambda: _batch.check_rid(rid, self.requests, finished_rule=rule),
+        )  # fmt: skip
         from dtkv.layouts import IndexerFp8Layout
 
         ps, n = self.page_size, r.num_computed

@@ -13,7 +13,8 @@ Both expose the same small surface -- ``session``, ``register(tensors)``, ``writ
 
 Mooncake environment defaults (set with ``os.environ.setdefault`` before the engine starts, so explicit
 settings win): ``MC_FORCE_TCP=1``, ``MC_LOG_LEVEL=ERROR``, ``MC_TRANSFER_TIMEOUT`` = the dtkv timeout (>= 5 s),
-and both per-peer TCP queue limits at 65535. ``MC_LOG_DIR`` is refused: it aborts 0.3.13 at import.
+and both per-peer TCP queue limits at 65535. ``MC_LOG_DIR`` is refused: it aborts 0.3.13 at import. Mooncake's
+benign start-up error line is kept quiet unless ``MC_LOG_LEVEL`` asks for more (:mod:`dtkv.transfer._mooncake_log`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import torch
 
 from dtkv._env import transfer_timeout_s
 from dtkv._util import warn_deprecated
+from dtkv.transfer._mooncake_log import START_LOG_HINT, quiet_start
 from dtkv.transfer.coalesce import split_batches
 from dtkv.transfer.descriptors import PeerEntries
 from dtkv.transfer.errors import TransferError
@@ -227,9 +229,11 @@ class MooncakeEngine(_EngineBase):
                 f"`libibverbs1`; importing mooncake.engine failed: {e}"
             ) from e
         engine = TransferEngine()
-        rc = engine.initialize(hostname, "P2PHANDSHAKE", "tcp", "")
+        with quiet_start() as quiet:
+            rc = engine.initialize(hostname, "P2PHANDSHAKE", "tcp", "")
         if rc != 0:
-            raise TransferError(f"TransferEngine.initialize returned {rc}", request_id="-", peer=hostname)
+            hint = START_LOG_HINT if quiet else ""
+            raise TransferError(f"TransferEngine.initialize returned {rc}{hint}", request_id="-", peer=hostname)
         self._engine = engine
         self.session = f"{hostname}:{engine.get_rpc_port()}"
         self._regions: dict[int, torch.Tensor] = {}

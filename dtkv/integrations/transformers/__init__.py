@@ -14,11 +14,12 @@ Entry points:
 
 - :func:`dsa_attention` -- the replacement attention bound to each attention module (:mod:`.attention`).
 - :func:`reference_logits`, :func:`stable_topk` -- the model's own forward as the parity reference.
+- :func:`load_model` -- a DeepSeek-V3.2 / GLM-5 checkpoint directory (safetensors) for the runner.
 - :func:`tiny_config`, :func:`tiny_model` -- small random DSA models (no download).
 - :class:`DSAModelRunner` -- the deprecated 0.1 entry point (one release): a :class:`dtkv.runtime.Runtime` over a
   :class:`TransformersAdapter`.
 
-Tested with transformers 5.17.0 (the ``hf`` extra pins it).
+Tested with transformers 5.17.0 (the ``hf`` extra takes ``>=5.17,<6``; CI pins 5.17.0).
 
 **Why the attention module, not an attention interface.** transformers' ``AttentionInterface`` receives keys
 and values already expanded by ``kv_b_proj`` from the model's dense ``DynamicCache``, and a top-k mask the
@@ -63,6 +64,7 @@ from __future__ import annotations
 from dtkv.integrations.transformers._family import KV_DTYPES, DSAGeometry, family_of, geometry_of, kv_layouts
 from dtkv.integrations.transformers.adapter import TransformersAdapter
 from dtkv.integrations.transformers.attention import dsa_attention
+from dtkv.integrations.transformers.loader import load_model
 from dtkv.integrations.transformers.reference import (
     MODEL_TYPES,
     reference_logits,
@@ -86,6 +88,7 @@ __all__ = [
     "family_of",
     "geometry_of",
     "kv_layouts",
+    "load_model",
     "num_pages_for",
     "reference_logits",
     "stable_topk",

@@ -1,0 +1,70 @@
+"""``load_model``: a checkpoint directory written by ``save_pretrained`` loads into the model it was saved from
+(bitwise equal logits), in the dtype it ships, and runs in the runner with parity; other models are refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from dtkv.integrations.transformers import load_model, reference_logits, tiny_model  # noqa: E402
+
+
+@pytest.mark.parametrize("name", ["deepseek-v32", "glm5"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_a_saved_checkpoint_loads_into_the_same_model(tmp_path, name, dtype):
+    """Weights bitwise equal in the shipped dtype. Logits bitwise equal for float32; a bfloat16 in-memory model
+    (``tiny_model(..., dtype=bfloat16)`` is ``.to(bfloat16)``) also rounded its float32 buffers (rotary
+    ``inv_freq``, the router's correction bias), which ``from_pretrained`` keeps in float32 as real checkpoints
+    load: there the buffers must be the originals, bf16-rounded on the in-memory side only."""
+    lm = tiny_model(name, seed=3, dtype=dtype)
+    lm.save_pretrained(tmp_path, safe_serialization=True)
+    assert list(tmp_path.glob("*.safetensors")), "save_pretrained wrote no safetensors"
+    loaded = load_model(tmp_path)
+    assert type(loaded) is type(lm) and not loaded.training
+    assert next(loaded.parameters()).dtype == dtype  # the dtype the checkpoint ships
+    for (key, a), b in zip(lm.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), key
+    for (key, a), b in zip(lm.named_buffers(), loaded.buffers()):
+        assert torch.equal(a, b.to(a.dtype)), key
+    if dtype == torch.float32:
+        ids = torch.randint(0, lm.config.vocab_size, (1, 45), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            assert torch.equal(loaded(input_ids=ids).logits, lm(input_ids=ids).logits)
+
+
+def test_a_dtype_asked_for_wins_over_the_stored_one(tmp_path):
+    tiny_model("glm5", dtype=torch.float32).save_pretrained(tmp_path)
+    assert next(load_model(tmp_path, dtype=torch.bfloat16).parameters()).dtype == torch.bfloat16
+
+
+def test_the_runner_on_a_loaded_checkpoint_matches_its_own_forward(tmp_path):
+    from dtkv.integrations.transformers import DSAModelRunner, num_pages_for
+
+    tiny_model("deepseek-v32", seed=1).save_pretrained(tmp_path)
+    lm = load_model(tmp_path)
+    prompt = torch.randint(0, 256, (37,), generator=torch.Generator().manual_seed(2)).tolist()
+    runner = DSAModelRunner(lm, group=None, num_pages=num_pages_for([37], page_size=16, decode_steps=2, cp_size=1),
+                            page_size=16, kv_dtype="fp32")  # fmt: skip
+    runner.add_request(prompt)
+    _, logits = runner.prefill(16, return_logits=True)
+    runner.close()
+    ref = reference_logits(lm, prompt, layouts=runner.layouts)
+    assert (ref - logits[0].to(ref.dtype)).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "config,match",
+    [
+        ({"model_type": "llama"}, r"model_type='llama'; dtkv runs the DSA models \['deepseek_v32', 'glm_moe_dsa'\]"),
+        (None, "path must be a checkpoint directory holding config.json"),
+    ],
+)
+def test_refuses_what_is_not_a_supported_checkpoint_before_loading(tmp_path, config, match):
+    if config is not None:
+        (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=match):
+        load_model(tmp_path)
