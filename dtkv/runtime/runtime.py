@@ -135,6 +135,8 @@ class Runtime:
         self.allocator = PageAllocator(self.alloc_ownership if sharded else self.ownership)
         self.prefix_cache = PrefixCache(self.allocator, self.page_size) if prefix_cache else None
         self.requests: list[Request] = []
+        self.transfer_held: dict[str, list[int]] = {}
+        """Pages of requests whose PD receive failed, by transfer id, held until :func:`dtkv.runtime.pd.reclaim`."""
         self.stats = {
             "steps": 0, "direct_rows": 0, "handoff_rows": 0, "scratch_bytes": 0, "prefix_prompt_tokens": 0,
             "prefix_hit_tokens": 0, "sharded_decode_steps": 0, "decode_comm_bytes": 0, "topk_checks": 0,

@@ -1,9 +1,9 @@
 """Hand a runner's prefilled requests across: the prefill ranks' send, the decode side's receive, a KV digest.
 
 A *runner* is anything with ``requests`` (each with ``rid``, ``prompt``, ``pages``, ``num_computed``,
-``output``), ``add_request(prompt)``, an ``allocator`` and a ``pool``: :class:`dtkv.model.ModelRunner` and
-:class:`dtkv.integrations.transformers.DSAModelRunner` (their ``pd`` modules bind ``page_size`` and
-``vocab_size``). Per request, the prompt's pages travel (each prefill rank sends the pages it owns, with their
+``output``), ``add_request(prompt)``, an ``allocator`` and a ``pool``: a :class:`dtkv.runtime.Runtime` (whose
+:mod:`dtkv.runtime.pd` binds ``page_size`` and ``vocab_size`` and runs the receive on every rank of a CP decode
+group). Per request, the prompt's pages travel (each prefill rank sends the pages it owns, with their
 positions) and one rank sends a metadata row ``(num_tokens, first_token)`` (:data:`META_ROW_BYTES`: two
 little-endian int64). The decode side checks that row before it trusts it: the token count must equal the
 prompt's, the first token must lie in the vocabulary.
@@ -23,7 +23,15 @@ from dtkv.transfer.errors import TransferError
 from dtkv.transfer.prefill import PrefillSender, SendReport
 from dtkv.transfer.shard import KVShard
 
-__all__ = ["META_ROW_BYTES", "kv_digest", "receive_prefilled", "request_bytes", "send_prefilled", "shard_for_runner"]
+__all__ = [
+    "META_ROW_BYTES",
+    "kv_digest",
+    "read_meta",
+    "receive_prefilled",
+    "request_bytes",
+    "send_prefilled",
+    "shard_for_runner",
+]
 
 META_ROW_BYTES = 16
 """Metadata row of a request: ``struct.pack("<qq", num_tokens, first_token)``."""
@@ -105,20 +113,29 @@ def receive_prefilled(
         reports.append(
             receiver.receive_request(rid, req.pages, num_tokens=len(req.prompt), dst_meta_slot=0, timeout_s=timeout_s)
         )
-        num_tokens, first = struct.unpack("<qq", bytes(meta[0].tolist()))
-        if num_tokens != len(req.prompt):
-            raise TransferError(
-                f"metadata row says {num_tokens} tokens, the prompt has {len(req.prompt)}",
-                request_id=rid,
-                peer="prefill",
-            )
-        if not 0 <= first < vocab_size:
-            raise TransferError(
-                f"metadata row holds first token {first}, outside [0, {vocab_size})", request_id=rid, peer="prefill"
-            )
+        first = read_meta(bytes(meta[0].tolist()), num_tokens=len(req.prompt), vocab_size=vocab_size, request_id=rid)
         req.num_computed = len(req.prompt)
-        req.output = [int(first)]
+        req.output = [first]
     return reports
+
+
+def read_meta(row: bytes, *, num_tokens: int, vocab_size: int, request_id: str) -> int:
+    """The first token of a received metadata row ``(num_tokens, first_token)``, checked before it is trusted.
+
+    Raises:
+        TransferError: the row's token count is not ``num_tokens`` (the prompt's), or its first token is outside
+            ``[0, vocab_size)``.
+    """
+    got, first = struct.unpack("<qq", bytes(row[:META_ROW_BYTES]))
+    if got != num_tokens:
+        raise TransferError(
+            f"metadata row says {got} tokens, the prompt has {num_tokens}", request_id=request_id, peer="prefill"
+        )
+    if not 0 <= first < vocab_size:
+        raise TransferError(
+            f"metadata row holds first token {first}, outside [0, {vocab_size})", request_id=request_id, peer="prefill"
+        )
+    return int(first)
 
 
 def kv_digest(kv: Sequence[dict[str, torch.Tensor]], num_tokens: Sequence[int]) -> str:
