@@ -14,7 +14,7 @@ import torch
 from dtkv.model import ModelConfig, ReferenceAdapter
 from dtkv.runtime import Runtime
 
-__all__ = ["MODELS", "adapter", "runtime", "tiny_lm"]
+__all__ = ["MODELS", "adapter", "reference_runtime", "runtime", "tiny_lm"]
 
 MODELS = ("reference", "deepseek-v32", "glm5", "glm5-shared")
 GLM_SHARED = (("indexer_types", ("full", "shared", "full")),)
@@ -43,3 +43,22 @@ def adapter(name: str, *, kv_dtype: str = "bf16", page_size: int = 4, num_layers
 def runtime(name: str, *, group=None, kv_dtype: str = "bf16", page_size: int = 4, **kwargs) -> Runtime:
     """A :class:`Runtime` over :func:`adapter` (``kwargs`` go to the runtime; close it when done)."""
     return Runtime(adapter(name, kv_dtype=kv_dtype, page_size=page_size), group=group, **kwargs)
+
+
+def reference_runtime(
+    cfg: ModelConfig,
+    *,
+    mode: str,
+    num_pages: int,
+    group=None,
+    split: str = "zigzag",
+    ownership_scheme: str = "interleave",
+    device: str = "cpu",
+    prefix_cache: bool = False,
+    decode_mode: str = "full",
+) -> Runtime:
+    """The reference model of ``cfg`` in a :class:`Runtime` (the arguments of the 0.1 ``ModelRunner``)."""
+    return Runtime(
+        ReferenceAdapter(cfg, device), mode=mode, num_pages=num_pages, group=None if mode == "single" else group,
+        split=split, scheme=ownership_scheme, prefix_cache=prefix_cache, decode_mode=decode_mode,
+    )  # fmt: skip

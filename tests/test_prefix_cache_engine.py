@@ -14,8 +14,9 @@ from collections import Counter
 import pytest
 import torch
 
-from dtkv.model import ModelConfig, ModelRunner
-from dtkv.model.workloads import chat_workload, compare_runs, run_workload
+from dtkv.demo.workloads import chat_workload, compare_runs, run_workload
+from dtkv.model import ModelConfig
+from tests._runtime import reference_runtime
 
 WORKLOAD = {"system_tokens": 13, "turn_tokens": 5, "turns": 3, "questions": 2, "question_tokens": 3, "seed": 1}
 # four shared-prompt requests whose own pages nobody reuses: they crowd a small pool until evicted
@@ -47,7 +48,7 @@ def _runs(rank, world, split, kv_dtype, cache_pages, workload, decode_mode="full
     runs = {}
     for cache in (False, True):
         num_pages = cache_pages if cache else NUM_PAGES
-        eng = ModelRunner(
+        eng = reference_runtime(
             cfg,
             mode=mode,
             split=split,
@@ -133,7 +134,7 @@ def test_single_process_run_is_bitwise_equal_and_finished_requests_are_left_alon
     wl = chat_workload(vocab=cfg.vocab_size, **WORKLOAD)
     runs = {}
     for cache in (False, True):
-        eng = ModelRunner(cfg, mode="single", num_pages=NUM_PAGES, prefix_cache=cache)
+        eng = reference_runtime(cfg, mode="single", num_pages=NUM_PAGES, prefix_cache=cache)
         runs[cache] = run_workload(eng, wl, chunk=CHUNK, decode_steps=DECODE_STEPS, after_step=check_references)
     assert compare_runs(runs[False], runs[True])["parity"]
     assert runs[True].hit_rate > 0.5 and runs[False].hit_tokens == 0
@@ -155,7 +156,7 @@ def test_single_process_run_is_bitwise_equal_and_finished_requests_are_left_alon
 def test_a_full_prompt_hit_still_computes_the_last_page():
     """A prompt whose every page is cached keeps its last page to compute: its logits give the first token."""
     cfg = _cfg("bf16")
-    eng = ModelRunner(cfg, mode="single", num_pages=16, prefix_cache=True)
+    eng = reference_runtime(cfg, mode="single", num_pages=16, prefix_cache=True)
     prompt = list(range(12))  # three full pages
     first = eng.add_request(prompt)
     eng.prefill(CHUNK)
@@ -169,7 +170,7 @@ def test_a_full_prompt_hit_still_computes_the_last_page():
 def _aligned_after_a_hit(rank, world):
     import torch.distributed as dist
 
-    eng = ModelRunner(_cfg("fp8"), mode="sharded_direct", group=dist.group.WORLD, num_pages=32, prefix_cache=True)
+    eng = reference_runtime(_cfg("fp8"), mode="sharded_direct", group=dist.group.WORLD, num_pages=32, prefix_cache=True)
     first = eng.add_request(list(range(24)))
     eng.prefill(24)  # 6 pages from 0: page-aligned, every row direct
     eng.finish_request(first.rid)
@@ -211,7 +212,9 @@ def _diverge(rank, world):
     import dtkv
     from dtkv import PrefixCacheMismatchError
 
-    eng = ModelRunner(_cfg("bf16"), mode="sharded_direct", group=dist.group.WORLD, num_pages=32, prefix_cache=True)
+    eng = reference_runtime(
+        _cfg("bf16"), mode="sharded_direct", group=dist.group.WORLD, num_pages=32, prefix_cache=True
+    )
     with dtkv.debug_mode():
         req = eng.add_request(list(range(10)))
         eng.prefill(CHUNK)  # checked after every step: every rank holds the same state

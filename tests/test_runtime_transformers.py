@@ -21,7 +21,7 @@ import torch
 
 pytest.importorskip("transformers", reason="the hf extra (transformers==5.17.0)")
 
-from dtkv.model.workloads import chat_workload, compare_runs, run_workload  # noqa: E402
+from dtkv.demo.workloads import chat_workload, compare_runs, run_workload  # noqa: E402
 from tests._runtime import GLM_SHARED, runtime  # noqa: E402
 from tests.test_integration_transformers import MAX_DIFF, MIN_WITHIN, TOL, position_diffs, prompts  # noqa: E402
 from tests.test_prefix_cache_engine import check_references  # noqa: E402

@@ -46,9 +46,10 @@ __all__ = [
 ]
 
 
-def request_id(rid: int, tag: str = "") -> str:
-    """The transfer id of request ``rid`` (both sides name a request by its index in their runtimes)."""
-    return f"{tag}req-{rid}"
+def request_id(index: int, tag: str = "") -> str:
+    """The transfer id of the ``index``-th request of a hand-over (both sides name a request by its place in the
+    batch handed over; give each batch its own ``tag`` when one bootstrap namespace serves several)."""
+    return f"{tag}req-{index}"
 
 
 def shard_for(runtime, *, staging_bytes: int = 0) -> KVShard:
@@ -63,26 +64,29 @@ def request_bytes(runtime, prompt_lens: Sequence[int]) -> int:
 
 
 def send_prefilled(
-    runtime, sender: PrefillSender, *, tag: str = "", timeout_s: float | None = None
+    runtime, sender: PrefillSender, *, requests=None, tag: str = "", timeout_s: float | None = None
 ) -> list[SendReport]:
-    """Send every request of ``runtime`` (blocking; every prefill rank, same order).
+    """Send requests of ``runtime`` (blocking; every prefill rank, same order).
 
     Args:
-        runtime: a :class:`dtkv.runtime.Runtime` whose requests finished prefill (each has its first token).
+        runtime: a :class:`dtkv.runtime.Runtime` whose requests to send finished prefill (each has its first token).
         sender: a connected :class:`dtkv.transfer.PrefillSender` over ``shard_for(runtime)``.
-        tag: prefix of the request ids (:func:`request_id`).
+        requests: the requests to send, in order (default: every live request); the ``i``-th is
+            :func:`request_id` ``(i, tag)``.
+        tag: prefix of the request ids.
 
     Raises:
         ValueError: a request is finished (its pages are released) or has not finished prefill; checked for every
             request first: nothing is sent.
         TransferError: see :meth:`dtkv.transfer.PrefillSender.send_request`.
     """
-    for r in runtime.requests:
+    reqs = [r for r in runtime.requests if not r.finished] if requests is None else list(requests)
+    for r in reqs:
         if r.finished:
-            raise ValueError(
-                f"request {r.rid} must be live to be sent, got a finished request (its pages are released)"
-            )
-    return _prefilled.send_prefilled(runtime, sender, page_size=runtime.page_size, tag=tag, timeout_s=timeout_s)
+            raise ValueError(f"request {r.rid} must be live to be sent, got a finished one (its pages are released)")
+    return _prefilled.send_prefilled(
+        runtime, sender, page_size=runtime.page_size, tag=tag, timeout_s=timeout_s, requests=reqs
+    )
 
 
 def _channel(group):
@@ -108,8 +112,9 @@ def receive_prefilled(
         runtime: the decode side's :class:`dtkv.runtime.Runtime` (same model and pool layouts as prefill, any group
             size and ownership scheme, no prefix cache); its pool is the receiver's shard (:func:`shard_for`).
         receiver: this rank's connected :class:`dtkv.transfer.DecodeReceiver`.
-        prompts: token ids of each request, in the prefill side's request order.
-        tag: prefix of the request ids (:func:`request_id`; the prefill side's must match).
+        prompts: token ids of each request, in the prefill side's order (the ``i``-th is :func:`request_id`
+            ``(i, tag)``).
+        tag: prefix of the request ids (the prefill side's must match).
 
     Returns:
         One :class:`dtkv.transfer.ReceiveReport` per request (this rank's share).
@@ -144,10 +149,10 @@ def receive_prefilled(
     meta = next(iter(receiver.shards.values())).meta
     channel = _channel(group)
     reports = []
-    for prompt in ids:
+    for i, prompt in enumerate(ids):
         req = runtime.add_request(prompt)
         req.pages = runtime.allocator.alloc_balanced(cdiv(len(prompt), ps)).tolist()  # the same pages on every rank
-        rid = request_id(req.rid, tag)
+        rid = request_id(i, tag)
         error, row, report = None, b"", None
         try:
             meta.zero_()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
@@ -320,9 +320,16 @@ class Runtime:
 
     # ------------------------------------------------------------------------------------------ driver
     def prefill(
-        self, chunk_size: int, *, prefetch: bool = True, return_logits: bool = False
+        self,
+        chunk_size: int,
+        *,
+        prefetch: bool = True,
+        return_logits: bool = False,
+        progress: Callable[[int, int], object] | None = None,
     ) -> list[int] | tuple[list[int], list[torch.Tensor]]:
         """Chunked prefill of every live request not prefilled yet, ``chunk_size`` tokens per request per step.
+
+        ``progress(k, n)`` is called after step ``k`` of ``n`` (e.g. a CLI's progress line).
 
         Returns:
             The first generated token (greedy) of each request this call finished, in request order, also appended
@@ -336,9 +343,14 @@ class Runtime:
             raise ValueError(f"chunk_size must be an int >= 1, got chunk_size={chunk_size!r}")
         todo_all = [r for r in self.requests if not r.finished and r.num_computed < len(r.prompt)]
         logits: dict[int, list[torch.Tensor]] = {r.rid: [] for r in todo_all}
+        total = max([cdiv(len(r.prompt) - r.num_computed, chunk_size) for r in todo_all] + [0])
+        done = 0
         while todo := [r for r in self.requests if not r.finished and r.num_computed < len(r.prompt)]:
             lens = [min(chunk_size, len(r.prompt) - r.num_computed) for r in todo]
             out = self.step(todo, lens, prefetch=prefetch, all_logits=return_logits)
+            done += 1
+            if progress is not None:
+                progress(done, total)
             ends = torch.tensor(lens).cumsum(0) - 1 if return_logits else torch.arange(len(todo))
             for i, r in enumerate(todo):
                 end = int(ends[i])
@@ -379,8 +391,10 @@ class Runtime:
             self._check_cache()
         return logits
 
-    def decode(self, steps: int, *, return_logits: bool = False):
+    def decode(self, steps: int, *, return_logits: bool = False, progress: Callable[[int, int], object] | None = None):
         """``steps`` greedy decode steps of every live request that has its first token (one query each).
+
+        ``progress(k, steps)`` is called after step ``k``.
 
         Requests without a first token (not prefilled yet) are not decoded. With nothing to decode the call is a
         no-op on every rank -- no step, no collective -- and returns the outputs as they are.
@@ -399,6 +413,8 @@ class Runtime:
             step_logits.append(out)
             for r, row in zip(reqs, out):
                 r.output.append(int(row.argmax()))
+            if progress is not None:
+                progress(len(step_logits), steps)
         outputs = [list(r.output) for r in self.requests]
         return (outputs, step_logits) if return_logits else outputs
 

@@ -49,7 +49,13 @@ def request_bytes(layouts, num_layers: int, page_size: int, prompt_lens: Sequenc
 
 
 def send_prefilled(
-    runner, sender: PrefillSender, *, page_size: int, tag: str = "", timeout_s: float | None = None
+    runner,
+    sender: PrefillSender,
+    *,
+    page_size: int,
+    tag: str = "",
+    timeout_s: float | None = None,
+    requests: Sequence | None = None,
 ) -> list[SendReport]:
     """Send every prefilled request of ``runner`` (blocking; every prefill rank, same order).
 
@@ -57,23 +63,26 @@ def send_prefilled(
         runner: a CP runner whose requests finished prefill (each has its first token).
         sender: a connected :class:`PrefillSender` over ``shard_for_runner(runner)``.
         page_size: tokens per page of the runner's pool.
-        tag: prefix of the request ids (``f"{tag}req-{rid}"``), e.g. to reuse one bootstrap namespace.
+        tag: prefix of the request ids (``f"{tag}req-{i}"`` for the ``i``-th request sent), e.g. to reuse one
+            bootstrap namespace.
+        requests: the requests to send (default: ``runner.requests``).
 
     Raises:
         ValueError: a request has not finished prefill (checked for every request first: nothing is sent).
         TransferError: see :meth:`PrefillSender.send_request`.
     """
-    for r in runner.requests:
+    reqs = list(runner.requests if requests is None else requests)
+    for r in reqs:
         if r.num_computed < len(r.prompt) or not r.output:
             raise ValueError(
                 f"request {r.rid} must finish prefill before it is sent, got num_computed={r.num_computed} "
                 f"of {len(r.prompt)} prompt tokens"
             )
     reports = []
-    for r in runner.requests:
+    for i, r in enumerate(reqs):
         meta = struct.pack("<qq", len(r.prompt), r.output[0])
         pages = r.pages[: cdiv(len(r.prompt), page_size)]
-        reports.append(sender.send_request(f"{tag}req-{r.rid}", pages, meta=meta, timeout_s=timeout_s))
+        reports.append(sender.send_request(f"{tag}req-{i}", pages, meta=meta, timeout_s=timeout_s))
     return reports
 
 
@@ -93,7 +102,8 @@ def receive_prefilled(
         runner: the decode side's runner (same model and layouts) with no requests yet; its pool is the
             receiver's shard (:func:`shard_for_runner`).
         receiver: a connected :class:`DecodeReceiver`.
-        prompts: token ids of each request, in the prefill side's request order.
+        prompts: token ids of each request, in the prefill side's request order (request ``i`` is
+            ``f"{tag}req-{i}"``).
         page_size, vocab_size: of the runner's pool and model.
 
     Returns:
@@ -105,10 +115,10 @@ def receive_prefilled(
     """
     meta = next(iter(receiver.shards.values())).meta
     reports = []
-    for prompt in prompts:
+    for i, prompt in enumerate(prompts):
         req = runner.add_request(prompt)
         req.pages = runner.allocator.alloc_balanced(cdiv(len(req.prompt), page_size)).tolist()
-        rid = f"{tag}req-{req.rid}"
+        rid = f"{tag}req-{i}"
         meta.zero_()
         reports.append(
             receiver.receive_request(rid, req.pages, num_tokens=len(req.prompt), dst_meta_slot=0, timeout_s=timeout_s)
