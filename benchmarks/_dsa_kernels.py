@@ -2,17 +2,18 @@
 
 Each has a torch reference (CPU runs and tests) and a Triton kernel (GPU). Both read the KV *through* page tables and
 token locations, so the same kernel serves a replicated pool (logical coordinates) and a materialized full view
-(view coordinates after :func:`dtkv.ops.remap`).
+(view coordinates after :func:`dtkv.ops.remap`). The sparse MLA itself lives in the library as ``dtkv::sparse_mla``
+(:func:`dtkv.ops.sparse_mla`, one of the :mod:`dtkv.attention` backends); :func:`sparse_mla` here calls it.
 
 - :func:`indexer_logits`: ``logits[i, j] = s_j * sum_h w[i, h] * relu(q[i, h] . k_j)`` for key positions
   ``j <= pos_i`` (else ``-inf``): fp8 e4m3 queries ``[n, H, D]`` against the fp8 keys of an indexer page
   (``D`` bytes per token, then one fp32 scale per token); ``tl.dot`` on fp8 operands.
 - :func:`sparse_mla`: MQA over the top-k rows of each query: ``softmax(q . k * scale) v`` with ``k`` the dequantized
   656-byte fp8 row (latent ``[0, L)`` in e4m3 with one fp32 scale per ``quant_block`` dims, then bf16 rope) and
-  ``v`` its latent part; locations ``-1`` are skipped.
+  ``v`` its latent part; locations ``-1`` are skipped (:func:`dtkv.ops.sparse_mla`).
 - :func:`sparse_mla_standin`: the same FLOPs as :func:`sparse_mla` as two dense bf16 GEMMs per slab of queries,
   against one shared set of ``top_k`` rows gathered from the view (the rows of the first query): what the benchmark
-  runs where the Triton kernel is far below FlashMLA's published throughput.
+  runs as ``--attention standin`` (a labelled option: FlashMLA is the kernel the benchmark runs by default).
 
 Legend: ``n`` queries, ``H`` heads, ``D`` dims, ``S`` page size, ``K`` top-k, ``L`` latent dims, ``R`` rope dims.
 """
@@ -20,6 +21,23 @@ Legend: ``n`` queries, ``H`` heads, ``D`` dims, ``S`` page size, ``K`` top-k, ``
 from __future__ import annotations
 
 import torch
+
+from dtkv import ops
+from dtkv.ops.sparse_mla import dequantize_rows
+from dtkv.ops.sparse_mla import sparse_mla_torch as _sparse_mla_torch
+
+__all__ = [
+    "FLASHMLA_SPARSE_PREFILL_TFLOPS",
+    "INDEXER_CONFIGS",
+    "dequantize_rows",
+    "indexer_flops",
+    "indexer_logits",
+    "indexer_logits_torch",
+    "sparse_mla",
+    "sparse_mla_flops",
+    "sparse_mla_standin",
+    "sparse_mla_torch",
+]
 
 try:
     import triton
@@ -37,7 +55,6 @@ INDEXER_CONFIGS = [
     {"BQ": 128, "BK": 128, "num_warps": 8, "num_stages": 3},
 ]
 """Launch configurations tried on the GPU (the fastest is kept)."""
-SPARSE_MLA_CONFIG = {"BH": 32, "BK": 32, "num_warps": 8, "num_stages": 2}
 
 
 def indexer_flops(q_pos: torch.Tensor, heads: int, dim: int) -> float:
@@ -133,111 +150,22 @@ def indexer_logits(
 
 
 # ------------------------------------------------------------------------------------------- sparse MLA
-def dequantize_rows(rows: torch.Tensor, kv_lora: int, rope: int, quant_block: int) -> torch.Tensor:
-    """fp8 rows uint8 ``[..., row_bytes]`` -> float32 ``[..., L + R]``."""
-    nb = kv_lora // quant_block
-    lat = rows[..., :kv_lora].contiguous().view(torch.float8_e4m3fn).float()
-    scales = rows[..., kv_lora : kv_lora + 4 * nb].contiguous().view(torch.float32)
-    lat = (lat.unflatten(-1, (nb, quant_block)) * scales[..., None]).flatten(-2)
-    pe = rows[..., kv_lora + 4 * nb : kv_lora + 4 * nb + 2 * rope].contiguous().view(torch.bfloat16).float()
-    return torch.cat((lat, pe), dim=-1)
-
-
+# The Triton sparse MLA is the registered op ``dtkv::sparse_mla`` (``ops/sparse_mla.py``); these wrappers keep this
+# module's call signature (output only, bf16) for the benchmarks and probes.
 def sparse_mla_torch(q, kv_rows, locs, scale: float, kv_lora: int, rope: int, quant_block: int) -> torch.Tensor:
-    """Reference of :func:`sparse_mla`: ``[n, H, L]`` bf16."""
-    safe = locs.long().clamp_min(0)
-    k = dequantize_rows(kv_rows[safe], kv_lora, rope, quant_block)  # [n, K, L+R]
-    s = torch.einsum("nhd,nkd->nhk", q.float(), k) * scale
-    s = s.masked_fill((locs < 0)[:, None, :], float("-inf"))
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
-    return torch.einsum("nhk,nkd->nhd", p, k[..., :kv_lora]).to(torch.bfloat16)
+    """Reference of :func:`sparse_mla`: ``[n, H, L]`` bf16 (:func:`dtkv.ops.sparse_mla.sparse_mla_torch`)."""
+    return _sparse_mla_torch(q, kv_rows, locs, scale, kv_lora, rope, quant_block)[0].to(torch.bfloat16)
 
 
-if HAS_TRITON:
-
-    @triton.jit
-    def _sparse_mla_kernel(
-        q_ptr,  # [n, H, L + R] bf16, contiguous
-        kv_ptr,  # [rows, ROW] uint8 fp8 rows (row stride ROW bytes)
-        kvs_ptr,  # the same storage as float32 (scales)
-        kvr_ptr,  # the same storage as bfloat16 (rope)
-        idx_ptr,  # [n, K] int32 row of each selected token; -1 skipped
-        out_ptr,  # [n, H, L] bf16
-        sm_scale,
-        H: tl.constexpr,
-        L: tl.constexpr,
-        R: tl.constexpr,
-        QB: tl.constexpr,
-        ROW: tl.constexpr,
-        TOPK: tl.constexpr,
-        BH: tl.constexpr,
-        BK: tl.constexpr,
-        DOT_F32: tl.constexpr,  # the CPU interpreter's bf16 tl.dot is wrong (Triton 3.7): upcast there
-    ):
-        """Program ``(i, hb)``: heads ``[hb*BH, +BH)`` of query ``i`` over its ``TOPK`` rows, online softmax."""
-        i = tl.program_id(0).to(tl.int64)
-        hs = tl.program_id(1) * BH + tl.arange(0, BH)
-        hmask = hs < H
-        lat = tl.arange(0, L)
-        rp = tl.arange(0, R)
-        q_base = (i * H + hs)[:, None] * (L + R)
-        q_lat = tl.load(q_ptr + q_base + lat[None, :], mask=hmask[:, None], other=0.0)
-        q_pe = tl.load(q_ptr + q_base + L + rp[None, :], mask=hmask[:, None], other=0.0)
-        if DOT_F32:
-            q_lat, q_pe = q_lat.to(tl.float32), q_pe.to(tl.float32)
-        m_i = tl.full((BH,), float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros((BH,), dtype=tl.float32)
-        acc = tl.zeros((BH, L), dtype=tl.float32)
-        for k0 in range(0, TOPK, BK):
-            ks = k0 + tl.arange(0, BK)
-            row = tl.load(idx_ptr + i * TOPK + ks, mask=ks < TOPK, other=-1).to(tl.int64)
-            ok = row >= 0
-            row = tl.where(ok, row, 0)
-            raw = tl.load(kv_ptr + row[:, None] * ROW + lat[None, :], mask=ok[:, None], other=0)
-            sc = tl.load(
-                kvs_ptr + (row[:, None] * ROW + L + (lat[None, :] // QB) * 4) // 4, mask=ok[:, None], other=0.0
-            )
-            k_lat = (raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc).to(tl.bfloat16)  # [BK, L]
-            k_pe = tl.load(kvr_ptr + (row[:, None] * ROW + L + 4 * (L // QB)) // 2 + rp[None, :], mask=ok[:, None],
-                           other=0.0)  # fmt: skip
-            if DOT_F32:
-                k_lat, k_pe = k_lat.to(tl.float32), k_pe.to(tl.float32)
-            s = tl.dot(q_lat, tl.trans(k_lat)) + tl.dot(q_pe, tl.trans(k_pe))
-            s = tl.where(ok[None, :], s * sm_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            p_dot = p.to(tl.bfloat16).to(tl.float32) if DOT_F32 else p.to(tl.bfloat16)
-            acc = acc * alpha[:, None] + tl.dot(p_dot, k_lat)
-            m_i = m_new
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + (i * H + hs)[:, None] * L + lat[None, :], out.to(tl.bfloat16), mask=hmask[:, None])
-
-
-def sparse_mla(
-    q, kv_rows, locs, scale: float, kv_lora: int, rope: int, quant_block: int, *, config=None, interpret: bool = False
-):
-    """Sparse MLA over the selected rows: ``[n, H, L]`` bf16 (see the module docstring).
+def sparse_mla(q, kv_rows, locs, scale: float, kv_lora: int, rope: int, quant_block: int, *, backend: str = "auto"):
+    """Sparse MLA over the selected rows: ``[n, H, L]`` in ``q``'s dtype (:func:`dtkv.ops.sparse_mla`).
 
     Args:
         q: bf16 ``[n, H, L + R]`` (absorbed latent query, then rope). kv_rows: uint8 ``[rows, row_bytes]``.
         locs: int32 ``[n, K]`` row of each selected token, ``-1`` skipped.
     """
-    if q.device.type != "cuda" and not interpret:
-        return sparse_mla_torch(q, kv_rows, locs, scale, kv_lora, rope, quant_block)
-    cfg = config or SPARSE_MLA_CONFIG
-    n, heads, _ = q.shape
-    top_k = locs.shape[1]
-    out = torch.empty((n, heads, kv_lora), dtype=torch.bfloat16, device=q.device)
-    grid = (n, triton.cdiv(heads, cfg["BH"]))
-    _sparse_mla_kernel[grid](
-        q, kv_rows, kv_rows.view(torch.float32), kv_rows.view(torch.bfloat16), locs, out, scale,
-        H=heads, L=kv_lora, R=rope, QB=quant_block, ROW=kv_rows.shape[1], TOPK=top_k, BH=cfg["BH"], BK=cfg["BK"],
-        DOT_F32=q.device.type != "cuda", num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )  # fmt: skip
-    return out
+    return ops.sparse_mla(q, kv_rows, locs, scale, kv_lora_rank=kv_lora, rope_dim=rope, quant_block=quant_block,
+                          backend=backend)[0]  # fmt: skip
 
 
 def sparse_mla_standin(q, kv_rows, locs, scale: float, kv_lora: int, rope: int, quant_block: int, *, slab: int = 256):

@@ -10,7 +10,9 @@ rank runs its ``n ~ C / cp`` tokens through ``L`` layers of
    (``dtkv.ops.quantize_write_mla_fp8`` / ``quantize_write_indexer_fp8``) -- every row in ``replicated`` mode,
    the owned rows in the sharded modes;
 3. the indexer over the whole index-K the request has (``P + C`` keys, causal), then ``torch.topk`` (2048);
-4. sparse MLA attention over the selected rows (Triton kernel or the same-FLOP stand-in), ``@ W_UV``, ``@ W_O``;
+4. sparse MLA attention over the selected rows through :mod:`dtkv.attention` (FlashMLA by default on an H200: its
+   fp8 sparse kernel reads the pool or the view in place; or Triton, torch, or the labelled same-FLOP stand-in),
+   ``@ W_UV``, ``@ W_O``;
 5. an FFN with the FLOPs of DeepSeek-V3's active experts (8 routed + 1 shared, 2048 wide: one 18432-wide SwiGLU).
 
 KV modes: ``replicated`` (every rank stores the whole pool and reads it directly: today's engines), and the sharded
@@ -18,9 +20,10 @@ modes (each page once, on its owner; the indexer and attention read a :class:`dt
 the step's rows are written into the view as well (``write_current=True``), so nothing is gathered after the
 writes). ``sharded_prefetch`` gathers layer ``l + 1``'s view while layer ``l`` computes, on its own stream;
 ``sharded`` gathers each view when it is needed. Every mode turns the indexer's top-k key positions into cache
-locations through a page map with :func:`dtkv.ops.remap` (the pool's page table in ``replicated`` mode -- engines
-do this because a request's pages are not in logical order -- the view's page map in the sharded modes), so the
-modes differ only in where the KV is read from.
+slots through a page map (the pool's page table in ``replicated`` mode -- engines do this because a request's pages
+are not in logical order -- the view's page map in the sharded modes): :func:`dtkv.ops.remap` for the stand-in,
+the attention backend's :meth:`~dtkv.attention.AttentionBackend.indices` (remap, bound and pad in one launch)
+otherwise, so the modes differ only in where the KV is read from.
 
 One :class:`Runner` per mode keeps its pool and (sharded) one Materializer for the whole context:
 :meth:`Runner.prepare` sizes the views for the largest step, and each step's :meth:`Runner.plan` replans it.
@@ -46,10 +49,13 @@ import _dsa_kernels as K  # noqa: E402
 
 from dtkv import IndexerFp8Layout, MLAFp8Layout, PageOwnership, ShardedKVPool, ops  # noqa: E402
 from dtkv._collectives import all_gather_into  # noqa: E402
+from dtkv.attention import AttentionSpec, resolve_attention  # noqa: E402
 from dtkv.materialize import Materializer, plan_materialize  # noqa: E402
 from dtkv.split import plan_cp_split  # noqa: E402
 
 MODES = ("replicated", "sharded_prefetch", "sharded")
+ATTENTION = ("flashmla", "triton", "torch", "standin")
+"""Attention of the layers: a :mod:`dtkv.attention` backend, or the same-FLOP stand-in (two dense GEMMs)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,6 +84,10 @@ class Dims:
     @property
     def index_layout(self) -> IndexerFp8Layout:
         return IndexerFp8Layout(page_size=self.page_size, head_dim=self.index_dim)
+
+    @property
+    def attention_spec(self) -> AttentionSpec:
+        return AttentionSpec(num_heads=self.heads, layout=self.kv_layout, topk=self.top_k)
 
     @property
     def row_dim(self) -> int:
@@ -160,7 +170,11 @@ class Runner:
         lays = {"kv": d.kv_layout, "index": d.index_layout}
         self.pool = ShardedKVPool(lays, self.own, num_layers=num_layers, group=group if self.sharded else None,
                                   device=device)  # fmt: skip
+        if attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {ATTENTION}, got attention={attention!r}")
         self.attention, self.indexer_config = attention, indexer_config
+        self.backend_attn = None if attention == "standin" else resolve_attention(attention, spec=d.attention_spec,
+                                                                                   device=device)  # fmt: skip
         self.pool_map = torch.arange(num_pages, dtype=torch.int32, device=device)  # the request's pages, in order
         self.mat: Materializer | None = None
         self.stats = {"exposed_ms": [], "gathered_bytes": 0, "scratch_bytes": 0}
@@ -272,11 +286,15 @@ class Runner:
         k = min(d.top_k, plan.kv_len)
         vals, pos = logits.topk(k, dim=1, sorted=False)
         pos = torch.where(vals == float("-inf"), torch.full_like(pos, -1), pos)  # fewer visible keys than k
-        locs = ops.remap(pos, plan.page_map, page_size=ps).to(torch.int32)
+        scale = 1.0 / math.sqrt(d.qk_nope + d.rope)
         # sparse MLA over the selected rows, then the output projections
-        kv_rows = kv_pages.view(-1, d.kv_layout.row_bytes)
-        attn = {"standin": K.sparse_mla_standin, "triton": K.sparse_mla, "torch": K.sparse_mla_torch}[self.attention]
-        o_lat = attn(q_full, kv_rows, locs, 1.0 / math.sqrt(d.qk_nope + d.rope), d.kv_lora, d.rope, d.quant_block)
+        if self.backend_attn is None:
+            locs = ops.remap(pos, plan.page_map, page_size=ps).to(torch.int32)
+            kv_rows = kv_pages.view(-1, d.kv_layout.row_bytes)
+            o_lat = K.sparse_mla_standin(q_full, kv_rows, locs, scale, d.kv_lora, d.rope, d.quant_block)
+        else:
+            idx = self.backend_attn.indices(pos, kv_pages, page_map=plan.page_map)
+            o_lat = self.backend_attn.prefill(q_full, kv_pages, idx, softmax_scale=scale)[0].to(q_full.dtype)
         o = torch.bmm(o_lat.transpose(0, 1), w.uv).transpose(0, 1).reshape(n, d.heads * d.v_head)
         x = x + o @ w.o
         gu = F.rms_norm(x, (d.hidden,)) @ w.gate_up

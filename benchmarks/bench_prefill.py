@@ -25,9 +25,13 @@ the median over samples of ``t_mode[i] / t_replicated[i] - 1`` -- paired, so tha
 events around it). Modes: ``replicated`` (every rank stores the whole pool), ``sharded_prefetch`` (the history view
 of layer ``l + 1`` gathered while layer ``l`` computes, on its own stream), ``sharded`` (gathered when needed).
 
-Before the sweep (GPU), the indexer's launch configuration is picked by timing, and the sparse-attention kernel is
-timed against a same-FLOP stand-in (two dense bf16 GEMMs per slab): ``--attention auto`` keeps the Triton kernel
-when it reaches half of FlashMLA's published 640 TFLOP/s, else the stand-in; both throughputs are reported.
+Before the sweep (GPU), the indexer's launch configuration is picked by timing, and the sparse-attention kernels are
+timed: FlashMLA through :mod:`dtkv.attention` (its fp8 sparse kernel over the pages, indices built by the seam),
+dtkv's Triton ``dtkv::sparse_mla`` and a same-FLOP stand-in (two dense bf16 GEMMs per slab). ``--attention auto``
+runs FlashMLA wherever it is installed (``pip install --no-deps sgl-flash-mla==1.0.0``) and fits, else the Triton
+kernel when it reaches half of FlashMLA's published 640 TFLOP/s, else the stand-in; every throughput is reported
+and the attention used is named in the results. One GPU works too (``torchrun --nproc-per-node 1``: cp = 1, every
+mode on one rank, the views gathered from itself).
 
 Results (rank 0): ``prefill_<hw>_<date>.jsonl``, ``.md`` and ``.png`` (overhead vs context, with the intervals)
 under ``$OUT`` when set, else ``benchmarks/results/``; with ``--profile`` a ``torch.profiler`` trace per mode of one
@@ -54,6 +58,8 @@ import _dist_bench as db  # noqa: E402
 import _dsa_kernels as K  # noqa: E402
 from _dsa_layer import MODES, TINY, Dims, Runner, Weights, template_pages  # noqa: E402
 from _trace import profile_table, trace_summary  # noqa: E402
+
+from dtkv.attention import availability, fit_errors, resolve_attention  # noqa: E402
 
 __all__ = ["main", "profile_table", "run_context", "summary", "trace_summary"]
 
@@ -102,6 +108,18 @@ def calibrate(d: Dims, dev: torch.device, n: int, kv_len: int) -> dict:
     except Exception as e:  # noqa: BLE001 - a kernel that does not build is reported, and the stand-in used
         out["triton_attention_tflops"], out["triton_attention_error"] = 0.0, f"{type(e).__name__}: {e}"[:300]
     out["standin_attention_tflops"] = round(flops / _time(lambda: K.sparse_mla_standin(*args), dev) / 1e9, 1)
+    why = availability("flashmla", dev) or "; ".join(fit_errors("flashmla", d.attention_spec, device=dev))
+    if why:
+        out["flashmla_attention_tflops"], out["flashmla_unavailable"] = 0.0, why[:300]
+    else:  # through the seam, as the layers call it: indices (one launch) + the fp8 sparse kernel over the pages
+        fm = resolve_attention("flashmla", spec=d.attention_spec, device=dev)
+        pages = rows[: rows.shape[0] // d.page_size * d.page_size].view(-1, d.page_size, d.kv_layout.row_bytes)
+        locs_fm = locs.remainder(pages.shape[0] * d.page_size)
+
+        def run_fm():
+            fm.prefill(qf, pages, fm.indices(locs_fm, pages), softmax_scale=0.07)
+
+        out["flashmla_attention_tflops"] = round(flops / _time(run_fm, dev) / 1e9, 1)
     return out
 
 
@@ -349,7 +367,14 @@ def main(argv: list[str] | None = None) -> int:
         default=["auto"],
         help="Materializer backends the sharded modes run with: auto, all_gather, copy_engine",
     )
-    ap.add_argument("--attention", default="auto", choices=["auto", "triton", "standin", "torch"])
+    ap.add_argument(
+        "--attention",
+        default="auto",
+        choices=["auto", "flashmla", "triton", "standin", "torch"],
+        help="the layers' sparse attention (dtkv.attention): auto = FlashMLA where it is installed and fits, else "
+        "Triton if it reaches half of FlashMLA's published throughput, else the same-FLOP stand-in (labelled); "
+        "CPU runs use torch (or the stand-in when asked for)",
+    )
     ap.add_argument(
         "--no-dedicated-history-group",
         dest="dedicated",
@@ -376,14 +401,15 @@ def main(argv: list[str] | None = None) -> int:
     args.profiles = {}
     t0 = time.perf_counter()
     w = Weights(d, dev, args.dtype)
-    cal = {"attention": "torch" if not gpu else args.attention}
+    cal = {"attention": args.attention if gpu else ("standin" if args.attention == "standin" else "torch")}
     if gpu:
         n = args.chunk // world
         cal.update(calibrate(d, dev, n, max(args.contexts)))
         if args.attention == "auto":
             good = cal["triton_attention_tflops"] >= 0.5 * K.FLASHMLA_SPARSE_PREFILL_TFLOPS
-            cal["attention"] = "triton" if good else "standin"
-        cal["attention_tflops"] = cal[f"{'triton' if cal['attention'] == 'triton' else 'standin'}_attention_tflops"]
+            fm = cal["flashmla_attention_tflops"] > 0
+            cal["attention"] = "flashmla" if fm else "triton" if good else "standin"
+        cal["attention_tflops"] = cal.get(f"{cal['attention']}_attention_tflops")
         if rank == 0:
             print(f"calibration: {json.dumps(cal)}", flush=True)
     history_group = dist.new_group(list(range(world))) if args.dedicated and world > 1 else None

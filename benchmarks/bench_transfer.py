@@ -21,6 +21,12 @@ Per scenario, one verified warm-up and ``--reps`` timed repetitions, each timing
 
 The warm-up of every scenario is verified: decode hashes its pages in position order and compares with
 the prefill side's hash of the same logical pages.
+
+``--protocol`` measures the protocol's own cost instead: one-page requests on the in-process
+:class:`dtkv.transfer.LocalEngine`, one thread doing post -> send -> wait, over an in-process ``HashStore`` and over
+a loopback ``TCPStore`` (one client per side and rank, as deployed). Per request it reports the fastest, median and
+mean milliseconds and the store calls (each one round trip on a ``TCPStore``) issued by the prefill side and by the
+decode side, background ones included.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from dtkv.transfer import (
     Bootstrap,
     DecodeReceiver,
     KVShard,
+    LocalEngine,
     MooncakeEngine,
     PlanOptions,
     PrefillSender,
@@ -294,6 +301,123 @@ HEADER = (
 )
 
 
+# ---------------------------------------------------------------------------------------------------- protocol
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProtocolResult:
+    store: str
+    """``hash`` (in-process ``HashStore``) or ``tcp`` (loopback ``TCPStore``)."""
+    cp_p: int
+    cp_d: int
+    """Decode ranks, one receiver (and one store client) each."""
+    requests: int
+    ms_min: float
+    """Fastest request (the protocol's own latency, least disturbed by other load on the machine)."""
+    ms_p50: float
+    ms_mean: float
+    prefill_calls: float
+    """Store calls per request issued by the prefill side."""
+    decode_calls: float
+    """Store calls per request issued by every decode receiver together (background ones included)."""
+
+
+class _CountingStore:
+    """Forwards every call to ``inner`` and counts them (each is one store round trip)."""
+
+    def __init__(self, inner) -> None:
+        self._inner = inner
+        self.calls = 0
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._inner, name)
+        if not callable(attr):
+            return attr
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return attr(*args, **kwargs)
+
+        return counted
+
+
+def _counted_bootstrap(store, namespace: str) -> tuple[Bootstrap, _CountingStore]:
+    boot = Bootstrap(store, namespace=namespace)
+    boot.store = counter = _CountingStore(boot.store)
+    return boot, counter
+
+
+def run_protocol(args: argparse.Namespace) -> list[ProtocolResult]:
+    import torch.distributed as dist
+
+    results = []
+    for kind in ("hash", "tcp"):
+        for cp_p, cp_d in ((1, 1), (2, 1), (2, 2)):
+            master = create_store(port=0, is_master=True) if kind == "tcp" else dist.HashStore()
+
+            def client(master=master, kind=kind):
+                return create_store(port=master.port, is_master=False) if kind == "tcp" else master
+
+            namespace = uuid.uuid4().hex
+            own_p, own_d = PageOwnership(cp_p, 16), PageOwnership(cp_d, 16)
+            pre = [KVShard.allocate(LAYOUTS, own_p, r, num_layers=1) for r in range(cp_p)]
+            dec = [KVShard.allocate(LAYOUTS, own_d, d, num_layers=1) for d in range(cp_d)]
+            boot_p, count_p = _counted_bootstrap(client(), namespace)
+            sender = PrefillSender(pre, boot_p, engine=LocalEngine(), timeout_s=10)
+            boots_d = [_counted_bootstrap(client(), namespace) for _ in dec]
+            receivers = [DecodeReceiver(s, b, engine=LocalEngine(), timeout_s=10) for s, (b, _) in zip(dec, boots_d)]
+            for side in (sender, *receivers):
+                side.connect()
+            times = []
+            calls_p = calls_d = 0
+            for i in range(args.protocol_requests + 5):  # the first 5 warm up
+                for side in (sender, *receivers):
+                    side.bootstrap.flush(10)
+                before_p, before_d = count_p.calls, sum(c.calls for _, c in boots_d)
+                rid = f"p{i}"
+                t0 = time.perf_counter()
+                for r in receivers:
+                    r.post_request(rid, [i % 16])
+                sender.send_request(rid, [(3 * i) % 16])
+                for r in receivers:
+                    r.wait_request(rid)
+                t1 = time.perf_counter()
+                for side in (sender, *receivers):
+                    side.bootstrap.flush(10)
+                if i >= 5:
+                    times.append(t1 - t0)
+                    calls_p += count_p.calls - before_p
+                    calls_d += sum(c.calls for _, c in boots_d) - before_d
+            for side in (sender, *receivers):
+                side.close()
+            n = len(times)
+            results.append(
+                ProtocolResult(
+                    store=kind,
+                    cp_p=cp_p,
+                    cp_d=cp_d,
+                    requests=n,
+                    ms_min=float(np.min(times)) * 1e3,
+                    ms_p50=float(np.median(times)) * 1e3,
+                    ms_mean=float(np.mean(times)) * 1e3,
+                    prefill_calls=calls_p / n,
+                    decode_calls=calls_d / n,
+                )
+            )
+            r = results[-1]
+            print(
+                f"| {r.store:<4} | {r.cp_p} | {r.cp_d} | {r.requests:>4} | {r.ms_min:6.2f} | {r.ms_p50:6.2f} | "
+                f"{r.ms_mean:6.2f} | "
+                f"{r.prefill_calls:6.1f} | {r.decode_calls:6.1f} |",
+                flush=True,
+            )
+    return results
+
+
+PROTOCOL_HEADER = (
+    "| store | cp_p | cp_d | reqs | ms min | ms p50 | ms mean | prefill calls | decode calls |\n"
+    "|---|--:|--:|--:|--:|--:|--:|--:|--:|"
+)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=32768, help="tokens of the request (default 32768)")
@@ -310,8 +434,18 @@ def main() -> None:
     p.add_argument(
         "--only", default=None, help="run the scenarios whose name and staging contain this text (default: all)"
     )
+    p.add_argument("--protocol", action="store_true", help="measure the protocol's per-request cost instead")
+    p.add_argument("--protocol-requests", type=int, default=100, help="timed requests per --protocol row (default 100)")
     args = p.parse_args()
     setup_cli_logging()
+    if args.protocol:
+        print(f"# {datetime.date.today()} | {platform.node()} | {os.cpu_count()} cores | torch {torch.__version__}")
+        print(PROTOCOL_HEADER)
+        results = run_protocol(args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump([asdict(r) for r in results], f, indent=1)
+        return
     import mooncake
 
     print(

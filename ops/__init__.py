@@ -16,6 +16,8 @@ Entry points (each takes ``backend="auto" | "torch" | "triton"``):
 - :func:`pack_layer_pages` (registered op ``dtkv::pack_layer_pages``) and :func:`pack_layer_pages_into` (eager,
   preallocated outputs) -- one send list packed out of every layout of a layer in one launch.
 - :func:`remap` -- logical indices to gathered-buffer coordinates (``dtkv::remap``).
+- :func:`sparse_indices` -- logical token locations to a sparse-attention kernel's int32 token slots (remap,
+  bound, pad: ``dtkv::sparse_indices``); :func:`sparse_mla` -- MLA attention over selected rows (``dtkv::sparse_mla``).
 
 Ownership is a :class:`dtkv.PageOwnership` or its :class:`OwnershipSpec` (:func:`ownership_spec`), a plain tuple that
 compiles on every torch version (torch < 2.13 cannot guard on ``Placement`` subclasses inside compiled code).
@@ -39,6 +41,8 @@ from dtkv.ops.quantize_write_indexer_fp8 import (
 )
 from dtkv.ops.quantize_write_mla_fp8 import dequantize_mla_fp8, quantize_mla_fp8, quantize_write_mla_fp8
 from dtkv.ops.remap import remap
+from dtkv.ops.sparse_indices import sparse_indices
+from dtkv.ops.sparse_mla import sparse_mla
 from dtkv.ops.write_owned import write_owned
 
 __all__ = [
@@ -59,5 +63,7 @@ __all__ = [
     "quantize_write_indexer_fp8",
     "quantize_write_mla_fp8",
     "remap",
+    "sparse_indices",
+    "sparse_mla",
     "write_owned",
 ]

@@ -56,9 +56,10 @@ def reference_runtime(
     device: str = "cpu",
     prefix_cache: bool = False,
     decode_mode: str = "full",
+    attention: str = "auto",
 ) -> Runtime:
     """The reference model of ``cfg`` in a :class:`Runtime` (the arguments of the 0.1 ``ModelRunner``)."""
     return Runtime(
         ReferenceAdapter(cfg, device), mode=mode, num_pages=num_pages, group=None if mode == "single" else group,
-        split=split, scheme=ownership_scheme, prefix_cache=prefix_cache, decode_mode=decode_mode,
+        split=split, scheme=ownership_scheme, prefix_cache=prefix_cache, decode_mode=decode_mode, attention=attention,
     )  # fmt: skip

@@ -1,7 +1,10 @@
-"""Shared pieces of the transfer tests: small layouts, seeded shards, reassembly, a store host process to stall.
+"""Shared pieces of the transfer tests: small layouts, seeded shards, reassembly, store faults.
 
-``StoreHost`` runs a ``TCPStore`` in a child process (``python -c``), so that a test can ``SIGSTOP`` it (a store
-that stops answering), ``SIGCONT`` it, or kill it.
+- ``StoreHost`` runs a ``TCPStore`` in a child process (``python -c``), so that a test can ``SIGSTOP`` it (a store
+  that stops answering), ``SIGCONT`` it, or kill it.
+- ``SlowLink`` is one party's link to the store made slow on demand (the other parties' links stay fast).
+- ``StorePeer`` is a store peer without the secret: it records every value the parties write and can write any of
+  them back later (a replay).
 """
 
 from __future__ import annotations
@@ -127,6 +130,119 @@ class StoreHost:
 
     def close(self) -> None:
         self.kill()
+
+
+class SlowLink:
+    """One party's link to the store (``bootstrap.store``), forwarding every call; while :meth:`stall` is in effect
+    the next ``calls`` named calls wait ``delay_s`` before reaching the store (``where="before"``: the write lands
+    late) or after it answered (``"after"``: the write has landed, the reply is late). Install with
+    :meth:`install`."""
+
+    def __init__(self, inner) -> None:
+        self._inner = inner
+        self._slow: dict[str, tuple[float, str]] = {}
+        self._left = 0
+        self._lock = threading.Lock()
+        self.stalled_calls = 0
+        self.landed = threading.Event()
+        """Set once a stalled call has reached the store and returned."""
+
+    @classmethod
+    def install(cls, bootstrap) -> SlowLink:
+        bootstrap.store = link = cls(bootstrap.store)
+        return link
+
+    def stall(self, *names: str, delay_s: float, where: str = "before", calls: int = 1) -> None:
+        self.landed.clear()
+        self._left = calls
+        for name in names:
+            self._slow[name] = (delay_s, where)
+
+    def unstall(self) -> None:
+        self._slow.clear()
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._inner, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            delay_s, where = self._slow.get(name, (0.0, ""))
+            with self._lock:
+                slow = bool(delay_s) and self._left > 0
+                self._left -= slow
+            if not slow:
+                return attr(*args, **kwargs)
+            self.stalled_calls += 1
+            if where == "before":
+                time.sleep(delay_s)
+            out = attr(*args, **kwargs)
+            if where == "after":
+                time.sleep(delay_s)
+            self.landed.set()
+            return out
+
+        return call
+
+
+class StorePeer:
+    """A store peer without the secret: it sees every value a party writes (install it on every party's
+    ``bootstrap``) and can write recorded values back under their keys, bytes unchanged (a replay)."""
+
+    def __init__(self, store, namespace: str) -> None:
+        self.store = store
+        self.namespace = namespace
+        self.history: dict[str, list[bytes]] = {}
+        """key (without the namespace) -> every value written under it, in order."""
+        self.lock = threading.Lock()
+
+    def install(self, bootstrap) -> None:
+        peer, inner = self, bootstrap.store
+
+        class Tap:
+            def __getattr__(self, name: str):
+                return getattr(inner, name)
+
+            def set(self, key, value):
+                peer._seen(key, value)
+                return inner.set(key, value)
+
+            def compare_set(self, key, expected, desired):
+                out = inner.compare_set(key, expected, desired)
+                if out == desired:
+                    peer._seen(key, desired)
+                return out
+
+        bootstrap.store = Tap()
+
+    def _seen(self, key: str, value) -> None:
+        with self.lock:
+            self.history.setdefault(key, []).append(bytes(value))
+
+    def replayable(self, prefix: str) -> dict[str, bytes]:
+        """What a replay of the attempts under ``prefix`` writes back: each prefill slot's first value (OPEN:
+        claimable again) and every other key's last one (the epoch pointer, decode slots READY, answers)."""
+        with self.lock:
+            return {
+                k: v[0] if "/prefill/" in k else v[-1]
+                for k, v in self.history.items()
+                if k == prefix or k.startswith(prefix + "/")
+            }
+
+    def mark(self) -> dict[str, int]:
+        """How many values each key has had so far (for :meth:`written_since`)."""
+        with self.lock:
+            return {k: len(v) for k, v in self.history.items()}
+
+    def written_since(self, mark: dict[str, int]) -> list[str]:
+        """The keys the parties wrote since ``mark``."""
+        with self.lock:
+            return sorted(k for k, v in self.history.items() if len(v) > mark.get(k, 0))
+
+    def replay(self, values: dict[str, bytes], *, last: str | None = None) -> None:
+        """Write ``values`` back (``last`` after the others: the epoch pointer, which makes an attempt visible)."""
+        for key, raw in sorted(values.items(), key=lambda kv: kv[0] == last):
+            self.store.set(f"{self.namespace}/{key}", raw)
 
 
 def run_bounded(fn, *args, limit_s: float, **kwargs) -> tuple[float, object]:

@@ -64,6 +64,32 @@ def test_modes_store_the_same_kv_and_compute_the_same_activations(ranks2, tmp_pa
     assert "sharded_prefetch-all_gather" in next(tmp_path.glob("prefill_profile_cpux2_*.md")).read_text()
 
 
+def _smoke_one_rank(rank, world, out_dir, attention):
+    bench = _load("bench_prefill")
+    argv = ["--tiny", "--verify", "--contexts", "40", "--chunk", "8", "--samples", "2", "--attention", attention]
+    bench.main(argv + ["--out-dir", out_dir])
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("attention", ["torch", "standin"])
+def test_one_rank_runs_every_mode(tmp_path, attention):
+    """cp = 1 (``torchrun --nproc-per-node 1``): every mode on one rank, the views gathered from itself; the stand-in
+    stays a labelled option."""
+    from tests._multirank import RankGroup
+
+    group = RankGroup(1)
+    try:
+        group.run(_smoke_one_rank, str(tmp_path), attention)
+    finally:
+        group.close()
+    (jsonl,) = tmp_path.glob("prefill_cpux1_*.jsonl")
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert {r["mode"] for r in rows} == {"replicated", "sharded_prefetch", "sharded"}
+    assert {r["attention"] for r in rows} == {attention} and {r["cp"] for r in rows} == {1}
+    assert len({(r["x_digest"], r["kv_digest"]) for r in rows}) == 1
+    assert f"attention: {attention}" in (tmp_path / jsonl.name.replace(".jsonl", ".md")).read_text()
+
+
 def _indexer_case(seed):
     g = torch.Generator().manual_seed(seed)
     n, heads, dim, page = 20, 2, 32, 4
@@ -107,8 +133,9 @@ def test_indexer_kernel_vs_reference():
 
 @pytest.mark.skipif(not backend_ok("triton", "cpu"), reason="needs Triton in interpreter mode")
 def test_sparse_mla_kernel_vs_reference():
-    """The kernel rounds dequantized keys and probabilities to bf16 (as FlashMLA does): tolerance 0.05 absolute on
-    outputs of magnitude ~1; skipped rows (-1) and a query with no row at all (zero output) are exact."""
+    """The benchmark's wrappers of ``dtkv::sparse_mla`` (its own tests: ``tests/test_ops_sparse_mla.py``). The kernel
+    rounds dequantized keys and probabilities to bf16 (as FlashMLA does): tolerance 0.05 absolute on outputs of
+    magnitude ~1; skipped rows (-1) and a query with no row at all (zero output) are exact."""
     from dtkv import MLAFp8Layout
     from dtkv.ops import quantize_mla_fp8
 
@@ -120,8 +147,7 @@ def test_sparse_mla_kernel_vs_reference():
     locs = torch.randint(-1, 40, (5, 20), generator=g).to(torch.int32)
     locs[2] = -1
     ref = kernels.sparse_mla_torch(q, rows, locs, 0.1, 64, 16, 32)
-    cfg = {"BH": 16, "BK": 16, "num_warps": 4, "num_stages": 1}
-    got = kernels.sparse_mla(q, rows, locs, 0.1, 64, 16, 32, config=cfg, interpret=True)
+    got = kernels.sparse_mla(q, rows, locs, 0.1, 64, 16, 32, backend="triton")
     assert got.shape == (5, 4, 64) and got.dtype == torch.bfloat16
     assert (got.float() - ref.float()).abs().max() < 0.05
     assert torch.equal(got[2], torch.zeros_like(got[2]))

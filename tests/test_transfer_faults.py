@@ -6,6 +6,8 @@ nothing leaks.
   waits for them before unregistering (Mooncake TCP loopback, with a delay injected before the real write);
 - a retry under the same request id never accepts the earlier attempt's "done";
 - a stalled store (``SIGSTOP``) turns every wait into a ``TransferError`` within timeout + 1 s;
+- a bind (decode rank > 0 taking part) that lands after its caller's deadline keeps the pages quarantined until it
+  resolved, was aborted and the claimed sender drained (a slow store link of that rank alone);
 - a construction that fails unwinds its registrations and the engine it created;
 - the store's key count returns to its baseline after successes and failures alike.
 """
@@ -24,13 +26,15 @@ from dtkv import PageOwnership
 from dtkv.transfer import (
     Bootstrap,
     DecodeReceiver,
+    DstRequest,
     LocalEngine,
     PlanOptions,
     PrefillSender,
     TransferError,
     mooncake_available,
 )
-from tests._transfer import StoreHost, run_bounded, same_pages, shards
+from dtkv.transfer.messages import Aborted, Ready, SlotOpen
+from tests._transfer import SlowLink, StoreHost, fill, pages, run_bounded, same_pages, shards
 
 _MC, _MC_WHY = mooncake_available()
 needs_mooncake = [
@@ -225,6 +229,101 @@ class TestRetries:
         sender.send_request("r", src)
         receiver.wait_request("r")
         assert same_pages(pre, src, dec, np.arange(20, 26))
+
+
+@pytest.mark.parametrize("where", ["before", "after"], ids=["write-late", "reply-late"])
+@pytest.mark.parametrize("cp_d", [2, 3])
+class TestLateBind:
+    """A decode rank other than 0 whose READY compare-and-set outlives its caller's deadline (its store link alone
+    is slow): the attempt is treated like an abandoned engine call."""
+
+    def test_late_bind_keeps_pages_quarantined_until_resolved(self, cp_d, where):
+        store = dist.HashStore()
+        pre = shards(PageOwnership(2, 40), seed=11)
+        dec = shards(PageOwnership(cp_d, 30))
+        sender = PrefillSender(pre, Bootstrap(store, namespace="lb"), engine=LocalEngine(), timeout_s=6)
+        boots = [Bootstrap(store, namespace="lb") for _ in dec]
+        link = SlowLink.install(boots[-1])  # the last decode rank's link to the store
+        receivers = [
+            DecodeReceiver(d, b, engine=LocalEngine(), timeout_s=0.4 if d.rank == cp_d - 1 else 6)
+            for d, b in zip(dec, boots)
+        ]
+        late = receivers[-1]
+        for side in (sender, *receivers):
+            side.connect()
+        src_a, dst_a = np.arange(0, 9), np.arange(3, 12)  # every decode rank holds some of A's pages
+        mine = dst_a[dec[0].ownership.owner(torch.from_numpy(dst_a)).numpy() == cp_d - 1]
+        for r in receivers[:-1]:
+            r.post_request("A", dst_a)
+        box: list = []
+        sending = threading.Thread(target=lambda: box.append(run_bounded(sender.send_request, "A", src_a, limit_s=20)))
+        sending.start()
+        link.stall("compare_set", delay_s=2.0, where=where)
+        with pytest.raises(TransferError, match="did not answer take part in req/A"):
+            late.post_request("A", dst_a)
+        assert not link.landed.is_set(), "the stalled bind resolved before its caller's deadline: no late bind tested"
+        # the bind may still land: A's pages stay out of use, not listed by reclaim()
+        assert set(late.quarantined) == {"A"} and np.array_equal(late.quarantined["A"], mine)
+        assert late.reclaim() == []
+        with pytest.raises(ValueError, match=r"quarantined after request 'A' failed"):
+            late.post_request("B", mine)
+        assert link.landed.wait(10), "the stalled bind never resolved"
+        released = late.reclaim(timeout_s=15)  # bind resolved, attempt aborted, the claimed sender drained
+        assert [rid for rid, _ in released] == ["A"] and late.quarantined == {}
+        link.unstall()
+        sending.join(25)
+        _, outcome = box[0]
+        assert isinstance(outcome, TransferError), f"prefill sent A to a decode rank that gave it up: {outcome!r}"
+        for r in receivers[:-1]:  # decode rank 0 must not report A as received
+            with pytest.raises(TransferError):
+                r.wait_request("A", timeout_s=5)
+        # A's pages on the late rank are reused by B (another request, all of whose pages are on that rank)
+        fill(dec[-1], 99)
+        before = pages(dec, "kv", mine).clone()
+        src_b = np.arange(20, 20 + mine.shape[0])
+        for r in receivers:
+            r.post_request("B", mine)
+        sender.send_request("B", src_b)
+        for r in receivers:
+            r.wait_request("B", timeout_s=6)
+        assert same_pages(pre, src_b, dec, mine)
+        for side in (sender, *receivers):
+            side.bootstrap.flush(5)
+        time.sleep(0.3)
+        assert same_pages(pre, src_b, dec, mine), "a late write of A landed in B's pages"
+        assert not torch.equal(before, pages(dec, "kv", mine))
+        for side in (sender, *receivers):
+            side.close()
+
+
+class TestQueuedBind:
+    def test_bind_queued_behind_a_stall_never_lands(self):
+        """The late rank's bind waits behind an earlier store call that stalls; its caller gives up first. The
+        bind then does nothing: the slot never turns READY, and the pages come back once the abort ran."""
+        store = dist.HashStore()
+        pre = shards(PageOwnership(2, 40), seed=12)
+        dec = shards(PageOwnership(2, 30))
+        sender = PrefillSender(pre, Bootstrap(store, namespace="qb"), engine=LocalEngine(), timeout_s=3)
+        boots = [Bootstrap(store, namespace="qb") for _ in dec]
+        receivers = [
+            DecodeReceiver(d, b, engine=LocalEngine(), timeout_s=3 if d.rank == 0 else 0.4) for d, b in zip(dec, boots)
+        ]
+        for side in (sender, *receivers):
+            side.connect()
+        receivers[0].post_request("A", np.arange(4))
+        stalled = boots[1].post(lambda s: time.sleep(1.5), what="a stalled call")
+        with pytest.raises(TransferError, match="did not answer take part in req/A"):
+            receivers[1].post_request("A", np.arange(4))
+        assert "A" in receivers[1].quarantined and receivers[1].reclaim() == []
+        stalled.result(5)
+        assert [rid for rid, _ in receivers[1].reclaim(timeout_s=5)] == ["A"]
+        req = boots[0].try_get("req/A", DstRequest, deadline=float("inf"))
+        slot = f"req/A/{req.epoch}/decode/1"
+        assert isinstance(boots[0].decode(slot, store.get(f"qb/{slot}"), SlotOpen, Ready, Aborted), SlotOpen)
+        with pytest.raises(TransferError):
+            sender.send_request("A", np.arange(4), timeout_s=0.5)
+        for side in (sender, *receivers):
+            side.close()
 
 
 class TestStoreStalls:

@@ -180,3 +180,138 @@ class TestFaults:
 
         e = pickle.loads(pickle.dumps(TransferError("boom", request_id="r", peer="p", pages=[1, 2])))
         assert str(e) == "transfer failed (request 'r', peer p, pages [1, 2]): boom"
+
+
+class _Writes:
+    """Forwards every store call and counts the writes (``set``, ``add`` of a non-zero amount, ``compare_set``,
+    ``delete_key``)."""
+
+    def __init__(self, inner) -> None:
+        self._inner = inner
+        self.writes = 0
+
+    def __getattr__(self, name):
+        attr = getattr(self._inner, name)
+        if name not in ("set", "add", "compare_set", "delete_key"):
+            return attr
+
+        def call(*args):
+            if name != "add" or args[1]:
+                self.writes += 1
+            return attr(*args)
+
+        return call
+
+
+def _receivers(cp_d: int, *, meta_rows: int = 4):
+    """A 2-rank prefill sender and one receiver per decode rank (pool of 30 pages, ``meta_rows`` rows each)."""
+    bootstrap = Bootstrap(dist.HashStore(), namespace="post")
+    own_p, own_d = PageOwnership(2, 40), PageOwnership(cp_d, 30)
+    mk = dict(meta_num_rows=meta_rows, meta_row_bytes=32) if meta_rows else {}
+    pre = [KVShard.allocate(LAYOUTS, own_p, r, num_layers=LAYERS, staging_bytes=1 << 20, **mk) for r in range(2)]
+    for s in pre:
+        _fill(s, 10 + s.rank)
+    dec = [KVShard.allocate(LAYOUTS, own_d, d, num_layers=LAYERS, staging_bytes=1 << 20, **mk) for d in range(cp_d)]
+    sender = PrefillSender(pre, bootstrap, engine=LocalEngine(), timeout_s=5)
+    receivers = [DecodeReceiver(d, bootstrap, engine=LocalEngine(), timeout_s=5) for d in dec]
+    for side in (sender, *receivers):
+        side.connect()
+    bootstrap.flush(5)
+    bootstrap.store = counter = _Writes(bootstrap.store)
+    return sender, receivers, counter
+
+
+class TestPostValidation:
+    """``post_request`` checks pages and the metadata slot against the pool and against every request posted here
+    and not waited for yet; a rejected post changes nothing (no store write, no staging grant)."""
+
+    @pytest.mark.parametrize(
+        "kwargs,error,match",
+        [
+            (dict(dst_pages=[29, 30]), ValueError, r"dst_pages must hold logical pages in \[0, 30\), got .*30"),
+            (dict(dst_pages=[4, -1]), ValueError, r"dst_pages must hold logical pages in \[0, 30\), got .*-1"),
+            (dict(dst_pages=[3, 7, 3]), ValueError, r"dst_pages must not repeat a page, got page 3 more than once"),
+            (
+                dict(dst_pages=[1], dst_meta_slot=4),
+                ValueError,
+                r"dst_meta_slot must be in \[0, 4\) \(the metadata rows of decode rank 0\), got dst_meta_slot=4",
+            ),
+            (dict(dst_pages=[1], dst_meta_slot=-1), ValueError, r"dst_meta_slot must be in \[0, 4\) .*=-1"),
+            (dict(dst_pages=[1], dst_meta_slot=True), TypeError, r"dst_meta_slot must be an int or None, got True"),
+            (dict(dst_pages=[1], dst_meta_slot=1.0), TypeError, r"dst_meta_slot must be an int or None, got 1.0"),
+            (dict(dst_pages=[1], num_tokens=-3), ValueError, r"num_tokens must be None or an int >= 0, got -3"),
+        ],
+        ids=[
+            "past-pool",
+            "negative",
+            "repeated",
+            "slot-past-rows",
+            "slot-negative",
+            "slot-bool",
+            "slot-float",
+            "tokens",
+        ],
+    )
+    @pytest.mark.parametrize("cp_d", [1, 2])
+    def test_rejects_bad_arguments_and_changes_nothing(self, cp_d, kwargs, error, match):
+        sender, receivers, counter = _receivers(cp_d)
+        for r in receivers:
+            with pytest.raises(error, match=match):
+                r.post_request("x", **kwargs)
+        assert counter.writes == 0, "a rejected post wrote to the store"
+        self._round_trip_is_staged(sender, receivers, "x")
+
+    def test_rejects_a_metadata_slot_without_metadata_rows(self):
+        _, receivers, counter = _receivers(1, meta_rows=0)
+        with pytest.raises(ValueError, match=r"dst_meta_slot needs metadata rows on decode rank 0, which registered"):
+            receivers[0].post_request("x", [1], dst_meta_slot=0)
+        assert counter.writes == 0
+
+    @pytest.mark.parametrize("cp_d", [1, 2, 3])
+    def test_rejects_pages_and_slot_of_a_pending_request(self, cp_d):
+        """A on [0, 1] is posted and not waited for: B on [1, 2] would put B's KV in A's page 1; a shared
+        ``dst_meta_slot`` likewise. Every receiver refuses, whichever rank hosts the page."""
+        sender, receivers, counter = _receivers(cp_d)
+        for r in receivers:
+            r.post_request("A", [0, 1], dst_meta_slot=2, staging=False)
+        writes = counter.writes
+        for r in receivers:
+            with pytest.raises(
+                ValueError,
+                match=r"dst_pages must not hold pages of request 'A', posted here and not waited for yet \(both would be "
+                r"written there\), got pages \[1\]",
+            ):
+                r.post_request("B", [1, 2])
+            with pytest.raises(
+                ValueError, match=r"dst_meta_slot must not be the slot of request 'A', posted here and not waited"
+            ):
+                r.post_request("C", [5, 6], dst_meta_slot=2)
+        assert counter.writes == writes, "a rejected post wrote to the store"
+        sender.send_request("A", [3, 4], meta=b"a", src_meta_slot=0)
+        for r in receivers:
+            r.wait_request("A")
+        for r in receivers:  # A was waited for: its pages and slot are the caller's again
+            r.post_request("B", [1, 2], dst_meta_slot=2)
+        sender.send_request("B", [5, 6], meta=b"b", src_meta_slot=0)
+        for r in receivers:
+            r.wait_request("B")
+        _check(sender, receivers[0], [5, 6], [1, 2]) if cp_d == 1 else None
+        for d, r in enumerate(receivers):
+            assert bytes(r.shards[d].meta[2, :1].tolist()) == b"b"
+
+    def test_rejects_the_request_id_of_a_pending_request(self):
+        _, receivers, counter = _receivers(1)
+        receivers[0].post_request("A", [0])
+        writes = counter.writes
+        with pytest.raises(ValueError, match=r"request_id must not be pending on this receiver already"):
+            receivers[0].post_request("A", [9])
+        assert counter.writes == writes
+
+    @staticmethod
+    def _round_trip_is_staged(sender, receivers, rid):
+        """The staging grants are still free: a request with strided pages is staged on every decode rank."""
+        dst = np.arange(0, 20, 2)
+        for r in receivers:
+            r.post_request(rid, dst)
+        sender.send_request(rid, np.arange(10))
+        assert all(r.wait_request(rid).staged for r in receivers)

@@ -1,4 +1,5 @@
-"""Nothing read from the rendezvous store runs code; values can be authenticated; the store listens where told.
+"""Nothing read from the rendezvous store runs code; values can be authenticated; the store listens where told;
+replayed values never make prefill send (every decode party answers prefill's fresh nonce first).
 
 Also pins what cannot be restricted from dtkv (Mooncake 0.3.13 listens on every interface and lets any peer that
 reaches it write into registered regions), so that the README's Security section stays true.
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import pathlib
 import pickle
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -26,8 +29,9 @@ from dtkv.transfer import (
     create_store,
     mooncake_available,
 )
+from dtkv.transfer.messages import Aborted, Answer, Claim, Ready, SlotOpen
 from dtkv.transfer.protocol import STARTED, AttemptKeys
-from tests._transfer import non_loopback_addresses, reachable, same_pages, shards
+from tests._transfer import StorePeer, non_loopback_addresses, reachable, same_pages, shards
 
 
 class _Plant:
@@ -154,6 +158,160 @@ class TestSharedSecret:
         plain = Bootstrap(store, namespace="ns", secret=None)
         with pytest.raises(TransferError, match=r"value is signed but no DTKV_TRANSFER_SECRET is set here"):
             plain.endpoints("prefill", deadline=float("inf"))
+
+
+class _FailingLink(LocalEngine):
+    """A LocalEngine whose writes fail (return -1, copying nothing) while ``failing`` is set."""
+
+    failing = False
+
+    def write(self, peer, src, dst, length):
+        return -1 if self.failing else super().write(peer, src, dst, length)
+
+
+def _swallow(fn, *args) -> None:
+    try:
+        fn(*args)
+    except TransferError:
+        pass
+
+
+class TestFreshness:
+    """Authenticity is not freshness: a store peer replays the signed values of request 1's failed attempt after
+    its pages were reclaimed and reused by request 2. Prefill must not write request 1's KV over request 2's and
+    must not report success."""
+
+    @pytest.mark.parametrize("claimed", [False, True], ids=["never-claimed", "claimed-and-answered"])
+    @pytest.mark.parametrize("cp_d", [1, 2, 3])
+    def test_replayed_attempt_never_makes_prefill_send(self, cp_d, claimed):
+        store = dist.HashStore()
+        peer = StorePeer(store, "fr")
+        pre = shards(PageOwnership(2, 40), seed=21)
+        dec = shards(PageOwnership(cp_d, 30))
+        engine_p = _FailingLink()
+        sender = PrefillSender(pre, Bootstrap(store, namespace="fr", secret=b"k"), engine=engine_p, timeout_s=5)
+        receivers = [  # one receiver (and store client) per decode rank
+            DecodeReceiver(d, Bootstrap(store, namespace="fr", secret=b"k"), engine=LocalEngine(), timeout_s=5)
+            for d in dec
+        ]
+        for side in (sender, *receivers):
+            peer.install(side.bootstrap)
+            side.connect()
+        dst, src1, src2 = np.arange(2, 9), np.arange(0, 7), np.arange(20, 27)
+        for r in receivers:  # request 1, attempt 1: fails
+            r.post_request("r1", dst)
+        if claimed:  # prefill claims it, every decode rank answers, then the engine fails
+            engine_p.failing = True
+            with pytest.raises(TransferError, match="engine write returned -1"):
+                sender.send_request("r1", src1)
+            engine_p.failing = False
+        for r in receivers:
+            with pytest.raises(TransferError):
+                r.wait_request("r1", timeout_s=0.3 if not claimed else 5)
+            assert [rid for rid, _ in r.reclaim(timeout_s=5)] == ["r1"]
+        recorded = peer.replayable("req/r1")
+        assert "req/r1" in recorded and any("/decode/" in k for k in recorded)
+        assert claimed == any("/answer/" in k for k in recorded)
+        for r in receivers:  # request 2 reuses the pages
+            r.post_request("r2", dst)
+        sender.send_request("r2", src2)
+        for r in receivers:
+            r.wait_request("r2")
+        assert same_pages(pre, src2, dec, dst)
+        peer.replay(recorded, last="req/r1")  # the epoch pointer, OPEN and READY slots (and answers) of attempt 1
+        mark = peer.mark()
+        with pytest.raises(TransferError, match=r"decode ranks \[.*\] did not answer"):
+            sender.send_request("r1", src1, timeout_s=1.0)
+        assert same_pages(pre, src2, dec, dst), "a replayed attempt made prefill write request 1 over request 2"
+        written = peer.written_since(mark)
+        assert not [k for k in written if "/start/" in k or "/answer/" in k], f"wrote to a replayed attempt: {written}"
+
+    def test_replayed_open_slot_never_ends_a_quarantine_early(self):
+        """The peer writes a prefill slot's OPEN back over the claim while that rank's engine call is in flight, so
+        decode's abort closes the slot as if nobody had claimed it. Decode answered the claim, so it still holds
+        the pages for that sender (until its grace period ends: the sender no longer finds its claim, so it reports
+        nothing): the late bytes land before the pages are handed back."""
+        landed = threading.Event()
+        started = threading.Event()
+
+        class Slow(LocalEngine):
+            def write(self, peer, src, dst, length):
+                started.set()
+                time.sleep(1.5)
+                rc = super().write(peer, src, dst, length)
+                landed.set()
+                return rc
+
+        store = dist.HashStore()
+        peer = StorePeer(store, "ro")
+        pre = shards(PageOwnership(1, 16), seed=23)
+        dec = shards(PageOwnership(1, 16))
+        sender = PrefillSender(pre, Bootstrap(store, namespace="ro", secret=b"k"), engine=Slow(), timeout_s=2.5)
+        receiver = DecodeReceiver(dec, Bootstrap(store, namespace="ro", secret=b"k"), engine=LocalEngine(), timeout_s=5)
+        for side in (sender, receiver):
+            peer.install(side.bootstrap)
+            side.connect()
+        receiver.post_request("A", [3, 4])
+        sending = threading.Thread(target=lambda: _swallow(sender.send_request, "A", [1, 2]))
+        sending.start()
+        assert started.wait(5), "the sender never started its engine call"
+        slots = {k: v for k, v in peer.replayable("req/A").items() if "/prefill/" in k}
+        peer.replay(slots)  # OPEN again over the claim of the rank whose call is in flight
+        with pytest.raises(TransferError):
+            receiver.wait_request("A", timeout_s=0.1)
+        assert "A" in receiver.quarantined and receiver.reclaim() == []
+        assert [rid for rid, _ in receiver.reclaim(timeout_s=10)] == ["A"]
+        assert landed.is_set(), "A's pages were handed back while its sender's engine call still ran"
+        sending.join(10)
+
+    def test_without_the_secret_a_store_peer_can_redirect_a_transfer(self):
+        """Pins the README: without ``DTKV_TRANSFER_SECRET`` nothing is authenticated, so a store peer can answer
+        prefill's nonce itself and send request 1's KV into request 2's pages. The secret is what stops it."""
+
+        store = dist.HashStore()
+        peer = StorePeer(store, "nf")
+        sender, receiver, pre, dec = _sides(store, namespace="nf", timeout_s=5)
+        for side in (sender, receiver):
+            peer.install(side.bootstrap)
+            side.connect()
+        dst, src1, src2 = np.arange(2, 6), np.arange(0, 4), np.arange(10, 14)
+        receiver.post_request("r1", dst)
+        with pytest.raises(TransferError):
+            receiver.wait_request("r1", timeout_s=0.2)
+        receiver.reclaim(timeout_s=5)
+        recorded = peer.replayable("req/r1")
+        receiver.post_request("r2", dst)
+        sender.send_request("r2", src2)
+        receiver.wait_request("r2")
+        peer.replay(recorded, last="req/r1")
+        req = sender.bootstrap.try_get("req/r1", DstRequest, deadline=float("inf"))
+        keys = AttemptKeys("r1", req.epoch, 2, 1)
+
+        def forge_answers() -> None:  # read each claim's nonce (values are not secret) and answer it
+            for _ in range(2500):
+                slots = [keys.slot("prefill", r) for r in range(2)]
+                msgs = [sender.bootstrap.decode(k, store.get(f"nf/{k}"), Claim, SlotOpen, Aborted) for k in slots]
+                if all(isinstance(m, Claim) for m in msgs):
+                    break
+                time.sleep(0.002)
+            ready = sender.bootstrap.decode(keys.slot("decode", 0), store.get(f"nf/{keys.slot('decode', 0)}"), Ready)
+            for r, m in enumerate(msgs):
+                key = keys.answer(r, 0)
+                answer = Answer(
+                    epoch=req.epoch,
+                    prefill_rank=r,
+                    decode_rank=0,
+                    nonce=m.nonce,
+                    incarnation=ready.incarnation,
+                    staging=ready.staging,
+                )
+                store.set(f"nf/{key}", receiver.bootstrap.encode(key, answer))
+
+        forger = threading.Thread(target=forge_answers)
+        forger.start()
+        sender.send_request("r1", src1)  # the redirected transfer "succeeds"
+        forger.join(10)
+        assert same_pages(pre, src1, dec, dst), "the forged answers did not redirect the transfer (README is stale)"
 
 
 class TestListening:

@@ -13,6 +13,7 @@ from dtkv import PageOwnership
 from dtkv.transfer import StageCopy
 from dtkv.transfer.messages import (
     Aborted,
+    Answer,
     Claim,
     DstRequest,
     OpenList,
@@ -27,6 +28,7 @@ from dtkv.transfer.wire import MAGIC, MAX_ITEMS, Kind, WireError, pack, unpack
 from tests._transfer import shards
 
 EPOCH = "0123456789abcdef"
+NONCE = "00112233445566778899aabbccddeeff"
 KEY = "req/r/0123456789abcdef/start/0"
 
 
@@ -44,7 +46,8 @@ def _records():
         ),
         SlotOpen(epoch=EPOCH),
         Ready(epoch=EPOCH, rank=2, incarnation=12345, staging=True),
-        Claim(epoch=EPOCH, rank=1, incarnation=7, window_ms=3000, call_timeout_ms=11000),
+        Claim(epoch=EPOCH, rank=1, incarnation=7, window_ms=3000, call_timeout_ms=11000, nonce=NONCE),
+        Answer(epoch=EPOCH, prefill_rank=1, decode_rank=2, nonce=NONCE, incarnation=-5, staging=True),
         Aborted(epoch=EPOCH, by="decode-00ff"),
         SendStart(
             rank=1,
@@ -119,7 +122,7 @@ class TestRejects:
         [
             (lambda b: b[:5], r"value must hold at least a 12-byte header, got 5 bytes"),
             (lambda b: b"PKL!" + b[4:], r"value must start with b'DTKV', got b'PKL!' \(not a dtkv value\)"),
-            (lambda b: b[:4] + bytes([2]) + b[5:], r"value must be of wire version 1, got version 2"),
+            (lambda b: b[:4] + bytes([1]) + b[5:], r"value must be of wire version 2, got version 1"),
             (lambda b: b[:5] + bytes([77]) + b[6:], r"value must be of kind \['REQUEST'\], got kind unknown \(77\)"),
             (
                 lambda b: b[:5] + bytes([int(Kind.START)]) + b[6:],
@@ -177,10 +180,18 @@ class TestRejects:
             (DstRequest(request_id="", epoch=EPOCH, dst_pages=np.array([1])), r"request_id must be a non-empty"),
             (Ready(epoch=EPOCH, rank=-2, incarnation=0, staging=False), r"rank must be in \[0, 65536\], got rank=-2"),
             (SendOutcome(rank=0, ok=True, num_bytes=-5), r"num_bytes must be in \[0, \d+\], got num_bytes=-5"),
+            (
+                Claim(epoch=EPOCH, rank=0, incarnation=1, window_ms=1, call_timeout_ms=1, nonce="abc"),
+                r"nonce must be 32 hex digits, got 'abc'",
+            ),
+            (
+                Answer(epoch=EPOCH, prefill_rank=0, decode_rank=0, nonce=NONCE.upper(), incarnation=1),
+                r"nonce must be 32 hex digits",
+            ),
             (SendStart(rank=0, positions=np.array([0]), layer_bounds=np.array([0, 0])), r"layer_bounds must rise"),
             (OpenList(attempts=(("a", EPOCH, 0, 1),)), r"num_prefill must hold values in \[1, 65536\]"),
         ],
-        ids=["epoch", "page", "request-id", "rank", "count", "bounds", "parties"],
+        ids=["epoch", "page", "request-id", "rank", "count", "claim-nonce", "answer-nonce", "bounds", "parties"],
     )
     def test_rejects_out_of_range_records(self, record, match):
         _, fields = unpack(
@@ -190,7 +201,7 @@ class TestRejects:
             type(record).from_fields(fields)
 
     def test_rejects_inconsistent_staging_copies(self):
-        st = _records()[5]
+        st = _records()[6]
         _, fields = unpack(pack(st.KIND, st.to_fields(), key=KEY, secret=None), key=KEY, kinds=st.KIND, secret=None)
         fields[6] = np.array([0, 2, 9, 3])  # extents past the page list
         with pytest.raises(WireError, match=r"staging copy extents must be a non-decreasing indptr"):
@@ -223,7 +234,7 @@ class TestFuzz:
             unpack(MAGIC + data, key=KEY, kinds=tuple(Kind), secret=b"k")
 
     @settings(max_examples=200, deadline=None)
-    @given(st.integers(min_value=0, max_value=7), st.integers(min_value=0), st.integers(min_value=1, max_value=255))
+    @given(st.integers(min_value=0, max_value=8), st.integers(min_value=0), st.integers(min_value=1, max_value=255))
     def test_mutated_records_decode_or_raise_wire_error(self, which, where, flip):
         """A record with one byte changed either still decodes to in-range values or raises ``WireError``."""
         record = _records()[which]

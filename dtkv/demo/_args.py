@@ -13,8 +13,8 @@ __all__ = ["MODELS", "parse", "parser"]
 
 MODELS = ("reference", "deepseek-v32", "glm5")
 """The built-in models: the float64 reference model and two tiny random transformers DSA models (no download)."""
-ATTENTION = ("torch",)
-"""Attention backends a run can choose (``--attention``)."""
+ATTENTION = ("torch", "triton", "flashmla")
+"""Attention backends a run can choose (``--attention``; :mod:`dtkv.attention`)."""
 
 
 def parser(description: str = "") -> argparse.ArgumentParser:
@@ -57,7 +57,13 @@ def parser(description: str = "") -> argparse.ArgumentParser:
         default="full",
         help="decode over a materialized full view, or straight on the shards (no view) (default: full)",
     )
-    a("--attention", choices=ATTENTION, default="torch", help="attention backend of the model (default: torch)")
+    a(
+        "--attention",
+        choices=ATTENTION,
+        default="torch",
+        help="attention backend of prefill and full-view decode (dtkv.attention); flashmla runs a built-in model at "
+        "FlashMLA's dims: 64 heads, kv_lora_rank 512, rope 64, pages of 64 tokens (default: torch, the reference)",
+    )
     a(
         "--device",
         choices=("auto", "cpu", "cuda"),
@@ -131,6 +137,11 @@ def parse(argv: list[str] | None, description: str = "") -> tuple[dict, str | No
             f"--model must be one of {list(MODELS)} or a checkpoint directory, got --model {args['model']} "
             "(not a directory)"
         )
+    if reference and args["decode"] == "sharded" and args["attention"] != "torch":
+        return args, ("--decode sharded checks the reference model's float64 decode against the torch attention's: "
+                      f"drop --attention {args['attention']}")  # fmt: skip
+    if args["attention"] == "flashmla" and args["model"] in MODELS:
+        args["page_size"] = 64  # FlashMLA's fp8 pages hold 64 tokens (the model runs at FlashMLA's dims)
     if env is not None and args["cp"] is not None and args["cp"] != env[1]:
         return args, f"--cp must equal torchrun's WORLD_SIZE={env[1]} (or be left out), got --cp {args['cp']}"
     if env is not None and args["pd"] and os.environ.get("LOCAL_WORLD_SIZE", str(env[1])) != str(env[1]):

@@ -13,9 +13,20 @@ import torch
 
 from dtkv._util import cdiv
 
-__all__ = ["DTYPES", "DemoModel", "load", "num_pages", "prompts"]
+__all__ = ["DTYPES", "FLASHMLA_DIMS", "REFERENCE_FLASHMLA", "DemoModel", "load", "num_pages", "prompts", "vocab_of"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+FLASHMLA_DIMS = {
+    "num_attention_heads": 64,
+    "num_key_value_heads": 64,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "index_head_dim": 128,
+}
+"""``--attention flashmla``: the tiny transformers models at FlashMLA's dims (pages of 64 tokens; the indexer's rope
+of 64 dims needs more than 64 indexer dims)."""
+REFERENCE_FLASHMLA = {"num_heads": 64, "kv_lora_rank": 512, "rope_dim": 64, "quant_block": 128}
+"""``--attention flashmla``: the reference model at FlashMLA's dims."""
 
 
 @dataclass
@@ -66,12 +77,15 @@ def load(args: dict, device: torch.device) -> DemoModel:
         from dtkv.model import ModelConfig
 
         m.cfg = replace(ModelConfig(), page_size=args["page_size"], kv_dtype=args["kv_dtype"])
+        if args.get("attention") == "flashmla":
+            m.cfg = replace(m.cfg, **REFERENCE_FLASHMLA)
         return m
     dtype = DTYPES[args["dtype"]] if args.get("dtype") else None
     if args["model"] in ("deepseek-v32", "glm5"):
         from dtkv.integrations.transformers import tiny_model
 
-        m.lm = tiny_model(args["model"], seed=args["seed"], dtype=dtype or torch.float32, device=device)
+        dims = FLASHMLA_DIMS if args.get("attention") == "flashmla" else {}
+        m.lm = tiny_model(args["model"], seed=args["seed"], dtype=dtype or torch.float32, device=device, **dims)
     else:
         from dtkv.integrations.transformers import load_model
 

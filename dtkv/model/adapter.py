@@ -1,16 +1,15 @@
 """``ReferenceAdapter``: the tiny DSA reference model (:class:`dtkv.model.TinyDSA`) as a runtime model adapter.
 
 Per layer (:meth:`ReferenceAdapter.forward`): :meth:`TinyDSA.project` gives the latent row, the indexer key and the
-queries; the rows go to ``ctx.write``; an extend step reads the full views and runs :meth:`TinyDSA.attend` per
-request segment over its key-table rows (:attr:`dtkv.runtime.StepPlan.groups`), a sharded decode step calls
+queries; the rows go to ``ctx.write``; an extend step reads the full views and runs :meth:`TinyDSA.attend_view` per
+request segment over its key-table rows (:attr:`dtkv.runtime.StepPlan.groups`) through the runtime's attention
+backend, a sharded decode step calls
 ``ctx.decode_attention`` with the queries (the reference model's attention is MLA in absorbed form already:
 ``q_nope`` is ``[N, H, R]``); :meth:`TinyDSA.finish_layer` continues. Everything is float64 and rounded to the
 stored formats (see :mod:`dtkv.model.model`).
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -43,7 +42,7 @@ class ReferenceAdapter(ModelAdapter):
             layouts=c.layouts, num_layers=c.num_layers, vocab_size=c.vocab_size, index_topk=c.index_topk,
             num_heads=c.num_heads, kv_lora_rank=c.kv_lora_rank, rope_dim=c.rope_dim,
         )  # fmt: skip
-        self.softmax_scale = 1.0 / math.sqrt(c.kv_lora_rank + c.rope_dim)
+        self.softmax_scale = self.model.softmax_scale
 
     def describe(self) -> dict[str, object]:
         return {**super().describe(), "seed": self.cfg.seed, "d_model": self.cfg.d_model}
@@ -66,10 +65,11 @@ class ReferenceAdapter(ModelAdapter):
         return h
 
     def _attend(self, ctx: StepContext, layer: int, q: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
-        """Sparse attention of this rank's rows over the step's full views, request segment by segment."""
+        """Sparse attention of this rank's rows over the step's full views, request segment by segment: the
+        indexer's top-k (:meth:`TinyDSA.select`) over the dequantized index keys, then ``ctx.attention`` (the
+        runtime's backend) over the stored MLA pages (:meth:`TinyDSA.attend_view`)."""
         cfg, plan = self.cfg, ctx.plan
         views = ctx.views(layer, ("index", "kv"))
-        keys = read_rows(views["kv"], cfg.kv_layout, torch.float64)
         index_keys = read_rows(views["index"], cfg.index_layout, torch.float64)
         attn = h.new_zeros((h.shape[0], cfg.num_heads * cfg.kv_lora_rank), dtype=torch.float64)
         queries = {k: v for k, v in q.items() if k not in ("kv", "index_k")}
@@ -77,7 +77,9 @@ class ReferenceAdapter(ModelAdapter):
             start = plan.key_indptr[req_i]
             rows = plan.key_slots[start : start + kv_len]
             qs = {k: v[lo:hi] for k, v in queries.items()}
-            attn[lo:hi] = self.model.attend(qs, plan.positions[lo:hi], keys[rows], index_keys[rows])
+            attn[lo:hi] = self.model.attend_view(
+                qs, plan.positions[lo:hi], views["kv"], rows, index_keys[rows], ctx.attention
+            )
         return attn
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

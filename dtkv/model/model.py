@@ -22,9 +22,12 @@ import math
 
 import torch
 
+from dtkv.attention import AttentionBackend, AttentionSpec
+from dtkv.layouts import MLAFp8Layout, MLALatentLayout
 from dtkv.model.config import ModelConfig
+from dtkv.ops.sparse_mla import sparse_mla_torch
 
-__all__ = ["TinyDSA"]
+__all__ = ["TinyDSA", "attention_spec"]
 
 F64 = torch.float64
 
@@ -57,6 +60,13 @@ def _rope(x_NXE: torch.Tensor, pos_N: torch.Tensor) -> torch.Tensor:
     cos, sin = torch.cos(ang), torch.sin(ang)
     x0, x1 = x_NXE[..., 0::2], x_NXE[..., 1::2]
     return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+
+
+def attention_spec(cfg: ModelConfig) -> AttentionSpec:
+    """What the model's sparse attention looks like to a backend (:mod:`dtkv.attention`)."""
+    layout = cfg.kv_layout
+    assert isinstance(layout, (MLALatentLayout, MLAFp8Layout)), f"an MLA layout, got {layout!r}"
+    return AttentionSpec(num_heads=cfg.num_heads, layout=layout, topk=cfg.index_topk)
 
 
 class TinyDSA:
@@ -178,19 +188,57 @@ class TinyDSA:
     ) -> torch.Tensor:
         """MLA attention of ``N`` queries over the selected rows ``keys_SC[top_idx_NK]`` (invalid ones masked).
 
+        The torch reference of :mod:`dtkv.attention` in float64 over already dequantized rows.
+
         Returns:
             float64 ``[N, H * R]``.
         """
         cfg = self.cfg
-        n = top_idx_NK.shape[0]
-        sel_NKC = keys_SC[top_idx_NK]  # [N, K, R + E]
-        latent_NKR, rope_NKE = sel_NKC[..., : cfg.kv_lora_rank], sel_NKC[..., cfg.kv_lora_rank :]
-        logits_NHK = torch.einsum("nhr,nkr->nhk", q["q_nope"], latent_NKR)
-        logits_NHK = logits_NHK + torch.einsum("nhe,nke->nhk", q["q_rope"], rope_NKE)
-        logits_NHK = logits_NHK / math.sqrt(cfg.kv_lora_rank + cfg.rope_dim)
-        logits_NHK = logits_NHK.masked_fill(~valid_NK[:, None, :], float("-inf"))
-        p_NHK = torch.softmax(logits_NHK, dim=-1)
-        return torch.einsum("nhk,nkr->nhr", p_NHK, latent_NKR).reshape(n, -1)
+        idx = torch.where(valid_NK, top_idx_NK, torch.full_like(top_idx_NK, -1))
+        out, _ = sparse_mla_torch(self.queries(q), keys_SC, idx, self.softmax_scale, cfg.kv_lora_rank, cfg.rope_dim, 0)
+        return out.reshape(top_idx_NK.shape[0], -1)
+
+    def attend_view(
+        self,
+        q: dict[str, torch.Tensor],
+        pos_N: torch.Tensor,
+        kv_pages: torch.Tensor,
+        key_slots_S: torch.Tensor,
+        index_keys_SJ: torch.Tensor,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """:meth:`attend` through an attention backend reading the stored pages themselves (no dequantized copy).
+
+        The indexer's top-k (:meth:`select`) picks key positions; ``key_slots_S`` turns them into token slots of
+        ``kv_pages`` (a full view or a pool, in the stored format), and ``backend`` (:mod:`dtkv.attention`) attends
+        over those rows. The queries go in the backend's dtype (FlashMLA: bf16), the output comes back as float64.
+
+        Args:
+            q: the query entries of :meth:`project`, sliced to the ``N`` rows.
+            pos_N: positions of the queries (int64).
+            kv_pages: ``[V, page_size, row]`` the layer's stored MLA pages (view or pool).
+            key_slots_S: int64 ``[S]`` token slot in ``kv_pages`` of key positions ``0..S-1``.
+            index_keys_SJ: float64 ``[S, J]`` stored indexer keys (dequantized).
+            backend: from :func:`dtkv.attention.resolve_attention` for this model's :class:`AttentionSpec`.
+
+        Returns:
+            float64 ``[N, H * R]``.
+        """
+        top_idx_NK, valid_NK = self.select(q, pos_N, index_keys_SJ)
+        slots = torch.where(valid_NK, key_slots_S[top_idx_NK], torch.full_like(top_idx_NK, -1))
+        idx = backend.indices(slots, kv_pages)
+        out, _ = backend.prefill(backend.cast_queries(self.queries(q)), kv_pages, idx, softmax_scale=self.softmax_scale)
+        return out.to(F64).reshape(top_idx_NK.shape[0], -1)
+
+    @property
+    def softmax_scale(self) -> float:
+        """Logit scale of the latent attention: ``1 / sqrt(R + E)``."""
+        return 1.0 / math.sqrt(self.cfg.kv_lora_rank + self.cfg.rope_dim)
+
+    @staticmethod
+    def queries(q: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The attention query of :mod:`dtkv.attention`: ``[N, H, R + E]`` (``q_nope`` then ``q_rope``)."""
+        return torch.cat((q["q_nope"], q["q_rope"]), dim=-1)
 
     def finish_layer(self, layer: int, h_ND: torch.Tensor, attn_NX: torch.Tensor) -> torch.Tensor:
         """Output projection, residual and MLP: the next hidden state (float32 ``[N, D]``)."""

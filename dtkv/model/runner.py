@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from dtkv._util import warn_deprecated
+from dtkv.attention import AttentionBackend, AttentionName
 from dtkv.model.adapter import ReferenceAdapter
 from dtkv.model.config import ModelConfig
 from dtkv.ownership import OwnershipScheme
@@ -35,7 +36,7 @@ class ModelRunner(Runtime):
         ownership_scheme: ``Runtime(scheme=...)``.
         ownership_layout: deprecated name of ``ownership_scheme`` (warns).
         device: where pools and compute live.
-        prefix_cache, decode_mode: as :class:`dtkv.runtime.Runtime`.
+        prefix_cache, decode_mode, attention: as :class:`dtkv.runtime.Runtime`.
     """
 
     def __init__(
@@ -51,6 +52,7 @@ class ModelRunner(Runtime):
         device: torch.device | str = "cpu",
         prefix_cache: bool = False,
         decode_mode: DecodeMode = "full",
+        attention: AttentionName | AttentionBackend = "auto",
     ) -> None:
         warn_deprecated("dtkv.model.ModelRunner", "dtkv.runtime.Runtime(dtkv.model.ReferenceAdapter(cfg), ...)")
         if ownership_layout is not None:
@@ -60,7 +62,7 @@ class ModelRunner(Runtime):
             raise ValueError(f"mode must be one of {KV_MODES}, got mode={mode!r}")
         super().__init__(
             ReferenceAdapter(cfg, device), num_pages=num_pages, group=group, mode=mode, split=split,
-            scheme=ownership_scheme, decode_mode=decode_mode, prefix_cache=prefix_cache,
+            scheme=ownership_scheme, decode_mode=decode_mode, prefix_cache=prefix_cache, attention=attention,
         )  # fmt: skip
 
     @property

@@ -42,7 +42,8 @@ class StepContext:
         plan: the extend step's :class:`dtkv.runtime.StepPlan` (``None`` in a sharded decode step).
         decode: the sharded decode step's :class:`dtkv.decode.DecodePlan` (``None`` in an extend step).
         materializer: the extend step's :class:`dtkv.materialize.Materializer` when it prefetches, else ``None``.
-        attention: the runtime's attention backend argument.
+        attention: the runtime's :class:`dtkv.attention.AttentionBackend` (``name``: ``"torch"``, ``"triton"`` or
+            ``"flashmla"``).
         layouts: the pools' layouts, by name.
         page_size: tokens per page.
     """

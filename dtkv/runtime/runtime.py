@@ -15,6 +15,7 @@ from dtkv._checks import check_int
 from dtkv._collectives import all_gather_rows, group_rank, group_size
 from dtkv._util import cdiv
 from dtkv.allocator import PageAllocator
+from dtkv.attention import AttentionBackend, AttentionName, AttentionSpec, resolve_attention
 from dtkv.materialize import Materializer
 from dtkv.ownership import OwnershipScheme, PageOwnership, ownership_spec
 from dtkv.pool import ShardedKVPool, gather_pages
@@ -66,7 +67,11 @@ class Runtime:
             (attention where the pages are: no full view, no page movement; not with ``mode="replicated"``).
         prefix_cache: keep a :class:`dtkv.PrefixCache`: new requests start from their prompt's longest cached
             prefix of full pages; finished requests' full pages stay cached until evicted (LRU).
-        attention: the attention backend the model's attention reads (``ctx.attention``).
+        attention: the attention backend of prefill and full-view decode (:mod:`dtkv.attention`; the model's
+            attention reads it as ``ctx.attention``): ``"auto"`` (the fastest available on the model's device that
+            fits: torch on a CPU), ``"torch"`` (the parity reference), ``"triton"``, ``"flashmla"`` (its fit rules:
+            :func:`dtkv.attention.check_fit`), or a resolved backend. The choice is :attr:`attention` (its
+            ``reason`` says why). Sharded decode keeps :mod:`dtkv.decode`'s own math.
         batch_invariant: run every step under :func:`dtkv.runtime.batch_invariant`, so a token's results do not
             depend on the tokens sharing its step (what bitwise prefix-cache parity needs from float32 models).
 
@@ -75,6 +80,7 @@ class Runtime:
         pool: the :class:`dtkv.ShardedKVPool` (``"kv"`` and ``"index"``, one layer per model layer).
         allocator: the SPMD :class:`dtkv.PageAllocator` (over the CP group's ownership in the sharded modes).
         prefix_cache: the :class:`dtkv.PrefixCache`, or None.
+        attention: the resolved :class:`dtkv.attention.AttentionBackend`.
         stats: counters: ``steps``, ``direct_rows``, ``handoff_rows``, ``scratch_bytes`` (largest materialization
             scratch per rank), ``prefix_prompt_tokens``, ``prefix_hit_tokens``, ``sharded_decode_steps``,
             ``decode_comm_bytes``, ``topk_checks``.
@@ -95,7 +101,7 @@ class Runtime:
         scheme: OwnershipScheme = "interleave",
         decode_mode: DecodeMode = "full",
         prefix_cache: bool = False,
-        attention: str = "torch",
+        attention: AttentionName | AttentionBackend = "auto",
         batch_invariant: bool = False,
     ) -> None:
         for name in ("spec", "device", "forward", "logits"):
@@ -121,7 +127,13 @@ class Runtime:
             )
         self.adapter, self.model_spec, self.device = adapter, adapter.spec, torch.device(adapter.device)
         self.mode, self.split_mode, self.decode_mode = mode, split, decode_mode
-        self.attention, self.batch_invariant = attention, bool(batch_invariant)
+        self.batch_invariant = bool(batch_invariant)
+        if isinstance(attention, AttentionBackend):
+            self.attention = attention
+        else:
+            spec = self.model_spec
+            fit = AttentionSpec(num_heads=spec.num_heads, layout=spec.layouts["kv"], topk=spec.index_topk)
+            self.attention = resolve_attention(attention, spec=fit, device=self.device)
         self.group = None if mode == "single" or group_size(group) == 1 else group
         self.cp, self.rank = group_size(self.group), group_rank(self.group)
         sharded = mode in ("sharded", "sharded_direct")
@@ -145,7 +157,7 @@ class Runtime:
             config = {
                 "mode": mode, "split": split, "scheme": scheme, "decode_mode": decode_mode, "num_pages": num_pages,
                 "prefix_cache": bool(prefix_cache), "batch_invariant": self.batch_invariant,
-                "attention": str(attention), "model": adapter.describe(),
+                "attention": self.attention.name, "model": adapter.describe(),
             }  # fmt: skip
             from dtkv.materialize._exchange import cpu_channel
 

@@ -14,11 +14,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dtkv.transfer._receive import ReceiveLoop
 from dtkv.transfer._side import TransferSide
 from dtkv.transfer.bootstrap import Bootstrap
 from dtkv.transfer.descriptors import as_pages
 from dtkv.transfer.errors import TransferError, format_pages
-from dtkv.transfer.messages import Aborted, Claim, DstRequest, Ready, SendOutcome, SendStart, SlotOpen
+from dtkv.transfer.liveness import Responder
+from dtkv.transfer.messages import Aborted, Claim, DstRequest, Ready, SlotOpen
+from dtkv.transfer.plan import check_pages
 from dtkv.transfer.protocol import (
     ABORT,
     AttemptKeys,
@@ -30,7 +33,7 @@ from dtkv.transfer.protocol import (
     request_key,
     time_left,
 )
-from dtkv.transfer.quarantine import PostedAttempt, Quarantine
+from dtkv.transfer.quarantine import PostedAttempt, Quarantine, check_not_pending
 from dtkv.transfer.shard import KVShard
 
 __all__ = ["DecodeReceiver", "ReceiveReport"]
@@ -63,7 +66,7 @@ class ReceiveReport:
     """Unpacking after the last sender finished (on the critical path)."""
 
 
-class DecodeReceiver(TransferSide):
+class DecodeReceiver(ReceiveLoop, TransferSide):
     """The decode side of PD transfer for the decode ranks hosted by this process.
 
     A non-CP decode hosts one shard of ``PageOwnership(1, num_pages)``; a CP decode runs one receiver per rank
@@ -73,9 +76,14 @@ class DecodeReceiver(TransferSide):
     Each decode rank grants its own staging region to at most one request at a time: to the first one posted
     while it is free, until that request was unpacked here (or, if it failed, until its quarantine ended).
 
-    **Failures and page reuse.** When a wait fails, prefill calls abandoned after a timeout may still be writing
-    into the request's pages (and staging region, and metadata slot). Those stay *quarantined* until every
-    prefill rank that took part reported its calls ended, or a grace period passed (:mod:`dtkv.transfer.protocol`);
+    **Liveness.** From the post until the wait ends (at least ``timeout_s`` after the post) the receiver answers
+    each prefill rank's claim of the attempt, on a thread of its own (:mod:`dtkv.transfer.liveness`); prefill
+    sends nothing before every decode rank answered, so a caller may post, send and wait on one thread.
+
+    **Failures and page reuse.** When a post or a wait fails, prefill calls abandoned after a timeout may still be
+    writing into the request's pages (and staging region, and metadata slot), and a decode rank's READY may still
+    land after the call gave up. Those stay *quarantined* until that write resolved and every prefill rank that
+    took part reported its calls ended, or a grace period passed (:mod:`dtkv.transfer.protocol`);
     :meth:`post_request` refuses quarantined pages. Free a failed request's pages only once :meth:`reclaim`
     lists it.
 
@@ -101,6 +109,7 @@ class DecodeReceiver(TransferSide):
         self._released: list[tuple[str, np.ndarray]] = []
         self._staging_holder: dict[int, PostedAttempt] = {}
         """hosted decode rank -> the attempt its staging region is granted to."""
+        self._responder = Responder(bootstrap, self.incarnation, self.timeout_s)
 
     @property
     def posts(self) -> bool:
@@ -124,20 +133,22 @@ class DecodeReceiver(TransferSide):
     ) -> None:
         """Publish where each position of ``request_id`` goes (``dst_pages``: int ``[num_positions]``).
 
+        Every argument is checked before anything changes: a rejected post writes nothing to the store and takes
+        no staging grant.
+
         Raises:
-            ValueError: ``request_id`` is already posted here and not waited for, or ``dst_pages`` (or
-                ``dst_meta_slot``) holds pages of a failed request still in quarantine.
+            TypeError: ``dst_pages`` is not a list of ints, or ``dst_meta_slot`` or ``num_tokens`` not an int.
+            ValueError: ``dst_pages`` holds a page outside the pool ``[0, num_pages)`` or one page twice,
+                ``dst_meta_slot`` is not a metadata row of every decode rank, ``num_tokens`` is negative,
+                ``request_id`` is already posted here and not waited for, or ``dst_pages`` (or ``dst_meta_slot``)
+                holds pages of a request posted here and not waited for yet, or of a failed one still in quarantine.
             TransferError: the store did not take the request in time (its pages are then quarantined too).
         """
         request_id = check_request_id(request_id)
         dst = as_pages("dst_pages", dst_pages)
         if self.prefill is None or self.decode is None:
             self.connect()
-        if request_id in self._pending:
-            raise ValueError(
-                f"request_id must not be pending on this receiver already (wait for it first), got "
-                f"request_id={request_id!r}"
-            )
+        dst_meta_slot = self._check_post(request_id, dst, num_tokens, dst_meta_slot)
         self._refresh(deadline_after(min(self.timeout_s, 0.5)))
         mine = self._mine(dst)
         self._quarantine.check_free(mine, dst_meta_slot)
@@ -158,6 +169,38 @@ class DecodeReceiver(TransferSide):
         except BaseException:
             self._fail(att)
             raise
+        if att.keys is not None:
+            self._responder.add(att)
+
+    def _check_post(self, request_id: str, dst: np.ndarray, num_tokens: object, meta_slot: object) -> int | None:
+        """Raise unless the post's arguments are valid now (changing nothing); the metadata slot as an int."""
+        if request_id in self._pending:
+            raise ValueError(
+                f"request_id must not be pending on this receiver already (wait for it first), got "
+                f"request_id={request_id!r}"
+            )
+        check_pages("dst_pages", dst, next(iter(self.shards.values())).ownership)
+        if num_tokens is not None:
+            if isinstance(num_tokens, bool | np.bool_) or not isinstance(num_tokens, int | np.integer):
+                raise TypeError(f"num_tokens must be None or an int >= 0, got {num_tokens!r}")
+            if num_tokens < 0:
+                raise ValueError(f"num_tokens must be None or an int >= 0, got {num_tokens}")
+        if meta_slot is not None:
+            if isinstance(meta_slot, bool | np.bool_) or not isinstance(meta_slot, int | np.integer):
+                raise TypeError(f"dst_meta_slot must be an int or None, got {meta_slot!r}")
+            meta_slot = int(meta_slot)
+            for ep in self.decode:
+                if ep.meta_num_rows == 0:
+                    raise ValueError(
+                        f"dst_meta_slot needs metadata rows on decode rank {ep.rank}, which registered none"
+                    )
+                if not 0 <= meta_slot < ep.meta_num_rows:
+                    raise ValueError(
+                        f"dst_meta_slot must be in [0, {ep.meta_num_rows}) (the metadata rows of decode rank "
+                        f"{ep.rank}), got dst_meta_slot={meta_slot}"
+                    )
+        check_not_pending(self._pending.values(), dst, meta_slot)
+        return meta_slot
 
     def _mine(self, pages: np.ndarray) -> np.ndarray:
         own = next(iter(self.shards.values())).ownership
@@ -202,24 +245,34 @@ class DecodeReceiver(TransferSide):
         )
 
     def _bind(self, att: PostedAttempt, deadline: float, *, wait: bool) -> None:
-        """(Decode ranks other than 0.) Take part in decode rank 0's current attempt: claim the hosted slots."""
+        """(Decode ranks other than 0.) Take part in decode rank 0's current attempt: claim the hosted slots.
+
+        The compare-and-set runs on the store worker and may land after this call gave up (a slow store): the
+        job records what it bound on ``att`` itself, and :meth:`_fail` fences it (its abort runs after it).
+        """
         key = request_key(att.request_id)
         hosted = sorted(self.shards)
 
         def job(s: dist.Store):
+            if att.closed:  # given up before this call ran: take part in nothing
+                return None
             if not s.check([key]):
                 return None
             req = self.bootstrap.decode(key, s.get(key), DstRequest, request_id=att.request_id, peer="decode rank 0")
             keys = AttemptKeys(att.request_id, req.epoch, req.num_prefill, req.num_decode)
+            att.cas_keys, att.cas_resolved = keys, False
             got = {}
             for d in hosted:
                 slot = keys.slot("decode", d)
                 ready = self.bootstrap.encode(slot, self._ready(keys, att, d))
                 raw = s.compare_set(slot, self.bootstrap.encode(slot, SlotOpen(epoch=keys.epoch)), ready)
                 got[d] = "bound" if raw == ready else self._slot_state(slot, raw)
-            if "bound" in got.values():
+            bound = tuple(d for d in hosted if got[d] == "bound")
+            if bound:
+                att.keys, att.bound = keys, bound
                 self._hold(keys, True)
                 self._write_open(s)
+            att.cas_resolved = True
             return req, keys, got
 
         backoff = Backoff(
@@ -237,9 +290,7 @@ class DecodeReceiver(TransferSide):
             )
             if out is not None:
                 req, keys, got = out
-                if "stale" not in got.values():  # an attempt this receiver already took part in is not this one
-                    att.bound = tuple(d for d in hosted if got[d] == "bound")
-                    att.keys = keys if att.bound else None  # not a party of the attempt: never touch its keys
+                if att.keys is not None or "stale" not in got.values():  # a stale attempt is an earlier one
                     if len(att.bound) < len(hosted):
                         raise TransferError(
                             "decode gave the request up before this rank took part",
@@ -282,6 +333,7 @@ class DecodeReceiver(TransferSide):
         try:
             if att.keys is None:
                 self._bind(att, deadline, wait=True)
+            self._responder.extend(att, deadline)
             starts, outcomes, unpack_s = self._wait_outcomes(att, deadline)
             t1 = time.perf_counter()
             self._check_coverage(att, starts)
@@ -308,138 +360,10 @@ class DecodeReceiver(TransferSide):
         self.post_request(request_id, dst_pages, **kwargs)
         return self.wait_request(request_id, timeout_s=timeout_s)
 
-    def _check_coverage(self, att: PostedAttempt, starts: list[SendStart]) -> None:
-        n = int(att.dst.shape[0])
-        positions = np.concatenate([st.positions for st in starts] + [np.zeros(0, np.int64)])
-        counts = np.bincount(positions[positions < n], minlength=n)
-        if positions.size != n or not np.all(counts == 1):
-            missing = np.flatnonzero(counts == 0)
-            repeated = np.flatnonzero(counts > 1)
-            raise TransferError(
-                f"positions must arrive exactly once, got missing {format_pages(missing)}, repeated "
-                f"{format_pages(repeated)} and {int((positions >= n).sum())} out of range",
-                request_id=att.request_id,
-                peer="prefill",
-                pages=att.dst[missing] if missing.size else (),
-            )
-
-    def _wait_outcomes(self, att: PostedAttempt, deadline: float):
-        """Poll every sender's progress counter; read its start and done records, unpack each group once it landed.
-
-        Returns ``(starts, outcomes, (unpack seconds, unpack seconds after the last done))``.
-        """
-        keys = att.keys
-        num_prefill = keys.num_prefill
-        starts: dict[int, SendStart] = {}
-        done: dict[int, SendOutcome] = {}
-        unpacked = dict.fromkeys(range(num_prefill), 0)  # layer groups of each sender unpacked so far
-        unpack_s = [0.0, 0.0]
-        rid = att.request_id
-
-        def unpack_upto(r: int, stop: int, tail: bool) -> None:
-            st = starts[r]
-            t = time.perf_counter()
-            for g in range(unpacked[r], stop):
-                layers = slice(int(st.layer_bounds[g]), int(st.layer_bounds[g + 1]))
-                for d, shard in self.shards.items():
-                    shard.unpack(st.unpack.get(d, ()), layers)
-            unpacked[r] = max(unpacked[r], stop)
-            dt = time.perf_counter() - t
-            unpack_s[0] += dt
-            unpack_s[1] += dt if tail else 0.0
-
-        def poll(s: dist.Store) -> list:
-            out = []
-            for r in range(num_prefill):
-                if r in done:
-                    out.append(None)
-                    continue
-                p = Progress(s.add(keys.progress(r), 0))
-                start = s.get(keys.start(r)) if p.started and r not in starts else None
-                outcome = s.get(keys.done(r)) if p.done else None
-                out.append((p, start, outcome))
-            return out
-
-        timeout = lambda: TransferError(
-            f"timed out waiting for prefill ranks {sorted(set(range(num_prefill)) - set(done))}",
-            request_id=rid,
-            peer=f"prefill rank {min(set(range(num_prefill)) - set(done))}",
-            pages=att.dst,
-        )
-        backoff = Backoff(deadline, timeout)
-        while len(done) < num_prefill:
-            if time_left(deadline) <= 0:
-                raise timeout()
-            polled = self.bootstrap.call(
-                poll, deadline=deadline, what=f"poll {keys.prefix}", request_id=rid, peer="prefill"
-            )
-            progressed = False
-            for r, item in enumerate(polled):
-                if item is None:
-                    continue
-                p, start_raw, done_raw = item
-                peer = f"prefill rank {r}"
-                if p.aborted:
-                    raise TransferError(
-                        "a decode rank gave the request up", request_id=rid, peer="decode", pages=att.dst
-                    )
-                if start_raw is not None:
-                    starts[r] = self._checked_start(keys, r, start_raw)
-                    progressed = True
-                if done_raw is not None:
-                    out = self.bootstrap.decode(keys.done(r), done_raw, SendOutcome, request_id=rid, peer=peer)
-                    if not out.ok:
-                        raise TransferError(out.error, request_id=rid, peer=peer, pages=att.dst)
-                    if r not in starts:
-                        raise TransferError("reported done without a start", request_id=rid, peer=peer)
-                    done[r] = out
-                    progressed = True
-                if r in starts and min(p.groups_landed, starts[r].layer_bounds.shape[0] - 1) > unpacked[r]:
-                    unpack_upto(r, min(p.groups_landed, starts[r].layer_bounds.shape[0] - 1), tail=False)
-                    progressed = True
-            if len(done) < num_prefill:
-                backoff.wait(progressed)
-        for r in range(num_prefill):  # the groups not announced separately (at least the last one)
-            unpack_upto(r, int(starts[r].layer_bounds.shape[0]) - 1, tail=True)
-        order = range(num_prefill)
-        return [starts[r] for r in order], [done[r] for r in order], unpack_s
-
-    def _checked_start(self, keys: AttemptKeys, r: int, raw: bytes) -> SendStart:
-        """A sender's start, checked against the hosted shards before any of its copies runs."""
-        key = keys.start(r)
-        st = self.bootstrap.decode(key, raw, SendStart, request_id=keys.request_id, peer=f"prefill rank {r}")
-        problem = ""
-        num_layers = next(iter(self.shards.values())).num_layers
-        if st.rank != r:
-            problem = f"it describes prefill rank {st.rank}"
-        elif int(st.layer_bounds[-1]) != num_layers:
-            problem = f"its layer groups end at layer {int(st.layer_bounds[-1])}, not {num_layers}"
-        else:
-            for d, copies in st.unpack.items():
-                if d in self.shards:
-                    try:
-                        self.shards[d].check_copies(copies)
-                    except ValueError as e:
-                        problem = f"decode rank {d}: {e}"
-                        break
-                    if not self._pending_staging(keys.request_id, d):
-                        problem = f"it unpacks decode rank {d}'s staging, which this request was not granted"
-                        break
-        if problem:
-            raise TransferError(
-                f"malformed value under key {self.bootstrap.namespace}/{key}: {problem}",
-                request_id=keys.request_id,
-                peer=f"prefill rank {r}",
-            )
-        return st
-
-    def _pending_staging(self, request_id: str, d: int) -> bool:
-        att = self._pending.get(request_id)
-        return att is not None and att.staging.get(d, False)
-
     # ------------------------------------------------------------------------------------------ outcome
     def _succeed(self, att: PostedAttempt) -> None:
         self._pending.pop(att.request_id, None)
+        att.closed = True
         self._release_staging(att)
         keys, weight = att.keys, len(att.bound)
 
@@ -453,13 +377,15 @@ class DecodeReceiver(TransferSide):
         self.bootstrap.post(job, what=f"finish {keys.prefix}")
 
     def _fail(self, att: PostedAttempt) -> None:
-        """Give the attempt up: close the open slots, tell the claimed senders, quarantine the pages."""
+        """Give the attempt up: close the open slots, tell the claimed senders, quarantine the pages.
+
+        The abort is queued behind every earlier store call of this receiver, so it runs after a bind that was
+        still queued or running when its caller gave up (:meth:`_fence`): until it ran, which senders to wait for
+        is not known and the pages stay quarantined.
+        """
         self._pending.pop(att.request_id, None)
-        if att.keys is None:  # nobody could have planned a transfer into these pages
-            self._release(att)
-            return
-        keys, bound = att.keys, set(att.bound)
-        att.abort = self.bootstrap.post(lambda s: self._abort(s, keys, bound), what=f"abort {keys.prefix}")
+        att.closed = True  # no bind that has not started runs, no claim is answered any more
+        att.abort = self.bootstrap.post(lambda s: self._fence(s, att), what=f"abort {att.request_id!r}")
         self._quarantine.add(att)
         try:
             att.abort.result(timeout=_ABORT_WAIT_S)
@@ -467,9 +393,36 @@ class DecodeReceiver(TransferSide):
             pass
         self._refresh(deadline_after(0.0))
 
-    def _abort(self, s: dist.Store, keys: AttemptKeys, parties: set[int]):
+    def _fence(self, s: dist.Store, att: PostedAttempt):
+        """(On the store worker, after every earlier call for ``att``.) Abort what ``att`` took part in, if anything.
+
+        Returns ``(claimed prefill rank -> (Claim, drained), when the abort took effect)``: nothing claimed when
+        this receiver never bound a slot of the attempt (nobody can send into the pages then).
+        """
+        if att.keys is None and att.cas_keys is not None and not att.cas_resolved:
+            self._read_bind(s, att)  # the bind failed inside the store call: whether its READY landed is unknown
+        if att.keys is None:
+            return {}, time.monotonic()
+        return self._abort(s, att.keys, set(att.bound), att.answered)
+
+    def _read_bind(self, s: dist.Store, att: PostedAttempt) -> None:
+        """(On the store worker.) Record the hosted slots of ``att.cas_keys`` that hold this receiver's READY."""
+        keys = att.cas_keys
+        bound = []
+        for d in sorted(self.shards):
+            slot = keys.slot("decode", d)
+            if s.check([slot]) and s.get(slot) == self.bootstrap.encode(slot, self._ready(keys, att, d)):
+                bound.append(d)
+        if bound:
+            att.keys, att.bound = keys, tuple(bound)
+            self._hold(keys, True)
+            self._write_open(s)
+        att.cas_resolved = True
+
+    def _abort(self, s: dist.Store, keys: AttemptKeys, parties: set[int], answered: dict[int, Claim] | None = None):
         """(On the store worker.) Close every OPEN slot of ``keys`` except decode ``parties``' and finish those
-        slots; add ABORT to every claimed prefill rank's progress. Returns ``(claimed, when)``."""
+        slots; add ABORT to every claimed prefill rank's progress, and to every rank whose claim this receiver
+        answered (``answered``: it may send whatever its slot holds now). Returns ``(claimed, when)``."""
         closed = 0
         claimed: dict[int, tuple[Claim, bool]] = {}
         aborted = Aborted(epoch=keys.epoch, by=self.uid)
@@ -486,6 +439,9 @@ class DecodeReceiver(TransferSide):
                 msg = self.bootstrap.decode(slot, raw, SlotOpen, Claim, Aborted)
                 if isinstance(msg, Claim):
                     claimed[rank] = (msg, Progress(s.add(keys.progress(rank), ABORT)).drained)
+        for r, claim in (answered or {}).items():
+            if r not in claimed:
+                claimed[r] = (claim, Progress(s.add(keys.progress(r), ABORT)).drained)
         when = time.monotonic()
         if self.posts and 0 in parties:
             self._drop_request_key(s, keys)
@@ -523,17 +479,17 @@ class DecodeReceiver(TransferSide):
         self._quarantine.remove(att)
         self._release_staging(att)
         self._released.append((att.request_id, att.dst))
-        keys, weight = att.keys, len(att.bound)
-        if keys is None:
-            return
 
         def job(s: dist.Store) -> None:
+            keys, weight = att.keys, len(att.bound)  # read here: after every bind and abort of the attempt
+            if keys is None:
+                return
             self._hold(keys, False)
             self._write_open(s)
             if weight:
                 keys.finish(s, weight)
 
-        self.bootstrap.post(job, what=f"finish {keys.prefix}")
+        self.bootstrap.post(job, what=f"finish {att.request_id!r}")
 
     def _release_staging(self, att: PostedAttempt) -> None:
         for d in [d for d, holder in self._staging_holder.items() if holder is att]:
@@ -556,11 +512,11 @@ class DecodeReceiver(TransferSide):
     # ------------------------------------------------------------------------------------------ close, restart
     def _release_attempts(self) -> None:
         """(Close, memory unregistered: late bytes can no longer land.) Give up and finish every attempt."""
+        self._responder.close()
         for att in list(self._pending.values()):
             self._pending.pop(att.request_id, None)
-            if att.keys is not None:
-                keys, bound = att.keys, set(att.bound)
-                att.abort = self.bootstrap.post(lambda s, k=keys, b=bound: self._abort(s, k, b), what="abort")
+            att.closed = True
+            att.abort = self.bootstrap.post(lambda s, a=att: self._fence(s, a), what="abort")
             self._release(att)
         for att in list(self._quarantine.attempts):
             self._release(att)

@@ -13,11 +13,12 @@ import numpy as np
 
 from dtkv.ownership import PageOwnership
 from dtkv.transfer.descriptors import BufferSpec, RankEndpoint, StageCopy
-from dtkv.transfer.protocol import check_epoch
+from dtkv.transfer.protocol import check_epoch, check_nonce
 from dtkv.transfer.wire import Kind, WireError
 
 __all__ = [
     "Aborted",
+    "Answer",
     "Claim",
     "DstRequest",
     "OpenList",
@@ -56,6 +57,12 @@ def _text(name: str, s: str, *, nonempty: bool = False, limit: int = MAX_TEXT) -
 def _epoch(s: str) -> str:
     if not check_epoch(s):
         raise WireError(f"epoch must be 16 hex digits, got {s[:40]!r}")
+    return s
+
+
+def _nonce(s: str) -> str:
+    if not check_nonce(s):
+        raise WireError(f"nonce must be 32 hex digits, got {s[:40]!r}")
     return s
 
 
@@ -226,7 +233,8 @@ class Ready:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Claim:
-    """A prefill rank's claimed slot: it sends, issuing no engine call after ``window_ms`` from the claim."""
+    """A prefill rank's claimed slot: it sends once every decode rank answered ``nonce``, issuing no engine call
+    after ``window_ms`` from the claim."""
 
     KIND = Kind.CLAIM
     epoch: str
@@ -236,9 +244,12 @@ class Claim:
     """Milliseconds after the claim in which the rank may still issue engine calls (its deadline)."""
     call_timeout_ms: int
     """Longest an engine call of the rank may run (Mooncake: ``MC_TRANSFER_TIMEOUT`` + 1 ns per byte)."""
+    nonce: str
+    """Fresh per claim (:func:`dtkv.transfer.protocol.new_nonce`): what every decode rank holding the attempt
+    answers (:class:`Answer`) before any byte is sent."""
 
     def to_fields(self) -> list:
-        return [self.epoch, self.rank, self.incarnation, self.window_ms, self.call_timeout_ms]
+        return [self.epoch, self.rank, self.incarnation, self.window_ms, self.call_timeout_ms, self.nonce]
 
     @classmethod
     def from_fields(cls, f: list) -> Claim:
@@ -248,12 +259,43 @@ class Claim:
             incarnation=f[2],
             window_ms=_int("window_ms", f[3], 0, 1 << 40),
             call_timeout_ms=_int("call_timeout_ms", f[4], 0, 1 << 40),
+            nonce=_nonce(f[5]),
         )
 
     @property
     def grace_s(self) -> float:
         """How long after an abort the rank's abandoned calls may still write."""
         return (self.window_ms + self.call_timeout_ms) / 1e3
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Answer:
+    """Decode rank ``decode_rank`` holds the attempt and answers prefill rank ``prefill_rank``'s claim ``nonce``
+    (the liveness proof prefill waits for before sending; with a secret, only a live decode can write it)."""
+
+    KIND = Kind.ANSWER
+    epoch: str
+    prefill_rank: int
+    decode_rank: int
+    nonce: str
+    incarnation: int
+    """The decode rank's endpoint incarnation (prefill sends only to the buffers that incarnation published)."""
+    staging: bool = False
+    """Whether the decode rank's staging region is granted to the attempt."""
+
+    def to_fields(self) -> list:
+        return [self.epoch, self.prefill_rank, self.decode_rank, self.nonce, self.incarnation, int(self.staging)]
+
+    @classmethod
+    def from_fields(cls, f: list) -> Answer:
+        return cls(
+            epoch=_epoch(f[0]),
+            prefill_rank=_int("prefill_rank", f[1], 0, MAX_RANKS),
+            decode_rank=_int("decode_rank", f[2], 0, MAX_RANKS),
+            nonce=_nonce(f[3]),
+            incarnation=f[4],
+            staging=_flag("staging", f[5]),
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

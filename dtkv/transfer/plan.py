@@ -32,7 +32,7 @@ from dtkv.transfer.descriptors import (
     check_compatible,
 )
 
-__all__ = ["PlanOptions", "disable_staging", "layer_bounds", "plan_request"]
+__all__ = ["PlanOptions", "check_pages", "disable_staging", "layer_bounds", "plan_request"]
 
 Staging = Literal["auto", "off", "full"]
 _STAGING = ("auto", "off", "full")
@@ -88,7 +88,8 @@ def _map(ownership: PageOwnership, pages: np.ndarray) -> tuple[np.ndarray, np.nd
     return ownership.owner(t).numpy(), ownership.local_index(t).numpy()
 
 
-def _check_range(name: str, pages: np.ndarray, ownership: PageOwnership) -> None:
+def check_pages(name: str, pages: np.ndarray, ownership: PageOwnership) -> None:
+    """Raise ``ValueError`` unless ``pages`` are distinct logical pages of ``ownership``'s pool."""
     if pages.size == 0:
         return
     bad = (pages < 0) | (pages >= ownership.num_pages)
@@ -142,8 +143,8 @@ def plan_request(
     if src.shape != dst.shape:
         raise ValueError(f"src_pages and dst_pages must have equal lengths, got {src.shape[0]} and {dst.shape[0]}")
     own_p, own_d = prefill[0].ownership, decode[0].ownership
-    _check_range("src_pages", src, own_p)
-    _check_range("dst_pages", dst, own_d)
+    check_pages("src_pages", src, own_p)
+    check_pages("dst_pages", dst, own_d)
     meta = _check_meta(prefill, decode, opts, src_meta_slot, dst_meta_slot)
     src_owner, src_local = _map(own_p, src)
     dst_owner, dst_local = _map(own_d, dst)

@@ -11,29 +11,28 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
 from dtkv._util import cdiv
+from dtkv.transfer._claim import Attempt, ClaimSteps, check_not_aborted
 from dtkv.transfer._side import TransferSide
 from dtkv.transfer.bootstrap import Bootstrap
 from dtkv.transfer.descriptors import RequestPlan, as_pages
 from dtkv.transfer.engine import MAX_ENTRIES_PER_CALL, send_entries
 from dtkv.transfer.errors import TransferError
-from dtkv.transfer.messages import Aborted, Claim, DstRequest, Ready, SendOutcome, SendStart, SlotOpen
+from dtkv.transfer.messages import Aborted, Claim, DstRequest, SendOutcome, SendStart, SlotOpen
 from dtkv.transfer.plan import PlanOptions, plan_request
 from dtkv.transfer.protocol import (
     DONE,
     DRAINED,
     STARTED,
     AttemptKeys,
-    Backoff,
     Progress,
     check_request_id,
     deadline_after,
-    request_key,
     time_left,
 )
 from dtkv.transfer.shard import KVShard
@@ -65,28 +64,7 @@ class SendReport:
     """The rest: engine calls not overlapped by packing, and store updates."""
 
 
-@dataclass(eq=False)
-class _Attempt:
-    """This process's share of one attempt: its ranks' claims and the engine calls it submitted."""
-
-    keys: AttemptKeys
-    ranks: tuple[int, ...]
-    claims: dict[int, bytes]
-    """rank -> the exact bytes of its claim (a slot holding them is this side's)."""
-    calls: list[Future] = field(default_factory=list)
-    concluded: bool = False
-    polled: tuple | None = None
-    """The decode slots and own progress read right after claiming (saves the first poll's round trip)."""
-
-    def poll(self, s: dist.Store) -> tuple[list[bytes | None], list[int]]:
-        """(On the store worker.) Every decode rank's slot and this side's progress counters."""
-        slots = [self.keys.slot("decode", d) for d in range(self.keys.num_decode)]
-        return [s.get(k) if s.check([k]) else None for k in slots], [
-            s.add(self.keys.progress(r), 0) for r in self.ranks
-        ]
-
-
-class PrefillSender(TransferSide):
+class PrefillSender(ClaimSteps, TransferSide):
     """The prefill side of PD transfer for the CP ranks hosted by this process (normally one).
 
     Registers the shards with the engine and publishes their endpoints at construction; :meth:`connect` then
@@ -214,8 +192,9 @@ class PrefillSender(TransferSide):
                 )
                 for sp in senders
             }
+            pack(0)  # while decode answers the claims
+            self._wait_answers(att, deadline, ready)  # no byte is sent to an attempt whose liveness is not proven
             self._advance(att, deadline, starts=starts)
-            pack(0)
             calls = 0
             peers = [p for sp in senders for p in sp.peers]
             for g in range(plan.num_layer_groups):
@@ -269,136 +248,7 @@ class PrefillSender(TransferSide):
         )
 
     # ------------------------------------------------------------------------------------------ protocol steps
-    def _claim(self, request_id: str, ranks: tuple[int, ...], deadline: float) -> tuple[DstRequest, _Attempt]:
-        """Wait for decode's current attempt of ``request_id`` and claim every hosted rank's slot in it.
-
-        An attempt whose slots decode already closed (it gave up) is skipped; the wait goes on for a newer one.
-        """
-        key = request_key(request_id)
-        peer = "decode rank 0"
-        backoff = Backoff(
-            deadline, lambda: TransferError(f"timed out waiting for {key!r}", request_id=request_id, peer="decode")
-        )
-        refused: set[str] = set()
-        call_ms = int(self.engine.call_timeout_s() * 1e3) + 1
-        while True:
-            req = self.bootstrap.try_get(key, DstRequest, deadline=deadline, request_id=request_id, peer=peer)
-            if req is not None and req.epoch not in refused:
-                keys = AttemptKeys(request_id, req.epoch, req.num_prefill, req.num_decode)
-                self._check_party_counts(keys, deadline)
-                window_ms = int(time_left(deadline) * 1e3) + 1
-                claims, opens = {}, {}
-                for r in ranks:
-                    slot = keys.slot("prefill", r)
-                    claim = Claim(
-                        epoch=req.epoch,
-                        rank=r,
-                        incarnation=self.incarnation,
-                        window_ms=window_ms,
-                        call_timeout_ms=call_ms,
-                    )
-                    claims[r], opens[r] = (
-                        self.bootstrap.encode(slot, claim),
-                        self.bootstrap.encode(slot, SlotOpen(epoch=req.epoch)),
-                    )
-                att = _Attempt(keys=keys, ranks=ranks, claims=claims)
-
-                def claim_job(s: dist.Store, att: _Attempt = att, opens: dict = opens) -> list[int]:
-                    got = [
-                        r
-                        for r in ranks
-                        if s.compare_set(att.keys.slot("prefill", r), opens[r], att.claims[r]) == att.claims[r]
-                    ]
-                    if got:
-                        self._hold(att.keys, True)
-                        self._write_open(s)
-                    if len(got) == len(ranks):
-                        att.polled = att.poll(s)
-                    return got
-
-                try:
-                    mine = self.bootstrap.call(
-                        claim_job,
-                        deadline=deadline,
-                        what=f"claim {keys.prefix}",
-                        request_id=request_id,
-                        peer=peer,
-                        write=True,
-                    )
-                except TransferError as e:  # the claim may still land: conclude it whenever it does
-                    self._conclude(att, error=f"TransferError: {e}")
-                    raise
-                if len(mine) == len(ranks):
-                    return req, att
-                if mine:
-                    error = TransferError(
-                        f"prefill ranks {sorted(set(ranks) - set(mine))} found their slots closed (decode gave the "
-                        "request up)",
-                        request_id=request_id,
-                        peer="decode",
-                    )
-                    self._conclude(att, error=f"TransferError: {error}")
-                    raise error
-                refused.add(req.epoch)
-            backoff.wait()
-
-    def _wait_ready(self, att: _Attempt, deadline: float) -> list[Ready]:
-        """Wait until every decode rank took part in the attempt (its slot READY, with its staging grant)."""
-        keys = att.keys
-        slots = [keys.slot("decode", d) for d in range(keys.num_decode)]
-        backoff = Backoff(
-            deadline,
-            lambda: TransferError(
-                "timed out waiting for every decode rank to take part", request_id=keys.request_id, peer="decode"
-            ),
-        )
-        refreshed = False
-        while True:
-            if att.polled is not None:
-                (raws, progress), att.polled = att.polled, None
-            else:
-                raws, progress = self.bootstrap.call(
-                    att.poll,
-                    deadline=deadline,
-                    what=f"poll {keys.prefix}/decode",
-                    request_id=keys.request_id,
-                    peer="decode",
-                )
-            _check_not_aborted(keys, progress)
-            msgs = []
-            for d, (k, raw) in enumerate(zip(slots, raws)):
-                if raw is None:
-                    raise TransferError(
-                        f"key {k!r} is missing (the attempt was cleaned up)",
-                        request_id=keys.request_id,
-                        peer=f"decode rank {d}",
-                    )
-                msg = self.bootstrap.decode(
-                    k, raw, SlotOpen, Ready, Aborted, request_id=keys.request_id, peer=f"decode rank {d}"
-                )
-                if isinstance(msg, Aborted):
-                    raise TransferError(
-                        "decode gave the request up before every decode rank took part",
-                        request_id=keys.request_id,
-                        peer=f"decode rank {d}",
-                    )
-                msgs.append(msg)
-            if all(isinstance(m, Ready) and m.epoch == keys.epoch for m in msgs):
-                stale = [d for d, m in enumerate(msgs) if m.incarnation != self.decode[d].incarnation]
-                if not stale:
-                    return msgs
-                if refreshed:
-                    raise TransferError(
-                        f"decode ranks {stale} took part under incarnations not published in the store",
-                        request_id=keys.request_id,
-                        peer=f"decode rank {stale[0]}",
-                    )
-                self.connect(time_left(deadline))  # a decode rank restarted: its buffers moved
-                refreshed = True
-                continue
-            backoff.wait()
-
-    def _advance(self, att: _Attempt, deadline: float, *, starts: dict[int, bytes] | None = None) -> None:
+    def _advance(self, att: Attempt, deadline: float, *, starts: dict[int, bytes] | None = None) -> None:
         """Post the ranks' starts (+STARTED), or announce one more layer group landed (+1); stop on ABORT."""
         keys = att.keys
 
@@ -420,11 +270,11 @@ class PrefillSender(TransferSide):
             peer="decode",
             write=True,
         )
-        _check_not_aborted(keys, progress)
+        check_not_aborted(keys, progress)
 
     def _conclude(
         self,
-        att: _Attempt,
+        att: Attempt,
         *,
         outcomes: dict[int, SendOutcome] | None = None,
         error: str = "",
@@ -493,7 +343,7 @@ class PrefillSender(TransferSide):
                 raise TransferError(
                     f"posting the completion report failed: {e}", request_id=keys.request_id, peer="store"
                 ) from e
-            _check_not_aborted(keys, progress)  # decode gave up while the last layer group was in flight
+            check_not_aborted(keys, progress)  # decode gave up while the last layer group was in flight
 
     @staticmethod
     def _drained(s: dist.Store, mine, finish, keys: AttemptKeys) -> None:
@@ -536,13 +386,6 @@ class PrefillSender(TransferSide):
             s.add(keys.progress(r), (0 if progress.done else DONE) + (0 if progress.drained else DRAINED))
         if mine:
             keys.finish(s, len(mine))
-
-
-def _check_not_aborted(keys: AttemptKeys, progress: list[int]) -> None:
-    if any(Progress(v).aborted for v in progress):
-        raise TransferError(
-            "decode gave the request up (it failed or timed out)", request_id=keys.request_id, peer="decode"
-        )
 
 
 def _as_u8(data: bytes) -> torch.Tensor:

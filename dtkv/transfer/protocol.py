@@ -11,10 +11,13 @@ key                            value                                         wri
 ``{role}/{rank}``              :class:`RankEndpoint` (with an incarnation)   the rank (a restart replaces it)
 ``{role}/{rank}/open``         the attempts the rank holds open              the rank (adopted by its restart)
 ``req/{request_id}``           :class:`DstRequest`: the current attempt      decode rank 0
-``E/prefill/{r}``              slot: OPEN -> CLAIM (r) or ABORTED            decode rank 0 / prefill rank r / a
-                                                                             failing decode
+``E/prefill/{r}``              slot: OPEN -> CLAIM (r, fresh nonce) or       decode rank 0 / prefill rank r / a
+                               ABORTED                                       failing decode
 ``E/decode/{d}``               slot: OPEN -> READY (d, staging grant)        decode rank 0 / decode rank d / a
                                or ABORTED                                    failing decode
+``E/claimed``                  counter of the prefill slots claimed          prefill ranks
+``E/answer/{r}/{d}``           :class:`Answer`: d holds ``E`` and answers    decode rank d, while it holds ``E``
+                               r's nonce
 ``E/start/{r}``                :class:`SendStart`                            prefill rank r
 ``E/done/{r}``                 :class:`SendOutcome`                          prefill rank r
 ``E/progress/{r}``             counter (:class:`Progress`)                   prefill rank r; decode adds ABORT
@@ -32,6 +35,18 @@ prefill rank sends only after claiming its slot, and a decode rank that gives up
 (``OPEN -> ABORTED``) and adds :data:`ABORT` to the progress counter of every claimed one. The compare-and-set
 decides, once, whether each rank takes part; the party that closes a slot finishes the attempt on its behalf.
 
+**Freshness.** With a shared secret every value is signed over its key (:mod:`dtkv.transfer.wire`): nobody
+without the secret can forge one, or move one to another key. A signature does not date a value, though: a store
+peer can write an attempt's values back under their own keys after the attempt failed (``req/{request_id}``, its
+OPEN and READY slots), and they verify again. So no stored value makes prefill send. Each claim carries a fresh
+random nonce; prefill plans from the READY slots and packs its first layer group meanwhile, but posts no start
+and issues no engine call before every decode rank answered every hosted rank's nonce, for the incarnation and
+staging grant its READY names (``E/answer/{r}/{d}``). A decode receiver answers only the attempts it holds now
+(posted, neither waited for nor given up), from the post until its timeout after it, or until its wait's deadline
+(:mod:`dtkv.transfer.liveness`, polling ``E/claimed`` and reading the slots when it rises). A replayed attempt is
+held by no receiver, so it is never answered; an answer carries its nonce, so it is never reused. A prefill rank
+whose claim a decode receiver answered counts as claimed when that receiver gives up, whatever its slot holds then.
+
 **Progress** (one ``add`` per poll): prefill adds :data:`STARTED` once its ``start`` is posted, 1 per layer group
 landed (decode may unpack it), :data:`DONE` once ``done`` is posted and :data:`DRAINED` once none of its engine
 calls for the attempt is running any more (at once on success; after a timeout, when the abandoned calls end).
@@ -42,6 +57,14 @@ use until every claimed prefill rank is DRAINED, or until a grace period has pas
 prefill rank's send window (it issues no engine call after its own deadline, announced in its claim) plus its
 engine's longest call (``MC_TRANSFER_TIMEOUT`` + 1 ns per byte) plus :data:`GRACE_MARGIN_S`. Late bytes of an
 abandoned call can therefore never land in pages handed to another request.
+
+**Late binds.** A decode rank other than 0 takes part with a compare-and-set (OPEN -> READY) on the store worker;
+when the store is slow past the caller's deadline, the call keeps running and may still land. The failing
+receiver queues its abort behind it (store calls of a process run in order), so the abort sees what the bind did,
+like an abandoned engine call: if a READY landed, the attempt is aborted as that rank's and the quarantine waits
+for its claimed senders; if none did, the pages are released once the abort ran. Until then, the pages are
+quarantined and :meth:`dtkv.transfer.DecodeReceiver.reclaim` does not list them. A bind that had not started when
+its caller gave up does nothing.
 
 **Cleanup.** Each party adds its number of ranks to ``E/finished`` after its last write to ``E`` (decode: after
 its quarantine ended); the add that reaches ``P + D`` deletes every key of ``E``; decode rank 0 deletes
@@ -69,6 +92,7 @@ __all__ = [
     "DONE",
     "DRAINED",
     "GRACE_MARGIN_S",
+    "HOT_POLL_S",
     "MAX_POLL_S",
     "STARTED",
     "AttemptKeys",
@@ -78,6 +102,7 @@ __all__ = [
     "deadline_after",
     "endpoint_key",
     "new_epoch",
+    "new_nonce",
     "open_key",
     "request_key",
     "time_left",
@@ -99,6 +124,7 @@ GRACE_MARGIN_S = 1.0
 """Added to the quarantine grace period (scheduling and clock-rate slack)."""
 
 _EPOCH = re.compile(r"[0-9a-f]{16}")
+_NONCE = re.compile(r"[0-9a-f]{32}")
 _FIELD = (1 << 20) - 1
 
 
@@ -112,24 +138,38 @@ def time_left(deadline: float) -> float:
     return min(max(0.0, deadline - time.monotonic()), 3.2e7)
 
 
+HOT_POLL_S = 0.05
+"""How long a wait for an answer that is due any moment (:mod:`dtkv.transfer.liveness`) polls every 1 ms."""
+
+
 class Backoff:
     """The one polling loop: sleep 1 ms, doubling up to :data:`MAX_POLL_S`, until the deadline.
 
     Args:
         deadline: ``time.monotonic()`` bound.
         on_timeout: builds the :class:`TransferError` that :meth:`wait` raises once the deadline has passed.
+        hot_s: keep sleeping 1 ms (no doubling) for this long after the start and after each progress (a wait
+            whose answer is due any moment, e.g. :data:`HOT_POLL_S`).
     """
 
-    def __init__(self, deadline: float, on_timeout: Callable[[], TransferError] | None = None) -> None:
+    def __init__(
+        self, deadline: float, on_timeout: Callable[[], TransferError] | None = None, *, hot_s: float = 0.0
+    ) -> None:
         self.deadline = deadline
         self.on_timeout = on_timeout
+        self.hot_s = hot_s
+        self._hot_until = time.monotonic() + hot_s
         self._delay = 0.001
 
     def sleep(self, progressed: bool = False) -> bool:
         """Sleep before the next poll (1 ms again after progress); whether time is left for another one."""
-        left = self.deadline - time.monotonic()
+        now = time.monotonic()
+        left = self.deadline - now
         if left > 0:
-            self._delay = 0.001 if progressed else min(self._delay * 2, MAX_POLL_S)
+            if progressed:
+                self._hot_until = now + self.hot_s
+            hot = progressed or now < self._hot_until
+            self._delay = 0.001 if hot else min(self._delay * 2, MAX_POLL_S)
             time.sleep(min(self._delay, left))
         return time.monotonic() < self.deadline
 
@@ -188,6 +228,16 @@ def check_epoch(epoch: str) -> bool:
     return bool(_EPOCH.fullmatch(epoch))
 
 
+def new_nonce() -> str:
+    """A fresh claim nonce: 32 random hex digits (128 bits), never reused."""
+    return secrets.token_hex(16)
+
+
+def check_nonce(nonce: str) -> bool:
+    """Whether ``nonce`` has the form :func:`new_nonce` produces."""
+    return bool(_NONCE.fullmatch(nonce))
+
+
 def endpoint_key(role: str, rank: int) -> str:
     return f"{role}/{rank}"
 
@@ -225,6 +275,13 @@ class AttemptKeys:
     def progress(self, rank: int) -> str:
         return f"{self.prefix}/progress/{rank}"
 
+    def answer(self, prefill_rank: int, decode_rank: int) -> str:
+        return f"{self.prefix}/answer/{prefill_rank}/{decode_rank}"
+
+    @property
+    def claimed(self) -> str:
+        return f"{self.prefix}/claimed"
+
     @property
     def finished(self) -> str:
         return f"{self.prefix}/finished"
@@ -239,7 +296,8 @@ class AttemptKeys:
         keys = [self.slot("decode", d) for d in range(self.num_decode)]
         for r in range(self.num_prefill):
             keys += [self.slot("prefill", r), self.start(r), self.done(r), self.progress(r)]
-        return [*keys, self.finished]
+            keys += [self.answer(r, d) for d in range(self.num_decode)]
+        return [*keys, self.claimed, self.finished]
 
     def finish(self, store, weight: int) -> bool:
         """Add ``weight`` parties to ``finished`` (runs on the store worker); the last one deletes every key.

@@ -5,7 +5,8 @@ Nothing read from the store is ever unpickled or evaluated. A value is::
     header (12 bytes) | body | tag (32 bytes, only when signed)
 
 - header, little-endian: magic ``b"DTKV"``, version ``u8`` (:data:`VERSION`), kind ``u8`` (:class:`Kind`),
-  flags ``u16`` (bit 0: signed), body length ``u32``;
+  flags ``u16`` (bit 0: signed), body length ``u32``; a value of another version is refused, never guessed at
+  (version 2: a claim carries prefill's nonce, and decode's answer to it is a kind of its own);
 - body: the fields of the kind, in the order of its schema (:data:`SCHEMAS`), each one of
 
   ====  ===================================================================
@@ -19,7 +20,9 @@ Nothing read from the store is ever unpickled or evaluated. A value is::
 
 - tag: ``HMAC-SHA256(secret, key | 0x00 | header | body)`` when a shared secret is configured
   (``DTKV_TRANSFER_SECRET``). The key is part of the signed bytes, so a value cannot be replayed under another
-  key (another request, attempt or rank).
+  key (another request, attempt or rank). A tag proves who wrote a value and for which key, not when: a value
+  written back later under its own key verifies again. Freshness is the protocol's (prefill sends only after every
+  decode rank answered its fresh nonce, :mod:`dtkv.transfer.protocol`).
 
 :func:`unpack` checks everything before returning: magic, version, kind, flags, lengths, counts (bounded by
 the bytes present and by :data:`MAX_ITEMS`), UTF-8, no trailing bytes, and the tag (a signed value without a
@@ -40,7 +43,7 @@ import numpy as np
 __all__ = ["MAGIC", "MAX_ITEMS", "SCHEMAS", "VERSION", "Kind", "WireError", "pack", "unpack"]
 
 MAGIC = b"DTKV"
-VERSION = 1
+VERSION = 2
 MAX_ITEMS = 1 << 24
 """Largest array, string or list a value may hold (the reader refuses more before allocating)."""
 
@@ -62,6 +65,7 @@ class Kind(IntEnum):
     START = 7
     OUTCOME = 8
     OPEN_LIST = 9
+    ANSWER = 10
 
 
 SCHEMAS: dict[Kind, str] = {
@@ -69,11 +73,12 @@ SCHEMAS: dict[Kind, str] = {
     Kind.REQUEST: "ssaiiiii",
     Kind.SLOT_OPEN: "s",
     Kind.READY: "siii",
-    Kind.CLAIM: "siiii",
+    Kind.CLAIM: "siiiis",
     Kind.ABORTED: "ss",
     Kind.START: "iaaaSaaa",
     Kind.OUTCOME: "iisiiiii",
     Kind.OPEN_LIST: "SSaa",
+    Kind.ANSWER: "siisii",
 }
 """Field codes of each kind (field meanings in :mod:`dtkv.transfer.messages`)."""
 

@@ -15,7 +15,9 @@ transformers forward does (``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``, ``kv_a
 2. Extend steps (prefill, full-view decode): the indexer scores each query against its own request's keys of the
    step's key table in position order and keeps the ``index_topk`` best with a *stable* sort (ties go to the lowest
    position, see :mod:`dtkv.integrations.transformers`), as logical token locations remapped into the full view;
-   attention runs over the selected latent rows, expanded by ``kv_b_proj`` as the model does.
+   attention runs over the selected latent rows: expanded by ``kv_b_proj`` as the model does (``torch`` backend, the
+   parity reference), or in the absorbed form through the runtime's attention backend (``triton``, ``flashmla``:
+   ``q_nope`` through ``kv_b_proj``'s key half into the latent, the output through its value half).
 3. Sharded decode steps: the queries are absorbed into the latent space (``q_nope @ W_UK`` per head, the MLA
    identity) and the runtime attends where the pages are (:meth:`dtkv.runtime.StepContext.decode_attention`: exact
    global top-k, LSE merge of the ranks' partials); the merged latent output is expanded by ``W_UV`` and ``o_proj``.
@@ -107,6 +109,9 @@ def _extend_attention(attn, ctx: StepContext, hidden_states, q_resid, query_HNC,
     k = topk_NK.shape[1]
     if n == 0:  # no local rows (e.g. decode steps on other ranks): the collectives above were all this rank owed
         return attn.o_proj(hidden_states.new_zeros((1, 0, h * attn.v_head_dim))), topk_NK
+    if ctx.attention is not None and ctx.attention.name != "torch":
+        out = _absorbed_attention(attn, ctx.attention, query_HNC, views["kv"], topk_NK)
+        return attn.o_proj(out.to(hidden_states.dtype).reshape(1, n, h * attn.v_head_dim)), topk_NK
     latent_VC = read_rows(views["kv"], ctx.layouts["kv"], hidden_states.dtype)
     sel = latent_VC[topk_NK.clamp(min=0)].reshape(1, 1, n * k, r + e)  # [1, 1, N*k, R + E]
     # the class's expand_kv (kv_b_proj), never an instance wrap such as the reference's key rounding
@@ -120,6 +125,23 @@ def _extend_attention(attn, ctx: StepContext, hidden_states, q_resid, query_HNC,
     out_HNV = torch.matmul(probs[..., None, :], value.float())[..., 0, :]
     out = out_HNV.transpose(0, 1).to(hidden_states.dtype)
     return attn.o_proj(out.reshape(1, n, h * attn.v_head_dim)), topk_NK
+
+
+def _absorbed_attention(attn, backend, query_HNC, kv_view, topk_NK) -> torch.Tensor:
+    """MLA in the absorbed form through a :mod:`dtkv.attention` kernel: ``[N, H, v_head_dim]`` (float32 products).
+
+    ``kv_b_proj``'s weight ``[H * (nope + v), R]`` is ``W_UK [H, nope, R]`` then ``W_UV [H, v, R]`` per head. The
+    latent query is ``q_nope @ W_UK`` (``[N, H, R]``, then the rope query: ``[N, H, R + E]``), the kernel attends over
+    the stored latent rows (keys: latent and rope; values: the latent), and ``W_UV`` maps its latent output to the
+    value heads: the same attention as the expanded form, other roundings (FlashMLA: bf16 queries and keys).
+    """
+    h, nope, v, r = attn.num_heads, attn.qk_nope_head_dim, attn.v_head_dim, attn.kv_lora_rank
+    w = attn.kv_b_proj.weight.float().view(h, nope + v, r)
+    q_lat = torch.matmul(query_HNC[..., :nope].float(), w[:, :nope]).transpose(0, 1)  # [N, H, R]
+    q = torch.cat((q_lat, query_HNC[..., nope:].transpose(0, 1).float()), dim=-1)  # [N, H, R + E]
+    idx = backend.indices(topk_NK, kv_view)
+    o_lat, _ = backend.prefill(backend.cast_queries(q), kv_view, idx, softmax_scale=attn.scaling)
+    return torch.matmul(o_lat.float().transpose(0, 1), w[:, nope:].transpose(1, 2)).transpose(0, 1)  # [N, H, v]
 
 
 def _decode_attention(attn, ctx: StepContext, hidden_states, q_resid, q_pass, q_rot, cos, sin, prev_topk, rope):

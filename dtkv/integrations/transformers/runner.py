@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from dtkv._collectives import group_size
 from dtkv._util import warn_deprecated
+from dtkv.attention import AttentionBackend, AttentionName
 from dtkv.integrations.transformers._family import KVDtype
 from dtkv.integrations.transformers.adapter import TransformersAdapter
 from dtkv.runtime import KVMode, Runtime, num_pages_for
@@ -35,6 +36,8 @@ class DSAModelRunner(Runtime):
         split: ``"zigzag"`` or ``"round_robin"``.
         direct_writes: compute-owner direct writes (mode ``sharded_direct``); default: with zigzag. Needs zigzag.
         scheme: ownership scheme of the pool, ``"interleave"`` or ``"block"``.
+        attention: the attention backend (``Runtime(attention=)``): ``"torch"`` runs the expanded form (the parity
+            reference), ``"triton"`` / ``"flashmla"`` the absorbed form through ``kv_b_proj``.
     """
 
     def __init__(
@@ -48,6 +51,7 @@ class DSAModelRunner(Runtime):
         split: Literal["zigzag", "round_robin"] = "zigzag",
         direct_writes: bool | None = None,
         scheme: Literal["interleave", "block"] = "interleave",
+        attention: AttentionName | AttentionBackend = "auto",
     ) -> None:
         warn_deprecated(
             "dtkv.integrations.transformers.DSAModelRunner",
@@ -64,7 +68,9 @@ class DSAModelRunner(Runtime):
             mode: KVMode = "single"
         else:
             mode = "sharded_direct" if (split == "zigzag" if direct_writes is None else direct_writes) else "sharded"
-        super().__init__(adapter, num_pages=num_pages, group=group, mode=mode, split=split, scheme=scheme)
+        super().__init__(
+            adapter, num_pages=num_pages, group=group, mode=mode, split=split, scheme=scheme, attention=attention
+        )
 
     @property
     def model(self) -> torch.nn.Module:
