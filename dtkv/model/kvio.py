@@ -9,23 +9,12 @@ import torch
 
 from dtkv._util import warn_deprecated
 from dtkv.layouts import KVLayout
-from dtkv.ownership import OwnershipSpec, PageOwnership
 from dtkv.runtime import kvio
 
 __all__ = ["token_rows", "write_rows"]
 
 
-def write_rows(
-    pool: torch.Tensor,
-    layout: KVLayout,
-    rows: torch.Tensor,
-    locs: torch.Tensor,
-    ownership: PageOwnership | OwnershipSpec,
-    rank: int,
-    *,
-    direct: bool = False,
-    page_aligned: bool = False,
-) -> None:
+def write_rows(pool, layout: KVLayout, rows, locs, ownership, rank: int, *, direct=False, page_aligned=False) -> None:
     """Deprecated: :func:`dtkv.runtime.kvio.write_rows` (``direct=True`` needs ``page_aligned=True`` here)."""
     warn_deprecated("dtkv.model.kvio.write_rows", "dtkv.runtime.kvio.write_rows")
     if direct and not page_aligned:

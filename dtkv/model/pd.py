@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dtkv._util import warn_deprecated
+from dtkv._util import deprecated_alias, warn_deprecated
 from dtkv.runtime import pd as _pd
 from dtkv.transfer.prefilled import META_ROW_BYTES, kv_digest, shard_for_runner
 
@@ -28,16 +28,10 @@ _DEMO_DEFAULTS = {"model": "reference", "decode": "full", "attention": "torch", 
                   "decode_cp": 1, "timeout": 300.0}  # fmt: skip
 
 
-def send_prefilled(runner, sender, *, tag: str = "", timeout_s: float | None = None):
-    """Deprecated: :func:`dtkv.runtime.pd.send_prefilled`."""
-    warn_deprecated("dtkv.model.pd.send_prefilled", "dtkv.runtime.pd.send_prefilled")
-    return _pd.send_prefilled(runner, sender, tag=tag, timeout_s=timeout_s)
-
-
-def receive_prefilled(runner, receiver, prompts: Sequence[Sequence[int]], *, tag: str = "", timeout_s=None):
-    """Deprecated: :func:`dtkv.runtime.pd.receive_prefilled`."""
-    warn_deprecated("dtkv.model.pd.receive_prefilled", "dtkv.runtime.pd.receive_prefilled")
-    return _pd.receive_prefilled(runner, receiver, prompts, tag=tag, timeout_s=timeout_s)
+send_prefilled = deprecated_alias("dtkv.model.pd.send_prefilled", "dtkv.runtime.pd.send_prefilled", _pd.send_prefilled)
+receive_prefilled = deprecated_alias(
+    "dtkv.model.pd.receive_prefilled", "dtkv.runtime.pd.receive_prefilled", _pd.receive_prefilled
+)
 
 
 class _DecodeProcess:
