@@ -8,6 +8,7 @@ runtime at a time) or the reference model's config, and :meth:`DemoModel.adapter
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -38,9 +39,9 @@ class DemoModel:
     kv_dtype: str
     page_size: int
     device: torch.device
-    lm: torch.nn.Module | None = None
+    lm: Any = None
     """The transformers causal LM (``None`` for the reference model)."""
-    cfg: object | None = None
+    cfg: Any = None
     """The reference model's :class:`dtkv.model.ModelConfig` (``None`` for transformers models)."""
 
     @property
@@ -78,7 +79,9 @@ def load(args: dict, device: torch.device) -> DemoModel:
 
         m.cfg = replace(ModelConfig(), page_size=args["page_size"], kv_dtype=args["kv_dtype"])
         if args.get("attention") == "flashmla":
-            m.cfg = replace(m.cfg, **REFERENCE_FLASHMLA)
+            f = REFERENCE_FLASHMLA
+            m.cfg = replace(m.cfg, num_heads=f["num_heads"], kv_lora_rank=f["kv_lora_rank"], rope_dim=f["rope_dim"],
+                            quant_block=f["quant_block"])  # fmt: skip
         return m
     dtype = DTYPES[args["dtype"]] if args.get("dtype") else None
     if args["model"] in ("deepseek-v32", "glm5"):

@@ -16,6 +16,7 @@ import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 from dtkv._log import progress, setup_cli_logging
 from dtkv.demo import _verdict as verdict
@@ -123,8 +124,8 @@ class DecodeGroup:
     """The decode side of ``--pd``: its processes, the store they rendezvous through, their answers."""
 
     processes: list
-    results: object
-    store: object
+    results: Any
+    store: Any
     rank_args: dict
     """Extra demo arguments for the prefill ranks (``pd_port``, ``pd_namespace``)."""
     size: int = 1

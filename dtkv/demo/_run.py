@@ -12,6 +12,7 @@ Every rank returns the same checks (rank 0 alone compares a transformers model w
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,7 +42,9 @@ def _rows(stats: dict, before: dict, tokens: int) -> dict:
     return {"direct": direct, "handed_off": stats["handoff_rows"] - before.get("handoff_rows", 0), "tokens": tokens}
 
 
-def _serve(model: DemoModel, args: dict, group, ps: list[list[int]], *, mode, decode_mode: str, label: str) -> dict:
+def _serve(
+    model: DemoModel, args: dict, group, ps: list[list[int]], *, mode, decode_mode, label: str
+) -> dict[str, Any]:
     """Prefill then decode ``ps`` on one runtime (collective); logits, tokens, KV bytes, stats, timings."""
     world = 1 if group is None else dist.get_world_size(group)
     rt = Runtime(
@@ -54,7 +57,8 @@ def _serve(model: DemoModel, args: dict, group, ps: list[list[int]], *, mode, de
         if group is not None:
             dist.barrier(group)
         t0 = time.perf_counter()
-        _, logits = rt.prefill(args["chunk"], return_logits=True, progress=_stepper(f"{label}: prefill chunk"))
+        done = rt.prefill(args["chunk"], return_logits=True, progress=_stepper(f"{label}: prefill chunk"))
+        logits: list[torch.Tensor] = done[1]  # type: ignore[index, assignment]  # (first tokens, logits)
         after_prefill = dict(rt.stats)
         pd_report = {}
         if args.get("pd_port") and label != "baseline":  # hand the prefilled requests to the decode group
@@ -137,7 +141,8 @@ def _own_forward_check(model: DemoModel, ps, outputs, logit_rows, args) -> tuple
     """
     from dtkv.integrations.transformers import geometry_of, kv_layouts, reference_logits
 
-    layouts = kv_layouts(geometry_of(model.lm), model.kv_dtype, 1)  # rounding ignores the page size
+    kv_dtype: Any = model.kv_dtype
+    layouts = kv_layouts(geometry_of(model.lm), kv_dtype, 1)  # rounding ignores the page size
     out = {}
     for key, lay in (("", layouts), ("_full_precision", None)):
         diffs, labels, margins, tokens_equal = [], [], [], True
@@ -197,7 +202,7 @@ def _multi_turn(rank: int, world: int, args: dict, group, model: DemoModel) -> d
     room = pool_pages(wl, page_size=args["page_size"], decode_steps=args["decode_steps"], cp_size=world)
     cached_pages = args.get("pool_pages") or room
     runs, seconds, mode = {}, {}, None
-    cases = [("baseline", "replicated", False)] if model.reference else []
+    cases: list[tuple[str, Any, bool]] = [("baseline", "replicated", False)] if model.reference else []
     cases += [("no cache", None, False), ("prefix cache", None, True)]
     for label, run_mode, cache in cases:
         rt = Runtime(
@@ -208,11 +213,16 @@ def _multi_turn(rank: int, world: int, args: dict, group, model: DemoModel) -> d
         if run_mode is None:
             mode = rt.mode
         steps = Progress(f"multi-turn, {label}: step")
+
+        def after_step(_rt, _p: Progress = steps) -> None:
+            _p.step()
+
         if group is not None:
             dist.barrier(group)
         t0 = time.perf_counter()
-        runs[label] = run_workload(rt, wl, chunk=args["chunk"], decode_steps=args["decode_steps"],
-                                   after_step=lambda _rt, _p=steps: _p.step())  # fmt: skip
+        runs[label] = run_workload(
+            rt, wl, chunk=args["chunk"], decode_steps=args["decode_steps"], after_step=after_step
+        )
         seconds[label] = time.perf_counter() - t0
         rt.close()
     base, cached = runs["no cache"], runs["prefix cache"]

@@ -21,6 +21,8 @@ is. The rules:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 __all__ = [
@@ -79,7 +81,7 @@ def check(ok: bool, rule: str, worst: float, where: str = "", reason: str = "", 
 
 
 def parity_of(
-    model_dtype: str, kv_dtype: str, diffs: torch.Tensor, tokens_equal: bool, flip_margins: list[float] = ()
+    model_dtype: str, kv_dtype: str, diffs: torch.Tensor, tokens_equal: bool, flip_margins: Sequence[float] = ()
 ) -> dict:
     """The transformers verdict from per-position max abs logit differences ``[num_positions]`` and, for every greedy
     token that differs from the reference's, the reference's margin between its token and the one chosen."""

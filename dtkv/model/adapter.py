@@ -69,6 +69,7 @@ class ReferenceAdapter(ModelAdapter):
         indexer's top-k (:meth:`TinyDSA.select`) over the dequantized index keys, then ``ctx.attention`` (the
         runtime's backend) over the stored MLA pages (:meth:`TinyDSA.attend_view`)."""
         cfg, plan = self.cfg, ctx.plan
+        assert plan is not None, "an extend step's context holds its plan"
         views = ctx.views(layer, ("index", "kv"))
         index_keys = read_rows(views["index"], cfg.index_layout, torch.float64)
         attn = h.new_zeros((h.shape[0], cfg.num_heads * cfg.kv_lora_rank), dtype=torch.float64)

@@ -40,7 +40,7 @@ from dtkv.decode import (
     sharded_decode_comm_bytes,
     unpack_keys,
 )
-from dtkv.layouts import IndexerFp8Layout, KVLayout, MLAFp8Layout
+from dtkv.layouts import IndexerFp8Layout, KVLayout, MLAFp8Layout, MLALatentLayout
 from dtkv.runtime.kvio import read_rows
 
 __all__ = ["decode_attention", "plan_sharded_step"]
@@ -69,6 +69,8 @@ def plan_sharded_step(runtime, reqs: Sequence) -> DecodePlan:
 
 def _index_keys(index_local: torch.Tensor, plan: DecodePlan, layout: KVLayout, dtype) -> torch.Tensor:
     """Each query's owned index keys ``[N, L * page_size, J]`` (padding slots hold anything finite)."""
+    if not isinstance(layout, MLALatentLayout):
+        raise TypeError(f"index layout must be MLALatentLayout rows here (fp8 pages go to decode_layer), got {layout}")
     n, width = plan.owned_local_pages.shape
     ps = layout.page_size
     if index_local.shape[0] == 0:  # this rank stores no page of the pool: every slot is padding
@@ -91,6 +93,8 @@ def _select(index_local, layout: KVLayout, plan: DecodePlan, q: DecodeQueries, g
 
 def _attend(kv_local, layout: KVLayout, plan: DecodePlan, q: DecodeQueries, positions, scale: float, group):
     """Attention over the selected ``positions`` ``[N, K]`` each rank owns, merged by LSE (collective)."""
+    if not isinstance(layout, (MLALatentLayout, MLAFp8Layout)):
+        raise TypeError(f"kv layout must be MLALatentLayout or MLAFp8Layout, got {type(layout).__name__}")
     ps, dtype = plan.page_size, q.q_nope.dtype
     valid = positions >= 0
     slot = torch.where(valid, positions // ps, torch.zeros_like(positions))

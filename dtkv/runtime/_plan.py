@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -142,7 +143,7 @@ def plan_extend(
     cp_size: int,
     rank: int,
     page_size: int,
-    split_mode: str,
+    split_mode: Literal["zigzag", "round_robin"],
     mode: str,
     device: torch.device,
     group=None,

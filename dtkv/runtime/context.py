@@ -71,12 +71,18 @@ class StepContext:
     @property
     def ids(self) -> torch.Tensor:
         """int64 ``[n]``: token ids of the rows this rank runs."""
-        return self.plan.ids if self.plan is not None else self._ids
+        if self.plan is not None:
+            return self.plan.ids
+        assert self._ids is not None, "a sharded decode step's context holds its token ids"
+        return self._ids
 
     @property
     def positions(self) -> torch.Tensor:
         """int64 ``[n]``: their absolute positions."""
-        return self.plan.positions if self.plan is not None else self.decode.query_pos
+        if self.plan is not None:
+            return self.plan.positions
+        assert self.decode is not None, "a step's context holds an extend plan or a decode plan"
+        return self.decode.query_pos
 
     @property
     def sharded_decode(self) -> bool:
@@ -86,9 +92,11 @@ class StepContext:
     # ------------------------------------------------------------------------------------------ writes
     def _gather(self, x: torch.Tensor, rows: int) -> torch.Tensor:
         """Rank-major all-gather of ``x`` padded to ``rows`` rows: ``[cp * rows, ...]``."""
+        group = self.runtime.group
+        assert group is not None, "only CP modes gather rows"
         padded = x.new_zeros((rows, *x.shape[1:]))
         padded[: x.shape[0]] = x
-        return all_gather_rows(padded, self.runtime.group)
+        return all_gather_rows(padded, group)
 
     def write(self, name: str, layer: int, rows: torch.Tensor) -> None:
         """Store this step's rows ``[n, C]`` of pool ``name``, layer ``layer`` (collective in the CP modes).
@@ -103,6 +111,7 @@ class StepContext:
             write_rows(pool, lay, rows, self.decode.new_locs, spec, rank)
             return
         plan, mode = self.plan, rt.mode
+        assert plan is not None, "a step's context holds an extend plan or a decode plan"
         if mode == "single":
             write_rows(pool, lay, rows, plan.locs, spec, 0)
         elif mode in ("replicated", "sharded"):

@@ -147,13 +147,16 @@ def receive_prefilled(
 
     ids = _batch.agreed_step(group, what="receive_prefilled", check=check, value=lambda ids: [len(p) for p in ids])
     meta = next(iter(receiver.shards.values())).meta
+    if meta is None:
+        raise ValueError("receiver's shard must have a metadata row (build it with shard_for(runtime))")
     channel = _channel(group)
-    reports = []
+    reports: list[ReceiveReport] = []
     for i, prompt in enumerate(ids):
         req = runtime.add_request(prompt)
         req.pages = runtime.allocator.alloc_balanced(cdiv(len(prompt), ps)).tolist()  # the same pages on every rank
         rid = request_id(i, tag)
-        error, row, report = None, b"", None
+        error: Exception | None = None
+        row = b""
         try:
             meta.zero_()
             report = receiver.receive_request(
@@ -176,7 +179,7 @@ def receive_prefilled(
                                 peer="decode group", pages=runtime.transfer_held[rid]) from e  # fmt: skip
         req.num_computed = len(prompt)
         req.output = [first]
-        reports.append(report)
+        reports.append(report)  # set: the agreement raised otherwise
     return reports
 
 

@@ -16,6 +16,7 @@ from dtkv._collectives import all_gather_rows, group_rank, group_size
 from dtkv._util import cdiv
 from dtkv.allocator import PageAllocator
 from dtkv.attention import AttentionBackend, AttentionName, AttentionSpec, resolve_attention
+from dtkv.layouts import MLAFp8Layout, MLALatentLayout
 from dtkv.materialize import Materializer
 from dtkv.ownership import OwnershipScheme, PageOwnership, ownership_spec
 from dtkv.pool import ShardedKVPool, gather_pages
@@ -131,8 +132,10 @@ class Runtime:
         if isinstance(attention, AttentionBackend):
             self.attention = attention
         else:
-            spec = self.model_spec
-            fit = AttentionSpec(num_heads=spec.num_heads, layout=spec.layouts["kv"], topk=spec.index_topk)
+            spec, kv = self.model_spec, self.model_spec.layouts["kv"]
+            if not isinstance(kv, (MLALatentLayout, MLAFp8Layout)):
+                raise TypeError(f"the adapter's 'kv' layout must be an MLA layout, got {type(kv).__name__}")
+            fit = AttentionSpec(num_heads=spec.num_heads, layout=kv, topk=spec.index_topk)
             self.attention = resolve_attention(attention, spec=fit, device=self.device)
         self.group = None if mode == "single" or group_size(group) == 1 else group
         self.cp, self.rank = group_size(self.group), group_rank(self.group)

@@ -9,6 +9,8 @@ in the runtime's pools in the formats of :func:`dtkv.integrations.transformers.k
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 
 from dtkv.integrations.transformers._family import KV_DTYPES, KVDtype, family_of, geometry_of, kv_layouts
@@ -44,16 +46,17 @@ class TransformersAdapter(ModelAdapter):
         check_unbound(model)
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got kv_dtype={kv_dtype!r}")
-        self.model, self.kv_dtype = model, kv_dtype
+        self.model: Any = model  # a transformers causal LM (its config and submodules are dynamic attributes)
+        self.kv_dtype = kv_dtype
         self.layouts = kv_layouts(self.geometry, kv_dtype, page_size)
         self.device = next(model.parameters()).device
-        g = self.geometry
+        g, config = self.geometry, cast(Any, model).config
         self.spec = ModelSpec(
             layouts=self.layouts, num_layers=g.num_layers, vocab_size=g.vocab_size, index_topk=g.index_topk,
-            num_heads=model.config.num_attention_heads, kv_lora_rank=g.kv_lora_rank, rope_dim=g.rope_dim,
+            num_heads=config.num_attention_heads, kv_lora_rank=g.kv_lora_rank, rope_dim=g.rope_dim,
         )  # fmt: skip
         self.ctx: StepContext | None = None
-        self._masks = {t: None for t in model.config.layer_types}  # the replacement attention needs no mask
+        self._masks = {t: None for t in config.layer_types}  # the replacement attention needs no mask
 
     def describe(self) -> dict[str, object]:
         return {**super().describe(), "model_type": self.family.model_type, "kv_dtype": self.kv_dtype}
