@@ -15,22 +15,19 @@ from __future__ import annotations
 from dtkv.model.adapter import ReferenceAdapter
 from dtkv.model.config import KVDtype, ModelConfig
 from dtkv.model.model import TinyDSA
-from dtkv.model.runner import DecodeMode, KVMode, ModelRunner, Request, StepPlan
+from dtkv.model.runner import ModelRunner
 
-__all__ = [
-    "DecodeMode",
-    "KVDtype",
-    "KVMode",
-    "ModelConfig",
-    "ModelRunner",
-    "ReferenceAdapter",
-    "Request",
-    "StepPlan",
-    "TinyDSA",
-]
+__all__ = ["KVDtype", "ModelConfig", "ModelRunner", "ReferenceAdapter", "TinyDSA"]
+
+_RUNTIME_NAMES = ("DecodeMode", "KVMode", "Request", "StepPlan")
+"""Importable from here as in 0.1; they are :mod:`dtkv.runtime`'s (documented there)."""
 
 
 def __getattr__(name: str):
+    if name in _RUNTIME_NAMES:
+        import dtkv.runtime
+
+        return getattr(dtkv.runtime, name)
     if name == "PrefillEngine":  # the pre-0.1 name of ModelRunner (it runs prefill and decode)
         from dtkv._util import warn_deprecated
 

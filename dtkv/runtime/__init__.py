@@ -55,16 +55,16 @@ reference model). Sharded decode has the same split (:func:`dtkv.decode.plan_dec
 
 **KV modes** (``mode=``; the default follows the group and the split):
 
-=================  ===========================================================================================
-mode               what each CP rank stores and how rows get there
-=================  ===========================================================================================
-``single``         one process, no CP: the whole pool
-``replicated``     CP, what engines do today: every rank all-gathers each layer's rows and stores the whole pool
-``sharded``        page-ownership-sharded pools: rows are all-gathered and every rank keeps the pages it owns
-``sharded_direct`` sharded pools with compute-owner direct writes (zigzag, page-aligned): pages are allocated on the
-                   rank that computes them and written with no KV all-gather; only rows of pages a rank does not own
-                   (a partly filled first page, fallback requests) go through a small all-gather
-=================  ===========================================================================================
+==================  ===========================================================================================
+mode                what each CP rank stores and how rows get there
+==================  ===========================================================================================
+``single``          one process, no CP: the whole pool
+``replicated``      CP, what engines do today: every rank all-gathers each layer's rows and stores the whole pool
+``sharded``         page-ownership-sharded pools: rows are all-gathered and every rank keeps the pages it owns
+``sharded_direct``  sharded pools with compute-owner direct writes (zigzag, page-aligned): pages are allocated on the
+                    rank that computes them and written with no KV all-gather; only rows of pages a rank does not own
+                    (a partly filled first page, fallback requests) go through a small all-gather
+==================  ===========================================================================================
 
 The page-table format is defined in :mod:`dtkv.page_table`.
 """

@@ -73,7 +73,6 @@ from dtkv.integrations.transformers.reference import (
     tiny_model,
 )
 from dtkv.integrations.transformers.runner import DSAModelRunner, KVMode, num_pages_for
-from dtkv.runtime import Request, StepPlan
 
 __all__ = [
     "KV_DTYPES",
@@ -81,8 +80,6 @@ __all__ = [
     "DSAGeometry",
     "DSAModelRunner",
     "KVMode",
-    "Request",
-    "StepPlan",
     "TransformersAdapter",
     "dsa_attention",
     "family_of",
@@ -98,6 +95,10 @@ __all__ = [
 
 
 def __getattr__(name: str):
+    if name in ("Request", "StepPlan"):  # importable from here as in 0.1; they are dtkv.runtime's
+        import dtkv.runtime
+
+        return getattr(dtkv.runtime, name)
     if name == "AttentionContext":  # the 0.1 per-runner attention context: the runtime's StepContext now
         from dtkv._util import warn_deprecated
         from dtkv.runtime import StepContext
