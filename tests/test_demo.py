@@ -124,14 +124,30 @@ def test_demo_runs_a_transformers_model_and_reports_parity_with_its_own_forward(
 def test_torchrun_demo_of_a_transformers_model_hands_off_to_decode_over_mooncake():
     pytest.importorskip("transformers", reason="the hf extra (transformers==5.17.0)")
     pytest.importorskip("mooncake.engine", reason="the Mooncake transfer engine (non-cuda wheel + libibverbs1)")
-    args = ("--model", "deepseek-v32", "--tokens", "200", "--chunk", "64", "--pd", "--json")
+    args = ("--model", "deepseek-v32", "--tokens", "200", "--chunk", "64", "--pd", "--decode-cp", "3", "--decode",
+            "sharded", "--json")  # fmt: skip
     out = subprocess.run(_torchrun(2, *args), capture_output=True, text=True, timeout=600, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     objs = _json_objects(out.stdout)
     assert len(objs) == 1, out.stdout
     res = objs[0]
     assert res["cp"] == 2 and res["parity"] is True and res["pd_parity"] is True and res["mode"] == "sharded_direct"
-    assert res["pd_outputs"] == res["generated"] and res["pd_bytes"] > 0
+    assert res["pd_outputs"] == res["generated"] and res["pd_bytes"] > 0 and res["decode_cp"] == 3
+
+
+@pytest.mark.multirank
+@pytest.mark.slow  # > 10 s on 2 cores: outside the quick subset (-m 'not slow')
+def test_torchrun_demo_of_a_transformers_model_with_the_prefix_cache_and_sharded_decode():
+    pytest.importorskip("transformers", reason="the hf extra (transformers==5.17.0)")
+    args = ("--model", "glm5", "--multi-turn", "--decode", "sharded", "--turns", "2", "--shared-requests", "2",
+            "--tokens", "96", "--chunk", "32", "--page-size", "4", "--json")  # fmt: skip
+    out = subprocess.run(_torchrun(3, *args), capture_output=True, text=True, timeout=900, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    objs = _json_objects(out.stdout)
+    assert len(objs) == 1, out.stdout
+    res = objs[0]
+    assert res["cp"] == 3 and res["parity"] is True and set(res["checks"]) == {"prefix_cache", "prefill_decode"}
+    assert res["prefix_hit_rate"] > 0.4 and res["decode"] == "sharded"
 
 
 def test_demo_package_modules_import_no_circle():

@@ -75,7 +75,16 @@ def _all_modes(rank, world, kv_dtype, split):
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize("split", ["zigzag", "round_robin"])
 def test_cp_modes_are_bitwise_identical_and_match_single_process(ranks, kv_dtype, split):
-    results = ranks.run(_all_modes, kv_dtype, split)
+    _check_all_modes(ranks.run(_all_modes, kv_dtype, split), split)
+
+
+@pytest.mark.multirank
+def test_cp_modes_at_three_ranks(ranks3):
+    """An odd group size: uneven page ownership, segments of other lengths."""
+    _check_all_modes(ranks3.run(_all_modes, "fp8", "zigzag"), "zigzag")
+
+
+def _check_all_modes(results, split):
     for res in results:
         for mode in ("sharded", "sharded_prefetch", "sharded_direct"):
             if mode not in res:

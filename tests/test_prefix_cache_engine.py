@@ -104,15 +104,14 @@ def test_multi_turn_and_shared_prompt_are_bitwise_equal_to_the_run_without_cache
 
 @pytest.mark.multirank
 @pytest.mark.parametrize(
-    "world,split,kv_dtype", [(2, "zigzag", "fp8"), (2, "round_robin", "bf16"), (4, "zigzag", "bf16")]
+    "world,split,kv_dtype",
+    [(2, "zigzag", "fp8"), (2, "round_robin", "bf16"), (3, "round_robin", "fp8"), (4, "zigzag", "bf16")],
 )
-def test_eviction_under_pressure_never_touches_a_live_request_and_stays_bitwise_equal(
-    ranks2, ranks4, world, split, kv_dtype
-):
+def test_eviction_under_pressure_never_touches_a_live_request_and_stays_bitwise_equal(request, world, split, kv_dtype):
     """18 pages hold the live requests but not every finished one (23 pages without pressure): the cache must
     evict (LRU) to admit later turns, never a page a live request holds (reference counts checked after every
     step), and the run stays bitwise equal -- the live shared-prompt request included."""
-    results = (ranks2 if world == 2 else ranks4).run(_runs, split, kv_dtype, 18, CROWDED)
+    results = request.getfixturevalue(f"ranks{world}").run(_runs, split, kv_dtype, 18, CROWDED)
     _check(results, evicted=True)
 
 
