@@ -231,12 +231,17 @@ def _multi_turn(rank: int, world: int, args: dict, group, model: DemoModel) -> d
     sharded = args["decode"] == "sharded"
     if not sharded:
         ok, tol_text = same["parity"], "tokens, logits and every stored KV byte bitwise equal"
-    else:  # the cache moves pages, so the sharded merge sums in another order
-        tol = verdict.SHARDED_DECODE_RTOL if model.reference else verdict.SHARDED_DECODE_ATOL
-        got = d_rel if model.reference else d_abs
-        ok = same["tokens_equal"] and same["kv_equal"] and got <= tol
-        kind = "relative" if model.reference else "absolute"
-        tol_text = f"tokens and every stored KV byte bitwise equal, logits within {tol:g} {kind} (sharded decode)"
+    elif model.reference:  # the cache moves pages, so the sharded merge sums in another order (float64: absorbed)
+        tol = verdict.SHARDED_DECODE_RTOL
+        ok = same["tokens_equal"] and same["kv_equal"] and d_rel <= tol
+        tol_text = f"tokens and every stored KV byte bitwise equal, logits within {tol:g} relative (sharded decode)"
+    else:  # float32: a decoded token's KV row comes from the shards in one run, from a prefill step in the other
+        tol = verdict.SHARDED_DECODE_ATOL
+        ok = same["tokens_equal"] and d_abs <= tol
+        tol_text = (
+            f"tokens equal and logits within {tol:g} absolute (sharded decode: the cache moves pages, so the "
+            "merge sums in another order, and the rows of decoded tokens may differ in their last bit)"
+        )
     how = " (batch-invariant products in both runs)" if not model.reference else ""
     checks = {
         "prefix_cache": verdict.check(

@@ -14,7 +14,8 @@ is. The rules:
   :data:`MAX_DIFF`, greedy tokens equal (a bfloat16 model's may differ only at a near tie: :data:`FLIP_MARGIN`).
 - ``prefix_cache``: tokens, logits and KV bytes bitwise equal to the run without the cache (transformers models run
   batch-invariant products for it); with sharded decode the logits within the sharded-decode bound (the cache
-  moves pages, so the merge sums in another order).
+  moves pages, so the merge sums in another order) and, for the float32 transformers models, the KV bytes are not
+  compared (a decoded token's row comes from the shards in one run and from a prefill step in the other).
 - ``pd``: the decode group's KV bytes on their owners equal the prefill's (a digest of every layer and pool) and
   its greedy tokens equal the prefill group's.
 """

@@ -41,6 +41,7 @@ from dtkv.decode import (
     unpack_keys,
 )
 from dtkv.layouts import IndexerFp8Layout, KVLayout, MLAFp8Layout, MLALatentLayout
+from dtkv.runtime._invariant import suspended
 from dtkv.runtime.kvio import read_rows
 
 __all__ = ["decode_attention", "plan_sharded_step"]
@@ -127,12 +128,14 @@ def decode_attention(
     kv_lay, idx_lay = pool.layouts["kv"], pool.layouts["index"]
     kv_local, index_local = pool.local("kv", layer), pool.local("index", layer)
     select = positions is None
-    if select and isinstance(idx_lay, IndexerFp8Layout):
-        res = decode_layer(kv_local, index_local, kv_lay, idx_lay, plan, q, softmax_scale=softmax_scale, group=group)
-    else:
-        if select:
-            positions = _select(index_local, idx_lay, plan, q, group)
-        res = _attend(kv_local, kv_lay, plan, q, positions, softmax_scale, group)
+    with suspended():  # not batch-invariant by design: the merge sums in page-placement order
+        if select and isinstance(idx_lay, IndexerFp8Layout):
+            res = decode_layer(kv_local, index_local, kv_lay, idx_lay, plan, q, softmax_scale=softmax_scale,
+                               group=group)  # fmt: skip
+        else:
+            if select:
+                positions = _select(index_local, idx_lay, plan, q, group)
+            res = _attend(kv_local, kv_lay, plan, q, positions, softmax_scale, group)
     comm = sharded_decode_comm_bytes(
         num_queries=plan.num_queries,
         topk=plan.topk if select else 0,
@@ -143,7 +146,8 @@ def decode_attention(
     )
     runtime.stats["decode_comm_bytes"] += comm.sent
     if select and _env.debug_enabled() and page_tables is not None:
-        _check_against_full_view(runtime, layer, plan, q, res.positions, page_tables)
+        with suspended():
+            _check_against_full_view(runtime, layer, plan, q, res.positions, page_tables)
     return res
 
 

@@ -19,13 +19,15 @@ value's result would depend on its place in the tensor; inside the block they ru
 (:func:`invariant_unary`). Everything else a DSA model runs is exact IEEE arithmetic or a per-row reduction over a
 row length that does not change (norms, softmax over a fixed top-k), hence batch-invariant already.
 
-It costs Python-level loops (tiny models: a few ms per layer); the parity tests and ``--multi-turn`` demo of the
-transformers models use it.
+Sharded decode's attention (:mod:`dtkv.decode`) runs outside it (:func:`suspended`): its sums follow the page
+placement anyway and it is checked to a tolerance. It costs Python-level loops (tiny models: a few ms per layer);
+the parity tests and ``--multi-turn`` demo of the transformers models use it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -182,9 +184,26 @@ _MM = {torch.mm, torch.Tensor.mm, torch.bmm, torch.Tensor.bmm}
 _REFUSED = {torch.einsum, torch.addmm, torch.Tensor.addmm, torch.baddbmm, torch.Tensor.baddbmm}
 
 
+_SUSPENDED = threading.local()
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """Inside :func:`batch_invariant`, run the block with plain products (e.g. sharded decode's attention, whose
+    sums follow the page placement and which is checked to a tolerance, not bitwise)."""
+    before = getattr(_SUSPENDED, "on", False)
+    _SUSPENDED.on = True
+    try:
+        yield
+    finally:
+        _SUSPENDED.on = before
+
+
 class _BatchInvariant(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if getattr(_SUSPENDED, "on", False):
+            return func(*args, **kwargs)
         if func is F.linear:
             return invariant_linear(*args, **kwargs)
         if func in _MATMUL or func in _MM:
