@@ -226,9 +226,8 @@ def test_demo_table_rows_add_up_and_progress_goes_to_stderr():
 def test_demo_runs_every_mode_of_a_transformers_model():
     """Small runs of every flag with a transformers model: sharded decode, the prefix cache, and the checks of each."""
     pytest.importorskip("transformers", reason="the hf extra (transformers==5.17.0)")
-    runs = {
+    runs = {  # --multi-turn of a transformers model: the torchrun test below
         "sharded": ["--model", "deepseek-v32", "--decode", "sharded", "--kv-dtype", "fp8", "--cp", "3"],
-        "multi-turn": ["--model", "glm5", "--multi-turn", "--turns", "2", "--shared-requests", "2", "--page-size", "4"],
     }
     for what, extra in runs.items():
         cmd = [sys.executable, "-m", "dtkv.demo", "--json", "--tokens", "128", "--chunk", "32", *extra]
@@ -271,6 +270,7 @@ MUST_SHOW = {
 
 @pytest.mark.multirank
 @pytest.mark.slow  # the demo's default sizes (1536 tokens): 15-70 s each on 2 cores
+@pytest.mark.skipif(os.environ.get("DTKV_TEST_LONG", "0") != "1", reason="set DTKV_TEST_LONG=1 (smaller runs below)")
 @pytest.mark.parametrize("name", sorted(MUST_SHOW))
 def test_demo_default_sizes_of_the_transformers_modes(name):
     pytest.importorskip("transformers", reason="the hf extra (transformers==5.17.0)")

@@ -48,14 +48,14 @@ def _prefill_rank(rank, world, args):
 @pytest.mark.parametrize(
     ("world", "name", "split", "kv_dtype", "decode_cp"),
     [
-        (2, "deepseek-v32", "zigzag", "fp8", 1),
+        (2, "deepseek-v32", "zigzag", "fp8", 2),  # into a decode group of 2 that decodes on its shards
         # owner-filtered prefill into a sharded decode group; slow on 2 cores (the torchrun demo test covers PD too)
         pytest.param(
             3, "glm5", "round_robin", "bf16", 2,
             marks=pytest.mark.skipif(os.environ.get("DTKV_TEST_LONG", "0") != "1", reason="set DTKV_TEST_LONG=1"),
         ),
     ],
-    ids=["world2-deepseek-v32-direct-fp8", "world3-glm5-bf16-into-decode2"],
+    ids=["world2-deepseek-v32-direct-fp8-into-decode2", "world3-glm5-bf16-into-decode2"],
 )  # fmt: skip
 def test_pd_decode_continues_the_cp_prefill(world, name, split, kv_dtype, decode_cp):
     from dtkv.demo._pd import start_decode_group

@@ -16,6 +16,8 @@ decode, on 2, 3 and 4 gloo ranks (and one process), both models, every KV dtype,
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -61,19 +63,20 @@ def _cache_runs(rank, world, name, kv_dtype, split, cache_pages, workload):
     }
 
 
+LONG = [pytest.mark.slow, pytest.mark.skipif(os.environ.get("DTKV_TEST_LONG", "0") != "1", reason="DTKV_TEST_LONG=1")]
 CACHE_CASES = [
-    # name, world, kv_dtype, split, cache pages, workload
-    ("deepseek-v32", 2, "fp8", "zigzag", 72, WORKLOAD),
-    ("glm5", 3, "bf16", "round_robin", 72, WORKLOAD),
-    ("glm5-shared", 4, "fp32", "zigzag", 72, WORKLOAD),
-    ("deepseek-v32", 2, "bf16", "round_robin", 20, CROWDED),  # the pool holds the live requests, not every turn
+    # name, world, kv_dtype, split, cache pages, workload, marks
+    ("deepseek-v32", 2, "fp8", "zigzag", 72, WORKLOAD, ()),
+    ("deepseek-v32", 2, "bf16", "round_robin", 20, CROWDED, ()),  # the pool holds the live requests, not every turn
+    ("glm5", 3, "bf16", "round_robin", 72, WORKLOAD, LONG),  # ~30 s each on 2 cores: batch-invariant loops
+    ("glm5-shared", 4, "fp32", "zigzag", 72, WORKLOAD, LONG),
 ]
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize(
     ("name", "world", "kv_dtype", "split", "pages", "workload"),
-    CACHE_CASES,
+    [pytest.param(*c[:6], marks=c[6]) for c in CACHE_CASES],
     ids=[f"{c[0]}-world{c[1]}-{c[2]}-{c[3]}" + ("-evicting" if c[4] < 72 else "") for c in CACHE_CASES],
 )
 def test_prefix_cache_is_bitwise_equal_to_the_run_without_it(request, name, world, kv_dtype, split, pages, workload):
