@@ -22,7 +22,8 @@ __all__ = ["BENCHMARKS", "main"]
 BENCHMARKS: dict[str, str] = {
     "materialize": "full views vs the raw all-gather of the same bytes, both backends, overlap (torchrun, N GPUs)",
     "prefill": "CP prefill of DSA layers at DeepSeek-V3.2 dimensions: replicated vs sharded KV (torchrun, N GPUs)",
-    "decode": "sharded vs full-view decode: step time and bytes per step (torchrun, N GPUs; --smoke on CPU)",
+    "decode": "replicated / full-view / sharded decode steps, eager and CUDA graphs: step time, bytes per step, the "
+    "fp8 indexer's GB/s (torchrun, N GPUs; --quick; --smoke on CPU)",
     "hf_parity": "the transformers parity grid as one job (torchrun, NCCL or gloo)",
     "ops": "the custom ops against torch and the copy ceiling (one GPU)",
     "split": "host time of CP split planning (CPU)",

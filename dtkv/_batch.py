@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch.distributed as dist
 
@@ -93,6 +93,7 @@ def check_rid(rid: object, requests: Sequence, *, live: bool = True, finished_ru
         ValueError: out of range (negative ids never wrap), or finished while ``live``.
     """
     check_int("rid", rid)
+    rid = cast(int, rid)
     if not 0 <= rid < len(requests):
         raise ValueError(f"rid must name a request in [0, {len(requests)}), got rid={rid}")
     req = requests[rid]
@@ -220,12 +221,12 @@ def agreed_step(
     if group is None or dist.get_world_size(group) == 1:
         if error is not None:
             raise error
-        return result
+        return cast("T", result)
     from dtkv.materialize._exchange import cpu_channel  # the materialization path's CPU mirror of the group
 
-    agreed = value(result) if error is None and value is not None else None
+    agreed = value(cast("T", result)) if error is None and value is not None else None
     agree(error, cpu_channel(group), what=what, value=agreed)
-    return result
+    return cast("T", result)
 
 
 def batch_value(reqs: Sequence, lens: Sequence[int]) -> dict[str, list[int]]:

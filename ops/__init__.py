@@ -11,10 +11,14 @@ Entry points (each takes ``backend="auto" | "torch" | "triton"``):
 - :func:`quantize_write_mla_fp8`, :func:`quantize_write_indexer_fp8` -- fused fp8 quantize-and-write, owner
   filter or ``direct=True`` likewise; references :func:`quantize_mla_fp8`, :func:`dequantize_mla_fp8`,
   :func:`quantize_indexer_fp8`, :func:`dequantize_indexer_pages`.
+- :func:`quantize_write_mla_indexer_fp8` -- both of a decode step's new-row writes of a layer (fp8 MLA row, fp8
+  indexer key; owner filter) in one launch (``dtkv::quantize_write_mla_indexer_fp8``).
 - :func:`plan_pack` (plan) + :func:`pack_owned_pages` (run) -- owner-major all-gather send buffers
   (``dtkv::pack_owned_pages``), with :func:`gathered_page_table`.
 - :func:`pack_layer_pages` (registered op ``dtkv::pack_layer_pages``) and :func:`pack_layer_pages_into` (eager,
   preallocated outputs) -- one send list packed out of every layout of a layer in one launch.
+- :func:`indexer_scores` -- DSA indexer scores of decode queries over their fp8 indexer pages, packed as
+  selection keys (``dtkv::indexer_scores``).
 - :func:`remap` -- logical indices to gathered-buffer coordinates (``dtkv::remap``).
 - :func:`sparse_indices` -- logical token locations to a sparse-attention kernel's int32 token slots (remap,
   bound, pad: ``dtkv::sparse_indices``); :func:`sparse_mla` -- MLA attention over selected rows (``dtkv::sparse_mla``).
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 from dtkv.ops._common import HAS_TRITON, OwnershipSpec, ownership_spec
 from dtkv.ops.direct_write import direct_write
+from dtkv.ops.indexer_scores import indexer_scores
 from dtkv.ops.pack_layer_pages import pack_layer_pages, pack_layer_pages_into
 from dtkv.ops.pack_owned_pages import PackPlan, gathered_page_table, pack_owned_pages, plan_pack
 from dtkv.ops.quantize_write_indexer_fp8 import (
@@ -40,6 +45,7 @@ from dtkv.ops.quantize_write_indexer_fp8 import (
     quantize_write_indexer_fp8,
 )
 from dtkv.ops.quantize_write_mla_fp8 import dequantize_mla_fp8, quantize_mla_fp8, quantize_write_mla_fp8
+from dtkv.ops.quantize_write_mla_indexer_fp8 import quantize_write_mla_indexer_fp8
 from dtkv.ops.remap import remap
 from dtkv.ops.sparse_indices import sparse_indices
 from dtkv.ops.sparse_mla import sparse_mla
@@ -53,6 +59,7 @@ __all__ = [
     "dequantize_mla_fp8",
     "direct_write",
     "gathered_page_table",
+    "indexer_scores",
     "ownership_spec",
     "pack_layer_pages",
     "pack_layer_pages_into",
@@ -62,6 +69,7 @@ __all__ = [
     "quantize_mla_fp8",
     "quantize_write_indexer_fp8",
     "quantize_write_mla_fp8",
+    "quantize_write_mla_indexer_fp8",
     "remap",
     "sparse_indices",
     "sparse_mla",

@@ -235,7 +235,7 @@ def _check_tokens(ref_logits, got_logits, tol_rel, what):
     print(f"\n{what}: max |logit diff| {diff:.3e} ({diff / scale:.2%} of {scale:.3f}), {len(margins)} flips in "
           f"{ref.shape[0]} positions, margins {[round(m, 4) for m in margins[:8]]}")  # fmt: skip
     assert diff <= tol_rel * scale, (diff, scale)
-    assert len(margins) <= MAX_FLIP_FRACTION * ref.shape[0], margins
+    assert len(margins) <= max(1, MAX_FLIP_FRACTION * ref.shape[0]), margins  # one near-tie flip of few positions
     assert all(m <= 2 * diff for m in margins), margins
 
 

@@ -212,3 +212,16 @@ def test_a_schedule_not_for_merging_skips_the_rewrite(flashmla):
     assert bool((lse[0] == float("inf")).all()) and not out[0].any()  # the kernel's own convention, untouched
     out, lse = backend.decode(q, kv, idx, softmax_scale=SCALE, schedule=backend.plan_decode(2, 64))
     assert bool((lse[0] == float("-inf")).all())
+
+
+def test_flashmla_index_width_follows_the_kernel(flashmla):
+    """The fp8 kernel takes top-k blocks of 64; the bf16 sparse prefill kernel, which also serves bf16 decode, blocks
+    of 128 (on an H200 a top-k of 64 failed ``params.topk % (2*B_TOPK) == 0``): the seam pads each accordingly."""
+    fp8, bf16 = flashmla(FP8, topk=64), flashmla(BF16, topk=64)
+    assert fp8.index_width(64) == 64 and bf16.index_width(64) == 128 and bf16.index_width(129) == 256
+    kv = _pages(BF16, 3, seed=4)
+    q = (torch.randn(5, H, 576, generator=torch.Generator().manual_seed(5)) / 4).to(torch.bfloat16)
+    idx = bf16.indices(_locs(5, 64, 3 * 64, seed=6), kv)
+    assert idx.shape == (5, 128)
+    out, lse = bf16.prefill(q, kv, idx, softmax_scale=SCALE)  # the stand-in asserts the kernel's rule
+    assert out.shape == (5, H, 512) and lse.shape == (5, H)

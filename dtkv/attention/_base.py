@@ -66,7 +66,7 @@ class AttentionBackend(ABC):
     """
 
     name: ClassVar[str] = "abstract"
-    index_multiple: ClassVar[int] = 1
+    index_multiple: int = 1
     """Index widths must be a multiple of this (FlashMLA: 64)."""
 
     def __init__(self, spec: AttentionSpec, device: torch.device | str, *, reason: str = "") -> None:

@@ -14,8 +14,9 @@ kv_lora_rank 512, rope_dim 64   ``d_qk == 576``, ``d_v == 512``: the absorbed la
 fp8 pages: page_size 64         ``page_block_size must be 64`` (the fp8 decode kernel reads pages of 64 tokens)
 fp8 pages: quant_block 128      the 656-byte row: 512 e4m3, 4 fp32 scales, 64 bf16 rope (:class:`dtkv.MLAFp8Layout`)
 latent pages: bf16              ``kv must have dtype BFloat16`` (the bf16 sparse prefill kernel)
-index width: multiple of 64     ``topk mod B_TOPK must be 0`` with ``B_TOPK = 64`` (sparse prefill ``B_TOPK``, sparse
-                                decode ``TOPK_BLOCK_SIZE``); :func:`dtkv.attention.sparse_indices` pads with ``-1``
+index width: multiple of 64     ``topk mod B_TOPK must be 0`` with ``B_TOPK = 64`` (the fp8 kernel's
+(fp8), 128 (bf16 latent)        ``TOPK_BLOCK_SIZE``); the bf16 sparse prefill kernel needs ``topk % (2*B_TOPK) == 0``
+                                (measured on an H200); :func:`dtkv.attention.sparse_indices` pads with ``-1``
 CUDA, compute capability 9 / 10 SM90a (Hopper) and SM100f kernels only (tested on H200)
 ==============================  ====================================================================================
 

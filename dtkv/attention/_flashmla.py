@@ -49,6 +49,9 @@ class FlashMLAAttention(AttentionBackend):
 
     def __init__(self, spec, device, *, reason: str = "") -> None:
         super().__init__(spec, device, reason=reason)
+        # bf16 latent pages go through the sparse prefill kernel, which takes top-k blocks of 2 * B_TOPK
+        # (``params.topk % (2*B_TOPK) == 0`` in csrc/sm90/prefill/sparse/phase1.cuh); the fp8 kernel takes B_TOPK
+        self.index_multiple = B_TOPK if spec.fp8 else 2 * B_TOPK
         why = availability("flashmla", self.device)
         if why:
             raise NotImplementedError(f"attention='flashmla' is unavailable: {why}")

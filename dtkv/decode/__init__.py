@@ -11,7 +11,11 @@ Entry points:
 - :func:`plan_decode` -> :class:`DecodePlan` (plan phase, host): the rank's owned pages of each request and the
   new rows' locations; :func:`alloc_decode_pages` places a request's next page on the rank holding fewest of its
   pages.
-- :func:`decode_layer` (run phase): one layer's sharded indexer + attention -> :class:`DecodeLayerOutput`.
+- :class:`DecodeStep` (+ :class:`DecodeStepConfig`): a whole decode step's attention, every layer, in one of the
+  modes ``sharded``, ``full_view``, ``replicated``, built from production kernels (:func:`dtkv.ops.indexer_scores`,
+  the :mod:`dtkv.attention` seam: FlashMLA on an H200) and capturable as one CUDA graph (:mod:`dtkv.decode.step`).
+- :func:`decode_layer` (run phase): one layer's sharded indexer + attention -> :class:`DecodeLayerOutput` (the
+  float64 torch path of the first implementation; the parity reference of the step).
 - the pieces: :func:`index_scores`, :func:`selection_keys`, :func:`local_topk`, :func:`global_topk`,
   :func:`unpack_keys` (exact top-k, deterministic tie-break by position); :func:`partial_attention`,
   :func:`merge_partials`, :func:`combine_partials` (LSE merge).
@@ -25,10 +29,12 @@ The reference model runs it as ``ModelRunner(..., decode_mode="sharded")``. The 
 
 from __future__ import annotations
 
+from dtkv.decode._exchange import COMMS
 from dtkv.decode.attention import combine_partials, merge_partials, partial_attention
 from dtkv.decode.cost import DecodeCommBytes, full_view_comm_bytes, sharded_decode_comm_bytes
 from dtkv.decode.layer import DecodeLayerOutput, DecodeQueries, decode_layer
 from dtkv.decode.plan import DecodePlan, alloc_decode_pages, plan_decode
+from dtkv.decode.step import MODES, DecodeStep, DecodeStepConfig, LayerResult, StepInputs
 from dtkv.decode.topk import (
     INVALID_KEY,
     MAX_POSITION,
@@ -42,13 +48,19 @@ from dtkv.decode.topk import (
 )
 
 __all__ = [
+    "COMMS",
     "INVALID_KEY",
     "MAX_POSITION",
+    "MODES",
     "DecodeCommBytes",
     "DecodeLayerOutput",
     "DecodePlan",
     "DecodeQueries",
+    "DecodeStep",
+    "DecodeStepConfig",
+    "LayerResult",
     "SelectionMismatchError",
+    "StepInputs",
     "alloc_decode_pages",
     "check_selection",
     "combine_partials",

@@ -51,7 +51,14 @@ class DecodeCommBytes:
 
 
 def sharded_decode_comm_bytes(
-    *, num_queries: int, topk: int, num_heads: int, kv_lora_rank: int, cp_size: int, partial_itemsize: int = 4
+    *,
+    num_queries: int,
+    topk: int,
+    num_heads: int,
+    kv_lora_rank: int,
+    cp_size: int,
+    partial_itemsize: int = 4,
+    lse_itemsize: int | None = None,
 ) -> DecodeCommBytes:
     """Per-rank bytes of one layer of sharded decode: the candidate all-gather plus the partials' all-gather.
 
@@ -60,16 +67,19 @@ def sharded_decode_comm_bytes(
         topk: candidates per query and rank (the indexer's top-k).
         num_heads, kv_lora_rank: attention heads and latent dims of the partial outputs.
         cp_size: ranks in the group (no traffic at 1).
-        partial_itemsize: bytes per element of the partials (4: float32, 8: the float64 reference model).
+        partial_itemsize: bytes per element of the partial outputs (4: float32, 8: the float64 reference model, 2:
+            FlashMLA's bf16 output, sent as it is by :class:`dtkv.decode.DecodeStep`).
+        lse_itemsize: bytes per element of the LSE (default ``partial_itemsize``; 4 beside bf16 outputs).
     """
     for name, v in (("num_queries", num_queries), ("topk", topk), ("num_heads", num_heads)):
         check_int(name, v, min_value=0)
     check_int("kv_lora_rank", kv_lora_rank, min_value=1)
     check_int("cp_size", cp_size, min_value=1)
     check_int("partial_itemsize", partial_itemsize, min_value=1)
+    lse_isz = partial_itemsize if lse_itemsize is None else check_int("lse_itemsize", lse_itemsize, min_value=1)
     if cp_size == 1:
         return DecodeCommBytes(sent=0, received=0, num_collectives=0)
-    sent = num_queries * topk * 8 + num_queries * num_heads * (kv_lora_rank + 1) * partial_itemsize
+    sent = num_queries * topk * 8 + num_queries * num_heads * (kv_lora_rank * partial_itemsize + lse_isz)
     return DecodeCommBytes(sent=sent, received=(cp_size - 1) * sent, num_collectives=2)
 
 

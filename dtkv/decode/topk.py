@@ -106,15 +106,16 @@ def unpack_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return scores, torch.where(valid, positions, torch.full_like(positions, -1)), valid
 
 
-def local_topk(keys_NS: torch.Tensor, k: int) -> torch.Tensor:
-    """The ``k`` largest keys of each row, largest first: int64 ``[N, k]`` (padded with :data:`INVALID_KEY`)."""
+def local_topk(keys_NS: torch.Tensor, k: int, *, sorted: bool = True) -> torch.Tensor:
+    """The ``k`` largest keys of each row: int64 ``[N, k]`` (padded with :data:`INVALID_KEY`), largest first, or in
+    any order with ``sorted=False`` (the same set: keys are distinct; skips ``torch.topk``'s sort of the result)."""
     if k < 1:
         raise ValueError(f"k must be >= 1, got k={k}")
     n, s = keys_NS.shape
     if s < k:
         pad = torch.full((n, k - s), INVALID_KEY, dtype=torch.int64, device=keys_NS.device)
         keys_NS = torch.cat((keys_NS, pad), dim=1)
-    return torch.topk(keys_NS, k, dim=1, largest=True, sorted=True).values
+    return torch.topk(keys_NS, k, dim=1, largest=True, sorted=sorted).values
 
 
 def global_topk(local_NK: torch.Tensor, k: int, group: dist.ProcessGroup | None) -> torch.Tensor:

@@ -28,6 +28,7 @@ from dtkv.runtime.kvio import write_rows
 
 if TYPE_CHECKING:
     from dtkv.decode import DecodeLayerOutput, DecodePlan, DecodeQueries
+    from dtkv.runtime._decode import ShardedDecodeStep
     from dtkv.runtime._plan import StepPlan
     from dtkv.runtime.runtime import Runtime
 
@@ -63,6 +64,7 @@ class StepContext:
         self.decode_pages: list[list[int]] | None = None
         """A sharded decode step's page tables (what ``DTKV_DEBUG`` checks the selection against)."""
         self._ids = ids
+        self._sharded: ShardedDecodeStep | None = None
         self.attention = runtime.attention
         self.layouts = runtime.pool.layouts
         self.page_size = runtime.page_size
@@ -102,13 +104,14 @@ class StepContext:
         """Store this step's rows ``[n, C]`` of pool ``name``, layer ``layer`` (collective in the CP modes).
 
         In a sharded decode step every rank holds every row: each keeps the rows of the pages it stores
-        (owner-filtered, no collective).
+        (owner-filtered, no collective; with fp8 index pages the layer's rows are written by the decode step's one
+        launch, at its attention: every row once).
         """
         rt = self.runtime
         lay, pool = self.layouts[name], rt.pool.local(name, layer)
         spec, rank = rt.ownership_spec, rt.pool.rank
         if self.decode is not None:
-            write_rows(pool, lay, rows, self.decode.new_locs, spec, rank)
+            self._decode_step().write(name, layer, rows)
             return
         plan, mode = self.plan, rt.mode
         assert plan is not None, "a step's context holds an extend plan or a decode plan"
@@ -168,11 +171,19 @@ class StepContext:
             :class:`dtkv.decode.DecodeLayerOutput` (merged latent output, LSE, selected positions), the same on
             every rank.
         """
-        from dtkv.runtime._decode import decode_attention
-
         if self.decode is None:
             raise RuntimeError("decode_attention() belongs to a sharded decode step; an extend step reads views()")
-        return decode_attention(
-            self.runtime, self.decode, layer, queries, softmax_scale=softmax_scale, positions=positions,
-            page_tables=self.decode_pages,
-        )  # fmt: skip
+        return self._decode_step().attention(layer, queries, softmax_scale=softmax_scale, positions=positions)
+
+    def _decode_step(self) -> ShardedDecodeStep:
+        if self._sharded is None:
+            from dtkv.runtime._decode import ShardedDecodeStep
+
+            assert self.decode is not None and self.decode_pages is not None, "a sharded decode step's context"
+            self._sharded = ShardedDecodeStep(self.runtime, self.decode, self.decode_pages)
+        return self._sharded
+
+    def finish(self) -> None:
+        """End of the model's forward: rows a sharded decode step still holds are written (run phase)."""
+        if self._sharded is not None:
+            self._sharded.flush()

@@ -72,7 +72,8 @@ class Runtime:
             attention reads it as ``ctx.attention``): ``"auto"`` (the fastest available on the model's device that
             fits: torch on a CPU), ``"torch"`` (the parity reference), ``"triton"``, ``"flashmla"`` (its fit rules:
             :func:`dtkv.attention.check_fit`), or a resolved backend. The choice is :attr:`attention` (its
-            ``reason`` says why). Sharded decode keeps :mod:`dtkv.decode`'s own math.
+            ``reason`` says why). Sharded decode runs :class:`dtkv.decode.DecodeStep` with the same backend by
+            name (fp8 index pages; :mod:`dtkv.runtime._decode`).
         batch_invariant: run every step under :func:`dtkv.runtime.batch_invariant`, so a token's results do not
             depend on the tokens sharing its step (what bitwise prefix-cache parity needs from float32 models).
 
@@ -397,7 +398,9 @@ class Runtime:
             ctx = StepContext(self, decode=plan, ids=ids)
             ctx.decode_pages = [list(r.pages) for r in reqs]
             with torch.no_grad():
-                logits = self._logits(self._run_model(ctx))
+                hidden = self._run_model(ctx)
+                ctx.finish()
+                logits = self._logits(hidden)
         for r in reqs:
             r.num_computed += 1
         self.stats["sharded_decode_steps"] += 1
