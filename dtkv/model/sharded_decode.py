@@ -1,5 +1,5 @@
 """Deprecated (one release): sharded decode is the runtime's, for every model (:mod:`dtkv.runtime`,
-``Runtime(decode_mode="sharded")``; the layer is :func:`dtkv.decode.decode_layer`)."""
+``Runtime(decode_mode="sharded")``; a layer of :class:`dtkv.decode.DecodeStep`)."""
 
 from __future__ import annotations
 

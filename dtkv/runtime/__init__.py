@@ -19,7 +19,7 @@ Entry points:
 **Who owns what.** The runtime owns everything that is the same for every model: requests and their pages, the CP
 split (zigzag, page-aligned where possible, or round-robin), owner-aware allocation, the prefix cache, KV writes
 (owner-filtered, compute-owner direct, replicated), materialized views with a layer-ahead prefetch, sharded decode
-(the exact global top-k and the LSE merge of :mod:`dtkv.decode`), PD send and receive, and the input rules of
+(a :class:`dtkv.decode.DecodeStep` layer per model layer: the exact global top-k and the LSE merge), PD send and receive, and the input rules of
 every call (:mod:`dtkv._batch`: checked before anything changes, on every rank together). A model adapter owns only
 what differs between models: how a layer projects its rows and how its attention reads KV.
 
@@ -42,7 +42,9 @@ Inside ``forward``, every layer's attention calls the runtime through the :class
 3. a sharded decode step calls ``ctx.decode_attention(layer, queries)`` with the absorbed-MLA queries of every
    request (:class:`dtkv.decode.DecodeQueries`): the runtime scores each rank's own index pages, agrees on the
    global top-k, attends over the selected rows each rank owns and merges the partials; the model turns the merged
-   latent output into its layer output. No full view, no page movement.
+   latent output into its layer output. No full view, no page movement. With fp8 index pages this is a layer of
+   :class:`dtkv.decode.DecodeStep` (the runtime's backend by name; the layer's two rows, held since ``ctx.write``,
+   written by its one launch); a layer that reuses the previous layer's selection passes ``positions=``.
 
 The attention backend (``attention=``) is a runtime argument the adapter reads from ``ctx.attention``, never a
 model's concern.
@@ -51,7 +53,8 @@ model's concern.
 rules, split, prefix-cache eviction, allocation, token locations, the key table, the materialization plan and the
 remapped page tables (:class:`StepPlan`, identical on every rank up to the rank's own rows); :meth:`Runtime.forward`
 is the run phase: tensor work only, no host sync (it compiles with ``torch.compile(fullgraph=True)`` for the
-reference model). Sharded decode has the same split (:func:`dtkv.decode.plan_decode`, then the layers).
+reference model). Sharded decode has the same split (:func:`dtkv.decode.plan_decode` and
+:meth:`dtkv.decode.DecodeStep.set_plan`, then the layers).
 
 **KV modes** (``mode=``; the default follows the group and the split):
 

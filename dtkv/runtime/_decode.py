@@ -78,7 +78,7 @@ def plan_sharded_step(runtime, reqs: Sequence) -> DecodePlan:
 def _index_keys(index_local: torch.Tensor, plan: DecodePlan, layout: KVLayout, dtype) -> torch.Tensor:
     """Each query's owned index keys ``[N, L * page_size, J]`` (padding slots hold anything finite)."""
     if not isinstance(layout, MLALatentLayout):
-        raise TypeError(f"index layout must be MLALatentLayout rows here (fp8 pages go to decode_layer), got {layout}")
+        raise TypeError(f"index layout must be MLALatentLayout rows here (fp8 pages go to DecodeStep), got {layout}")
     n, width = plan.owned_local_pages.shape
     ps = layout.page_size
     if index_local.shape[0] == 0:  # this rank stores no page of the pool: every slot is padding
