@@ -167,6 +167,15 @@ def run_rank(rank: int, cp: int, page_size: int, init: str) -> None:
         dist.destroy_process_group()
 
 
+def say_in_rank_order(line: str, rank: int, cp: int, group) -> None:
+    """Print ``line`` once per rank, rank 0 first: one write each, between barriers, so lines never interleave."""
+    for r in range(cp):
+        if r == rank:
+            sys.stdout.write(line + "\n")
+            sys.stdout.flush()
+        dist.barrier(group=group)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -92,15 +92,24 @@ def run_rank(rank: int, cp: int, page_size: int, init: str) -> None:
                 want = kv_rows(torch.full((n,), req), torch.arange(n), layer, layout.row_dim)
                 ok &= torch.equal(got, want)
         stored = pool.bytes_per_rank() / pool.replicated_bytes()
-        print(
+        say_in_rank_order(
             f"rank {rank}/{cp}: {mine.num_tokens} rows computed, {'direct' if direct else 'owner-filtered'} writes, "
             f"view of {plan.num_view_pages} pages equal to the computed rows: {ok}; stores {stored:.2f} of the pool",
-            flush=True,
-        )
+            rank, cp, group,
+        )  # fmt: skip
         if not ok:
             raise SystemExit(f"rank {rank}: a view row differs from the row computed for it")
     finally:
         dist.destroy_process_group()
+
+
+def say_in_rank_order(line: str, rank: int, cp: int, group) -> None:
+    """Print ``line`` once per rank, rank 0 first: one write each, between barriers, so lines never interleave."""
+    for r in range(cp):
+        if r == rank:
+            sys.stdout.write(line + "\n")
+            sys.stdout.flush()
+        dist.barrier(group=group)
 
 
 def _free_port() -> int:

@@ -3,6 +3,8 @@
 One registered op per module, beside its torch reference, Triton kernel, fake and DTensor sharding rule; the row
 writes share one prologue (checks, ``locs`` normalization, validation, dispatch: ``_row_write.py``), and
 ``direct_write.py`` holds only a convenience entry point over ``dtkv::write_owned`` (no op or kernel of its own).
+Kernels take their launch configuration per size from a tuned table (``_tuned.py``) and share copy helpers
+(``_copy.py``).
 Entry points (each takes ``backend="auto" | "torch" | "triton"``):
 
 - :func:`write_owned` -- owner-filtered write of a full chunk's rows (``dtkv::write_owned``); ``direct=True``

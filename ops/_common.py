@@ -53,6 +53,7 @@ __all__ = [
     "device_ctx",
     "e4m3_blocks_torch",
     "index_arg",
+    "locate",
     "locate_args",
     "owner_and_local",
     "ownership_args",
@@ -245,6 +246,25 @@ if HAS_TRITON:
         """
         rmask = r < num_rows
         loc = tl.load(locs_ptr + r, mask=rmask, other=-1)
+        keep, local, off = locate(
+            loc, rmask, num_locs, num_local_pages, rank, PAGE_SIZE, CP, PAGES_PER_RANK, SCHEME, IDX64
+        )
+        return keep, local.to(tl.int64), off.to(tl.int64)
+
+    @triton.jit
+    def locate(
+        loc,  # [BLOCK_R] int32/int64 locations as loaded (-1 where rmask is off)
+        rmask,  # [BLOCK_R] rows that exist
+        num_locs,
+        num_local_pages,
+        rank,
+        PAGE_SIZE: tl.constexpr,
+        CP: tl.constexpr,
+        PAGES_PER_RANK: tl.constexpr,
+        SCHEME: tl.constexpr,
+        IDX64: tl.constexpr,
+    ):
+        """:func:`locate_rows` on locations already loaded; ``local``/``offset`` int32, or int64 with ``IDX64``."""
         in_range = rmask & (loc >= 0) & (loc < num_locs)
         if IDX64:
             loc = loc.to(tl.int64)
@@ -254,21 +274,24 @@ if HAS_TRITON:
         off = loc - page * PAGE_SIZE
         owner, local = owner_local(page, CP, PAGES_PER_RANK, SCHEME)
         keep = in_range & (owner == rank) & (local < num_local_pages)
-        return keep, local.to(tl.int64), off.to(tl.int64)
+        return keep, local, off
 
     @triton.jit
     def e4m3_bits(y, PREROUND: tl.constexpr):
         """fp32 -> e4m3fn bits (uint8) with round-to-nearest-even, saturating at +-448.
 
-        On the GPU the hardware conversion (``cvt.rn.satfinite``) does it. With ``PREROUND`` (set under the
-        interpreter) the value is first rounded to e4m3 precision with integer arithmetic (normal range: keep 3
-        mantissa bits; subnormal range below 2**-6: multiples of 2**-9 through the ``+2**14 - 2**14`` trick), so
-        the final conversion is exact: the interpreter's own conversion drops the carry into the exponent
-        (127.9 -> 64). Both give the bits of torch's ``.to(torch.float8_e4m3fn)``.
+        On the GPU the hardware conversion (``cvt.rn.satfinite.e4m3x2.f32``, two values an instruction) does it,
+        saturation included: a finite value past +-448 rounds to +-448 either way, so no clamp is spent on it (two
+        instructions a value, in kernels that are close to issue-bound; ``tests/test_ops_compile.py`` checks that the
+        compiled kernels use only that conversion). With ``PREROUND`` (set under the interpreter) the value is
+        clamped, then rounded to e4m3 precision with integer arithmetic (normal range: keep 3 mantissa bits;
+        subnormal range below 2**-6: multiples of 2**-9 through the ``+2**14 - 2**14`` trick), so the final
+        conversion is exact: the interpreter's own conversion drops the carry into the exponent (127.9 -> 64).
+        Both give the bits of torch's ``.clamp(-448, 448).to(torch.float8_e4m3fn)`` for finite values.
         """
-        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
         if not PREROUND:
             return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
         bits = y.to(tl.int32, bitcast=True)
         normal = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576
         a = tl.abs(y)
@@ -283,7 +306,7 @@ if HAS_TRITON:
         return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 else:  # pragma: no cover
-    owner_local = locate_rows = e4m3_bits = bf16_rn = None
+    owner_local = locate_rows = locate = e4m3_bits = bf16_rn = None
 
 
 def locate_args(cp_size: int, num_pages: int, scheme_code: int, page_size: int) -> dict[str, int | bool]:

@@ -203,9 +203,11 @@ def launch_rows(
     *,
     block_r: int,
     num_warps: int,
+    grid: tuple[int, ...] | None = None,
     **constexprs: Any,
 ) -> None:
-    """Launch a row kernel over ``cdiv(N, block_r)`` programs (nothing for no rows or an empty pool).
+    """Launch a row kernel over a ``grid`` of programs (default ``(cdiv(N, block_r),)``; nothing for no rows or an
+    empty pool).
 
     Every row kernel takes ``(pool_ptr, src_ptr, locs_ptr, num_rows, num_local_pages, page_stride, num_locs,
     rank, PAGE_SIZE, CP, PAGES_PER_RANK, SCHEME, IDX64, ..., BLOCK_R)``; ``constexprs`` are its own.
@@ -215,7 +217,7 @@ def launch_rows(
     if n == 0 or pool.shape[0] == 0:
         return
     with device_ctx(pool.device):
-        kernel[(cdiv(n, block_r),)](
+        kernel[(cdiv(n, block_r),) if grid is None else grid](
             pool, src, locs, n, pool.shape[0], pool.stride(0), rank=rank,
             **locate_args(cp_size, num_pages, scheme_code, page_size), BLOCK_R=block_r, num_warps=num_warps,
             **constexprs,

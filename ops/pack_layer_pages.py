@@ -21,6 +21,8 @@ import torch
 from dtkv._checks import check_tensor
 
 from ._common import cdiv, check_pages_contiguous, device_ctx, index_arg, resolve_backend, tl, triton, word_view
+from ._copy import load_span, needs_int64, span_chunks, store_span
+from ._tuned import launch_config
 
 __all__ = ["MAX_LAYOUTS", "pack_layer_pages", "pack_layer_pages_into", "pack_layer_pages_torch"]
 
@@ -45,45 +47,61 @@ def pack_layer_pages_torch(pools: Sequence[torch.Tensor], send_idx: torch.Tensor
 
 # ----------------------------------------------------------------------------------------- Triton kernel
 @triton.jit
-def _copy_block(dst_ptr, src_ptr, row, page, valid, cols, num_words, page_stride):
-    m = cols < num_words
-    v = tl.load(src_ptr + page * page_stride + cols, mask=m & valid, other=0, eviction_policy="evict_first")
-    tl.store(dst_ptr + row * num_words + cols, v, mask=m)
+def _pack_part(dst_ptr, src_ptr, page_stride, row, page, valid, rmask, part, W: tl.constexpr, PARTS: tl.constexpr,
+               CW0: tl.constexpr, CW1: tl.constexpr, CW2: tl.constexpr, CW3: tl.constexpr):  # fmt: skip
+    """Copy part ``part`` (``W / PARTS`` words) of page ``page`` to send row ``row`` of each tile row (zeros where
+    not ``valid``)."""
+    # annotated: a plain assignment would make SPAN a runtime scalar (Triton 3.6 and 3.7 turn every assigned
+    # constant into a tensor), and _chunk's `if C + CW > SPAN` a runtime branch whose sides differ in shape
+    SPAN: tl.constexpr = W // PARTS
+    v0, v1, v2, v3 = load_span(src_ptr, page * page_stride + part * SPAN, valid, SPAN, CW0, CW1, CW2, CW3)
+    store_span(dst_ptr, row * W + part * SPAN, rmask, v0, v1, v2, v3, SPAN, CW0, CW1, CW2, CW3)
 
 
 @triton.jit
 def _pack_layer_pages_kernel(
     idx_ptr,  # [M] int64: local page of each send row; -1 or >= P = zero row
+    num_rows,  # M
     num_local_pages,  # P
-    dst0, src0, stride0, words0,  # layout 0: dst [M, W_0] words, contiguous; src [P, W_0] words, page stride
-    dst1, src1, stride1, words1,  # layouts 1..3: the same (ignored past NUM_LAYOUTS)
-    dst2, src2, stride2, words2,
-    dst3, src3, stride3, words3,
+    dst0, src0, stride0,  # layout 0: dst [M, W0] words, contiguous; src [P, W0] words, page stride stride0
+    dst1, src1, stride1,  # layouts 1..3: the same (ignored past NUM_LAYOUTS)
+    dst2, src2, stride2,
+    dst3, src3, stride3,
+    W0: tl.constexpr, A0: tl.constexpr, B0: tl.constexpr, C0: tl.constexpr, D0: tl.constexpr,  # words, chunks
+    W1: tl.constexpr, A1: tl.constexpr, B1: tl.constexpr, C1: tl.constexpr, D1: tl.constexpr,
+    W2: tl.constexpr, A2: tl.constexpr, B2: tl.constexpr, C2: tl.constexpr, D2: tl.constexpr,
+    W3: tl.constexpr, A3: tl.constexpr, B3: tl.constexpr, C3: tl.constexpr, D3: tl.constexpr,
     NUM_LAYOUTS: tl.constexpr,
-    BLOCK: tl.constexpr,
+    PARTS: tl.constexpr,
+    ROWS: tl.constexpr,
+    OFF64: tl.constexpr,
 ):  # fmt: skip
-    """Program ``(row, layout, c)`` copies words ``[c*BLOCK, (c+1)*BLOCK)`` of one page of one layout."""
-    row = tl.program_id(0).to(tl.int64)
-    lay = tl.program_id(1)
-    cols = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
-    page = tl.load(idx_ptr + row)
-    valid = (page >= 0) & (page < num_local_pages)
+    """Program ``(i, layout * PARTS + part)`` copies part ``part`` of the pages of send rows ``[i*ROWS, (i+1)*ROWS)``
+    of one layout, every chunk of a part loaded before any is stored (``ops/_copy.py``)."""
+    if OFF64:
+        row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    else:
+        row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    q = tl.program_id(1)
+    lay = q // PARTS
+    part = q - lay * PARTS
+    rmask = row < num_rows
+    page = tl.load(idx_ptr + row, mask=rmask, other=-1)
+    valid = rmask & (page >= 0) & (page < num_local_pages)
     page = tl.where(valid, page, 0)
+    if not OFF64:
+        page = page.to(tl.int32)
     if lay == 0:
-        _copy_block(dst0, src0, row, page, valid, cols, words0, stride0)
+        _pack_part(dst0, src0, stride0, row, page, valid, rmask, part, W0, PARTS, A0, B0, C0, D0)
     if NUM_LAYOUTS > 1:
         if lay == 1:
-            _copy_block(dst1, src1, row, page, valid, cols, words1, stride1)
+            _pack_part(dst1, src1, stride1, row, page, valid, rmask, part, W1, PARTS, A1, B1, C1, D1)
     if NUM_LAYOUTS > 2:
         if lay == 2:
-            _copy_block(dst2, src2, row, page, valid, cols, words2, stride2)
+            _pack_part(dst2, src2, stride2, row, page, valid, rmask, part, W2, PARTS, A2, B2, C2, D2)
     if NUM_LAYOUTS > 3:
         if lay == 3:
-            _copy_block(dst3, src3, row, page, valid, cols, words3, stride3)
-
-
-KERNEL_CONFIG: dict[str, int] = {"block": 4096, "num_warps": 4}
-"""Launch parameters (words per program, warps); those of ``dtkv::pack_owned_pages``, swept on an H200."""
+            _pack_part(dst3, src3, stride3, row, page, valid, rmask, part, W3, PARTS, A3, B3, C3, D3)
 
 
 def _words(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,10 +113,24 @@ def _words(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return d, s
 
 
+def _parts(requested: int, widths: Sequence[int]) -> int:
+    """The largest power of two ``<= requested`` that divides every layout's page width (1 at least)."""
+    p = 1 << max(int(requested), 1).bit_length() - 1
+    while p > 1 and any(w % p for w in widths):
+        p //= 2
+    return p
+
+
 def launch_pack(
-    dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], send_idx: torch.Tensor, num_local_pages: int
+    dsts: Sequence[torch.Tensor],
+    srcs: Sequence[torch.Tensor],
+    send_idx: torch.Tensor,
+    num_local_pages: int,
+    *,
+    op: str = "pack_layer_pages",
 ) -> None:
-    """Raw launch on word views (no checks; :func:`pack_layer_pages_into` checks and prepares them).
+    """Raw launch on word views (no checks; :func:`pack_layer_pages_into` checks and prepares them), configured by
+    ``ops/_tuned.py`` entry ``op`` (``"pack_layer_pages"`` or ``"pack_owned_pages"``) for ``M`` send rows.
 
     Args:
         dsts: per layout ``[M, W_k]`` words, contiguous. srcs: per layout ``[P, W_k]`` words (same dtype as the
@@ -107,16 +139,25 @@ def launch_pack(
     m, k = send_idx.shape[0], len(dsts)
     if m == 0 or k == 0:
         return
-    block = min(triton.next_power_of_2(max(d.shape[1] for d in dsts)), KERNEL_CONFIG["block"])
-    args = []
+    cfg = launch_config(op, m, send_idx.device)
+    widths = [d.shape[1] for d in dsts]
+    parts = _parts(int(cfg["parts"]), widths)
+    rows = int(cfg["rows"])
+    args, consts = [], {}
     for i in range(MAX_LAYOUTS):
         j = min(i, k - 1)  # unused slots repeat the last layout; the kernel never reads them
-        args += [dsts[j], srcs[j], srcs[j].stride(0), dsts[j].shape[1]]
-    grid = (m, k, cdiv(max(d.shape[1] for d in dsts), block))
+        args += [dsts[j], srcs[j], srcs[j].stride(0)]
+        consts[f"W{i}"] = widths[j]
+        for name, cw in zip("ABCD", span_chunks(widths[j] // parts, int(cfg["chunk_w"]))):
+            consts[f"{name}{i}"] = cw
+    off64 = needs_int64(
+        (m + rows) * max(widths), *(s.shape[0] * s.stride(0) + w for s, w in zip(srcs, widths)), num_local_pages
+    )
     with device_ctx(send_idx.device):
-        _pack_layer_pages_kernel[grid](
-            send_idx, num_local_pages, *args, NUM_LAYOUTS=k, BLOCK=block, num_warps=KERNEL_CONFIG["num_warps"]
-        )
+        _pack_layer_pages_kernel[(cdiv(m, rows), k * parts)](
+            send_idx, m, num_local_pages, *args, **consts, NUM_LAYOUTS=k, PARTS=parts, ROWS=rows, OFF64=off64,
+            num_warps=int(cfg["num_warps"]),
+        )  # fmt: skip
 
 
 def _check(pools: Sequence[torch.Tensor], send_idx: torch.Tensor) -> None:

@@ -32,18 +32,15 @@ from dtkv.ownership import PageOwnership
 
 from ._common import (
     OwnershipLike,
-    cdiv,
     check_pages_contiguous,
     check_rank,
-    device_ctx,
     index_arg,
     ownership_spec,
     resolve_backend,
-    tl,
-    triton,
     word_view,
 )
 from ._sharding import dtensor_args, register_pool_rule
+from .pack_layer_pages import _words, launch_pack
 
 __all__ = ["PackPlan", "gathered_page_table", "pack_owned_pages", "pack_owned_pages_torch", "plan_pack"]
 
@@ -137,34 +134,9 @@ def pack_owned_pages_torch(pool: torch.Tensor, send_idx: torch.Tensor) -> torch.
     return out.view(pool.dtype)
 
 
-# ----------------------------------------------------------------------------------------- Triton kernel
-@triton.jit
-def _pack_owned_pages_kernel(
-    out_ptr,  # [M, W] words, contiguous
-    pool_ptr,  # [P, W] words; page stride page_stride
-    idx_ptr,  # [M] int64, contiguous: local page per send row, outside [0, P) = zeros
-    num_local_pages,
-    page_stride,
-    W: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """Program ``(row, c)`` copies words ``[c*BLOCK, (c+1)*BLOCK)`` of one page (zeros for padding rows)."""
-    row = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    idx = tl.load(idx_ptr + row)
-    valid = (idx >= 0) & (idx < num_local_pages)
-    m = cols < W
-    v = tl.load(pool_ptr + idx * page_stride + cols, mask=m & valid, other=0, eviction_policy="evict_first")
-    tl.store(out_ptr + row.to(tl.int64) * W + cols, v, mask=m)
-
-
 def _check(pool: torch.Tensor, send_idx: torch.Tensor) -> None:
     check_pages_contiguous("pool", pool)
     check_tensor("send_idx", send_idx, dtype=(torch.int64, torch.int32), ndim=1, device=pool.device)
-
-
-KERNEL_CONFIG: dict[str, int] = {"block": 4096, "num_warps": 4}
-"""Launch parameters (words per program, warps), swept on an H200 by ``benchmarks/bench_ops.py``."""
 
 
 # ----------------------------------------------------------------------------------------- registered op
@@ -179,21 +151,9 @@ def _pack_owned_pages_op(pool: torch.Tensor, send_idx: torch.Tensor, backend: st
         return out
     if pool.shape[0] == 0:  # a rank that stores no pages: nothing to read, every row is padding
         return out.zero_()
-    src = word_view(pool.flatten(1))
-    dst = out.flatten(1).view(src.dtype)
-    num_words = src.shape[1]
-    block = min(triton.next_power_of_2(num_words), KERNEL_CONFIG["block"])
-    with device_ctx(pool.device):
-        _pack_owned_pages_kernel[(out.shape[0], cdiv(num_words, block))](
-            dst,
-            src,
-            send_idx,
-            pool.shape[0],
-            src.stride(0),
-            W=num_words,
-            BLOCK=block,
-            num_warps=KERNEL_CONFIG["num_warps"],
-        )
+    # the page copy of dtkv::pack_layer_pages (one layout), configured by ops/_tuned.py entry "pack_owned_pages"
+    dst, src = _words(out, pool)
+    launch_pack([dst], [src], send_idx, pool.shape[0], op="pack_owned_pages")
     return out
 
 

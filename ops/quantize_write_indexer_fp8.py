@@ -22,7 +22,8 @@ import torch
 from dtkv._checks import check_tensor
 from dtkv.layouts import IndexerFp8Layout
 
-from ._common import INTERPRET, OwnershipLike, e4m3_bits, e4m3_blocks_torch, locate_rows, tl, triton
+from ._common import INTERPRET, OwnershipLike, e4m3_bits, e4m3_blocks_torch, locate, tl, triton
+from ._copy import needs_int64
 from ._row_write import (
     UNSET,
     RowWriteOp,
@@ -34,6 +35,7 @@ from ._row_write import (
     owned_rows_torch,
     register_row_write_rule,
 )
+from ._tuned import launch_config
 
 __all__ = [
     "dequantize_indexer_pages",
@@ -98,23 +100,39 @@ def _quantize_write_indexer_fp8_kernel(
     PAGES_PER_RANK: tl.constexpr,
     SCHEME: tl.constexpr,
     IDX64: tl.constexpr,
+    OFF64: tl.constexpr,
     K_STRIDE: tl.constexpr,
     H: tl.constexpr,
     HP: tl.constexpr,
+    DIRECT: tl.constexpr,
     BLOCK_R: tl.constexpr,
     PREROUND: tl.constexpr,
 ):
-    """One program quantizes ``BLOCK_R`` tokens (``[BLOCK_R, H]`` tile) and stores keys and scales."""
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    keep, local, off = locate_rows(
-        locs_ptr, r, num_rows, num_locs, num_local_pages, rank, PAGE_SIZE, CP, PAGES_PER_RANK, SCHEME, IDX64
-    )
+    """One program quantizes ``BLOCK_R`` tokens (``[BLOCK_R, H]`` tile) and stores keys and scales.
+
+    With ``DIRECT`` (every token normally kept) the keys are read under the row bound alone, in flight together
+    with the locations; the owner filter reads only kept tokens.
+    """
+    if OFF64:
+        r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    else:
+        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = r < num_rows
+    ci = tl.arange(0, HP)
+    k_ptrs = k_ptr + (r * K_STRIDE)[:, None] + ci[None, :]
+    if DIRECT:
+        x = tl.load(k_ptrs, mask=rmask[:, None] & (ci < H)[None, :], other=0.0, eviction_policy="evict_first")
+    loc = tl.load(locs_ptr + r, mask=rmask, other=-1)
+    keep, local, off = locate(loc, rmask, num_locs, num_local_pages, rank, PAGE_SIZE, CP, PAGES_PER_RANK, SCHEME, IDX64)
+    m = keep[:, None] & (ci < H)[None, :]
+    if not DIRECT:
+        x = tl.load(k_ptrs, mask=m, other=0.0, eviction_policy="evict_first")
+    if OFF64:
+        local = local.to(tl.int64)
+        off = off.to(tl.int64)
     base = local * page_stride
 
-    ci = tl.arange(0, HP)
-    m = keep[:, None] & (ci < H)[None, :]
-    x = tl.load(k_ptr + (r.to(tl.int64) * K_STRIDE)[:, None] + ci[None, :], mask=m, other=0.0,
-                eviction_policy="evict_first").to(tl.float32)  # fmt: skip
+    x = x.to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)
     scale = tl.math.div_rn(amax, 448.0)
     pos = amax > 0
@@ -130,13 +148,9 @@ def _triton_aligned(pool: torch.Tensor, page_size: int, head_dim: int) -> bool:
     return (page_size * head_dim) % 4 == 0 and pool.stride(0) % 4 == 0 and pool.storage_offset() % 4 == 0
 
 
-KERNEL_CONFIG: dict[str, int] = {"block_r": 16, "num_warps": 2}
-"""Launch parameters (tokens per program, warps; ``block_r`` 0 = derived from the head dim), swept on an H200 by
-``benchmarks/bench_ops.py``."""
-
-
 def _launch(pool, k, locs, cp_size, num_pages, scheme_code, rank, page_size, *, direct) -> None:
-    """Launch :func:`_quantize_write_indexer_fp8_kernel` (one token tile whatever ``direct`` says)."""
+    """Launch :func:`_quantize_write_indexer_fp8_kernel` (configured by ``ops/_tuned.py``, op
+    ``"quantize_write_indexer_fp8"``; ``direct`` or cp = 1 read every token, the owner filter only kept ones)."""
     head_dim = k.shape[1]
     if not _triton_aligned(pool, page_size, head_dim):
         raise NotImplementedError(
@@ -144,13 +158,14 @@ def _launch(pool, k, locs, cp_size, num_pages, scheme_code, rank, page_size, *, 
             f"stride and offset divisible by 4, got page_size={page_size}, head_dim={head_dim}, "
             f"pool.stride()={pool.stride()}, pool.storage_offset()={pool.storage_offset()}; use backend='torch'"
         )
-    hp = triton.next_power_of_2(head_dim)
-    block_r = KERNEL_CONFIG["block_r"] or max(1, min(32, 4096 // hp))
     k = k.contiguous()
+    cfg = launch_config("quantize_write_indexer_fp8", k.shape[0], pool.device)
+    block_r = int(cfg["block_r"])
+    off64 = needs_int64(pool.shape[0] * pool.stride(0) + pool.stride(0), (k.shape[0] + block_r) * k.stride(0))
     launch_rows(
         _quantize_write_indexer_fp8_kernel, pool, k, locs, cp_size, num_pages, scheme_code, rank, page_size,
-        block_r=block_r, num_warps=KERNEL_CONFIG["num_warps"], K_STRIDE=k.stride(0), H=head_dim, HP=hp,
-        PREROUND=INTERPRET,
+        block_r=block_r, num_warps=int(cfg["num_warps"]), K_STRIDE=k.stride(0), H=head_dim,
+        HP=triton.next_power_of_2(head_dim), PREROUND=INTERPRET, OFF64=off64, DIRECT=direct or cp_size == 1,
     )  # fmt: skip
 
 

@@ -28,7 +28,8 @@ import torch
 from dtkv._checks import check_tensor
 from dtkv.layouts import MLAFp8Layout
 
-from ._common import INTERPRET, OwnershipLike, bf16_rn, e4m3_bits, e4m3_blocks_torch, locate_rows, tl, triton
+from ._common import INTERPRET, OwnershipLike, bf16_rn, e4m3_bits, e4m3_blocks_torch, locate, tl, triton
+from ._copy import needs_int64, row_dst
 from ._row_write import (
     UNSET,
     RowWriteOp,
@@ -40,6 +41,7 @@ from ._row_write import (
     owned_rows_torch,
     register_row_write_rule,
 )
+from ._tuned import launch_config
 
 __all__ = ["dequantize_mla_fp8", "quantize_mla_fp8", "quantize_write_mla_fp8", "quantize_write_mla_fp8_torch"]
 
@@ -107,6 +109,7 @@ def _quantize_write_mla_fp8_kernel(
     PAGES_PER_RANK: tl.constexpr,
     SCHEME: tl.constexpr,
     IDX64: tl.constexpr,
+    OFF64: tl.constexpr,
     ROW_STRIDE: tl.constexpr,
     KV_STRIDE: tl.constexpr,
     L: tl.constexpr,
@@ -116,39 +119,56 @@ def _quantize_write_mla_fp8_kernel(
     NBP: tl.constexpr,
     QBP: tl.constexpr,
     RP: tl.constexpr,
+    DIRECT: tl.constexpr,
     BLOCK_R: tl.constexpr,
     PREROUND: tl.constexpr,
 ):
-    """One program quantizes ``BLOCK_R`` rows as a ``[BLOCK_R, NB, B]`` tile and stores the three fields."""
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    keep, local, off = locate_rows(
-        locs_ptr, r, num_rows, num_locs, num_local_pages, rank, PAGE_SIZE, CP, PAGES_PER_RANK, SCHEME, IDX64
-    )
-    base = local * page_stride + off * ROW_STRIDE  # [BLOCK_R] byte offset of the destination row
-    src = r.to(tl.int64) * KV_STRIDE
+    """One program quantizes ``BLOCK_R`` rows as a ``[BLOCK_R, NB, B]`` tile and stores the three fields.
 
+    Both input loads (latent and rope dims) are issued before any store; with ``DIRECT`` (every row normally
+    kept) they are masked by the row bound alone, so they are in flight together with the locations' load.
+    """
+    if OFF64:
+        r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    else:
+        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = r < num_rows
+    src = r * KV_STRIDE
     nb = tl.arange(0, NBP)
     qi = tl.arange(0, QBP)
+    ri = tl.arange(0, RP)
     col = nb[:, None] * QB + qi[None, :]  # [NBP, QBP]
-    m3 = keep[:, None, None] & ((nb < NB)[:, None] & (qi < QB)[None, :])[None, :, :]
-    x = tl.load(kv_ptr + src[:, None, None] + col[None, :, :], mask=m3, other=0.0, eviction_policy="evict_first")
+    cmask = (nb < NB)[:, None] & (qi < QB)[None, :]
+    if DIRECT:
+        x = tl.load(kv_ptr + src[:, None, None] + col[None, :, :], mask=rmask[:, None, None] & cmask[None, :, :],
+                    other=0.0, eviction_policy="evict_first")  # fmt: skip
+        rope = tl.load(kv_ptr + src[:, None] + L + ri[None, :], mask=rmask[:, None] & (ri < R)[None, :], other=0.0,
+                       eviction_policy="evict_first")  # fmt: skip
+    loc = tl.load(locs_ptr + r, mask=rmask, other=-1)
+    keep, local, off = locate(loc, rmask, num_locs, num_local_pages, rank, PAGE_SIZE, CP, PAGES_PER_RANK, SCHEME, IDX64)
+    if not DIRECT:
+        x = tl.load(kv_ptr + src[:, None, None] + col[None, :, :], mask=keep[:, None, None] & cmask[None, :, :],
+                    other=0.0, eviction_policy="evict_first")  # fmt: skip
+        rope = tl.load(kv_ptr + src[:, None] + L + ri[None, :], mask=keep[:, None] & (ri < R)[None, :], other=0.0,
+                       eviction_policy="evict_first")  # fmt: skip
+    base = row_dst(local, off, page_stride, ROW_STRIDE, OFF64)  # [BLOCK_R] byte offset of the destination row
+
     x = x.to(tl.float32)
     amax = tl.max(tl.abs(x), axis=2)  # [BLOCK_R, NBP]
     scale = tl.math.div_rn(amax, 448.0)
     pos = amax > 0
     inv = tl.where(pos, tl.math.div_rn(tl.zeros_like(amax) + 448.0, tl.where(pos, amax, 1.0)), 1.0)
     q = e4m3_bits(x * inv[:, :, None], PREROUND)
-    tl.store(pool_ptr + base[:, None, None] + col[None, :, :], q, mask=m3)
-    s_ptr = (pool_ptr + base[:, None] + L + 4 * nb[None, :]).to(tl.pointer_type(tl.float32))
-    tl.store(s_ptr, scale, mask=keep[:, None] & (nb < NB)[None, :])
-
-    ri = tl.arange(0, RP)
-    rm = keep[:, None] & (ri < R)[None, :]
-    rope = tl.load(kv_ptr + src[:, None] + L + ri[None, :], mask=rm, other=0.0, eviction_policy="evict_first")
+    tl.store(pool_ptr + base[:, None, None] + col[None, :, :], q, mask=keep[:, None, None] & cmask[None, :, :])
+    # typed row pointers first, then the element index: the scales and rope dims are then contiguous fp32 / bf16
+    # elements to the compiler, stored as 16-byte vectors (a byte offset 4 * nb cast afterwards is stored 4 bytes
+    # at a time, the rope 2 bytes at a time)
+    s_row = (pool_ptr + base + L).to(tl.pointer_type(tl.float32))  # [BLOCK_R]
+    tl.store(s_row[:, None] + nb[None, :], scale, mask=keep[:, None] & (nb < NB)[None, :])
     if kv_ptr.dtype.element_ty != tl.bfloat16:
         rope = bf16_rn(rope.to(tl.float32))
-    r_ptr = (pool_ptr + base[:, None] + (L + 4 * NB) + 2 * ri[None, :]).to(tl.pointer_type(tl.bfloat16))
-    tl.store(r_ptr, rope, mask=rm)
+    r_row = (pool_ptr + base + (L + 4 * NB)).to(tl.pointer_type(tl.bfloat16))  # [BLOCK_R]
+    tl.store(r_row[:, None] + ri[None, :], rope, mask=keep[:, None] & (ri < R)[None, :])
 
 
 def _triton_aligned(pool: torch.Tensor, kv_lora_rank: int) -> bool:
@@ -159,13 +179,9 @@ def _triton_aligned(pool: torch.Tensor, kv_lora_rank: int) -> bool:
     )  # fmt: skip
 
 
-KERNEL_CONFIG: dict[str, int] = {"block_r": 4, "num_warps": 4}
-"""Launch parameters (rows per program, warps; ``block_r`` 0 = derived from the row size), swept on an H200 by
-``benchmarks/bench_ops.py``."""
-
-
 def _launch(pool, kv, locs, cp_size, num_pages, scheme_code, rank, kv_lora_rank, rope_dim, quant_block, *, direct):
-    """Launch :func:`_quantize_write_mla_fp8_kernel` (one row tile whatever ``direct`` says)."""
+    """Launch :func:`_quantize_write_mla_fp8_kernel` (configured by ``ops/_tuned.py``, op
+    ``"quantize_write_mla_fp8"``; ``direct`` or cp = 1 read every row, the owner filter only kept rows)."""
     if not _triton_aligned(pool, kv_lora_rank):
         raise NotImplementedError(
             "backend='triton' for quantize_write_mla_fp8 needs kv_lora_rank and the pool's strides and offset "
@@ -173,13 +189,18 @@ def _launch(pool, kv, locs, cp_size, num_pages, scheme_code, rank, kv_lora_rank,
             f"pool.storage_offset()={pool.storage_offset()}; use backend='torch'"
         )
     nb = kv_lora_rank // quant_block
-    block_r = KERNEL_CONFIG["block_r"] or max(1, min(16, 8192 // triton.next_power_of_2(kv_lora_rank + rope_dim)))
     kv = kv.contiguous()
+    cfg = launch_config("quantize_write_mla_fp8", kv.shape[0], pool.device)
+    block_r = int(cfg["block_r"])
+    off64 = needs_int64(
+        pool.shape[0] * pool.stride(0) + pool.shape[1] * pool.stride(1), (kv.shape[0] + block_r) * kv.stride(0)
+    )
     launch_rows(
         _quantize_write_mla_fp8_kernel, pool, kv, locs, cp_size, num_pages, scheme_code, rank, pool.shape[1],
-        block_r=block_r, num_warps=KERNEL_CONFIG["num_warps"], ROW_STRIDE=pool.stride(1), KV_STRIDE=kv.stride(0),
+        block_r=block_r, num_warps=int(cfg["num_warps"]), ROW_STRIDE=pool.stride(1), KV_STRIDE=kv.stride(0),
         L=kv_lora_rank, R=rope_dim, QB=quant_block, NB=nb, NBP=triton.next_power_of_2(nb),
         QBP=triton.next_power_of_2(quant_block), RP=max(1, triton.next_power_of_2(rope_dim)), PREROUND=INTERPRET,
+        OFF64=off64, DIRECT=direct or cp_size == 1,
     )  # fmt: skip
 
 

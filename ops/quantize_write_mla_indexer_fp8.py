@@ -5,7 +5,7 @@ owns (the owner filter; ``-1`` and foreign rows skipped), the MLA row ``kv[i]`` 
 of ``kv_pool`` (:func:`dtkv.ops.quantize_write_mla_fp8`) and the indexer key ``k[i]`` into the page-packed fp8
 pages of ``index_pool`` (:func:`dtkv.ops.quantize_write_indexer_fp8`): the two ops' bytes, bit for bit, from one
 kernel. Its grid is ``(tiles, 2)``: program ``(b, 0)`` runs the MLA kernel's row tile ``b``, program ``(b, 1)``
-the indexer kernel's (each op's own ``KERNEL_CONFIG`` tile; the smaller tile count's extra programs find no row).
+the indexer kernel's (each op's tile from ``ops/_tuned.py``; the smaller tile count's extra programs find no row).
 The reference is the two ops' torch references. Plain tensors only (a decode step's local pages of one layer).
 
 Legend: ``N`` tokens, ``P`` local pages, ``S`` page size, ``R`` / ``E`` latent / rope dims, ``H`` indexer dims.
@@ -31,12 +31,12 @@ from ._common import (
     tl,
     triton,
 )
+from ._copy import needs_int64
 from ._row_write import validate_locs
-from .quantize_write_indexer_fp8 import KERNEL_CONFIG as _IX_CONFIG
+from ._tuned import launch_config
 from .quantize_write_indexer_fp8 import _check as _ix_check
 from .quantize_write_indexer_fp8 import _quantize_write_indexer_fp8_kernel, quantize_write_indexer_fp8_torch
 from .quantize_write_indexer_fp8 import _triton_aligned as _ix_aligned
-from .quantize_write_mla_fp8 import KERNEL_CONFIG as _MLA_CONFIG
 from .quantize_write_mla_fp8 import _check as _mla_check
 from .quantize_write_mla_fp8 import _quantize_write_mla_fp8_kernel, quantize_write_mla_fp8_torch
 from .quantize_write_mla_fp8 import _triton_aligned as _mla_aligned
@@ -75,6 +75,7 @@ def _quantize_write_mla_indexer_fp8_kernel(
     PAGES_PER_RANK: tl.constexpr,
     SCHEME: tl.constexpr,
     IDX64: tl.constexpr,
+    KV_OFF64: tl.constexpr,
     ROW_STRIDE: tl.constexpr,
     KV_STRIDE: tl.constexpr,
     L: tl.constexpr,
@@ -85,22 +86,25 @@ def _quantize_write_mla_indexer_fp8_kernel(
     QBP: tl.constexpr,
     RP: tl.constexpr,
     KV_BLOCK_R: tl.constexpr,
+    K_OFF64: tl.constexpr,
     K_STRIDE: tl.constexpr,
     H: tl.constexpr,
     HP: tl.constexpr,
     K_BLOCK_R: tl.constexpr,
+    DIRECT: tl.constexpr,
     PREROUND: tl.constexpr,
 ):
     """Program ``(b, 0)``: the MLA kernel's tile ``b``; program ``(b, 1)``: the indexer kernel's tile ``b``."""
     if tl.program_id(1) == 0:
         _quantize_write_mla_fp8_kernel(
             kv_pool_ptr, kv_ptr, locs_ptr, num_rows, kv_local_pages, kv_page_stride, num_locs, rank, PAGE_SIZE, CP,
-            PAGES_PER_RANK, SCHEME, IDX64, ROW_STRIDE, KV_STRIDE, L, R, QB, NB, NBP, QBP, RP, KV_BLOCK_R, PREROUND,
+            PAGES_PER_RANK, SCHEME, IDX64, KV_OFF64, ROW_STRIDE, KV_STRIDE, L, R, QB, NB, NBP, QBP, RP, DIRECT,
+            KV_BLOCK_R, PREROUND,
         )  # fmt: skip
     else:
         _quantize_write_indexer_fp8_kernel(
             index_pool_ptr, k_ptr, locs_ptr, num_rows, index_local_pages, index_page_stride, num_locs, rank,
-            PAGE_SIZE, CP, PAGES_PER_RANK, SCHEME, IDX64, K_STRIDE, H, HP, K_BLOCK_R, PREROUND,
+            PAGE_SIZE, CP, PAGES_PER_RANK, SCHEME, IDX64, K_OFF64, K_STRIDE, H, HP, DIRECT, K_BLOCK_R, PREROUND,
         )  # fmt: skip
 
 
@@ -121,9 +125,16 @@ def _launch(kv_pool, index_pool, kv, k, locs, cp_size, num_pages, scheme_code, r
     kv, k = kv.contiguous(), k.contiguous()
     nb = kv_lora_rank // quant_block
     hp = triton.next_power_of_2(head_dim)
-    kv_block = _MLA_CONFIG["block_r"] or max(1, min(16, 8192 // triton.next_power_of_2(kv_lora_rank + rope_dim)))
-    k_block = _IX_CONFIG["block_r"] or max(1, min(32, 4096 // hp))
-    warps = max(_MLA_CONFIG["num_warps"], _IX_CONFIG["num_warps"])
+    kv_cfg = launch_config("quantize_write_mla_fp8", n, kv_pool.device)
+    k_cfg = launch_config("quantize_write_indexer_fp8", n, index_pool.device)
+    kv_block, k_block = int(kv_cfg["block_r"]), int(k_cfg["block_r"])
+    warps = max(int(kv_cfg["num_warps"]), int(k_cfg["num_warps"]))
+    kv_off64 = needs_int64(
+        kv_pool.shape[0] * kv_pool.stride(0) + kv_pool.shape[1] * kv_pool.stride(1), (n + kv_block) * kv.stride(0)
+    )
+    k_off64 = needs_int64(
+        index_pool.shape[0] * index_pool.stride(0) + index_pool.stride(0), (n + k_block) * k.stride(0)
+    )
     with device_ctx(kv_pool.device):
         _quantize_write_mla_indexer_fp8_kernel[(max(cdiv(n, kv_block), cdiv(n, k_block)), 2)](
             kv_pool, kv, index_pool, k, locs, n, kv_pool.shape[0], kv_pool.stride(0), index_pool.shape[0],
@@ -131,7 +142,8 @@ def _launch(kv_pool, index_pool, kv, k, locs, cp_size, num_pages, scheme_code, r
             ROW_STRIDE=kv_pool.stride(1), KV_STRIDE=kv.stride(0), L=kv_lora_rank, R=rope_dim, QB=quant_block, NB=nb,
             NBP=triton.next_power_of_2(nb), QBP=triton.next_power_of_2(quant_block),
             RP=max(1, triton.next_power_of_2(rope_dim)), KV_BLOCK_R=kv_block, K_STRIDE=k.stride(0), H=head_dim,
-            HP=hp, K_BLOCK_R=k_block, PREROUND=INTERPRET, num_warps=warps,
+            HP=hp, K_BLOCK_R=k_block, PREROUND=INTERPRET, num_warps=warps, KV_OFF64=kv_off64, K_OFF64=k_off64,
+            DIRECT=cp_size == 1,
         )  # fmt: skip
 
 

@@ -16,7 +16,8 @@ import torch
 
 from dtkv._checks import check_tensor
 
-from ._common import OwnershipLike, locate_rows, tl, triton, word_view
+from ._common import OwnershipLike, cdiv, locate, tl, triton, word_view
+from ._copy import flat_rows, load_span, needs_int64, row_dst, span_chunks, store_span, vector_words
 from ._row_write import (
     RowWriteOp,
     call_row_write,
@@ -26,6 +27,7 @@ from ._row_write import (
     owned_rows_torch,
     register_row_write_rule,
 )
+from ._tuned import launch_config
 
 __all__ = ["write_owned", "write_owned_torch"]
 
@@ -49,7 +51,79 @@ def write_owned_torch(
     pool.index_put_((local, off), rows[sel])
 
 
-# ----------------------------------------------------------------------------------------- Triton kernel
+# ----------------------------------------------------------------------------------------- Triton kernels
+@triton.jit
+def _flat_chunk(rows_ptr, locs_ptr, first, step, count, num_locs, num_local_pages, page_stride, rank,
+                C: tl.constexpr, CW: tl.constexpr, SPAN: tl.constexpr, W: tl.constexpr, VEC: tl.constexpr,
+                PAGE_SIZE: tl.constexpr, CP: tl.constexpr, PAGES_PER_RANK: tl.constexpr, SCHEME: tl.constexpr,
+                IDX64: tl.constexpr, OFF64: tl.constexpr, ROW_STRIDE: tl.constexpr, DIRECT: tl.constexpr):  # fmt: skip
+    """Words ``[C, C + CW)`` of a flat tile (``ops/_copy.py``): ``(values, destination offsets, keep)``. Each word
+    reads its row's location (a few distinct addresses per warp: L1 hits); ``DIRECT`` issues the row words' load
+    before the location is known, else only kept rows are read."""
+    r, col, valid = flat_rows(first, step, count, C, CW, SPAN, W)
+    loc = tl.load(locs_ptr + r, mask=valid, other=-1)
+    src = tl.max_contiguous(tl.multiple_of(r * W + col, VEC), VEC)
+    if DIRECT:
+        v = tl.load(rows_ptr + src, mask=valid, other=0, eviction_policy="evict_first")
+    keep, local, off = locate(loc, valid, num_locs, num_local_pages, rank, PAGE_SIZE, CP, PAGES_PER_RANK, SCHEME, IDX64)
+    if not DIRECT:
+        v = tl.load(rows_ptr + src, mask=keep, other=0, eviction_policy="evict_first")
+    dst = tl.max_contiguous(tl.multiple_of(row_dst(local, off, page_stride, ROW_STRIDE, OFF64) + col, VEC), VEC)
+    return v, dst, keep
+
+
+@triton.jit
+def _copy_flat(pool_ptr, rows_ptr, locs_ptr, first, step, count, num_locs, num_local_pages, page_stride, rank,
+               PAGE_SIZE: tl.constexpr, CP: tl.constexpr, PAGES_PER_RANK: tl.constexpr, SCHEME: tl.constexpr,
+               IDX64: tl.constexpr, OFF64: tl.constexpr, ROW_STRIDE: tl.constexpr, W: tl.constexpr,
+               CW0: tl.constexpr, CW1: tl.constexpr, CW2: tl.constexpr, CW3: tl.constexpr, VEC: tl.constexpr,
+               DIRECT: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
+    """Copy rows ``first + j * step`` (``j < count <= BLOCK_R``) as one flat tile of ``BLOCK_R * W`` words in
+    chunks ``CW0..CW3``; every chunk's load is issued before any store."""
+    v0, d0, k0 = _flat_chunk(rows_ptr, locs_ptr, first, step, count, num_locs, num_local_pages, page_stride, rank,
+                             0, CW0, BLOCK_R * W, W, VEC, PAGE_SIZE, CP, PAGES_PER_RANK, SCHEME, IDX64, OFF64,
+                             ROW_STRIDE, DIRECT)  # fmt: skip
+    v1, d1, k1 = v0, d0, k0
+    v2, d2, k2 = v0, d0, k0
+    v3, d3, k3 = v0, d0, k0
+    if CW1 > 0:
+        v1, d1, k1 = _flat_chunk(rows_ptr, locs_ptr, first, step, count, num_locs, num_local_pages, page_stride,
+                                 rank, CW0, CW1, BLOCK_R * W, W, VEC, PAGE_SIZE, CP, PAGES_PER_RANK, SCHEME, IDX64,
+                                 OFF64, ROW_STRIDE, DIRECT)  # fmt: skip
+    if CW2 > 0:
+        v2, d2, k2 = _flat_chunk(rows_ptr, locs_ptr, first, step, count, num_locs, num_local_pages, page_stride,
+                                 rank, CW0 + CW1, CW2, BLOCK_R * W, W, VEC, PAGE_SIZE, CP, PAGES_PER_RANK, SCHEME,
+                                 IDX64, OFF64, ROW_STRIDE, DIRECT)  # fmt: skip
+    if CW3 > 0:
+        v3, d3, k3 = _flat_chunk(rows_ptr, locs_ptr, first, step, count, num_locs, num_local_pages, page_stride,
+                                 rank, CW0 + CW1 + CW2, CW3, BLOCK_R * W, W, VEC, PAGE_SIZE, CP, PAGES_PER_RANK,
+                                 SCHEME, IDX64, OFF64, ROW_STRIDE, DIRECT)  # fmt: skip
+    tl.store(pool_ptr + d0, v0, mask=k0)
+    if CW1 > 0:
+        tl.store(pool_ptr + d1, v1, mask=k1)
+    if CW2 > 0:
+        tl.store(pool_ptr + d2, v2, mask=k2)
+    if CW3 > 0:
+        tl.store(pool_ptr + d3, v3, mask=k3)
+
+
+@triton.jit
+def _copy_tile(pool_ptr, rows_ptr, locs_ptr, first, step, count, num_rows, num_locs, num_local_pages, page_stride,
+               rank, PAGE_SIZE: tl.constexpr, CP: tl.constexpr, PAGES_PER_RANK: tl.constexpr, SCHEME: tl.constexpr,
+               IDX64: tl.constexpr, OFF64: tl.constexpr, ROW_STRIDE: tl.constexpr, W: tl.constexpr,
+               CW0: tl.constexpr, CW1: tl.constexpr, CW2: tl.constexpr, CW3: tl.constexpr,
+               BLOCK_R: tl.constexpr):  # fmt: skip
+    """Owner filter: copy the kept ones of rows ``first + j * step`` (``j < count``) as a ``[BLOCK_R, W]`` tile."""
+    jj = tl.arange(0, BLOCK_R)
+    r = first + tl.where(jj < count, jj, 0) * step
+    rmask = (jj < count) & (r < num_rows)
+    loc = tl.load(locs_ptr + r, mask=rmask, other=-1)
+    keep, local, off = locate(loc, rmask, num_locs, num_local_pages, rank, PAGE_SIZE, CP, PAGES_PER_RANK, SCHEME, IDX64)
+    v0, v1, v2, v3 = load_span(rows_ptr, r * W, keep, W, CW0, CW1, CW2, CW3)
+    dst = row_dst(local, off, page_stride, ROW_STRIDE, OFF64)
+    store_span(pool_ptr, dst, keep, v0, v1, v2, v3, W, CW0, CW1, CW2, CW3)
+
+
 @triton.jit
 def _write_owned_kernel(
     pool_ptr,  # [P, S, W] words; page stride page_stride, row stride ROW_STRIDE
@@ -65,54 +139,169 @@ def _write_owned_kernel(
     PAGES_PER_RANK: tl.constexpr,
     SCHEME: tl.constexpr,
     IDX64: tl.constexpr,
+    OFF64: tl.constexpr,
     ROW_STRIDE: tl.constexpr,
     W: tl.constexpr,
+    CW0: tl.constexpr,
+    CW1: tl.constexpr,
+    CW2: tl.constexpr,
+    CW3: tl.constexpr,
+    VEC: tl.constexpr,
+    FLAT: tl.constexpr,
+    DIRECT: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    BLOCK_W: tl.constexpr,
 ):
-    """One program copies ``BLOCK_R`` rows, ``BLOCK_W`` words at a time; skipped rows issue no memory traffic.
+    """One program copies a tile of ``BLOCK_R`` rows: a ``[BLOCK_R, W]`` tile in chunks of each row, or with
+    ``FLAT`` one flat span of ``BLOCK_R * W`` words (``ops/_copy.py``).
 
-    A tile with no kept row (three in four under an owner filter at cp=4, since rows arrive in page runs) skips
-    its copy loop altogether (measured on an H200: 57-60% -> 71-78% of the copy ceiling for the owner filter).
+    ``DIRECT`` (every row is normally kept): the rows are read under the row bound alone, so their loads are in
+    flight together with the locations' (one memory round trip per tile); only the stores wait for the mask.
+    Otherwise (owner filter) only kept rows are read, and a tile with no kept row skips its copy.
     """
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    keep, local, off = locate_rows(
-        locs_ptr, r, num_rows, num_locs, num_local_pages, rank, PAGE_SIZE, CP, PAGES_PER_RANK, SCHEME, IDX64
-    )
-    if tl.max(keep.to(tl.int32), axis=0) > 0:
-        dst = local * page_stride + off * ROW_STRIDE
-        src = r.to(tl.int64) * W
-        for c in tl.static_range(0, W, BLOCK_W):
-            cols = c + tl.arange(0, BLOCK_W)
-            m = keep[:, None] & (cols < W)[None, :]
-            v = tl.load(rows_ptr + src[:, None] + cols[None, :], mask=m, eviction_policy="evict_first")
-            tl.store(pool_ptr + dst[:, None] + cols[None, :], v, mask=m)
+    if OFF64:
+        r0 = tl.program_id(0).to(tl.int64) * BLOCK_R
+    else:
+        r0 = tl.program_id(0) * BLOCK_R
+    r = r0 + tl.arange(0, BLOCK_R)
+    rmask = r < num_rows
+    if FLAT:
+        count = tl.minimum(num_rows - r0, BLOCK_R)
+        if DIRECT:
+            _copy_flat(pool_ptr, rows_ptr, locs_ptr, r0, 1, count, num_locs, num_local_pages, page_stride, rank,
+                       PAGE_SIZE, CP, PAGES_PER_RANK, SCHEME, IDX64, OFF64, ROW_STRIDE, W, CW0, CW1, CW2, CW3, VEC,
+                       DIRECT, BLOCK_R)  # fmt: skip
+        else:
+            loc = tl.load(locs_ptr + r, mask=rmask, other=-1)
+            keep, _, _ = locate(loc, rmask, num_locs, num_local_pages, rank, PAGE_SIZE, CP, PAGES_PER_RANK, SCHEME,
+                                IDX64)  # fmt: skip
+            if tl.max(keep.to(tl.int32), axis=0) > 0:
+                _copy_flat(pool_ptr, rows_ptr, locs_ptr, r0, 1, count, num_locs, num_local_pages, page_stride, rank,
+                           PAGE_SIZE, CP, PAGES_PER_RANK, SCHEME, IDX64, OFF64, ROW_STRIDE, W, CW0, CW1, CW2, CW3,
+                           VEC, DIRECT, BLOCK_R)  # fmt: skip
+    else:
+        src = r * W
+        if DIRECT:
+            v0, v1, v2, v3 = load_span(rows_ptr, src, rmask, W, CW0, CW1, CW2, CW3)
+        loc = tl.load(locs_ptr + r, mask=rmask, other=-1)
+        keep, local, off = locate(
+            loc, rmask, num_locs, num_local_pages, rank, PAGE_SIZE, CP, PAGES_PER_RANK, SCHEME, IDX64
+        )
+        dst = row_dst(local, off, page_stride, ROW_STRIDE, OFF64)
+        if DIRECT:
+            store_span(pool_ptr, dst, keep, v0, v1, v2, v3, W, CW0, CW1, CW2, CW3)
+        elif tl.max(keep.to(tl.int32), axis=0) > 0:
+            v0, v1, v2, v3 = load_span(rows_ptr, src, keep, W, CW0, CW1, CW2, CW3)
+            store_span(pool_ptr, dst, keep, v0, v1, v2, v3, W, CW0, CW1, CW2, CW3)
 
 
-KERNEL_CONFIG: dict[str, int] = {"block_r": 8, "block_w": 128, "num_warps": 4, "filter_block_r": 32}
-"""Launch parameters of the row-scatter kernel, swept by ``benchmarks/bench_ops.py`` on an H200
-(``benchmarks/results/ops_h200_2026-11-29.md``): ``block_r`` rows per program when every row is kept,
-``filter_block_r`` for the owner filter (``0``: ``block_r * cp``, at most 64), ``block_w`` words per step (``0``: the
-whole row, up to 256)."""
+@triton.jit
+def _write_owned_window_kernel(
+    pool_ptr,  # [P, S, W] words; page stride page_stride, row stride ROW_STRIDE
+    rows_ptr,  # [N, W] words, contiguous
+    locs_ptr,  # [N], int32/int64, contiguous
+    num_rows,
+    num_local_pages,
+    page_stride,
+    num_locs,
+    rank,
+    PAGE_SIZE: tl.constexpr,
+    CP: tl.constexpr,
+    PAGES_PER_RANK: tl.constexpr,
+    SCHEME: tl.constexpr,
+    IDX64: tl.constexpr,
+    OFF64: tl.constexpr,
+    ROW_STRIDE: tl.constexpr,
+    W: tl.constexpr,
+    CW0: tl.constexpr,
+    CW1: tl.constexpr,
+    CW2: tl.constexpr,
+    CW3: tl.constexpr,
+    VEC: tl.constexpr,
+    FLAT: tl.constexpr,
+    WINDOW: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """Owner filter: program ``t * WINDOW / BLOCK_R + s`` copies the ``s``-th tile of ``BLOCK_R`` kept rows of
+    window ``t`` (``WINDOW`` rows; ``WINDOW / BLOCK_R`` programs per window, side by side).
+
+    When the window's kept rows are ``first, first + step, ...`` (a run of whole pages in token order: step 1; every
+    ``cp``-th row of a round-robin split: step ``cp``), tile ``s`` is kept rows ``[s * BLOCK_R, (s + 1) * BLOCK_R)``:
+    dense tiles, and programs past the last kept row copy nothing. Any other pattern: tile ``s`` is window rows
+    ``[s * BLOCK_R, (s + 1) * BLOCK_R)``, masked. Only ``[WINDOW]`` vectors decide it (no ``[BLOCK_R, WINDOW]``
+    search), so the copy keeps the registers of a plain tile.
+    """
+    pid = tl.program_id(0)
+    s = pid % (WINDOW // BLOCK_R)  # the programs of a window are consecutive: its locations are read from L2 again
+    if OFF64:
+        w0 = (pid // (WINDOW // BLOCK_R)).to(tl.int64) * WINDOW
+    else:
+        w0 = (pid // (WINDOW // BLOCK_R)) * WINDOW
+    w = tl.arange(0, WINDOW)
+    mw = w0 + w < num_rows
+    loc_w = tl.load(locs_ptr + w0 + w, mask=mw, other=-1)
+    keep_w, _, _ = locate(loc_w, mw, num_locs, num_local_pages, rank, PAGE_SIZE, CP, PAGES_PER_RANK, SCHEME, IDX64)
+    cnt = tl.sum(keep_w.to(tl.int32), axis=0)
+    first = tl.min(tl.where(keep_w, w, WINDOW), axis=0)
+    last = tl.max(tl.where(keep_w, w, -1), axis=0)
+    step = tl.maximum((last - first) // tl.maximum(cnt - 1, 1), 1)
+    on_grid = (w >= first) & (w <= last) & ((w - first) % step == 0)
+    if tl.sum((on_grid != keep_w).to(tl.int32), axis=0) == 0:  # kept rows: first + i * step, i < cnt
+        row0 = w0 + first + s * (BLOCK_R * step)
+        count = cnt - s * BLOCK_R
+        row_step = step
+    else:
+        row0 = w0 + s * BLOCK_R
+        count = tl.minimum(num_rows - row0, BLOCK_R).to(tl.int32)
+        row_step = tl.full((), 1, tl.int32)
+    if count > 0:
+        if FLAT:
+            _copy_flat(pool_ptr, rows_ptr, locs_ptr, row0, row_step, count, num_locs, num_local_pages, page_stride,
+                       rank, PAGE_SIZE, CP, PAGES_PER_RANK, SCHEME, IDX64, OFF64, ROW_STRIDE, W, CW0, CW1, CW2, CW3,
+                       VEC, False, BLOCK_R)  # fmt: skip
+        else:
+            _copy_tile(pool_ptr, rows_ptr, locs_ptr, row0, row_step, count, num_rows, num_locs, num_local_pages,
+                       page_stride, rank, PAGE_SIZE, CP, PAGES_PER_RANK, SCHEME, IDX64, OFF64, ROW_STRIDE, W, CW0,
+                       CW1, CW2, CW3, BLOCK_R)  # fmt: skip
 
 
 def _launch(pool, rows, locs, cp_size, num_pages, scheme_code, rank, *, direct: bool) -> None:
-    """Launch :func:`_write_owned_kernel` on word views of the pool and the (contiguous) rows."""
+    """Launch a row-copy kernel on word views of the pool and the (contiguous) rows, configured by
+    ``ops/_tuned.py`` (``"write_owned"`` for the owner filter at cp > 1, ``"direct_write"`` otherwise)."""
     rows = rows.contiguous()
     pool_w = word_view(pool)
     rows_w = word_view(rows)
     if pool_w.dtype != rows_w.dtype:  # e.g. a page stride or an offset that only allows narrower words
         narrow = min(pool_w.dtype, rows_w.dtype, key=lambda d: d.itemsize)
         pool_w, rows_w = pool.view(narrow), rows.view(narrow)
-    num_words = rows_w.shape[1]
-    block_w = KERNEL_CONFIG["block_w"] or min(triton.next_power_of_2(num_words), 256)
-    block_r = KERNEL_CONFIG["block_r"]
-    if not direct and cp_size > 1:
-        block_r = KERNEL_CONFIG["filter_block_r"] or min(64, block_r * triton.next_power_of_2(cp_size))
+    n, num_words = rows_w.shape
+    if n == 0 or pool.shape[0] == 0:
+        return
+    owner_filter = not direct and cp_size > 1
+    cfg = launch_config("write_owned" if owner_filter else "direct_write", n, pool.device)
+    variant = cfg["variant"] if owner_filter else "tile"
+    if variant not in ("tile", "window"):
+        raise ValueError(f"write_owned variant must be 'tile' or 'window', got variant={variant!r}")
+    if cfg["layout"] not in ("rows", "flat"):
+        raise ValueError(f"{'write_owned' if owner_filter else 'direct_write'} layout must be 'rows' or 'flat', got "
+                         f"layout={cfg['layout']!r}")  # fmt: skip
+    window = int(cfg["window"]) if variant == "window" else 0
+    block_r = min(int(cfg["block_r"]), window) if window else int(cfg["block_r"])
+    flat = cfg["layout"] == "flat"
+    span = block_r * num_words if flat else num_words
+    chunks = span_chunks(span, int(cfg["chunk_w"]))
+    vec = vector_words(rows_w.element_size(), num_words, pool_w.stride(0), pool_w.stride(1), *(c for c in chunks if c))
+    pool_words = pool_w.shape[0] * pool_w.stride(0) + pool_w.shape[1] * pool_w.stride(1)
+    if window:
+        kernel, grid, extra = _write_owned_window_kernel, (cdiv(n, window) * (window // block_r),), {"WINDOW": window}
+        rows_span = n + window * (window + 1)
+    else:
+        kernel, grid, extra = _write_owned_kernel, (cdiv(n, block_r),), {"DIRECT": not owner_filter}
+        rows_span = n + block_r
     launch_rows(
-        _write_owned_kernel, pool_w, rows_w, locs, cp_size, num_pages, scheme_code, rank, pool.shape[1],
-        block_r=block_r, num_warps=KERNEL_CONFIG["num_warps"], ROW_STRIDE=pool_w.stride(1), W=num_words,
-        BLOCK_W=block_w,
+        kernel, pool_w, rows_w, locs, cp_size, num_pages, scheme_code, rank, pool.shape[1], grid=grid,
+        block_r=block_r, num_warps=int(cfg["num_warps"]), ROW_STRIDE=pool_w.stride(1), W=num_words,
+        OFF64=needs_int64(rows_span * num_words, pool_words), VEC=vec, FLAT=flat,
+        **dict(zip(("CW0", "CW1", "CW2", "CW3"), chunks)), **extra,
     )  # fmt: skip
 
 

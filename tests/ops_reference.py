@@ -2,12 +2,18 @@
 :class:`dtkv.PageOwnership`'s own map and on a table-driven e4m3 rounding (no code shared with ``ops/``).
 
 Also the parametrization helpers: ``BACKENDS`` (torch, and Triton where it can run: CUDA, or CPU under
-``TRITON_INTERPRET=1``) and ``DEVICES`` (cpu, and cuda when present).
+``TRITON_INTERPRET=1``) and ``DEVICES`` (cpu, and cuda when present); :func:`benchmark` (a script of
+``benchmarks/`` as a module) and :func:`address_check` (its interpreter out-of-bounds check).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -43,6 +49,30 @@ def skip_unless(backend: str, device: str) -> None:
 
 
 BACKENDS = ["torch", "triton"]
+
+
+@functools.cache
+def benchmark(name: str):
+    """``benchmarks/<name>.py`` as a module (registered in ``sys.modules``, so its dataclasses resolve)."""
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def address_check() -> contextlib.AbstractContextManager:
+    """Under the Triton interpreter, every load and store of the kernels run inside the block must touch only their
+    tensor arguments' bytes (``benchmarks/memcheck_ops.py``: the interpreter's compute-sanitizer); elsewhere a no-op
+    (on a GPU, ``compute-sanitizer`` does it)."""
+    if not (_HAS_TRITON and _INTERPRET):
+        return contextlib.nullcontext()
+    return benchmark("memcheck_ops").interpreter_address_check()
 
 
 # ----------------------------------------------------------------------------------------- rows and pages

@@ -13,6 +13,10 @@ negatives and, in int64, locations past 2**31 and 2**32 (and ``2**63 - 1``). Emp
   every rank.
 - ``remap``: any ``indices`` and ``page_map`` layouts.
 
+Each example also draws the Triton kernels' launch configuration among ``VARIANTS`` of ``tests/test_ops_variants.py``
+(tile or window owner filter, row or flat tiles, chunk plans, pages per program, the 2-byte remap map), so every
+kernel variant meets the drawn index layouts.
+
 Bitwise, no tolerance: the writes copy bytes, the fp8 writes do the same IEEE arithmetic on every backend.
 CPU runs the Triton interpreter with few small examples (``deadline=None``, derandomized for CI); on CUDA the
 same properties run with more examples: ``python -m pytest tests/test_ops_fuzz.py -k cuda``.
@@ -20,8 +24,10 @@ same properties run with more examples: ``python -m pytest tests/test_ops_fuzz.p
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -40,8 +46,10 @@ from dtkv.ops import (
     remap,
     write_owned,
 )
+from dtkv.ops._tuned import override
 from tests.ops_reference import (
     DEVICES,
+    address_check,
     assert_same_bytes,
     backend_ok,
     ref_gathered,
@@ -49,10 +57,19 @@ from tests.ops_reference import (
     ref_remap,
     ref_write_rows,
 )
+from tests.test_ops_variants import VARIANTS
 
 WIDE = [2**31, 2**31 + 5, 2**32, 2**32 + 5, -(2**32) + 3, -(2**31) - 1, 2**63 - 1, -(2**63)]
 """int64-only entries past int32; ``index_values`` also shifts good entries by multiples of 2**32, which narrow
 (mod 2**32) back onto them."""
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _in_bounds():
+    """Under the interpreter every kernel launch here also has each active lane's address checked against its
+    tensor arguments (module scope: hypothesis runs many examples per test)."""
+    with address_check():
+        yield
 
 
 def _examples(device: str) -> int:
@@ -66,6 +83,15 @@ def _settings(device: str):
         derandomize=True,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     )
+
+
+@contextlib.contextmanager
+def _variant(ops: tuple[str, ...], pick: int) -> Iterator[None]:
+    """Run the Triton kernels of ``ops`` with their configuration number ``pick`` of ``VARIANTS`` (cycling)."""
+    with contextlib.ExitStack() as stack:
+        for op in ops:
+            stack.enter_context(override(op, **VARIANTS[op][pick % len(VARIANTS[op])]))
+        yield
 
 
 def _skip_unless_triton(device: str) -> None:
@@ -219,10 +245,11 @@ def test_write_owned_any_index_layout(device):
     _skip_unless_triton(device)
 
     @_settings(device)
-    @given(case=row_write_cases(), dim=st.sampled_from([1, 3, 8]), dtype=st.sampled_from([torch.float32, torch.uint8]))
-    @example(case=ANCHORS[0], dim=3, dtype=torch.float32)
-    @example(case=ANCHORS[1], dim=8, dtype=torch.uint8)
-    def run(case, dim, dtype):
+    @given(case=row_write_cases(), dim=st.sampled_from([1, 3, 8]), dtype=st.sampled_from([torch.float32, torch.uint8]),
+           pick=st.integers(0, 19))  # fmt: skip
+    @example(case=ANCHORS[0], dim=3, dtype=torch.float32, pick=3)
+    @example(case=ANCHORS[1], dim=8, dtype=torch.uint8, pick=1)
+    def run(case, dim, dtype, pick):
         own, rank, num_local, ps, _, _, seed = case
         g = torch.Generator().manual_seed(seed)
         if dtype == torch.uint8:
@@ -230,8 +257,9 @@ def test_write_owned_any_index_layout(device):
             initial = torch.randint(0, 256, (num_local, ps, dim), generator=g, dtype=torch.uint8)
         else:
             table, initial = torch.randn(7, dim, generator=g), torch.randn(num_local, ps, dim, generator=g)
-        _fuzz_row_write(case, device, table, initial, lambda buf: buf,
-                        lambda start, rows, kept: ref_write_rows(start, rows, kept, own, rank), write_owned)  # fmt: skip
+        with _variant(("write_owned", "direct_write"), pick):
+            _fuzz_row_write(case, device, table, initial, lambda buf: buf,
+                            lambda start, rows, kept: ref_write_rows(start, rows, kept, own, rank), write_owned)  # fmt: skip
 
     run()
 
@@ -246,10 +274,11 @@ def test_quantize_write_mla_fp8_any_index_layout(device):
         dims=st.sampled_from([(8, 0, 4), (8, 2, 8), (16, 4, 4)]),
         dtype=st.sampled_from([torch.bfloat16, torch.float32]),
         page_pad=st.sampled_from([0, 4]),
+        pick=st.integers(0, 19),
     )
-    @example(case=ANCHORS[0], dims=(8, 2, 8), dtype=torch.bfloat16, page_pad=4)
-    @example(case=ANCHORS[1], dims=(16, 4, 4), dtype=torch.float32, page_pad=0)
-    def run(case, dims, dtype, page_pad):
+    @example(case=ANCHORS[0], dims=(8, 2, 8), dtype=torch.bfloat16, page_pad=4, pick=0)
+    @example(case=ANCHORS[1], dims=(16, 4, 4), dtype=torch.float32, page_pad=0, pick=2)
+    def run(case, dims, dtype, page_pad, pick):
         own, rank, num_local, ps, _, _, seed = case
         lay = MLAFp8Layout(page_size=ps, kv_lora_rank=dims[0], rope_dim=dims[1], quant_block=dims[2])
         g = torch.Generator().manual_seed(seed)
@@ -262,8 +291,9 @@ def test_quantize_write_mla_fp8_any_index_layout(device):
         def reference(start, kv, kept):
             return ref_write_rows(start, quantize_mla_fp8(kv, lay), kept, own, rank)
 
-        _fuzz_row_write(case, device, table, initial, pool_view, reference,
-                        functools.partial(quantize_write_mla_fp8, layout=lay))  # fmt: skip
+        with _variant(("quantize_write_mla_fp8",), pick):
+            _fuzz_row_write(case, device, table, initial, pool_view, reference,
+                            functools.partial(quantize_write_mla_fp8, layout=lay))  # fmt: skip
 
     run()
 
@@ -277,18 +307,20 @@ def test_quantize_write_indexer_fp8_any_index_layout(device):
         case=row_write_cases(),
         head_dim=st.sampled_from([4, 8, 12]),
         dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+        pick=st.integers(0, 19),
     )
-    @example(case=ANCHORS[0], head_dim=8, dtype=torch.bfloat16)
-    @example(case=ANCHORS[1], head_dim=4, dtype=torch.float32)
-    def run(case, head_dim, dtype):
+    @example(case=ANCHORS[0], head_dim=8, dtype=torch.bfloat16, pick=0)
+    @example(case=ANCHORS[1], head_dim=4, dtype=torch.float32, pick=1)
+    def run(case, head_dim, dtype, pick):
         own, rank, num_local, ps, _, _, seed = case
         lay = IndexerFp8Layout(page_size=ps, head_dim=head_dim)
         g = torch.Generator().manual_seed(seed)
         table = _spread_table(5, head_dim, g).to(dtype)
         initial = torch.randint(0, 256, (num_local, *lay.page_shape), generator=g, dtype=torch.uint8)
-        _fuzz_row_write(case, device, table, initial, lambda buf: buf,
-                        lambda start, k, kept: ref_indexer_write(start, k, kept, own, rank, lay),
-                        functools.partial(quantize_write_indexer_fp8, layout=lay))  # fmt: skip
+        with _variant(("quantize_write_indexer_fp8",), pick):
+            _fuzz_row_write(case, device, table, initial, lambda buf: buf,
+                            lambda start, k, kept: ref_indexer_write(start, k, kept, own, rank, lay),
+                            functools.partial(quantize_write_indexer_fp8, layout=lay))  # fmt: skip
 
     run()
 
@@ -314,8 +346,9 @@ def test_pack_ops_any_index_layout(device):
         page_shape=st.sampled_from([(1, 3), (2, 4), (5,)]),
         pages=st.lists(st.integers(-1, 8), max_size=10),
         seed=st.integers(0, 2**16),
+        pick=st.integers(0, 19),
     )
-    def run(own_case, idx, page_shape, pages, seed):
+    def run(own_case, idx, page_shape, pages, seed, pick):
         own, rank, num_local = own_case
         g = torch.Generator().manual_seed(seed)
         pool = torch.randn(num_local, *page_shape, generator=g).to(device)
@@ -328,24 +361,25 @@ def test_pack_ops_any_index_layout(device):
         send = as_layout(values, idx_dtype, layout, device)
         second = torch.randint(0, 256, (3, num_local, 6), generator=g, dtype=torch.uint8).to(device)[1]  # a layer view
         expect, expect2 = _take_pages(pool, values), _take_pages(second, values)
-        for backend in ("torch", "triton"):
-            assert_same_bytes(torch.ops.dtkv.pack_owned_pages(pool, send, backend), expect, backend)
-            outs = pack_layer_pages([pool, second], send, backend=backend)
-            assert_same_bytes(outs[0], expect, f"{backend} pack_layer_pages")
-            assert_same_bytes(outs[1], expect2, f"{backend} pack_layer_pages")
-            into = [torch.full_like(o, 7) for o in outs]
-            pack_layer_pages_into(into, [pool, second], send, backend=backend)
-            assert_same_bytes(into[0], expect, f"{backend} pack_layer_pages_into")
-            assert_same_bytes(into[1], expect2, f"{backend} pack_layer_pages_into")
-        # the planned pack of a page list on every rank (empty ranks included)
-        pages = [p if p < own.num_pages else -1 for p in pages]
-        full = torch.randn(own.num_pages, *page_shape, generator=g)
-        plan = plan_pack(torch.tensor(pages, dtype=torch.int64, device=device), own)
-        gathered, _, _, _ = ref_gathered(full, pages, own)
-        for backend in ("torch", "triton"):
-            bufs = [pack_owned_pages(full[own.local_pages(r)].to(device), plan, own, r, backend=backend)
-                    for r in range(own.cp_size)]  # fmt: skip
-            assert_same_bytes(torch.cat(bufs), gathered, f"{backend} planned")
+        with _variant(("pack_owned_pages", "pack_layer_pages"), pick):
+            for backend in ("torch", "triton"):
+                assert_same_bytes(torch.ops.dtkv.pack_owned_pages(pool, send, backend), expect, backend)
+                outs = pack_layer_pages([pool, second], send, backend=backend)
+                assert_same_bytes(outs[0], expect, f"{backend} pack_layer_pages")
+                assert_same_bytes(outs[1], expect2, f"{backend} pack_layer_pages")
+                into = [torch.full_like(o, 7) for o in outs]
+                pack_layer_pages_into(into, [pool, second], send, backend=backend)
+                assert_same_bytes(into[0], expect, f"{backend} pack_layer_pages_into")
+                assert_same_bytes(into[1], expect2, f"{backend} pack_layer_pages_into")
+            # the planned pack of a page list on every rank (empty ranks included)
+            pages = [p if p < own.num_pages else -1 for p in pages]
+            full = torch.randn(own.num_pages, *page_shape, generator=g)
+            plan = plan_pack(torch.tensor(pages, dtype=torch.int64, device=device), own)
+            gathered, _, _, _ = ref_gathered(full, pages, own)
+            for backend in ("torch", "triton"):
+                bufs = [pack_owned_pages(full[own.local_pages(r)].to(device), plan, own, r, backend=backend)
+                        for r in range(own.cp_size)]  # fmt: skip
+                assert_same_bytes(torch.cat(bufs), gathered, f"{backend} planned")
 
     run()
 
@@ -368,8 +402,8 @@ def test_remap_any_index_layout(device):
     _skip_unless_triton(device)
 
     @_settings(device)
-    @given(data=st.data(), page_size=st.sampled_from([1, 3, 16]))
-    def run(data, page_size):
+    @given(data=st.data(), page_size=st.sampled_from([1, 3, 16]), pick=st.integers(0, 19))
+    def run(data, page_size, pick):
         num_map = data.draw(st.integers(1, 9))
         map_dtype = data.draw(st.sampled_from([torch.int32, torch.int64]))
         map_values = [data.draw(st.sampled_from([-1, -5]) | st.integers(0, 20)) for _ in range(num_map)]
@@ -382,7 +416,8 @@ def test_remap_any_index_layout(device):
         indices = as_layout_nd(values, shape, dtype, layout, device)
         expect = ref_remap(indices.cpu().contiguous(), map_values, page_size)
         for backend in ("torch", "triton"):
-            out = remap(indices, page_map, page_size=page_size, backend=backend)
+            with _variant(("remap",), pick):
+                out = remap(indices, page_map, page_size=page_size, backend=backend)
             assert out.dtype == dtype and out.shape == indices.shape and out.is_contiguous()
             assert torch.equal(out.cpu(), expect), backend
 

@@ -19,9 +19,10 @@ Entry points:
 **Who owns what.** The runtime owns everything that is the same for every model: requests and their pages, the CP
 split (zigzag, page-aligned where possible, or round-robin), owner-aware allocation, the prefix cache, KV writes
 (owner-filtered, compute-owner direct, replicated), materialized views with a layer-ahead prefetch, sharded decode
-(a :class:`dtkv.decode.DecodeStep` layer per model layer: the exact global top-k and the LSE merge), PD send and receive, and the input rules of
-every call (:mod:`dtkv._batch`: checked before anything changes, on every rank together). A model adapter owns only
-what differs between models: how a layer projects its rows and how its attention reads KV.
+(a :class:`dtkv.decode.DecodeStep` layer per model layer: the exact global top-k and the LSE merge), PD send
+and receive, and the input rules of every call (:mod:`dtkv._batch`: checked before anything changes, on every
+rank together). A model adapter owns only what differs between models: how a layer projects its rows and how its
+attention reads KV.
 
 **The model-adapter interface** (:class:`ModelAdapter`)::
 
