@@ -1,7 +1,7 @@
 """Parity of transformers DSA models on dtkv over a real process group (one torchrun job), written to a results file.
 
-For every case of the grid (models x splits x KV dtypes x page sizes x model dtypes) each rank wraps the same tiny
-random model in a :class:`dtkv.integrations.transformers.DSAModelRunner`, runs chunked CP prefill of several
+For every case of the grid (models x splits x KV dtypes x page sizes x model dtypes) each rank runs the same tiny
+random model in a :class:`dtkv.runtime.Runtime` (:class:`dtkv.integrations.transformers.TransformersAdapter`), runs chunked CP prefill of several
 requests and greedy decode, and rank 0 compares every prompt and decode logit with the model's own forward
 (the reference of :mod:`dtkv.integrations.transformers`), as ``python -m dtkv.demo --model ...`` does. Rank 0
 writes ``benchmarks/results/hf_parity_<device>_<date>.md`` (a table with versions and the command) and a
@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 
 from dtkv._log import Progress, setup_cli_logging
-from dtkv.demo import _json_all_gather, _prompts
-from dtkv.integrations.transformers import tiny_config
-from dtkv.integrations.transformers._demo import run_rank
+from dtkv.demo._launch import json_all_gather
+from dtkv.demo._report import summary
+from dtkv.demo._run import run_rank
 
 ROOT = Path(__file__).resolve().parent
 
@@ -114,23 +114,21 @@ def main() -> int:
         args = {
             "model": model, "dtype": dtype, "split": split, "kv_dtype": kv_dtype, "page_size": page_size,
             "tokens": ns.tokens, "requests": ns.requests, "chunk": ns.chunk, "decode_steps": ns.decode_steps,
-            "seed": 0, "cp": world,
+            "seed": 0, "cp": world, "decode": "full", "attention": "torch", "multi_turn": False,
+            "device": ns.device,
         }  # fmt: skip
-        prompts = _prompts(ns.tokens, ns.requests, tiny_config(model).vocab_size, 0)
         try:
-            result = run_rank(rank, world, args, group, device, prompts)
+            result = run_rank(rank, world, args, group, device)
         except Exception as e:  # a case that fails is reported, the grid goes on only if every rank got here
             result = {"rank": rank, "error": f"{type(e).__name__}: {e}"}
-        results = _json_all_gather(result, meta)
+        results = json_all_gather(result, meta)
         errors = [r["error"] for r in results if "error" in r]
         if errors:
             failed += 1
             if rank == 0:
                 print(f"{model} {dtype} {split} {kv_dtype} ps{page_size}: FAILED {errors[0]}", flush=True)
             continue
-        from dtkv.integrations.transformers._demo import summary
-
-        row = summary(args, results, 0.0, str(device))
+        row = summary(args, results, 0.0, None)
         row["dtype"] = dtype
         rows.append(row)
         failed += not row["parity"]
@@ -162,7 +160,7 @@ def main() -> int:
             "The reference runs SDPA's math backend (float32 inside, as dtkv's attention). `within tol`: positions whose "
             "logits are within `tol`. Parity: max <= 1; >= 97% within for float32 models with fp32/bf16 KV, >= 90% "
             "otherwise; tokens equal, except that a bfloat16 model's token may differ where the reference's margin "
-            "between the two is at most 2 tol (flips, max margin); see `dtkv/integrations/transformers/_demo.py`.\n\n"
+            "between the two is at most 2 tol (flips, max margin); see `dtkv/demo/_verdict.py`.\n\n"
         )
         stem.with_suffix(".md").write_text(text + _table(rows))
         with open(stem.with_suffix(".jsonl"), "w") as f:

@@ -1,7 +1,7 @@
 """Both model adapters behind one factory, and a snapshot of everything a runner step may change.
 
-``make_runner("reference" | "transformers", ...)`` builds a :class:`dtkv.model.ModelRunner` (one layer) or a
-:class:`dtkv.integrations.transformers.DSAModelRunner` over the tiny DeepSeek-V3.2 model; :func:`snapshot` records
+``make_runner("reference" | "transformers", ...)`` builds a :class:`dtkv.runtime.Runtime` over the reference model
+(one layer) or the tiny DeepSeek-V3.2 model; :func:`snapshot` records
 the requests, the allocator (digest and every reference count), the prefix cache, the stats and every pool byte, so
 a test can show that a refused call changed nothing.
 """
@@ -44,19 +44,25 @@ def make_runner(
     mode: str | None = None,
     decode_mode: str = "full",
 ) -> Iterator[object]:
-    """A runner of ``adapter`` (every rank of ``group`` builds the same one); closed on exit."""
+    """A :class:`dtkv.runtime.Runtime` of ``adapter`` (every rank of ``group`` builds the same one); closed on exit.
+
+    ``"reference"``: the reference model with one layer; ``"transformers"``: the tiny DeepSeek-V3.2 model with fp32
+    KV. Every argument applies to both (one runtime, one set of rules).
+    """
+    from dtkv.runtime import Runtime
+
     if adapter == "reference":
-        from dtkv.model import ModelConfig, ModelRunner
+        from dtkv.model import ModelConfig, ReferenceAdapter
 
-        cfg = ModelConfig(num_layers=1, page_size=PAGE_SIZE)
+        model = ReferenceAdapter(ModelConfig(num_layers=1, page_size=PAGE_SIZE))
         mode = mode or ("single" if group is None else "sharded_direct")
-        yield ModelRunner(
-            cfg, mode=mode, group=group, num_pages=num_pages, prefix_cache=prefix_cache, decode_mode=decode_mode
-        )
-        return
-    from dtkv.integrations.transformers import DSAModelRunner
+    else:
+        from dtkv.integrations.transformers import TransformersAdapter
 
-    runner = DSAModelRunner(_tiny_lm(), num_pages=num_pages, group=group, page_size=PAGE_SIZE, kv_dtype="fp32")
+        model = TransformersAdapter(_tiny_lm(), kv_dtype="fp32", page_size=PAGE_SIZE)
+    runner = Runtime(
+        model, num_pages=num_pages, group=group, mode=mode, prefix_cache=prefix_cache, decode_mode=decode_mode
+    )
     try:
         yield runner
     finally:

@@ -29,7 +29,8 @@ import pytest
 import torch
 
 from dtkv._util import cdiv
-from dtkv.model import ModelConfig, ModelRunner
+from dtkv.model import ModelConfig
+from tests._runtime import reference_runtime
 
 PROMPT_LENS = (37, 9, 3, 14)  # long, shorter than top-k (24), one page, pinned to one rank
 PINNED = 3
@@ -72,7 +73,7 @@ def one_thread():
 def _full_view_reference(kv_dtype: str):
     """Full-view decode in one process (the numerical reference; CP full-view decode matches it, test_model)."""
     with one_thread():
-        eng = ModelRunner(_cfg(kv_dtype), mode="single", num_pages=NUM_PAGES)
+        eng = reference_runtime(_cfg(kv_dtype), mode="single", num_pages=NUM_PAGES)
         for p in _prompts():
             eng.add_request(p)
         eng.prefill(CHUNK)
@@ -86,7 +87,7 @@ def _sharded_rank(rank, world, kv_dtype, mode, scheme):
     import dtkv
 
     cfg = _cfg(kv_dtype)
-    eng = ModelRunner(
+    eng = reference_runtime(
         cfg, mode=mode, group=dist.group.WORLD, num_pages=NUM_PAGES, ownership_scheme=scheme, decode_mode="sharded"
     )
     for i, p in enumerate(_prompts()):
@@ -155,20 +156,20 @@ def _layer_vs_attend(rank, world, kv_dtype):
     import torch.distributed as dist
 
     from dtkv.decode import DecodeQueries, decode_layer
-    from dtkv.model.kvio import token_rows, write_rows
-    from dtkv.model.sharded_decode import plan_sharded_step
+    from dtkv.runtime._decode import plan_sharded_step
+    from dtkv.runtime.kvio import read_rows, write_rows
 
     cfg = _cfg(kv_dtype)
-    eng = ModelRunner(cfg, mode="sharded", group=dist.group.WORLD, num_pages=NUM_PAGES, decode_mode="sharded")
+    eng = reference_runtime(cfg, mode="sharded", group=dist.group.WORLD, num_pages=NUM_PAGES, decode_mode="sharded")
     for p in _prompts():
         eng.add_request(p)
     eng.prefill(CHUNK)
     reqs = eng.requests
     plan = plan_sharded_step(eng, reqs)
     ids = torch.tensor([r.tokens[r.num_computed] for r in reqs])
-    q = eng.model.project(0, eng.model.embed_tokens(ids), plan.query_pos)
+    q = eng.adapter.model.project(0, eng.adapter.model.embed_tokens(ids), plan.query_pos)
     for name, rows in (("kv", q["kv"]), ("index", q["index_k"])):
-        write_rows(eng.pool.local(name, 0), cfg.layouts[name], rows, plan.new_locs, eng.spec, rank)
+        write_rows(eng.pool.local(name, 0), cfg.layouts[name], rows, plan.new_locs, eng.ownership_spec, rank)
     res = decode_layer(
         eng.pool.local("kv", 0),
         eng.pool.local("index", 0),
@@ -179,16 +180,16 @@ def _layer_vs_attend(rank, world, kv_dtype):
         softmax_scale=1 / math.sqrt(cfg.kv_lora_rank + cfg.rope_dim),
         group=dist.group.WORLD,
     )
-    keys = token_rows(eng.pool.gather_full(0, "kv"), cfg.kv_layout)
-    index_keys = token_rows(eng.pool.gather_full(0, "index"), cfg.index_layout)
+    keys = read_rows(eng.pool.gather_full(0, "kv"), cfg.kv_layout, torch.float64)
+    index_keys = read_rows(eng.pool.gather_full(0, "index"), cfg.index_layout, torch.float64)
     worst, same_sel = 0.0, True
     for b, r in enumerate(reqs):
         pos = torch.arange(int(plan.query_pos[b]) + 1)
         rows = torch.tensor(r.pages)[pos // cfg.page_size] * cfg.page_size + pos % cfg.page_size
         qb = {k: v[b : b + 1] for k, v in q.items()}
-        want = eng.model.attend(qb, pos[-1:], keys[rows], index_keys[rows]).view(cfg.num_heads, -1)
+        want = eng.adapter.model.attend(qb, pos[-1:], keys[rows], index_keys[rows]).view(cfg.num_heads, -1)
         worst = max(worst, float((res.out[b] - want).abs().max() / want.abs().max()))
-        idx, valid = eng.model.select(qb, pos[-1:], index_keys[rows])
+        idx, valid = eng.adapter.model.select(qb, pos[-1:], index_keys[rows])
         got = res.positions[b]
         same_sel &= torch.equal(got[: idx.shape[1]], torch.where(valid[0], idx[0], -1)) and bool(
             (got[idx.shape[1] :] == -1).all()
@@ -210,12 +211,13 @@ def _no_view_and_comm_bytes(rank, world, lens):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import dtkv.materialize
-    import dtkv.model.runner as runner_mod
     import dtkv.pool
+    import dtkv.runtime._plan as plan_mod
+    import dtkv.runtime.context as context_mod
     from dtkv.decode import sharded_decode_comm_bytes
 
     cfg = _cfg("fp8")
-    eng = ModelRunner(cfg, mode="sharded_direct", group=dist.group.WORLD, num_pages=192, decode_mode="sharded")
+    eng = reference_runtime(cfg, mode="sharded_direct", group=dist.group.WORLD, num_pages=192, decode_mode="sharded")
     for p in _prompts(lens):
         eng.add_request(p)
     eng.prefill(64)
@@ -249,9 +251,9 @@ def _no_view_and_comm_bytes(rank, world, lens):
     saved = {(Exchange, "all_gather"): honest_gather}
     Exchange.all_gather = counted
     targets = [
-        (runner_mod, "plan_materialize"),
-        (runner_mod, "gather_view"),
-        (runner_mod, "Materializer"),
+        (plan_mod, "plan_materialize"),
+        (context_mod, "gather_view"),
+        (context_mod, "Materializer"),
         (dtkv.materialize, "gather_view"),
         (dtkv.pool, "gather_pages"),
         (dtkv.pool.ShardedKVPool, "gather_full"),
@@ -288,16 +290,16 @@ def test_sharded_decode_builds_no_view_and_sends_only_candidates_and_partials(ra
 def test_decode_mode_is_validated():
     cfg = _cfg("bf16")
     with pytest.raises(ValueError, match=r"decode_mode must be one of \('full', 'sharded'\), got decode_mode='shard'"):
-        ModelRunner(cfg, mode="single", num_pages=8, decode_mode="shard")
+        reference_runtime(cfg, mode="single", num_pages=8, decode_mode="shard")
     with pytest.raises(ValueError, match="decode_mode='sharded' needs a page-sharded pool .* got mode='replicated'"):
-        ModelRunner(cfg, mode="replicated", num_pages=8, decode_mode="sharded")
+        reference_runtime(cfg, mode="replicated", num_pages=8, decode_mode="sharded")
 
 
 def test_rejects_a_request_with_nothing_to_decode_and_a_mismatched_plan():
     from dtkv.decode import DecodeQueries, decode_layer, plan_decode
 
     cfg = _cfg("fp8")
-    eng = ModelRunner(cfg, mode="single", num_pages=8, decode_mode="sharded")
+    eng = reference_runtime(cfg, mode="single", num_pages=8, decode_mode="sharded")
     req = eng.add_request([1, 2, 3])
     req.num_computed = 3  # prefilled, but no first token appended
     with pytest.raises(ValueError, match="request 0 has no token to decode"):
@@ -316,7 +318,7 @@ def test_single_process_sharded_decode_equals_full_view_decode():
     """With one rank the sharded path is plain local decode: the same tokens, and logits to the float64 noise."""
     ref_logits, ref_outputs, _ = _full_view_reference("fp8")
     with one_thread():
-        eng = ModelRunner(_cfg("fp8"), mode="single", num_pages=NUM_PAGES, decode_mode="sharded")
+        eng = reference_runtime(_cfg("fp8"), mode="single", num_pages=NUM_PAGES, decode_mode="sharded")
         for p in _prompts():
             eng.add_request(p)
         eng.prefill(CHUNK)
@@ -333,7 +335,9 @@ def _inject_lost_candidate(rank, world):
     import dtkv.decode._step_layer as layer_mod
     from dtkv.decode import INVALID_KEY, SelectionMismatchError
 
-    eng = ModelRunner(_cfg("bf16"), mode="sharded", group=dist.group.WORLD, num_pages=NUM_PAGES, decode_mode="sharded")
+    eng = reference_runtime(
+        _cfg("bf16"), mode="sharded", group=dist.group.WORLD, num_pages=NUM_PAGES, decode_mode="sharded"
+    )
     for p in _prompts():
         eng.add_request(p)
     eng.prefill(CHUNK)
@@ -368,17 +372,17 @@ def _compiled_layer(rank, world):
     from torch._dynamo.testing import CompileCounterWithBackend
 
     from dtkv.decode import DecodeQueries, decode_layer
-    from dtkv.model.sharded_decode import plan_sharded_step
+    from dtkv.runtime._decode import plan_sharded_step
 
     torch._dynamo.reset()
     cfg = _cfg("fp8")
-    eng = ModelRunner(cfg, mode="sharded", group=dist.group.WORLD, num_pages=NUM_PAGES, decode_mode="sharded")
+    eng = reference_runtime(cfg, mode="sharded", group=dist.group.WORLD, num_pages=NUM_PAGES, decode_mode="sharded")
     for p in _prompts():
         eng.add_request(p)
     eng.prefill(CHUNK)
     plan = plan_sharded_step(eng, eng.requests)
     ids = torch.tensor([r.tokens[r.num_computed] for r in eng.requests])
-    q = eng.model.project(0, eng.model.embed_tokens(ids), plan.query_pos)
+    q = eng.adapter.model.project(0, eng.adapter.model.embed_tokens(ids), plan.query_pos)
     args = (eng.pool.local("kv", 0), eng.pool.local("index", 0), cfg.kv_layout, cfg.index_layout, plan)
     queries = DecodeQueries(q["iq"], q["iw"], q["q_nope"], q["q_rope"])
     kwargs = {"softmax_scale": 0.1, "group": dist.group.WORLD}

@@ -20,8 +20,9 @@ import torch.distributed as dist
 
 from dtkv import PageAllocator, PageOwnership
 from dtkv._util import cdiv
-from dtkv.model import ModelConfig, ModelRunner
+from dtkv.model import ModelConfig
 from dtkv.transfer import Bootstrap, DecodeReceiver, KVShard, LocalEngine, PrefillSender
+from tests._runtime import reference_runtime
 
 PROMPT_LENS = (45, 11, 3)
 STEPS = 8
@@ -35,7 +36,7 @@ def _prompts():
 
 
 def _prefill_rank(rank, world):
-    eng = ModelRunner(CFG, mode="sharded_direct", group=dist.group.WORLD, num_pages=NUM_PAGES_P)
+    eng = reference_runtime(CFG, mode="sharded_direct", group=dist.group.WORLD, num_pages=NUM_PAGES_P)
     for p in _prompts():
         eng.add_request(p)
     eng.prefill(16)
@@ -76,7 +77,7 @@ def _transfer(prefill: list[dict], cp_d: int, scheme: str) -> tuple[list[dict], 
 def _decode_rank(rank, world, shards, dst_pages, first, scheme):
     import dtkv
 
-    eng = ModelRunner(
+    eng = reference_runtime(
         CFG, mode="sharded", group=dist.group.WORLD, num_pages=NUM_PAGES_D, ownership_scheme=scheme,
         decode_mode="sharded",
     )  # fmt: skip
@@ -96,7 +97,7 @@ def _reference():
     before = torch.get_num_threads()
     torch.set_num_threads(1)  # the tiny model is 40x slower on two OpenMP threads of a busy 2-core box
     try:
-        eng = ModelRunner(CFG, mode="single", num_pages=NUM_PAGES_P + STEPS)
+        eng = reference_runtime(CFG, mode="single", num_pages=NUM_PAGES_P + STEPS)
         for p in _prompts():
             eng.add_request(p)
         eng.prefill(16)

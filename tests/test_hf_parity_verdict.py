@@ -1,4 +1,4 @@
-"""The transformers demo's parity verdict (``dtkv.integrations.transformers._demo.parity_of``): tolerances by
+"""The transformers demo's parity verdict (``dtkv.demo._verdict.parity_of``): tolerances by
 model and KV dtype, and the near-tie rule for a bfloat16 model's greedy tokens."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from dtkv.integrations.transformers._demo import FLIP_MARGIN, MIN_WITHIN, TOLERANCE, parity_of  # noqa: E402
+from dtkv.demo._verdict import FLIP_MARGIN, MIN_WITHIN, TOLERANCE, parity_of  # noqa: E402
 
 
 def _diffs(n: int, bad: int, tol: float) -> torch.Tensor:

@@ -33,7 +33,7 @@ import torch
 pytest.importorskip("transformers", reason="the hf extra (transformers==5.17.0)")
 
 from dtkv.integrations.transformers import (  # noqa: E402
-    DSAModelRunner,
+    TransformersAdapter,
     geometry_of,
     kv_layouts,
     num_pages_for,
@@ -41,6 +41,7 @@ from dtkv.integrations.transformers import (  # noqa: E402
     stable_topk,
     tiny_model,
 )
+from dtkv.runtime import Runtime  # noqa: E402
 from tests._multirank import RankGroup  # noqa: E402
 
 PROMPT_LENS = (150, 61, 7)  # three chunks, one chunk, a short request that falls back to a token-balanced split
@@ -71,12 +72,10 @@ def cp_run(
     lm = model(name, overrides)
     ps = prompts()
     num_pages = num_pages_for([len(p) for p in ps], page_size=page_size, decode_steps=DECODE_STEPS, cp_size=world)
-    runner = DSAModelRunner(
-        lm,
+    runner = Runtime(
+        TransformersAdapter(lm, kv_dtype=kv_dtype, page_size=page_size),
         group=dist.group.WORLD if world > 1 else None,
         num_pages=num_pages + extra_pages,
-        page_size=page_size,
-        kv_dtype=kv_dtype,
         split=split,
         scheme=scheme,
     )
@@ -93,8 +92,8 @@ def cp_run(
         "outputs": outputs,
         "bytes_per_rank": runner.pool.bytes_per_rank(),
         "replicated_bytes": runner.pool.replicated_bytes(),
-        "page_bytes": sum(lay.page_bytes for lay in runner.layouts.values()),
-        "num_layers": runner.geometry.num_layers,
+        "page_bytes": sum(lay.page_bytes for lay in runner.pool.layouts.values()),
+        "num_layers": runner.adapter.geometry.num_layers,
         "stats": dict(runner.stats),
         "mode": runner.mode,
         "seconds": seconds,
@@ -231,8 +230,8 @@ def test_stable_topk_makes_the_forward_length_invariant():
 def test_reference_round_trip_reads_what_the_pools_store(kv_dtype):
     """The reference's key rounding equals a write into a pool and a read back (bitwise), for both pools."""
     from dtkv import PageOwnership, ShardedKVPool
-    from dtkv.integrations.transformers._kvio import read_rows, write_rows
     from dtkv.integrations.transformers.reference import round_trip
+    from dtkv.runtime.kvio import read_rows, write_rows
 
     layouts = kv_layouts(geometry_of(model("glm5")), kv_dtype, 4)
     pool = ShardedKVPool(layouts, PageOwnership(1, 8), num_layers=1)
@@ -246,23 +245,24 @@ def test_reference_round_trip_reads_what_the_pools_store(kv_dtype):
         assert torch.equal(stored, round_trip(rows, lay)), name
 
 
-def test_runner_rejects_bad_input_and_close_restores_the_model():
+def test_runtime_rejects_bad_input_and_close_restores_the_model():
     lm = model("deepseek-v32")
     with pytest.raises(TypeError, match=r"model must be one of \['DeepseekV32ForCausalLM', 'GlmMoeDsaForCausalLM'\]"):
-        DSAModelRunner(torch.nn.Linear(2, 2), num_pages=8)
+        TransformersAdapter(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match=r"kv_dtype must be one of \('bf16', 'fp32', 'fp8'\), got kv_dtype='int8'"):
-        DSAModelRunner(lm, num_pages=8, kv_dtype="int8")
+        TransformersAdapter(lm, kv_dtype="int8")
     with pytest.raises(ValueError, match="split must be 'zigzag' or 'round_robin', got split='ring'"):
-        DSAModelRunner(lm, num_pages=8, split="ring")
-    with pytest.raises(ValueError, match="direct_writes=True needs split='zigzag'"):
-        DSAModelRunner(lm, num_pages=8, split="round_robin", direct_writes=True)
+        Runtime(TransformersAdapter(lm), num_pages=8, split="ring")
+    with pytest.raises(ValueError, match="mode='sharded_direct' needs split='zigzag'"):
+        Runtime(TransformersAdapter(lm), num_pages=8, split="round_robin", mode="sharded_direct")
     shares_first = tiny_model("glm5", indexer_types=["shared", "full"], num_hidden_layers=2)
     with pytest.raises(ValueError, match=r"indexer_types\[0\] must be 'full' \(layer 0 has no top-k to share\)"):
-        DSAModelRunner(shares_first, num_pages=8)
+        TransformersAdapter(shares_first)
+    assert all("forward" not in vars(layer.self_attn) for layer in lm.model.layers)  # nothing bound by a refusal
     ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         before = lm(ids).logits
-    with DSAModelRunner(lm, num_pages=16, page_size=4) as runner:
+    with Runtime(TransformersAdapter(lm, page_size=4), num_pages=16) as runner:
         with pytest.raises(ValueError, match=r"prompt token ids must be in \[0, 256\), got 256"):
             runner.add_request([1, 256])
         with pytest.raises(ValueError, match="prompt must hold at least one token id"):
@@ -276,12 +276,12 @@ def test_runner_rejects_bad_input_and_close_restores_the_model():
         with pytest.raises(ValueError, match="extend_lens must hold one length per request"):
             runner.step(runner.requests, [1, 1])
         assert runner.requests[0].num_computed == 0 and runner.requests[0].pages == []  # nothing allocated
-        with pytest.raises(ValueError, match="another DSAModelRunner wraps this model"):
-            DSAModelRunner(lm, num_pages=8)
+        with pytest.raises(ValueError, match="another runtime wraps this model"):
+            TransformersAdapter(lm)
         with torch.no_grad():  # attached but idle: the model runs its own forward
             assert torch.equal(lm(ids).logits, before)
         runner.prefill(2)
-        runner.free_request(0)
+        runner.finish_request(0)
         assert runner.allocator.num_free() == 16
     assert all("forward" not in vars(layer.self_attn) for layer in lm.model.layers)
     with torch.no_grad():
@@ -300,14 +300,16 @@ def test_bfloat16_model_matches_its_own_forward_within_an_ulp(name):
     positions are within one ulp and none exceeds ``MAX_DIFF``."""
     lm = tiny_model(name, dtype=torch.bfloat16)
     ps = prompts()
-    runner = DSAModelRunner(lm, num_pages=num_pages_for([len(p) for p in ps], page_size=16, decode_steps=2))
+    runner = Runtime(
+        TransformersAdapter(lm), num_pages=num_pages_for([len(p) for p in ps], page_size=16, decode_steps=2)
+    )
     for p in ps:
         runner.add_request(p)
     _, logits = runner.prefill(CHUNK, return_logits=True)
     outputs = runner.decode(DECODE_STEPS)
     runner.close()
     for i, p in enumerate(ps):
-        ref = reference_logits(lm, p + outputs[i][:-1], layouts=runner.layouts)
+        ref = reference_logits(lm, p + outputs[i][:-1], layouts=runner.pool.layouts)
         per_position = (ref[: len(p)] - logits[i]).abs().amax(-1)
         within = float((per_position <= 1.6e-2).float().mean())
         assert within >= MIN_WITHIN and float(per_position.max()) <= MAX_DIFF, (i, within, float(per_position.max()))

@@ -41,18 +41,19 @@ def test_a_dtype_asked_for_wins_over_the_stored_one(tmp_path):
     assert next(load_model(tmp_path, dtype=torch.bfloat16).parameters()).dtype == torch.bfloat16
 
 
-def test_the_runner_on_a_loaded_checkpoint_matches_its_own_forward(tmp_path):
-    from dtkv.integrations.transformers import DSAModelRunner, num_pages_for
+def test_the_runtime_on_a_loaded_checkpoint_matches_its_own_forward(tmp_path):
+    from dtkv.integrations.transformers import TransformersAdapter, num_pages_for
+    from dtkv.runtime import Runtime
 
     tiny_model("deepseek-v32", seed=1).save_pretrained(tmp_path)
     lm = load_model(tmp_path)
     prompt = torch.randint(0, 256, (37,), generator=torch.Generator().manual_seed(2)).tolist()
-    runner = DSAModelRunner(lm, group=None, num_pages=num_pages_for([37], page_size=16, decode_steps=2, cp_size=1),
-                            page_size=16, kv_dtype="fp32")  # fmt: skip
+    runner = Runtime(TransformersAdapter(lm, page_size=16, kv_dtype="fp32"),
+                     num_pages=num_pages_for([37], page_size=16, decode_steps=2, cp_size=1))  # fmt: skip
     runner.add_request(prompt)
     _, logits = runner.prefill(16, return_logits=True)
     runner.close()
-    ref = reference_logits(lm, prompt, layouts=runner.layouts)
+    ref = reference_logits(lm, prompt, layouts=runner.pool.layouts)
     assert (ref - logits[0].to(ref.dtype)).abs().max() <= 1e-5
 
 

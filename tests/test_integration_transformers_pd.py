@@ -1,6 +1,6 @@
-"""PD with a transformers DSA model over Mooncake TCP loopback: CP prefill ranks (2 gloo ranks; also 3 with
-``DTKV_TEST_LONG=1``) hand every request to a decode process running the same model, whose received KV is bitwise
-what the CP ranks store and whose greedy tokens equal the model's own."""
+"""PD with a transformers DSA model over Mooncake TCP loopback, through the demo's wiring (:mod:`dtkv.demo._pd`): CP
+prefill ranks (2 gloo ranks; also 3 with ``DTKV_TEST_LONG=1``) hand every request to a decode group running the same
+model, whose received KV is bitwise what the CP ranks store and whose greedy tokens equal the model's own."""
 
 from __future__ import annotations
 
@@ -27,60 +27,55 @@ STEPS = 3
 def _prefill_rank(rank, world, args):
     import torch.distributed as dist
 
-    from dtkv.integrations.transformers import DSAModelRunner, num_pages_for
-    from dtkv.integrations.transformers._demo_pd import send_from_rank
+    from dtkv.demo._pd import send_from_rank
+    from dtkv.integrations.transformers import TransformersAdapter
+    from dtkv.runtime import Runtime, num_pages_for
 
     ps = prompts()
-    runner = DSAModelRunner(
-        model(args["model"]),
-        group=dist.group.WORLD,
+    rt = Runtime(
+        TransformersAdapter(model(args["model"]), kv_dtype=args["kv_dtype"], page_size=args["page_size"]),
+        group=dist.group.WORLD, split=args["split"],
         num_pages=num_pages_for([len(p) for p in ps], page_size=args["page_size"], cp_size=world),
-        page_size=args["page_size"],
-        kv_dtype=args["kv_dtype"],
-        split=args["split"],
-    )
+    )  # fmt: skip
     for p in ps:
-        runner.add_request(p)
-    runner.prefill(48)
-    report = send_from_rank(runner, args)
-    runner.close()
-    return {**report, "first": [r.output[0] for r in runner.requests]}
+        rt.add_request(p)
+    rt.prefill(48)
+    report = send_from_rank(rt, args)
+    rt.close()
+    return {**report, "first": [r.output[0] for r in rt.requests], "outputs": None}
 
 
 @pytest.mark.parametrize(
-    ("world", "name", "split", "kv_dtype"),
+    ("world", "name", "split", "kv_dtype", "decode_cp"),
     [
-        (2, "deepseek-v32", "zigzag", "fp8"),
-        # a non-CP decode fed by 3 owner-filtered ranks; slow on 2 cores, covered per run by the torchrun demo test
+        (2, "deepseek-v32", "zigzag", "fp8", 2),  # into a decode group of 2 that decodes on its shards
+        # owner-filtered prefill into a sharded decode group; slow on 2 cores (the torchrun demo test covers PD too)
         pytest.param(
-            3,
-            "glm5",
-            "round_robin",
-            "bf16",
+            3, "glm5", "round_robin", "bf16", 2,
             marks=pytest.mark.skipif(os.environ.get("DTKV_TEST_LONG", "0") != "1", reason="set DTKV_TEST_LONG=1"),
         ),
     ],
-    ids=["world2-deepseek-v32-direct-fp8", "world3-glm5-bf16"],
-)
-def test_pd_decode_continues_the_cp_prefill(world, name, split, kv_dtype):
-    from dtkv.integrations.transformers._demo_pd import start_decode
+    ids=["world2-deepseek-v32-direct-fp8-into-decode2", "world3-glm5-bf16-into-decode2"],
+)  # fmt: skip
+def test_pd_decode_continues_the_cp_prefill(world, name, split, kv_dtype, decode_cp):
+    from dtkv.demo._pd import start_decode_group
 
     args = {
-        "model": name, "seed": 0, "dtype": "float32", "page_size": 4, "kv_dtype": kv_dtype, "split": split,
-        "decode_steps": STEPS, "timeout": 120.0,
+        "model": name, "seed": 0, "dtype": None, "page_size": 4, "kv_dtype": kv_dtype, "split": split,
+        "decode_steps": STEPS, "timeout": 120.0, "decode": "sharded", "decode_cp": decode_cp, "attention": "torch",
     }  # fmt: skip
-    decode = start_decode(args, prompts())
+    decode = start_decode_group(args, prompts())
     group = RankGroup(world, timeout_s=600)
     try:
         results = group.run(_prefill_rank, {**args, **decode.rank_args})
     finally:
         group.close()
-    got = decode.finish([{**r, "outputs": None} for r in results], timeout_s=300.0)
-    assert "pd_error" not in got, got["pd_error"]
-    assert got["pd_kv_equal"], "decode's received KV must be the bytes the CP ranks store"
-    assert got["pd_bytes"] > 0 and got["pd_entries"] >= got["pd_min_entries"] > 0
+    answers = decode.result(timeout_s=300.0)
+    assert all("error" not in a for a in answers), answers
+    assert all(a["kv_digest"] == r["pd_kv_digest"] for a in answers for r in results), "decode holds other bytes"
+    assert sum(r["pd_bytes"] for r in results) > 0
     for i, p in enumerate(prompts()):  # decode's greedy continuation is the model's own
-        out = got["pd_outputs"][i]
+        out = answers[0]["outputs"][i]
         assert out[0] == results[0]["first"][i]
         ref = reference(name, kv_dtype, tuple(p + out[:-1]))
         assert ref[len(p) - 1 :].argmax(-1).tolist() == out

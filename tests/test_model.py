@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dtkv.model import ModelConfig, ModelRunner
+from dtkv.model import ModelConfig
+from tests._runtime import reference_runtime
 
 PROMPT_LENS = (101, 47, 6)  # a long request (3 chunks), a medium one, a short one that falls back
 CHUNK = 40
@@ -27,7 +28,7 @@ def _prompts(cfg: ModelConfig) -> list[list[int]]:
 def _run(cfg, mode, split, group, *, prefetch=False, decode_steps=2, debug=False):
     import dtkv
 
-    eng = ModelRunner(cfg, mode=mode, split=split, group=group, num_pages=96)
+    eng = reference_runtime(cfg, mode=mode, split=split, group=group, num_pages=96)
     for p in _prompts(cfg):
         eng.add_request(p)
     logits = []
@@ -74,7 +75,16 @@ def _all_modes(rank, world, kv_dtype, split):
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize("split", ["zigzag", "round_robin"])
 def test_cp_modes_are_bitwise_identical_and_match_single_process(ranks, kv_dtype, split):
-    results = ranks.run(_all_modes, kv_dtype, split)
+    _check_all_modes(ranks.run(_all_modes, kv_dtype, split), split)
+
+
+@pytest.mark.multirank
+def test_cp_modes_at_three_ranks(ranks3):
+    """An odd group size: uneven page ownership, segments of other lengths."""
+    _check_all_modes(ranks3.run(_all_modes, "fp8", "zigzag"), "zigzag")
+
+
+def _check_all_modes(results, split):
     for res in results:
         for mode in ("sharded", "sharded_prefetch", "sharded_direct"):
             if mode not in res:
@@ -95,13 +105,13 @@ def test_single_mode_is_deterministic_and_rejects_bad_prompts():
     cfg = ModelConfig(page_size=4)
     a, b = _run(cfg, "single", "zigzag", None), _run(cfg, "single", "zigzag", None)
     assert a["outputs"] == b["outputs"] and all(torch.equal(x, y) for x, y in zip(a["logits"], b["logits"]))
-    eng = ModelRunner(cfg, mode="single", num_pages=8)
+    eng = reference_runtime(cfg, mode="single", num_pages=8)
     with pytest.raises(ValueError, match=r"prompt token ids must be in \[0, 97\), got 97"):
         eng.add_request([1, 97])
     with pytest.raises(ValueError, match="mode must be one of"):
-        ModelRunner(cfg, mode="shared", num_pages=8)
+        reference_runtime(cfg, mode="shared", num_pages=8)
     with pytest.raises(ValueError, match="needs split='zigzag'"):
-        ModelRunner(cfg, mode="sharded_direct", split="round_robin", num_pages=8)
+        reference_runtime(cfg, mode="sharded_direct", split="round_robin", num_pages=8)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -113,7 +123,7 @@ def test_cuda_engine_matches_cpu(kv_dtype):
     cfg = ModelConfig(kv_dtype=kv_dtype, page_size=4)
     runs = {}
     for device in ("cpu", "cuda"):
-        eng = ModelRunner(cfg, mode="single", num_pages=96, device=device, attention="torch")
+        eng = reference_runtime(cfg, mode="single", num_pages=96, device=device, attention="torch")
         for p in _prompts(cfg):
             eng.add_request(p)
         first = eng.prefill(CHUNK)

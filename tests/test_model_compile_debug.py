@@ -7,12 +7,13 @@ import dataclasses
 import pytest
 import torch
 
-from dtkv.model import ModelConfig, ModelRunner
+from dtkv.model import ModelConfig
+from tests._runtime import reference_runtime
 
 
 def _engine(mode, group, kv_dtype="fp8"):
     cfg = ModelConfig(page_size=4, num_layers=2, kv_dtype=kv_dtype)
-    eng = ModelRunner(cfg, mode=mode, group=group, num_pages=64)
+    eng = reference_runtime(cfg, mode=mode, group=group, num_pages=64)
     eng.add_request(list(range(50)))
     eng.add_request(list(range(30, 61)))
     eng.step(eng.requests, [21, 20])  # a first chunk eagerly, so the compiled chunk reads history pages
@@ -26,10 +27,10 @@ def _compiled_vs_eager(rank, world, mode, backend):
     torch._dynamo.reset()
     eng = _engine(mode, dist.group.WORLD)
     plan = eng.plan_step(eng.requests, [29, 11])
-    before = {n: eng.pool.buffer(n).clone() for n in eng.cfg.layouts}
+    before = {n: eng.pool.buffer(n).clone() for n in eng.adapter.cfg.layouts}
     eager = eng.forward(plan)
-    eager_pool = {n: eng.pool.buffer(n).clone() for n in eng.cfg.layouts}
-    for n in eng.cfg.layouts:
+    eager_pool = {n: eng.pool.buffer(n).clone() for n in eng.adapter.cfg.layouts}
+    for n in eng.adapter.cfg.layouts:
         eng.pool.buffer(n).copy_(before[n])
     counter = CompileCounterWithBackend(backend)
     compiled = torch.compile(eng.forward, backend=counter, fullgraph=True)(plan)
@@ -37,7 +38,7 @@ def _compiled_vs_eager(rank, world, mode, backend):
         "frames": counter.frame_count,
         "logits_equal": torch.equal(compiled, eager),
         "logits_close": torch.allclose(compiled, eager, rtol=1e-9, atol=1e-9),
-        "pool_equal": all(torch.equal(eng.pool.buffer(n), eager_pool[n]) for n in eng.cfg.layouts),
+        "pool_equal": all(torch.equal(eng.pool.buffer(n), eager_pool[n]) for n in eng.adapter.cfg.layouts),
     }
 
 
@@ -60,16 +61,16 @@ def test_forward_compiles_with_inductor_single_process():
     torch._dynamo.reset()
     eng = _engine("single", None)
     plan = eng.plan_step(eng.requests, [29, 11])
-    before = {n: eng.pool.buffer(n).clone() for n in eng.cfg.layouts}
+    before = {n: eng.pool.buffer(n).clone() for n in eng.adapter.cfg.layouts}
     eager = eng.forward(plan)
-    eager_pool = {n: eng.pool.buffer(n).clone() for n in eng.cfg.layouts}
-    for n in eng.cfg.layouts:
+    eager_pool = {n: eng.pool.buffer(n).clone() for n in eng.adapter.cfg.layouts}
+    for n in eng.adapter.cfg.layouts:
         eng.pool.buffer(n).copy_(before[n])
     counter = CompileCounterWithBackend("inductor")
     compiled = torch.compile(eng.forward, backend=counter, fullgraph=True)(plan)
     assert counter.frame_count == 1
     torch.testing.assert_close(compiled, eager, rtol=1e-9, atol=1e-9)
-    assert all(torch.equal(eng.pool.buffer(n), eager_pool[n]) for n in eng.cfg.layouts)
+    assert all(torch.equal(eng.pool.buffer(n), eager_pool[n]) for n in eng.adapter.cfg.layouts)
 
 
 def _inject_wrong_owner_write(rank, world):
@@ -83,8 +84,8 @@ def _inject_wrong_owner_write(rank, world):
     # The bug: treat every local row as directly writable, including rows whose page another rank stores.
     all_rows = torch.arange(plan.locs_local.numel())
     bad = dataclasses.replace(plan, direct_rows=all_rows, handoff_rows=all_rows[:0])
-    foreign = bool((eng.ownership.owner(plan.locs_local // eng.cfg.page_size) != rank).any())
-    snapshot = {n: eng.pool.buffer(n).clone() for n in eng.cfg.layouts}
+    foreign = bool((eng.ownership.owner(plan.locs_local // eng.adapter.cfg.page_size) != rank).any())
+    snapshot = {n: eng.pool.buffer(n).clone() for n in eng.adapter.cfg.layouts}
     with dtkv.debug_mode():
         try:
             eng.forward(bad)
@@ -92,7 +93,7 @@ def _inject_wrong_owner_write(rank, world):
             message = str(e)
         else:
             message = None
-    untouched = all(torch.equal(eng.pool.buffer(n)[0], snapshot[n][0]) for n in eng.cfg.layouts)
+    untouched = all(torch.equal(eng.pool.buffer(n)[0], snapshot[n][0]) for n in eng.adapter.cfg.layouts)
     return {"foreign": foreign, "message": message, "layer0_untouched": untouched}
 
 

@@ -1,14 +1,16 @@
-"""``ModelRunner`` input handling: decode with nothing to decode, and the ownership-scheme keyword."""
+"""Runtime input handling on the reference model: decode with nothing to decode; the deprecated ``ModelRunner``'s
+ownership-scheme keyword and its older name ``PrefillEngine``."""
 
 from __future__ import annotations
 
 import pytest
 
 from dtkv.model import ModelConfig, ModelRunner
+from tests._runtime import reference_runtime
 
 
-def _engine(**kwargs) -> ModelRunner:
-    return ModelRunner(ModelConfig(num_layers=1), mode=kwargs.pop("mode", "single"), num_pages=16, **kwargs)
+def _engine(**kwargs):
+    return reference_runtime(ModelConfig(num_layers=1), mode=kwargs.pop("mode", "single"), num_pages=16, **kwargs)
 
 
 def test_decode_with_no_requests_is_a_no_op():
@@ -31,7 +33,7 @@ def test_decode_skips_requests_that_were_not_prefilled():
 def _decode_nothing(rank, world):
     import torch.distributed as dist
 
-    eng = ModelRunner(ModelConfig(num_layers=1), mode="sharded", group=dist.group.WORLD, num_pages=16)
+    eng = reference_runtime(ModelConfig(num_layers=1), mode="sharded", group=dist.group.WORLD, num_pages=16)
     out = eng.decode(2)
     eng.add_request([5, 6])
     return out, eng.decode(1), eng.stats["steps"]
@@ -46,7 +48,7 @@ def test_ownership_scheme_keyword_and_its_deprecated_name():
     eng = _engine(mode="single", ownership_scheme="block")
     assert eng.ownership.scheme == "block" and eng.alloc_ownership.scheme == "block"
     with pytest.warns(DeprecationWarning, match=r"ownership_layout=\.\.\.\) is deprecated"):
-        old = _engine(mode="single", ownership_layout="block")
+        old = ModelRunner(ModelConfig(num_layers=1), mode="single", num_pages=16, ownership_layout="block")
     assert old.ownership == eng.ownership and old.alloc_ownership == eng.alloc_ownership
 
 

@@ -18,14 +18,17 @@ PAGE_SIZE = 4
 def _run(rank, world):
     import torch.distributed as dist
 
-    from dtkv.model import ModelConfig, ModelRunner
+    from dtkv.model import ModelConfig
+    from tests._runtime import reference_runtime
 
     cfg = ModelConfig(num_layers=2, page_size=PAGE_SIZE)
     # 2cp pages exactly: the zigzag split is page-aligned, every page has one compute owner (2 per rank)
     prompt = torch.randint(0, 96, (2 * world * PAGE_SIZE,), generator=torch.Generator().manual_seed(3)).tolist()
     out = {}
     for cache in (False, True):
-        eng = ModelRunner(cfg, mode="sharded_direct", group=dist.group.WORLD, num_pages=4 * world, prefix_cache=cache)
+        eng = reference_runtime(
+            cfg, mode="sharded_direct", group=dist.group.WORLD, num_pages=4 * world, prefix_cache=cache
+        )
         if cache:  # every page rank 0 stores is cached (only the cache holds them); the other ranks' are free
             alloc = eng.allocator
             pages = alloc.alloc([0] * alloc.num_free(0))

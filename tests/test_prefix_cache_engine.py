@@ -14,8 +14,9 @@ from collections import Counter
 import pytest
 import torch
 
-from dtkv.model import ModelConfig, ModelRunner
-from dtkv.model.workloads import chat_workload, compare_runs, run_workload
+from dtkv.demo.workloads import chat_workload, compare_runs, run_workload
+from dtkv.model import ModelConfig
+from tests._runtime import reference_runtime
 
 WORKLOAD = {"system_tokens": 13, "turn_tokens": 5, "turns": 3, "questions": 2, "question_tokens": 3, "seed": 1}
 # four shared-prompt requests whose own pages nobody reuses: they crowd a small pool until evicted
@@ -47,7 +48,7 @@ def _runs(rank, world, split, kv_dtype, cache_pages, workload, decode_mode="full
     runs = {}
     for cache in (False, True):
         num_pages = cache_pages if cache else NUM_PAGES
-        eng = ModelRunner(
+        eng = reference_runtime(
             cfg,
             mode=mode,
             split=split,
@@ -103,15 +104,14 @@ def test_multi_turn_and_shared_prompt_are_bitwise_equal_to_the_run_without_cache
 
 @pytest.mark.multirank
 @pytest.mark.parametrize(
-    "world,split,kv_dtype", [(2, "zigzag", "fp8"), (2, "round_robin", "bf16"), (4, "zigzag", "bf16")]
+    "world,split,kv_dtype",
+    [(2, "zigzag", "fp8"), (2, "round_robin", "bf16"), (3, "round_robin", "fp8"), (4, "zigzag", "bf16")],
 )
-def test_eviction_under_pressure_never_touches_a_live_request_and_stays_bitwise_equal(
-    ranks2, ranks4, world, split, kv_dtype
-):
+def test_eviction_under_pressure_never_touches_a_live_request_and_stays_bitwise_equal(request, world, split, kv_dtype):
     """18 pages hold the live requests but not every finished one (23 pages without pressure): the cache must
     evict (LRU) to admit later turns, never a page a live request holds (reference counts checked after every
     step), and the run stays bitwise equal -- the live shared-prompt request included."""
-    results = (ranks2 if world == 2 else ranks4).run(_runs, split, kv_dtype, 18, CROWDED)
+    results = request.getfixturevalue(f"ranks{world}").run(_runs, split, kv_dtype, 18, CROWDED)
     _check(results, evicted=True)
 
 
@@ -133,7 +133,7 @@ def test_single_process_run_is_bitwise_equal_and_finished_requests_are_left_alon
     wl = chat_workload(vocab=cfg.vocab_size, **WORKLOAD)
     runs = {}
     for cache in (False, True):
-        eng = ModelRunner(cfg, mode="single", num_pages=NUM_PAGES, prefix_cache=cache)
+        eng = reference_runtime(cfg, mode="single", num_pages=NUM_PAGES, prefix_cache=cache)
         runs[cache] = run_workload(eng, wl, chunk=CHUNK, decode_steps=DECODE_STEPS, after_step=check_references)
     assert compare_runs(runs[False], runs[True])["parity"]
     assert runs[True].hit_rate > 0.5 and runs[False].hit_tokens == 0
@@ -155,7 +155,7 @@ def test_single_process_run_is_bitwise_equal_and_finished_requests_are_left_alon
 def test_a_full_prompt_hit_still_computes_the_last_page():
     """A prompt whose every page is cached keeps its last page to compute: its logits give the first token."""
     cfg = _cfg("bf16")
-    eng = ModelRunner(cfg, mode="single", num_pages=16, prefix_cache=True)
+    eng = reference_runtime(cfg, mode="single", num_pages=16, prefix_cache=True)
     prompt = list(range(12))  # three full pages
     first = eng.add_request(prompt)
     eng.prefill(CHUNK)
@@ -169,7 +169,7 @@ def test_a_full_prompt_hit_still_computes_the_last_page():
 def _aligned_after_a_hit(rank, world):
     import torch.distributed as dist
 
-    eng = ModelRunner(_cfg("fp8"), mode="sharded_direct", group=dist.group.WORLD, num_pages=32, prefix_cache=True)
+    eng = reference_runtime(_cfg("fp8"), mode="sharded_direct", group=dist.group.WORLD, num_pages=32, prefix_cache=True)
     first = eng.add_request(list(range(24)))
     eng.prefill(24)  # 6 pages from 0: page-aligned, every row direct
     eng.finish_request(first.rid)
@@ -211,7 +211,9 @@ def _diverge(rank, world):
     import dtkv
     from dtkv import PrefixCacheMismatchError
 
-    eng = ModelRunner(_cfg("bf16"), mode="sharded_direct", group=dist.group.WORLD, num_pages=32, prefix_cache=True)
+    eng = reference_runtime(
+        _cfg("bf16"), mode="sharded_direct", group=dist.group.WORLD, num_pages=32, prefix_cache=True
+    )
     with dtkv.debug_mode():
         req = eng.add_request(list(range(10)))
         eng.prefill(CHUNK)  # checked after every step: every rank holds the same state

@@ -6,11 +6,11 @@ rank sends which of them) differ."""
 from __future__ import annotations
 
 import dataclasses
-import types
 
 import pytest
 
-from dtkv.model import ModelConfig, ModelRunner
+from dtkv.model import ModelConfig, ReferenceAdapter
+from dtkv.runtime import Runtime
 from dtkv.transfer import mooncake_available
 
 _OK, _WHY = mooncake_available()
@@ -22,43 +22,37 @@ pytestmark = [
 
 SYSTEM = [(7 * i + 3) % 97 for i in range(26)]  # six full pages and two tokens
 QUESTION, OTHER = [5, 1, 4, 1, 5, 9, 2], [2, 7, 1, 8]
-ARGS = {"page_size": 4, "kv_dtype": "fp8", "decode_steps": 2, "timeout": 60.0}
-
-
-def _pd():
-    try:  # the PD glue of the reference model lives in dtkv.model.pd (dtkv.transfer.pd before)
-        from dtkv.model import pd
-    except ImportError:
-        from dtkv.transfer import pd
-    return pd
+ARGS = {"model": "reference", "seed": 0, "dtype": None, "page_size": 4, "kv_dtype": "fp8", "decode_steps": 2,
+        "timeout": 60.0, "decode": "full", "decode_cp": 1, "attention": "torch"}  # fmt: skip
 
 
 def _prefill_rank(rank, world, args, cached):
     import torch.distributed as dist
 
+    from dtkv.demo._pd import send_from_rank
+
     cfg = dataclasses.replace(ModelConfig(), page_size=args["page_size"], kv_dtype=args["kv_dtype"])
-    eng = ModelRunner(cfg, mode="sharded_direct", group=dist.group.WORLD, num_pages=64, prefix_cache=cached)
+    eng = Runtime(ReferenceAdapter(cfg), mode="sharded_direct", group=dist.group.WORLD, num_pages=64,
+                  prefix_cache=cached)  # fmt: skip
     if cached:  # an earlier request with the same system prompt leaves its pages in the cache
         earlier = eng.add_request(SYSTEM + OTHER)
         eng.prefill(16)
         eng.finish_request(earlier.rid)
     req = eng.add_request(SYSTEM + QUESTION)
     eng.prefill(16)
-    kv = eng.kv_bytes(req.rid)
-    # hand over this request alone, under the id decode gives it (its first request)
-    view = types.SimpleNamespace(requests=[dataclasses.replace(req, rid=0)], cfg=eng.cfg, pool=eng.pool)
-    report = _pd().send_from_rank(view, args, [kv])
+    report = send_from_rank(eng, args, requests=[req])  # this request alone: decode's first
     return {**report, "cached_tokens": req.cached_tokens, "pages": list(req.pages)}
 
 
 @pytest.mark.slow  # > 10 s on 2 cores: outside the quick subset (-m 'not slow')
 def test_a_cached_request_transfers_the_same_bytes_to_decode_as_one_prefilled_from_scratch(ranks2):
-    pd = _pd()
+    from dtkv.demo._pd import start_decode_group
+
     got = {}
     for cached in (False, True):
-        decode = pd.start_decode(ARGS, [SYSTEM + QUESTION])
+        decode = start_decode_group(ARGS, [SYSTEM + QUESTION])
         ranks = ranks2.run(_prefill_rank, {**ARGS, **decode.rank_args}, cached)
-        out = decode.result(timeout_s=60.0)
+        (out,) = decode.result(timeout_s=60.0)
         assert "error" not in out, out.get("error")
         assert all(r["pd_kv_digest"] == out["kv_digest"] for r in ranks), "decode's KV must equal the sender's"
         got[cached] = (out, ranks)

@@ -27,10 +27,10 @@ def _prompt(n: int, seed: int = 0) -> list[int]:
 def test_rejects_a_finished_request_in_every_entry_point(adapter):
     """Finding 4: a released request used to get fresh pages holding another request's KV (and, with a prefix
     cache, had them cached under its tokens)."""
-    with make_runner(adapter, prefix_cache=adapter == "reference") as run:
+    with make_runner(adapter, prefix_cache=True) as run:
         a, b = run.add_request(_prompt(6)), run.add_request(_prompt(5, 1))
         run.prefill(4)
-        free(run, a.rid)  # with the reference runner's prefix cache, a's full page is cached now
+        free(run, a.rid)  # with the prefix cache, a's full page is cached now
         before = snapshot(run)
         with pytest.raises(ValueError, match=r"reqs\[0\] must be a live request, got request 0, which is finished"):
             run.step([a], [1])
@@ -201,11 +201,12 @@ def test_a_step_whose_run_fails_returns_the_pages_it_took(adapter):
         assert a.num_computed == 9 and len(a.pages) == 3
 
 
+@both
 @pytest.mark.parametrize("cache", [False, True], ids=["no_cache", "prefix_cache"])
-def test_sharded_decode_mode_refuses_the_same_batches(cache):
-    """``ModelRunner(decode_mode="sharded")`` decodes on its own path (:mod:`dtkv.model.sharded_decode`): the same
-    rules hold there, and a decode step that cannot get its page changes nothing (no eviction either)."""
-    with make_runner("reference", num_pages=3, decode_mode="sharded", prefix_cache=cache) as run:
+def test_sharded_decode_mode_refuses_the_same_batches(adapter, cache):
+    """``Runtime(decode_mode="sharded")`` decodes on its own path (:mod:`dtkv.runtime._decode`): the same rules hold
+    there, for every model, and a decode step that cannot get its page changes nothing (no eviction either)."""
+    with make_runner(adapter, num_pages=3, decode_mode="sharded", prefix_cache=cache) as run:
         a, b = run.add_request(_prompt(4)), run.add_request(_prompt(8, 1))  # 1 + 2 pages: the pool is full
         run.prefill(8)
         before = snapshot(run)

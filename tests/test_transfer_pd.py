@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dtkv.model import ModelConfig, ModelRunner
+from dtkv.model import ModelConfig, ReferenceAdapter
+from dtkv.runtime import Runtime
 from dtkv.transfer import mooncake_available
 
 _OK, _WHY = mooncake_available()
@@ -29,7 +30,7 @@ def _prompts(cfg):
 
 
 def _engine(cfg, mode, group):
-    eng = ModelRunner(cfg, mode=mode, group=group, num_pages=NUM_PAGES)
+    eng = Runtime(ReferenceAdapter(cfg), group=group, mode=mode, num_pages=NUM_PAGES)  # the demo's decode model
     for p in _prompts(cfg):
         eng.add_request(p)
     eng.prefill(CHUNK)
@@ -39,13 +40,14 @@ def _engine(cfg, mode, group):
 def _prefill_rank(rank, world, args, mode):
     import torch.distributed as dist
 
-    from dtkv.model.pd import send_from_rank
+    from dtkv.demo._pd import send_from_rank
+    from dtkv.runtime.pd import kv_digest
 
     cfg = ModelConfig(kv_dtype=args["kv_dtype"], page_size=args["page_size"])
     base = _engine(cfg, "replicated", dist.group.WORLD)
-    baseline_kv = [base.kv_bytes(r.rid) for r in base.requests]
+    baseline = kv_digest([base.kv_bytes(r.rid) for r in base.requests], [len(r.prompt) for r in base.requests])
     eng = _engine(cfg, mode, dist.group.WORLD)
-    return send_from_rank(eng, args, baseline_kv)
+    return {**send_from_rank(eng, args), "baseline_kv_digest": baseline}
 
 
 @pytest.mark.parametrize(
@@ -54,18 +56,19 @@ def _prefill_rank(rank, world, args, mode):
     ids=["world2-direct-fp8", "world4-bf16"],
 )
 def test_pd_decode_matches_baseline_and_reference(ranks2, ranks4, world, mode, kv_dtype):
-    from dtkv.model.pd import start_decode
+    from dtkv.demo._pd import start_decode_group
 
     ranks = ranks2 if world == 2 else ranks4
-    args = {"page_size": 4, "kv_dtype": kv_dtype, "decode_steps": STEPS, "timeout": 60.0}
+    args = {"model": "reference", "seed": 0, "dtype": None, "page_size": 4, "kv_dtype": kv_dtype,
+            "decode_steps": STEPS, "timeout": 60.0, "decode": "full", "decode_cp": 1, "attention": "torch"}  # fmt: skip
     cfg = ModelConfig(kv_dtype=kv_dtype, page_size=4)
-    decode = start_decode(args, _prompts(cfg))
-    results = ranks.run(
-        _prefill_rank, {**args, **decode.rank_args, "pd_namespace": decode.rank_args["pd_namespace"]}, mode
-    )
-    got = decode.result(timeout_s=60.0)
+    decode = start_decode_group(args, _prompts(cfg))
+    results = ranks.run(_prefill_rank, {**args, **decode.rank_args}, mode)
+    (got,) = decode.result(timeout_s=60.0)
     assert "error" not in got, got.get("error")
     ref = _engine(cfg, "single", None)
     assert got["outputs"] == ref.decode(STEPS), "decode's tokens must equal the single-process reference"
-    assert all(r["pd_kv_digest"] == got["kv_digest"] for r in results), "decode's KV must equal the baseline"
+    assert all(r["baseline_kv_digest"] == r["pd_kv_digest"] == got["kv_digest"] for r in results), (
+        "decode's KV must equal the replicated baseline's"
+    )
     assert sum(r["pd_bytes"] for r in results) > 0 and got["entries"] == sum(r["pd_entries"] for r in results)

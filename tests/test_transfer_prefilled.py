@@ -1,6 +1,7 @@
-"""``dtkv.transfer.prefilled``: a runner's prefilled requests handed to a decode runner (reference model and a
-transformers DSA model), in one process over the ``LocalEngine``. The metadata row from the prefill side is
-checked before it is trusted, and a send that cannot finish sends nothing."""
+"""Handing a runtime's prefilled requests to a decode runtime (:mod:`dtkv.runtime.pd` over
+:mod:`dtkv.transfer.prefilled`), the reference model and a transformers DSA model, in one process over the
+``LocalEngine``. The metadata row from the prefill side is checked before it is trusted, and a send that cannot finish
+sends nothing."""
 
 from __future__ import annotations
 
@@ -9,22 +10,24 @@ import threading
 import pytest
 import torch.distributed as dist
 
-from dtkv.model import ModelConfig, ModelRunner
-from dtkv.model import pd as model_pd
+from dtkv.model import ModelConfig, ReferenceAdapter
+from dtkv.runtime import Runtime
+from dtkv.runtime import pd as runtime_pd
 from dtkv.transfer import Bootstrap, DecodeReceiver, LocalEngine, PrefillSender, TransferError
 
 CFG = ModelConfig(kv_dtype="fp8", page_size=4, num_layers=2)
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2], [6, 5], [3]]
 
 
-def _runner(pd_module, prefilled: bool):
-    if pd_module is model_pd:
-        runner = ModelRunner(CFG, mode="single", num_pages=24)
+def _runner(adapter: str, prefilled: bool):
+    if adapter == "reference":
+        runner = Runtime(ReferenceAdapter(CFG), num_pages=24)
     else:
-        from dtkv.integrations.transformers import DSAModelRunner
+        from dtkv.integrations.transformers import TransformersAdapter
         from dtkv.integrations.transformers.reference import tiny_model
 
-        runner = DSAModelRunner(tiny_model("deepseek-v32", seed=0), num_pages=24, page_size=4, kv_dtype="fp8")
+        runner = Runtime(TransformersAdapter(tiny_model("deepseek-v32", seed=0), kv_dtype="fp8", page_size=4),
+                         num_pages=24)  # fmt: skip
     if prefilled:
         for p in PROMPTS:
             runner.add_request(p)
@@ -32,24 +35,24 @@ def _runner(pd_module, prefilled: bool):
     return runner
 
 
-def _pd_modules():
-    yield pytest.param(model_pd, id="reference-model")
+def _adapters():
+    yield pytest.param("reference", id="reference-model")
     try:
-        from dtkv.integrations.transformers import pd as hf_pd
+        import transformers  # noqa: F401
     except ImportError:  # transformers is an optional extra
         return
-    yield pytest.param(hf_pd, id="transformers")
+    yield pytest.param("transformers", id="transformers")
 
 
-def _hand_off(pd_module, prefill, decode, prompts):
+def _hand_off(prefill, decode, prompts):
     """Run ``send_prefilled`` in a thread and ``receive_prefilled`` here; the receive's result or error."""
     bootstrap = Bootstrap(dist.HashStore(), namespace="prefilled")
-    sender = PrefillSender(pd_module.shard_for_runner(prefill), bootstrap, engine=LocalEngine(), timeout_s=10.0)
-    receiver = DecodeReceiver(pd_module.shard_for_runner(decode), bootstrap, engine=LocalEngine(), timeout_s=10.0)
+    sender = PrefillSender(runtime_pd.shard_for(prefill), bootstrap, engine=LocalEngine(), timeout_s=10.0)
+    receiver = DecodeReceiver(runtime_pd.shard_for(decode), bootstrap, engine=LocalEngine(), timeout_s=10.0)
 
     def send():
         try:
-            pd_module.send_prefilled(prefill, sender, timeout_s=5.0)
+            runtime_pd.send_prefilled(prefill, sender, timeout_s=5.0)
         except TransferError:  # decode gave up on a request: the send of the next one times out
             pass
 
@@ -59,7 +62,7 @@ def _hand_off(pd_module, prefill, decode, prompts):
         t = threading.Thread(target=send, daemon=True)
         t.start()
         try:
-            return pd_module.receive_prefilled(decode, receiver, prompts)
+            return runtime_pd.receive_prefilled(decode, receiver, prompts)
         finally:
             t.join(timeout=20)
     finally:
@@ -67,25 +70,27 @@ def _hand_off(pd_module, prefill, decode, prompts):
         receiver.close()
 
 
-@pytest.mark.parametrize("pd_module", list(_pd_modules()))
-def test_decode_receives_the_prompt_kv_and_first_token(pd_module):
-    prefill, decode = _runner(pd_module, True), _runner(pd_module, False)
-    reports = _hand_off(pd_module, prefill, decode, PROMPTS)
+@pytest.mark.parametrize("adapter", list(_adapters()))
+def test_decode_receives_the_prompt_kv_and_first_token(adapter):
+    prefill, decode = _runner(adapter, True), _runner(adapter, False)
+    reports = _hand_off(prefill, decode, PROMPTS)
     assert len(reports) == len(PROMPTS)
     lens = [len(p) for p in PROMPTS]
-    want = pd_module.kv_digest([prefill.kv_bytes(r.rid) for r in prefill.requests], lens)
-    assert pd_module.kv_digest([decode.kv_bytes(r.rid) for r in decode.requests], lens) == want
+    want = runtime_pd.kv_digest([prefill.kv_bytes(r.rid) for r in prefill.requests], lens)
+    assert runtime_pd.kv_digest([decode.kv_bytes(r.rid) for r in decode.requests], lens) == want
     assert [r.output for r in decode.requests] == [r.output[:1] for r in prefill.requests]
 
 
-@pytest.mark.parametrize("pd_module", list(_pd_modules()))
+@pytest.mark.parametrize("adapter", list(_adapters()))
 @pytest.mark.parametrize("first", [-1, 10**6])
-def test_a_first_token_outside_the_vocabulary_is_a_transfer_error(pd_module, first):
-    prefill, decode = _runner(pd_module, True), _runner(pd_module, False)
+def test_a_first_token_outside_the_vocabulary_is_a_transfer_error(adapter, first):
+    prefill, decode = _runner(adapter, True), _runner(adapter, False)
     prefill.requests[1].output[0] = first  # what a faulty or hostile prefill peer would send
     with pytest.raises(TransferError, match=rf"first token {first}, outside \[0, \d+\)"):
-        _hand_off(pd_module, prefill, decode, PROMPTS)
-    assert decode.requests[1].output == []  # the request was not made ready to decode
+        _hand_off(prefill, decode, PROMPTS)
+    bad = decode.requests[1]
+    assert bad.output == [] and bad.finished and bad.pages == []  # never made ready to decode; pages held
+    assert len(decode.transfer_held["req-1"]) == 1 and decode.allocator.refcount(decode.transfer_held["req-1"][0]) == 1
 
 
 class _RecordingSender:
@@ -96,13 +101,13 @@ class _RecordingSender:
         self.sent.append(rid)
 
 
-@pytest.mark.parametrize("pd_module", list(_pd_modules()))
-def test_an_unfinished_request_is_rejected_before_anything_is_sent(pd_module):
-    prefill = _runner(pd_module, True)
+@pytest.mark.parametrize("adapter", list(_adapters()))
+def test_an_unfinished_request_is_rejected_before_anything_is_sent(adapter):
+    prefill = _runner(adapter, True)
     prefill.add_request([7, 7, 7])  # added after prefill: not computed
     sender = _RecordingSender()
     with pytest.raises(ValueError, match=r"must finish prefill before it is sent, got num_computed=0 of 3"):
-        pd_module.send_prefilled(prefill, sender)
+        runtime_pd.send_prefilled(prefill, sender)
     assert sender.sent == []
 
 

@@ -1,9 +1,9 @@
 """Hand a runner's prefilled requests across: the prefill ranks' send, the decode side's receive, a KV digest.
 
 A *runner* is anything with ``requests`` (each with ``rid``, ``prompt``, ``pages``, ``num_computed``,
-``output``), ``add_request(prompt)``, an ``allocator`` and a ``pool``: :class:`dtkv.model.ModelRunner` and
-:class:`dtkv.integrations.transformers.DSAModelRunner` (their ``pd`` modules bind ``page_size`` and
-``vocab_size``). Per request, the prompt's pages travel (each prefill rank sends the pages it owns, with their
+``output``), ``add_request(prompt)``, an ``allocator`` and a ``pool``: a :class:`dtkv.runtime.Runtime` (whose
+:mod:`dtkv.runtime.pd` binds ``page_size`` and ``vocab_size`` and runs the receive on every rank of a CP decode
+group). Per request, the prompt's pages travel (each prefill rank sends the pages it owns, with their
 positions) and one rank sends a metadata row ``(num_tokens, first_token)`` (:data:`META_ROW_BYTES`: two
 little-endian int64). The decode side checks that row before it trusts it: the token count must equal the
 prompt's, the first token must lie in the vocabulary.
@@ -23,7 +23,15 @@ from dtkv.transfer.errors import TransferError
 from dtkv.transfer.prefill import PrefillSender, SendReport
 from dtkv.transfer.shard import KVShard
 
-__all__ = ["META_ROW_BYTES", "kv_digest", "receive_prefilled", "request_bytes", "send_prefilled", "shard_for_runner"]
+__all__ = [
+    "META_ROW_BYTES",
+    "kv_digest",
+    "read_meta",
+    "receive_prefilled",
+    "request_bytes",
+    "send_prefilled",
+    "shard_for_runner",
+]
 
 META_ROW_BYTES = 16
 """Metadata row of a request: ``struct.pack("<qq", num_tokens, first_token)``."""
@@ -41,7 +49,13 @@ def request_bytes(layouts, num_layers: int, page_size: int, prompt_lens: Sequenc
 
 
 def send_prefilled(
-    runner, sender: PrefillSender, *, page_size: int, tag: str = "", timeout_s: float | None = None
+    runner,
+    sender: PrefillSender,
+    *,
+    page_size: int,
+    tag: str = "",
+    timeout_s: float | None = None,
+    requests: Sequence | None = None,
 ) -> list[SendReport]:
     """Send every prefilled request of ``runner`` (blocking; every prefill rank, same order).
 
@@ -49,23 +63,26 @@ def send_prefilled(
         runner: a CP runner whose requests finished prefill (each has its first token).
         sender: a connected :class:`PrefillSender` over ``shard_for_runner(runner)``.
         page_size: tokens per page of the runner's pool.
-        tag: prefix of the request ids (``f"{tag}req-{rid}"``), e.g. to reuse one bootstrap namespace.
+        tag: prefix of the request ids (``f"{tag}req-{i}"`` for the ``i``-th request sent), e.g. to reuse one
+            bootstrap namespace.
+        requests: the requests to send (default: ``runner.requests``).
 
     Raises:
         ValueError: a request has not finished prefill (checked for every request first: nothing is sent).
         TransferError: see :meth:`PrefillSender.send_request`.
     """
-    for r in runner.requests:
+    reqs = list(runner.requests if requests is None else requests)
+    for r in reqs:
         if r.num_computed < len(r.prompt) or not r.output:
             raise ValueError(
                 f"request {r.rid} must finish prefill before it is sent, got num_computed={r.num_computed} "
                 f"of {len(r.prompt)} prompt tokens"
             )
     reports = []
-    for r in runner.requests:
+    for i, r in enumerate(reqs):
         meta = struct.pack("<qq", len(r.prompt), r.output[0])
         pages = r.pages[: cdiv(len(r.prompt), page_size)]
-        reports.append(sender.send_request(f"{tag}req-{r.rid}", pages, meta=meta, timeout_s=timeout_s))
+        reports.append(sender.send_request(f"{tag}req-{i}", pages, meta=meta, timeout_s=timeout_s))
     return reports
 
 
@@ -85,7 +102,8 @@ def receive_prefilled(
         runner: the decode side's runner (same model and layouts) with no requests yet; its pool is the
             receiver's shard (:func:`shard_for_runner`).
         receiver: a connected :class:`DecodeReceiver`.
-        prompts: token ids of each request, in the prefill side's request order.
+        prompts: token ids of each request, in the prefill side's request order (request ``i`` is
+            ``f"{tag}req-{i}"``).
         page_size, vocab_size: of the runner's pool and model.
 
     Returns:
@@ -97,28 +115,37 @@ def receive_prefilled(
     """
     meta = next(iter(receiver.shards.values())).meta
     reports = []
-    for prompt in prompts:
+    for i, prompt in enumerate(prompts):
         req = runner.add_request(prompt)
         req.pages = runner.allocator.alloc_balanced(cdiv(len(req.prompt), page_size)).tolist()
-        rid = f"{tag}req-{req.rid}"
+        rid = f"{tag}req-{i}"
         meta.zero_()
         reports.append(
             receiver.receive_request(rid, req.pages, num_tokens=len(req.prompt), dst_meta_slot=0, timeout_s=timeout_s)
         )
-        num_tokens, first = struct.unpack("<qq", bytes(meta[0].tolist()))
-        if num_tokens != len(req.prompt):
-            raise TransferError(
-                f"metadata row says {num_tokens} tokens, the prompt has {len(req.prompt)}",
-                request_id=rid,
-                peer="prefill",
-            )
-        if not 0 <= first < vocab_size:
-            raise TransferError(
-                f"metadata row holds first token {first}, outside [0, {vocab_size})", request_id=rid, peer="prefill"
-            )
+        first = read_meta(bytes(meta[0].tolist()), num_tokens=len(req.prompt), vocab_size=vocab_size, request_id=rid)
         req.num_computed = len(req.prompt)
-        req.output = [int(first)]
+        req.output = [first]
     return reports
+
+
+def read_meta(row: bytes, *, num_tokens: int, vocab_size: int, request_id: str) -> int:
+    """The first token of a received metadata row ``(num_tokens, first_token)``, checked before it is trusted.
+
+    Raises:
+        TransferError: the row's token count is not ``num_tokens`` (the prompt's), or its first token is outside
+            ``[0, vocab_size)``.
+    """
+    got, first = struct.unpack("<qq", bytes(row[:META_ROW_BYTES]))
+    if got != num_tokens:
+        raise TransferError(
+            f"metadata row says {got} tokens, the prompt has {num_tokens}", request_id=request_id, peer="prefill"
+        )
+    if not 0 <= first < vocab_size:
+        raise TransferError(
+            f"metadata row holds first token {first}, outside [0, {vocab_size})", request_id=request_id, peer="prefill"
+        )
+    return int(first)
 
 
 def kv_digest(kv: Sequence[dict[str, torch.Tensor]], num_tokens: Sequence[int]) -> str:

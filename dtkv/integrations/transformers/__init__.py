@@ -2,15 +2,22 @@
 
 Entry points:
 
-- :class:`DSAModelRunner` -- wraps a loaded ``DeepseekV32ForCausalLM`` or ``GlmMoeDsaForCausalLM`` for chunked
-  CP prefill (zigzag page-aligned or round-robin split, several requests a step), greedy decode and PD hand-off,
-  over a process group. The model's own modules and weights compute everything; the MLA latent and the indexer
-  K of every layer live in dtkv's :class:`dtkv.ShardedKVPool` (:func:`kv_layouts`: bf16, fp32 or fp8 rows).
+- :class:`TransformersAdapter` -- a loaded ``DeepseekV32ForCausalLM`` or ``GlmMoeDsaForCausalLM`` as a
+  :class:`dtkv.runtime.ModelAdapter`: :class:`dtkv.runtime.Runtime` runs it with chunked CP prefill (zigzag
+  page-aligned or round-robin split, several requests a step), the prefix cache, greedy decode over full views or
+  straight on the shards (``decode_mode="sharded"``) and PD (:mod:`dtkv.runtime.pd`), over a process group. The
+  model's own modules and weights compute everything; the MLA latent and the indexer K of every layer live in
+  dtkv's :class:`dtkv.ShardedKVPool` (:func:`kv_layouts`: bf16, fp32 or fp8 rows)::
+
+      runtime = Runtime(TransformersAdapter(model, kv_dtype="fp8", page_size=64), group=cp_group,
+                        num_pages=num_pages_for(lens, page_size=64, cp_size=cp))
+
 - :func:`dsa_attention` -- the replacement attention bound to each attention module (:mod:`.attention`).
 - :func:`reference_logits`, :func:`stable_topk` -- the model's own forward as the parity reference.
 - :func:`load_model` -- a DeepSeek-V3.2 / GLM-5 checkpoint directory (safetensors) for the runner.
 - :func:`tiny_config`, :func:`tiny_model` -- small random DSA models (no download).
-- :mod:`dtkv.integrations.transformers.pd` -- send prefilled requests to a decode process over Mooncake.
+- :class:`DSAModelRunner` -- the deprecated 0.1 entry point (one release): a :class:`dtkv.runtime.Runtime` over a
+  :class:`TransformersAdapter`.
 
 Tested with transformers 5.17.0 (the ``hf`` extra takes ``>=5.17,<6``; CI pins 5.17.0).
 
@@ -55,8 +62,8 @@ format's rounding is common to both sides and the comparison measures dtkv's spl
 from __future__ import annotations
 
 from dtkv.integrations.transformers._family import KV_DTYPES, DSAGeometry, family_of, geometry_of, kv_layouts
-from dtkv.integrations.transformers._plan import Request, StepPlan
-from dtkv.integrations.transformers.attention import AttentionContext, dsa_attention
+from dtkv.integrations.transformers.adapter import TransformersAdapter
+from dtkv.integrations.transformers.attention import dsa_attention
 from dtkv.integrations.transformers.loader import load_model
 from dtkv.integrations.transformers.reference import (
     MODEL_TYPES,
@@ -70,12 +77,10 @@ from dtkv.integrations.transformers.runner import DSAModelRunner, KVMode, num_pa
 __all__ = [
     "KV_DTYPES",
     "MODEL_TYPES",
-    "AttentionContext",
     "DSAGeometry",
     "DSAModelRunner",
     "KVMode",
-    "Request",
-    "StepPlan",
+    "TransformersAdapter",
     "dsa_attention",
     "family_of",
     "geometry_of",
@@ -87,3 +92,17 @@ __all__ = [
     "tiny_config",
     "tiny_model",
 ]
+
+
+def __getattr__(name: str):
+    if name in ("Request", "StepPlan"):  # importable from here as in 0.1; they are dtkv.runtime's
+        import dtkv.runtime
+
+        return getattr(dtkv.runtime, name)
+    if name == "AttentionContext":  # the 0.1 per-runner attention context: the runtime's StepContext now
+        from dtkv._util import warn_deprecated
+        from dtkv.runtime import StepContext
+
+        warn_deprecated("dtkv.integrations.transformers.AttentionContext", "dtkv.runtime.StepContext")
+        return StepContext
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

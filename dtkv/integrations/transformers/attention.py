@@ -1,118 +1,58 @@
-"""The replacement attention of a DSA layer: the model's own projections, dtkv's KV storage and top-k path.
+"""The replacement attention of a DSA layer: the model's own projections, the runtime's KV storage and top-k path.
 
 Shape legend: ``N`` this rank's query rows, ``H`` attention heads, ``R`` latent dims (``kv_lora_rank``), ``E``
-rope dims, ``I`` indexer heads, ``J`` indexer dims, ``K`` key-table entries, ``k`` keys kept per query
-(``min(index_topk, K)``), ``V`` view token slots, ``D`` hidden size.
+rope dims, ``C`` query/key dims (``qk_nope_head_dim + E``), ``I`` indexer heads, ``J`` indexer dims, ``K``
+key-table entries, ``k`` keys kept per query (``index_topk``, ``-1`` padded), ``D`` hidden size.
 
-:func:`dsa_attention` runs one layer for this rank's rows, calling the attention module's own submodules as
-the transformers forward does (``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``, ``kv_a_proj_with_mqa``,
+:func:`dsa_attention` runs one layer for this rank's rows, calling the attention module's own submodules as the
+transformers forward does (``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``, ``kv_a_proj_with_mqa``,
 ``kv_a_layernorm``, the family's rope functions, the indexer's ``wq_b``/``wk``/``k_norm``/``weights_proj``,
-``expand_kv`` (``kv_b_proj``) and ``o_proj``). Only two things differ from the transformers forward:
+``kv_b_proj`` and ``o_proj``). What differs from the transformers forward:
 
-1. KV storage: the latent row ``[kv_a_layernorm(kv), rope(k_rot)]`` and the indexer key are written into
-   dtkv's sharded pools (direct or owner-filtered writes, fused fp8 quantization) and read back from a
-   materialized full view, instead of the model's dense ``DynamicCache`` of expanded keys and values.
-2. Top-k: the indexer scores each query against its own request's keys in position order and keeps the
-   ``index_topk`` best with a *stable* sort (ties go to the lowest position, see
-   :mod:`dtkv.integrations.transformers`), as logical token locations remapped into the view
-   (:func:`dtkv.ops.remap`); attention then runs over the selected latent rows only.
+1. KV storage: the latent row ``[kv_a_layernorm(kv), rope(k_rot)]`` and the indexer key are stored by the runtime
+   (:meth:`dtkv.runtime.StepContext.write`: direct or owner-filtered writes, fused fp8 quantization) instead of the
+   model's dense ``DynamicCache`` of expanded keys and values.
+2. Extend steps (prefill, full-view decode): the indexer scores each query against its own request's keys of the
+   step's key table in position order and keeps the ``index_topk`` best with a *stable* sort (ties go to the lowest
+   position, see :mod:`dtkv.integrations.transformers`), as logical token locations remapped into the full view;
+   attention runs over the selected latent rows: expanded by ``kv_b_proj`` as the model does (``torch`` backend, the
+   parity reference), or in the absorbed form through the runtime's attention backend (``triton``, ``flashmla``:
+   ``q_nope`` through ``kv_b_proj``'s key half into the latent, the output through its value half).
+3. Sharded decode steps: the queries are absorbed into the latent space (``q_nope @ W_UK`` per head, the MLA
+   identity) and the runtime attends where the pages are (:meth:`dtkv.runtime.StepContext.decode_attention`: exact
+   global top-k, LSE merge of the ranks' partials); the merged latent output is expanded by ``W_UV`` and ``o_proj``.
 
-:func:`install` binds it as ``forward`` of every attention module (the original forward still runs whenever
-no step is active), :func:`uninstall` restores the class forward.
+Every contraction is a ``torch.matmul``, so :func:`dtkv.runtime.batch_invariant` covers it. :func:`install` binds
+:func:`dsa_attention` as ``forward`` of every attention module (the original forward runs whenever no step is
+active), :func:`uninstall` restores the class forward.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from dtkv import _env, ops
-from dtkv._collectives import all_gather_rows
-from dtkv.attention import AttentionBackend
-from dtkv.debug import check_write_ownership
-from dtkv.integrations.transformers._family import DSAFamily, DSAGeometry
-from dtkv.integrations.transformers._kvio import read_rows, write_rows
-from dtkv.integrations.transformers._plan import StepPlan
-from dtkv.layouts import KVLayout
-from dtkv.materialize import Materializer, check_view, gather_view
-from dtkv.ownership import OwnershipSpec, PageOwnership
-from dtkv.pool import ShardedKVPool
+from dtkv import ops
+from dtkv.decode import DecodeQueries
+from dtkv.integrations.transformers._family import FAMILIES
+from dtkv.runtime import StepContext
+from dtkv.runtime.kvio import read_rows
 
-__all__ = ["AttentionContext", "check_unbound", "dsa_attention", "install", "uninstall"]
+__all__ = ["check_unbound", "dsa_attention", "install", "uninstall"]
 
 
-class AttentionContext:
-    """What the replacement attention of every layer reads: pools, page map, KV mode and the current step.
+_ROPES: dict[type, tuple] = {}
+"""Attention class -> its family's ``(mla_rope, indexer_rope)`` (filled by :func:`install`, outside compiled code)."""
 
-    One per :class:`dtkv.integrations.transformers.DSAModelRunner`; :attr:`plan` is set for the duration of a
-    step (``None`` otherwise: the modules then run their original forward).
-    """
 
-    def __init__(
-        self,
-        *,
-        pool: ShardedKVPool,
-        layouts: dict[str, KVLayout],
-        ownership: PageOwnership,
-        rank: int,
-        group: dist.ProcessGroup | None,
-        mode: str,
-        family: DSAFamily,
-        geometry: DSAGeometry,
-        attention: AttentionBackend | None = None,
-    ) -> None:
-        self.pool, self.layouts, self.ownership, self.rank, self.group = pool, layouts, ownership, rank, group
-        self.spec: OwnershipSpec = ownership.spec  # plain ints: what compiled code passes to the ops
-        self.mode, self.family, self.geometry = mode, family, geometry
-        self.page_size = next(iter(layouts.values())).page_size
-        self.mla_rope = family.mla_rope
-        self.indexer_rope = family.indexer_rope
-        self.plan: StepPlan | None = None
-        self.materializer: Materializer | None = None
-        self.attention = attention
-        """The attention backend (:mod:`dtkv.attention`); None or ``torch``: the expanded form below."""
-
-    # ------------------------------------------------------------------------------------------ writes
-    def _gather(self, x: torch.Tensor, rows: int) -> torch.Tensor:
-        """Rank-major all-gather of ``x`` padded to ``rows`` rows: ``[cp * rows, ...]``."""
-        padded = x.new_zeros((rows, *x.shape[1:]))
-        padded[: x.shape[0]] = x
-        return all_gather_rows(padded, self.group)
-
-    def write(self, name: str, layer: int, rows: torch.Tensor) -> None:
-        """Store this rank's rows ``[N, C]`` of ``layer`` (collective in the sharded modes)."""
-        plan, lay = self.plan, self.layouts[name]
-        pool = self.pool.local(name, layer)
-        if self.mode == "single":
-            write_rows(pool, lay, rows, plan.locs, self.spec, 0, direct=False)
-        elif self.mode == "sharded":
-            gathered = self._gather(rows, plan.max_local)
-            write_rows(pool, lay, gathered, plan.locs_gathered, self.spec, self.rank, direct=False)
-        else:
-            locs = plan.locs[plan.direct_rows]
-            if _env.debug_enabled():
-                check_write_ownership(
-                    locs, self.ownership, self.rank, self.page_size, self.group,
-                    what=f"direct write of {name!r}, layer {layer}",
-                )  # fmt: skip
-            write_rows(pool, lay, rows[plan.direct_rows], locs, self.spec, self.rank, direct=True)
-            if plan.max_handoff:
-                gathered = self._gather(rows[plan.handoff_rows], plan.max_handoff)
-                write_rows(pool, lay, gathered, plan.handoff_locs_gathered, self.spec, self.rank, direct=False)
-
-    # ------------------------------------------------------------------------------------------ reads
-    def views(self, layer: int, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
-        """``layer``'s full views (name -> ``[num_view_pages, *page_shape]``); call after the layer's writes."""
-        plan = self.plan
-        if plan.mat_plan is None:
-            return {n: self.pool.local(n, layer) for n in names}
-        if self.materializer is not None:
-            self.materializer.prefetch(layer + 1)  # the next layer's history gather overlaps this layer
-            return self.materializer.view(layer)
-        views = {n: gather_view(self.pool.local(n, layer), plan.mat_plan, self.group) for n in names}
-        if _env.debug_enabled():
-            check_view(self.pool, layer, plan.mat_plan, views)
-        return views
+def _ropes(attn) -> tuple:
+    ropes = _ROPES.get(type(attn))
+    if ropes is None:
+        module = type(attn).__module__
+        fam = next((f for f in FAMILIES.values() if f.module == module), None)
+        if fam is None:
+            raise TypeError(f"attn must be the attention module of a transformers DSA model, got {type(attn).__name__}")
+        ropes = _ROPES[type(attn)] = (fam.mla_rope, fam.indexer_rope)
+    return ropes
 
 
 def _indexer_rows(indexer, hidden_1ND, q_resid_1NQ, cos, sin, rope):
@@ -130,7 +70,7 @@ def _indexer_rows(indexer, hidden_1ND, q_resid_1NQ, cos, sin, rope):
     return q, k, w[0]
 
 
-def _select_topk(indexer, ctx: AttentionContext, q_NIJ, w_NI, keys_KJ) -> torch.Tensor:
+def _select_topk(indexer, ctx: StepContext, q_NIJ, w_NI, keys_KJ) -> torch.Tensor:
     """View slots ``[N, k]`` (int64, ``-1`` = none) of each query's top-k keys; ties go to the lower position."""
     plan = ctx.plan
     scores = torch.matmul(q_NIJ.float(), keys_KJ.transpose(0, 1).float()) * indexer.softmax_scale  # [N, I, K]
@@ -138,44 +78,25 @@ def _select_topk(indexer, ctx: AttentionContext, q_NIJ, w_NI, keys_KJ) -> torch.
     index_NK = torch.matmul(w_NI.unsqueeze(-2), scores).squeeze(-2)
     visible = (plan.key_req[None, :] == plan.req_idx[:, None]) & (plan.key_pos[None, :] <= plan.positions[:, None])
     index_NK = index_NK.masked_fill(~visible, float("-inf"))
-    k = min(indexer.index_topk, index_NK.shape[-1])
+    k = indexer.index_topk
+    if index_NK.shape[-1] < k:  # always index_topk entries (-1 padded): the same shapes in every step
+        pad = index_NK.new_full((index_NK.shape[0], k - index_NK.shape[-1]), float("-inf"))
+        index_NK = torch.cat((index_NK, pad), dim=1)
     top_val, top_col = torch.sort(index_NK, dim=-1, descending=True, stable=True)
-    top_val, top_col = top_val[:, :k], top_col[:, :k]
+    top_val, top_col = top_val[:, :k], top_col[:, :k].clamp(max=plan.key_locs.shape[0] - 1)
     locs = torch.where(top_val > float("-inf"), plan.key_locs[top_col], torch.full_like(top_col, -1))
     if plan.mat_plan is None:
         return locs
     return ops.remap(locs, plan.mat_plan.page_map, page_size=ctx.page_size)
 
 
-def dsa_attention(attn, ctx: AttentionContext, hidden_states: torch.Tensor, position_embeddings, prev_topk=None):
-    """One DSA layer's attention for this rank's rows (run phase: tensors only, compiles with fullgraph).
-
-    Args:
-        attn: the model's attention module (``DeepseekV32Attention`` / ``GlmMoeDsaAttention``).
-        ctx: the runner's :class:`AttentionContext` with an active plan.
-        hidden_states: ``[1, N, D]`` normalized hidden states of the local rows (model dtype).
-        position_embeddings: ``(cos, sin)`` ``[1, N, E]`` of the local rows' positions (the model's rotary
-            embedding).
-        prev_topk: ``[N, k]`` view slots of the previous layer's top-k, for GLM layers without an indexer.
-
-    Returns:
-        ``(out [1, N, D], topk_slots [N, k])``.
-    """
-    layer = attn.layer_idx
-    n = hidden_states.shape[1]
+def _extend_attention(attn, ctx: StepContext, hidden_states, q_resid, query_HNC, cos, sin, prev_topk, rope):
+    """Prefill / full-view decode: the model's own top-k and expanded attention over the step's full views."""
+    layer, n = attn.layer_idx, hidden_states.shape[1]
     h, r, e = attn.num_heads, attn.kv_lora_rank, attn.qk_rope_head_dim
-    cos, sin = position_embeddings
-    q_resid = attn.q_a_layernorm(attn.q_a_proj(hidden_states))
-    q = attn.q_b_proj(q_resid).view(1, n, h, attn.qk_head_dim).transpose(1, 2)  # [1, H, N, nope + E]
-    q_pass, q_rot = torch.split(q, [attn.qk_nope_head_dim, e], dim=-1)
-    kv_pass, k_rot = torch.split(attn.kv_a_proj_with_mqa(hidden_states), [r, e], dim=-1)
-    k_pass = attn.kv_a_layernorm(kv_pass)  # [1, N, R]
-    q_rot, k_rot = ctx.mla_rope(q_rot, k_rot.view(1, 1, n, e), cos, sin)
-    query_HNC = torch.cat((q_pass, q_rot), dim=-1)[0]
-    ctx.write("kv", layer, torch.cat((k_pass[0], k_rot[0, 0]), dim=-1))  # the latent row [N, R + E]
     indexer = attn.indexer
     if indexer is not None:
-        iq, ik, iw = _indexer_rows(indexer, hidden_states, q_resid, cos, sin, ctx.indexer_rope)
+        iq, ik, iw = _indexer_rows(indexer, hidden_states, q_resid, cos, sin, rope)
         ctx.write("index", layer, ik)
         views = ctx.views(layer, ("index", "kv"))
         keys_KJ = read_rows(views["index"], ctx.layouts["index"], iq.dtype)[ctx.plan.key_slots]
@@ -198,56 +119,114 @@ def dsa_attention(attn, ctx: AttentionContext, hidden_states: torch.Tensor, posi
     key = key.view(h, n, k, attn.qk_head_dim)
     value = value.view(h, n, k, attn.v_head_dim)
     # float32 inside, one rounding at the end: what SDPA kernels do for half-precision inputs
-    logits_HNK = torch.einsum("hnc,hnkc->hnk", query_HNC.float(), key.float()) * attn.scaling
+    logits_HNK = torch.matmul(query_HNC.float()[..., None, :], key.float().transpose(-1, -2))[..., 0, :] * attn.scaling
     logits_HNK = logits_HNK.masked_fill((topk_NK < 0)[None], float("-inf"))
     probs = torch.softmax(logits_HNK, dim=-1)
-    out = torch.einsum("hnk,hnkv->nhv", probs, value.float()).to(hidden_states.dtype)
+    out_HNV = torch.matmul(probs[..., None, :], value.float())[..., 0, :]
+    out = out_HNV.transpose(0, 1).to(hidden_states.dtype)
     return attn.o_proj(out.reshape(1, n, h * attn.v_head_dim)), topk_NK
 
 
-def _absorbed_attention(attn, backend: AttentionBackend, query_HNC, kv_view, topk_NK) -> torch.Tensor:
+def _absorbed_attention(attn, backend, query_HNC, kv_view, topk_NK) -> torch.Tensor:
     """MLA in the absorbed form through a :mod:`dtkv.attention` kernel: ``[N, H, v_head_dim]`` (float32 products).
 
     ``kv_b_proj``'s weight ``[H * (nope + v), R]`` is ``W_UK [H, nope, R]`` then ``W_UV [H, v, R]`` per head. The
-    latent query is ``q_nope @ W_UK`` (``[N, H, R]``, then the rope query: ``[N, H, R + E]``), the kernel attends
-    over the stored latent rows (keys: latent and rope; values: the latent), and ``W_UV`` maps its latent output to
-    the value heads: the same attention as the expanded form, other roundings (FlashMLA: bf16 queries and keys).
+    latent query is ``q_nope @ W_UK`` (``[N, H, R]``, then the rope query: ``[N, H, R + E]``), the kernel attends over
+    the stored latent rows (keys: latent and rope; values: the latent), and ``W_UV`` maps its latent output to the
+    value heads: the same attention as the expanded form, other roundings (FlashMLA: bf16 queries and keys).
     """
-    h, nope, v = attn.num_heads, attn.qk_nope_head_dim, attn.v_head_dim
-    r = attn.kv_lora_rank
-    w = attn.kv_b_proj.weight.view(h, nope + v, r)
-    q_lat = torch.einsum("hnd,hdr->nhr", query_HNC[..., :nope].float(), w[:, :nope].float())
+    h, nope, v, r = attn.num_heads, attn.qk_nope_head_dim, attn.v_head_dim, attn.kv_lora_rank
+    w = attn.kv_b_proj.weight.float().view(h, nope + v, r)
+    q_lat = torch.matmul(query_HNC[..., :nope].float(), w[:, :nope]).transpose(0, 1)  # [N, H, R]
     q = torch.cat((q_lat, query_HNC[..., nope:].transpose(0, 1).float()), dim=-1)  # [N, H, R + E]
     idx = backend.indices(topk_NK, kv_view)
     o_lat, _ = backend.prefill(backend.cast_queries(q), kv_view, idx, softmax_scale=attn.scaling)
-    return torch.einsum("nhr,hvr->nhv", o_lat.float(), w[:, nope:].float())
+    return torch.matmul(o_lat.float().transpose(0, 1), w[:, nope:].transpose(1, 2)).transpose(0, 1)  # [N, H, v]
+
+
+def _decode_attention(attn, ctx: StepContext, hidden_states, q_resid, q_pass, q_rot, cos, sin, prev_topk, rope):
+    """Sharded decode: absorbed queries, the runtime's attention on the shards, then ``W_UV`` and ``o_proj``."""
+    layer, n = attn.layer_idx, hidden_states.shape[1]
+    h, r, nope, v = attn.num_heads, attn.kv_lora_rank, attn.qk_nope_head_dim, attn.v_head_dim
+    w = attn.kv_b_proj.weight.float().view(h, nope + v, r)  # [H, nope + v, R]: W_UK then W_UV per head
+    q_abs = torch.matmul(q_pass[0].float(), w[:, :nope])  # [H, N, nope] @ [H, nope, R] -> [H, N, R]
+    indexer = attn.indexer
+    if indexer is not None:
+        iq, ik, w_NI = _indexer_rows(indexer, hidden_states, q_resid, cos, sin, rope)
+        ctx.write("index", layer, ik)
+        iq, iw, positions = iq.float(), w_NI * indexer.softmax_scale, None  # relu(s * x) = s * relu(x), s > 0
+    else:  # GLM: reuse the previous layer's selection (the indexer queries are not read)
+        if prev_topk is None:
+            raise ValueError(f"layer {layer} shares the previous layer's top-k, but got prev_topk_indices=None")
+        iq = torch.zeros((n, 1, 1), dtype=torch.float32, device=hidden_states.device)
+        iw, positions = iq[:, :, 0], prev_topk
+    q_rope = q_rot[0].float().transpose(0, 1).contiguous()  # [N, H, E]
+    queries = DecodeQueries(iq=iq, iw=iw, q_nope=q_abs.transpose(0, 1).contiguous(), q_rope=q_rope)
+    res = ctx.decode_attention(layer, queries, softmax_scale=attn.scaling, positions=positions)
+    out_HNV = torch.matmul(res.out.transpose(0, 1), w[:, nope:].transpose(1, 2))  # [H, N, R] @ [H, R, v]
+    out = out_HNV.transpose(0, 1).to(hidden_states.dtype).reshape(1, n, h * v)
+    return attn.o_proj(out), res.positions
+
+
+def dsa_attention(attn, ctx: StepContext, hidden_states: torch.Tensor, position_embeddings, prev_topk=None):
+    """One DSA layer's attention for this rank's rows (run phase: tensors only).
+
+    Args:
+        attn: the model's attention module (``DeepseekV32Attention`` / ``GlmMoeDsaAttention``).
+        ctx: the step's :class:`dtkv.runtime.StepContext`.
+        hidden_states: ``[1, N, D]`` normalized hidden states of the rows (model dtype).
+        position_embeddings: ``(cos, sin)`` ``[1, N, E]`` of the rows' positions (the model's rotary embedding).
+        prev_topk: the previous layer's selection, for GLM layers without an indexer: view slots ``[N, k]`` in an
+            extend step, positions ``[N, K]`` in a sharded decode step.
+
+    Returns:
+        ``(out [1, N, D], topk [N, k])``: the layer's output and its selection (as ``prev_topk`` takes it).
+    """
+    mla_rope, indexer_rope = _ropes(attn)
+    layer, n = attn.layer_idx, hidden_states.shape[1]
+    h, r, e = attn.num_heads, attn.kv_lora_rank, attn.qk_rope_head_dim
+    cos, sin = position_embeddings
+    q_resid = attn.q_a_layernorm(attn.q_a_proj(hidden_states))
+    q = attn.q_b_proj(q_resid).view(1, n, h, attn.qk_head_dim).transpose(1, 2)  # [1, H, N, nope + E]
+    q_pass, q_rot = torch.split(q, [attn.qk_nope_head_dim, e], dim=-1)
+    kv_pass, k_rot = torch.split(attn.kv_a_proj_with_mqa(hidden_states), [r, e], dim=-1)
+    k_pass = attn.kv_a_layernorm(kv_pass)  # [1, N, R]
+    q_rot, k_rot = mla_rope(q_rot, k_rot.view(1, 1, n, e), cos, sin)
+    ctx.write("kv", layer, torch.cat((k_pass[0], k_rot[0, 0]), dim=-1))  # the latent row [N, R + E]
+    if ctx.sharded_decode:
+        return _decode_attention(attn, ctx, hidden_states, q_resid, q_pass, q_rot, cos, sin, prev_topk, indexer_rope)
+    query_HNC = torch.cat((q_pass, q_rot), dim=-1)[0]
+    return _extend_attention(attn, ctx, hidden_states, q_resid, query_HNC, cos, sin, prev_topk, indexer_rope)
 
 
 def check_unbound(model: torch.nn.Module) -> None:
-    """Raise ``ValueError`` if ``model``'s attention modules already have a bound forward (one runner at a time)."""
+    """Raise ``ValueError`` if ``model``'s attention modules already have a bound forward (one runtime at a time)."""
     if any("forward" in vars(layer.self_attn) for layer in model.model.layers):
         raise ValueError(
-            "model's attention modules already have a bound forward (another DSAModelRunner wraps this model); "
-            "close() that runner first"
+            "model's attention modules already have a bound forward (another runtime wraps this model); "
+            "close() that runtime first"
         )
 
 
-def install(model: torch.nn.Module, ctx: AttentionContext) -> None:
+def install(model: torch.nn.Module, adapter) -> None:
     """Bind :func:`dsa_attention` as ``forward`` of every attention module of ``model`` (instance attribute).
 
-    While ``ctx.plan`` is None the module runs its original forward, so the model stays usable on its own.
+    The bound forward reads ``adapter.ctx`` (the step's :class:`dtkv.runtime.StepContext`); while it is None the
+    module runs its original forward, so the model stays usable on its own.
 
     Raises:
-        ValueError: the modules already have a bound forward (one runner per model at a time).
+        ValueError: the modules already have a bound forward (one runtime per model at a time).
     """
-    returns_topk = ctx.family.returns_topk
+    returns_topk = adapter.family.returns_topk
     check_unbound(model)
     for layer in model.model.layers:
         attn = layer.self_attn
+        _ropes(attn)
         original = type(attn).forward.__get__(attn)
 
         def forward(*args, _attn=attn, _original=original, **kwargs):
-            if ctx.plan is None:
+            ctx = adapter.ctx
+            if ctx is None:
                 return _original(*args, **kwargs)
             hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
             rope = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]

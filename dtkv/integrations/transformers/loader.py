@@ -1,4 +1,5 @@
-"""Loading a DeepSeek-V3.2 / GLM-5 checkpoint directory for :class:`~dtkv.integrations.transformers.DSAModelRunner`.
+"""Loading a DeepSeek-V3.2 / GLM-5 checkpoint directory for
+:class:`~dtkv.integrations.transformers.TransformersAdapter` (``python -m dtkv.demo --model PATH``).
 
 :func:`load_model` reads ``config.json`` first and refuses a directory whose ``model_type`` is not a supported
 DSA family (before any weight is read), then loads the weights with transformers' ``from_pretrained``
@@ -48,7 +49,7 @@ def load_model(
             ``torch_dtype``/``dtype``, else the stored tensors').
 
     Returns:
-        the loaded ``DeepseekV32ForCausalLM`` or ``GlmMoeDsaForCausalLM``, ready for :class:`DSAModelRunner`.
+        the loaded ``DeepseekV32ForCausalLM`` or ``GlmMoeDsaForCausalLM``, ready for :class:`TransformersAdapter`.
 
     Raises:
         ValueError: ``path`` is not a checkpoint directory, or its ``model_type`` is not a supported DSA model

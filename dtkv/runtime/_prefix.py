@@ -1,4 +1,4 @@
-"""The model runner's prefix-cache steps: a :class:`dtkv.PrefixCache` over the runner's SPMD allocator.
+"""The runtime's prefix-cache steps: a :class:`dtkv.PrefixCache` over the runtime's SPMD allocator.
 
 - :func:`attach_cached_prefix` (``add_request``): the request starts from its longest cached prefix of full
   pages, capped so that at least one prompt token is computed (its logits give the first output token). The
@@ -10,7 +10,8 @@
 - :func:`cache_computed` (after each step): shares every request's fully computed pages.
 - :func:`release_request` (``finish_request``): caches the request's full pages and drops its references.
 
-Every function is host-side and runs identically on every rank.
+Every function is host-side and runs identically on every rank. ``runtime`` is a :class:`dtkv.runtime.Runtime`
+(``prefix_cache``, ``allocator``, ``page_size``, ``mode``, ``stats``).
 """
 
 from __future__ import annotations
@@ -25,17 +26,17 @@ from dtkv.split import compute_owners
 __all__ = ["attach_cached_prefix", "cache_computed", "make_room", "make_room_for_decode", "release_request"]
 
 
-def attach_cached_prefix(engine, req) -> None:
+def attach_cached_prefix(runtime, req) -> None:
     """Give a new request (no pages yet) the cached pages of its prompt's longest cached prefix."""
-    cache, ps = engine.prefix_cache, engine.cfg.page_size
+    cache, ps = runtime.prefix_cache, runtime.page_size
     pages = cache.match(req.prompt, max_pages=(len(req.prompt) - 1) // ps)
     req.pages = pages
     req.num_computed = req.cached_tokens = len(pages) * ps
-    engine.stats["prefix_prompt_tokens"] += len(req.prompt)
-    engine.stats["prefix_hit_tokens"] += req.cached_tokens
+    runtime.stats["prefix_prompt_tokens"] += len(req.prompt)
+    runtime.stats["prefix_hit_tokens"] += req.cached_tokens
 
 
-def make_room(engine, split) -> None:
+def make_room(runtime, split) -> None:
     """Evict cached pages so that the step's new pages fit where the allocation asks for them.
 
     Under ``sharded_direct`` the compute-owner allocation (``allocate_for_split``) asks each owner for the new
@@ -49,40 +50,40 @@ def make_room(engine, split) -> None:
     extend = np.asarray(split.extend_lens, dtype=np.int64).reshape(split.num_reqs)
     have, need = cdiv(prefix, ps), cdiv(prefix + extend, ps)
     total = int(np.maximum(need - have, 0).sum())
-    alloc = engine.allocator
+    alloc = runtime.allocator
     per_owner = None
     short = total > alloc.num_free()
-    if engine.mode == "sharded_direct":
+    if runtime.mode == "sharded_direct":
         owners = compute_owners(split).numpy()
         cols = np.arange(owners.shape[1], dtype=np.int64)[None, :]
         new = (cols >= have[:, None]) & (cols < need[:, None]) & split.page_aligned.numpy()[:, None]
         per_owner = np.bincount(owners[new], minlength=alloc.ownership.cp_size).tolist()
         short = short or any(want > alloc.num_free(r) for r, want in enumerate(per_owner))
     if short:
-        engine.prefix_cache.make_room(total, per_owner)
+        runtime.prefix_cache.make_room(total, per_owner)
 
 
-def make_room_for_decode(engine, reqs: Sequence) -> None:
+def make_room_for_decode(runtime, reqs: Sequence) -> None:
     """Evict cached pages so that a sharded decode step's new pages (one token per request) fit."""
-    ps = engine.cfg.page_size
+    ps = runtime.page_size
     total = sum(max(0, cdiv(r.num_computed + 1, ps) - len(r.pages)) for r in reqs)
-    if total > engine.allocator.num_free():
-        engine.prefix_cache.make_room(total)
+    if total > runtime.allocator.num_free():
+        runtime.prefix_cache.make_room(total)
 
 
-def cache_computed(engine, reqs: Sequence) -> None:
+def cache_computed(runtime, reqs: Sequence) -> None:
     """Insert the fully computed pages of each request into the cache (touches pages cached already)."""
-    cache, ps = engine.prefix_cache, engine.cfg.page_size
+    cache, ps = runtime.prefix_cache, runtime.page_size
     for r in reqs:
         n = r.num_computed // ps
         if n:
             cache.insert(r.tokens[: n * ps], r.pages[:n])
 
 
-def release_request(engine, req) -> None:
+def release_request(runtime, req) -> None:
     """Cache a finished request's full pages (with a cache) and drop the request's reference on every page."""
-    if engine.prefix_cache is not None:
-        cache_computed(engine, [req])
-    engine.allocator.free(req.pages)
+    if runtime.prefix_cache is not None:
+        cache_computed(runtime, [req])
+    runtime.allocator.free(req.pages)
     req.pages = []
     req.finished = True

@@ -1,58 +1,42 @@
-"""The host side of one step (plan phase): CP split, page allocation, locations, materialization plan, key table.
+"""The host side of one extend step (plan phase): CP split, allocation, locations, key table, materialization plan.
 
-:func:`plan_step` builds a :class:`StepPlan` on every rank from the same inputs (SPMD); the run phase
-(:meth:`dtkv.integrations.transformers.DSAModelRunner.forward`) only moves tensors.
+:func:`plan_extend` builds a :class:`StepPlan` on every rank from the same inputs (SPMD); the run phase
+(:meth:`dtkv.runtime.Runtime.forward`) only moves tensors.
 
-The *key table* lists, request by request, every position the step's queries may attend to (``0`` up to
-``prefix_len + extend_len - 1``) with its logical token location (:mod:`dtkv.page_table`) and its row in the
-materialized view (``key_slots``, remapped with :func:`dtkv.ops.remap`). The indexer scores each local query
-against the keys of its own request, in position order, so its top-k breaks ties by position.
+The *key table* lists, request by request, every position the step's queries may read (``0`` up to
+``prefix_len + extend_len - 1``) with its logical token location (:mod:`dtkv.page_table`) and its row in the view
+the step reads (``key_slots``: remapped with :func:`dtkv.ops.remap` when the pool is sharded, the location itself
+when it is whole). Request ``i``'s entries are ``[key_indptr[i], key_indptr[i + 1])`` in position order, so a
+model's top-k over them breaks ties by position.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from dtkv import ops
-from dtkv._util import as_int_list, cdiv
+from dtkv._util import cdiv, warn_deprecated
 from dtkv.allocator import PageAllocator
 from dtkv.materialize import MaterializePlan, plan_materialize
 from dtkv.ownership import PageOwnership
 from dtkv.split import CPSplit, allocate_for_split, plan_cp_split
 
-__all__ = ["Request", "StepPlan", "plan_step"]
-
-
-@dataclass
-class Request:
-    """One sequence: prompt, generated tokens and logical pages (identical on every rank)."""
-
-    rid: int
-    prompt: list[int]
-    pages: list[int] = field(default_factory=list)
-    num_computed: int = 0
-    """Tokens whose KV is stored."""
-    output: list[int] = field(default_factory=list)
-    """Generated tokens (the first one comes from the prefill's last logits)."""
-    finished: bool = False
-    """Pages released (:meth:`DSAModelRunner.free_request`): never stepped again."""
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.output
+__all__ = ["StepPlan", "plan_extend"]
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class StepPlan:
-    """One step on one rank: what the run phase reads (device tensors unless said otherwise).
+    """One extend step on one rank: what the run phase reads (device tensors unless said otherwise).
 
     ``n`` is this rank's row count, ``K`` the key-table length, ``T`` the step's total extend tokens.
     """
 
     num_reqs: int
+    """Requests of the step (host)."""
     extend_lens: tuple[int, ...]
     """Per request, tokens computed in this step (host)."""
     ids: torch.Tensor
@@ -75,6 +59,11 @@ class StepPlan:
     """int64 ``[cp * max_handoff]``: their locations after the all-gather."""
     max_handoff: int
     """Handoff rows per rank of that all-gather (host; 0 skips it)."""
+    groups: tuple[tuple[int, int, int, int], ...]
+    """Host ``(request index, local row lo, hi, kv_len)``: the local rows of one request segment (prev or next)
+    and how many of its request's positions they may read."""
+    key_indptr: tuple[int, ...]
+    """Host ``[num_reqs + 1]``: request ``i``'s key-table entries are ``[key_indptr[i], key_indptr[i + 1])``."""
     key_locs: torch.Tensor
     """int64 ``[K]``: logical location of each key-table entry."""
     key_req: torch.Tensor
@@ -84,7 +73,7 @@ class StepPlan:
     key_slots: torch.Tensor
     """int64 ``[K]``: view row (token slot) of each key-table entry."""
     mat_plan: MaterializePlan | None
-    """Full-view plan (None without CP)."""
+    """Full-view plan (None when the pool is whole: ``single`` and ``replicated``)."""
     restore_rows: torch.Tensor
     """int64 ``[T]``: gathered row of each natural-order token of the step."""
     last_rows: torch.Tensor
@@ -92,9 +81,44 @@ class StepPlan:
     page_aligned: bool
     """Every request of the step was split on page edges (host)."""
 
+    # deprecated names of the reference model's runner (one release)
+    @property
+    def ids_local(self) -> torch.Tensor:
+        warn_deprecated("StepPlan.ids_local", "StepPlan.ids")
+        return self.ids
 
-def _allocate(allocator: PageAllocator, reqs: Sequence[Request], lens: Sequence[int], split: CPSplit, *,
-              direct: bool, page_size: int) -> None:  # fmt: skip
+    @property
+    def pos_local(self) -> torch.Tensor:
+        warn_deprecated("StepPlan.pos_local", "StepPlan.positions")
+        return self.positions
+
+    @property
+    def locs_local(self) -> torch.Tensor:
+        warn_deprecated("StepPlan.locs_local", "StepPlan.locs")
+        return self.locs
+
+    @property
+    def last_rows_gathered(self) -> torch.Tensor:
+        warn_deprecated("StepPlan.last_rows_gathered", "StepPlan.last_rows")
+        return self.last_rows
+
+    @property
+    def req_view_locs(self) -> tuple[torch.Tensor, ...]:
+        warn_deprecated("StepPlan.req_view_locs", "StepPlan.key_slots and StepPlan.key_indptr")
+        p = self.key_indptr
+        return tuple(self.key_slots[p[i] : p[i + 1]] for i in range(self.num_reqs))
+
+
+def _locs(pages: list[int], lo: int, hi: int, page_size: int) -> torch.Tensor:
+    pos = torch.arange(lo, hi)
+    return torch.tensor(pages, dtype=torch.int64)[pos // page_size] * page_size + pos % page_size
+
+
+def _allocate(allocator: PageAllocator, reqs: Sequence, split: CPSplit, *, direct: bool, page_size: int) -> None:
+    """Give every request the pages its extend needs: compute-owner pages (``direct``) or balanced ones.
+
+    All or nothing: one allocator call for the whole batch (``AllocationError`` leaves every request as it was).
+    """
     if direct:
         width = max([len(r.pages) for r in reqs] + [1])
         table = torch.full((len(reqs), width), -1, dtype=torch.int64)
@@ -103,57 +127,80 @@ def _allocate(allocator: PageAllocator, reqs: Sequence[Request], lens: Sequence[
         for r, new in zip(reqs, allocate_for_split(allocator, split, table).new_pages):
             r.pages.extend(new.tolist())
         return
-    for r, n in zip(reqs, lens):
-        need = cdiv(r.num_computed + n, page_size) - len(r.pages)
-        if need > 0:
-            r.pages.extend(allocator.alloc_balanced(need).tolist())
+    needs = [max(0, cdiv(r.num_computed + n, page_size) - len(r.pages)) for r, n in zip(reqs, split.extend_lens)]
+    pages = allocator.alloc_balanced(sum(needs)).tolist()  # the same pages as one call per request, in order
+    for r, n in zip(reqs, needs):
+        r.pages.extend(pages[:n])
+        del pages[:n]
 
 
-def _locs(pages: list[int], lo: int, hi: int, page_size: int) -> torch.Tensor:
-    pos = torch.arange(lo, hi)
-    return torch.tensor(pages, dtype=torch.int64)[pos // page_size] * page_size + pos % page_size
-
-
-def plan_step(
-    reqs: Sequence[Request],
-    extend_lens: Sequence[int],
+def plan_extend(
+    reqs: Sequence,
+    lens: Sequence[int],
     *,
     allocator: PageAllocator,
     ownership: PageOwnership,
+    cp_size: int,
     rank: int,
     page_size: int,
-    split_mode: str,
+    split_mode: Literal["zigzag", "round_robin"],
     mode: str,
     device: torch.device,
     group=None,
+    make_room: Callable[[CPSplit], None] | None = None,
 ) -> StepPlan:
-    """Split, allocate pages and build every index of one step (host; identical on every rank).
+    """Split, allocate pages and build every index of one extend step (host; identical on every rank).
 
-    ``mode`` is the runner's KV mode (``single``, ``sharded`` or ``sharded_direct``). Pages are appended to
-    each request's ``pages``; nothing else of the requests changes. The batch's rules
-    (:func:`dtkv._batch.check_batch`) are the caller's: :meth:`DSAModelRunner.plan_step` checks them first. With
-    ``group`` the ranks check that they planned the same view (collective; every rank raises together otherwise,
-    see :func:`dtkv.materialize.plan_materialize`).
+    Args:
+        reqs, lens: the step's requests and their extend lengths (already checked: :mod:`dtkv._batch`).
+        allocator: the SPMD allocator (over the CP group's ownership in the sharded modes).
+        ownership: the pool's page map (``cp_size`` 1 for ``single`` and ``replicated``).
+        cp_size: ranks of the CP group (the split's).
+        rank: this rank in the CP group.
+        page_size: tokens per page.
+        split_mode: ``"zigzag"`` or ``"round_robin"``.
+        mode: the runtime's KV mode (:mod:`dtkv.runtime`).
+        device: where the plan's tensors go.
+        group: with a sharded pool, the ranks check that they planned the same view (collective; every rank raises
+            together otherwise, see :func:`dtkv.materialize.plan_materialize`).
+        make_room: called with the split before allocation (the prefix cache evicts what the allocation needs).
+
+    Pages are appended to each request's ``pages``; nothing else of the requests changes.
     """
-    cp, ps = allocator.ownership.cp_size, page_size
-    lens = as_int_list("extend_lens", extend_lens, min_value=1)
+    cp, ps = cp_size, page_size
+    lens = [int(n) for n in lens]
     prefix = [r.num_computed for r in reqs]
     split = plan_cp_split(prefix, lens, cp_size=cp, page_size=ps, mode=split_mode)
-    _allocate(allocator, reqs, lens, split, direct=mode == "sharded_direct", page_size=ps)
+    if make_room is not None:
+        make_room(split)
+    _allocate(allocator, reqs, split, direct=mode == "sharded_direct", page_size=ps)
     ids_nat = torch.cat([torch.tensor(r.tokens[p : p + n], dtype=torch.int64) for r, p, n in zip(reqs, prefix, lens)])
     locs_nat = torch.cat([_locs(r.pages, p, p + n, ps) for r, p, n in zip(reqs, prefix, lens)])
     loc = split.local(rank)
     tok = loc.token_index.cpu()
     gi = split.gather_index.cpu()
     locs_gathered = torch.where(gi >= 0, locs_nat[gi.clamp(min=0)], torch.full_like(gi, -1))
+    # attention groups: prev then next segment of each request, with their causal KV extents
+    groups, row = [], 0
+    for i in range(len(reqs)):
+        for n_q, kv_len in (
+            (int(loc.actual_seq_q_prev[i]), int(loc.kv_len_prev[i])),
+            (int(loc.actual_seq_q_next[i]), int(loc.kv_len_next[i])),
+        ):
+            if n_q:
+                groups.append((i, row, row + n_q, kv_len))
+            row += n_q
     # the key table: every position each request's queries may read, in (request, position) order
     kv_lens = [p + n for p, n in zip(prefix, lens)]
     key_locs = torch.cat([_locs(r.pages, 0, k, ps) for r, k in zip(reqs, kv_lens)])
     key_req = torch.repeat_interleave(torch.arange(len(reqs)), torch.tensor(kv_lens, dtype=torch.int64))
     key_pos = torch.cat([torch.arange(k) for k in kv_lens])
+    key_indptr = [0]
+    for k in kv_lens:
+        key_indptr.append(key_indptr[-1] + k)
     mat_plan = None
     key_slots = key_locs.to(device)
-    if mode != "single":  # history pages (before each prefix end, prefetchable) and pages written now
+    if mode in ("sharded", "sharded_direct"):  # history pages (before each prefix end) and pages written now
         hist = [pg for r, p in zip(reqs, prefix) for pg in r.pages[: p // ps]]
         cur = [pg for r, p, k in zip(reqs, prefix, kv_lens) for pg in r.pages[p // ps : cdiv(k, ps)]]
         mat_plan = plan_materialize(hist, cur, ownership, rank, device=device, group=group)
@@ -190,6 +237,8 @@ def plan_step(
         handoff_rows=handoff_rows.to(dev),
         handoff_locs_gathered=handoff_locs.to(dev),
         max_handoff=max_handoff,
+        groups=tuple(groups),
+        key_indptr=tuple(key_indptr),
         key_locs=key_locs.to(dev),
         key_req=key_req.to(dev),
         key_pos=key_pos.to(dev),

@@ -1,0 +1,215 @@
+"""``--pd``: the decode group (``--decode-cp M`` processes, gloo among themselves) and the prefill ranks' send.
+
+:func:`start_decode_group` hosts the rendezvous store on 127.0.0.1 and spawns the decode ranks: each loads the same
+model (same seed, or the same checkpoint), builds a runtime over ``PageOwnership(M, ...)`` (one process: a whole
+pool), receives every request into its own pages over Mooncake (:func:`dtkv.runtime.pd.receive_prefilled`) and
+decodes (``--decode``). :func:`send_from_rank` runs in each prefill rank after prefill. :meth:`DecodeGroup.finish`
+collects the decode ranks' answers and checks them against the prefill ranks' (``pd`` check).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from dtkv._log import progress, setup_cli_logging
+from dtkv.demo import _verdict as verdict
+
+__all__ = ["DecodeGroup", "send_from_rank", "start_decode_group"]
+
+
+def send_from_rank(runtime, args: dict, requests=None) -> dict:
+    """Prefill-rank side: send ``requests`` of ``runtime`` (default: every live one) to the decode group (after
+    prefill; collective).
+
+    Returns ``pd_entries``, ``pd_min_entries``, ``pd_calls``, ``pd_bytes`` (this rank's) and ``pd_kv_digest`` (the
+    requests' stored prompt KV, what the decode group must hold).
+    """
+    from dtkv.runtime.pd import kv_digest, request_bytes, send_prefilled, shard_for
+    from dtkv.transfer import Bootstrap, PrefillSender, create_store
+
+    reqs = [r for r in runtime.requests if not r.finished] if requests is None else list(requests)
+    prompts = [r.prompt for r in reqs]
+    digest = kv_digest([runtime.kv_bytes(r.rid) for r in reqs], [len(p) for p in prompts])
+    store = create_store(port=args["pd_port"], is_master=False, timeout_s=args.get("timeout", 300.0))
+    shard = shard_for(runtime, staging_bytes=request_bytes(runtime, [len(p) for p in prompts]))
+    sender = PrefillSender(shard, Bootstrap(store, namespace=args["pd_namespace"]), timeout_s=args.get("timeout"))
+    t0 = time.perf_counter()
+    try:
+        sender.connect()
+        reports = send_prefilled(runtime, sender, requests=reqs)
+    finally:
+        sender.close()
+    sent = sum(r.num_bytes for r in reports)
+    progress("transfer: %d requests, %.1f KiB sent by this rank in %.2f s", len(reports), sent / 1024,
+             time.perf_counter() - t0, all_ranks=True)  # fmt: skip
+    return {
+        "pd_entries": sum(r.num_entries for r in reports),
+        "pd_min_entries": sum(r.min_entries for r in reports),
+        "pd_calls": sum(r.num_calls for r in reports),
+        "pd_bytes": sent,
+        "pd_kv_digest": digest,
+    }
+
+
+def _decode_rank(rank: int, world: int, args: dict, prompts: list[list[int]], port: int, namespace: str) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from dtkv.demo._models import load, num_pages
+    from dtkv.runtime import Runtime
+    from dtkv.runtime.pd import kv_digest, receive_prefilled, request_bytes, shard_for
+    from dtkv.transfer import Bootstrap, DecodeReceiver, create_store
+
+    torch.set_num_threads(1)
+    group = dist.group.WORLD if world > 1 else None
+    model = load({**args, "device": "cpu"}, torch.device("cpu"))
+    rt = Runtime(
+        model.adapter(), num_pages=num_pages(prompts, args["page_size"], args["decode_steps"], world), group=group,
+        mode="sharded" if world > 1 else "single", decode_mode=args["decode"], attention=args["attention"],
+    )  # fmt: skip
+    try:
+        store = create_store(port=port, is_master=False, timeout_s=args.get("timeout", 300.0))
+        shard = shard_for(rt, staging_bytes=request_bytes(rt, [len(p) for p in prompts]))
+        receiver = DecodeReceiver(shard, Bootstrap(store, namespace=namespace), timeout_s=args.get("timeout"))
+        try:
+            receiver.connect()
+            reports = receive_prefilled(rt, receiver, prompts)
+        finally:
+            receiver.close()
+        progress("transfer: %d requests received into this rank's pages", len(reports), all_ranks=True)
+        digest = kv_digest([rt.kv_bytes(r.rid) for r in rt.requests], [len(p) for p in prompts])
+        outputs = rt.decode(args["decode_steps"])
+        return {
+            "rank": rank, "outputs": outputs, "kv_digest": digest, "entries": sum(r.num_entries for r in reports),
+            "bytes_per_rank": rt.pool.bytes_per_rank(), "replicated_bytes": rt.pool.replicated_bytes(),
+            "mode": rt.mode, "decode_comm_bytes": rt.stats["decode_comm_bytes"],
+        }  # fmt: skip
+    finally:
+        rt.close()
+
+
+def _worker(rank: int, world: int, args: dict, prompts, port: int, namespace: str, init_file: str, out) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    setup_cli_logging(rank=rank)
+    try:
+        if world > 1:
+            import datetime
+
+            import torch.distributed as dist
+
+            dist.init_process_group(
+                "gloo", store=dist.FileStore(init_file, world), rank=rank, world_size=world,
+                timeout=datetime.timedelta(seconds=args.get("timeout", 300.0)),
+            )  # fmt: skip
+        try:
+            out.put(_decode_rank(rank, world, args, prompts, port, namespace))
+        finally:
+            if world > 1:
+                import torch.distributed as dist
+
+                dist.destroy_process_group()
+    except BaseException as e:  # report, never hang the parent
+        out.put({"rank": rank, "error": f"{type(e).__name__}: {e}"})
+
+
+@dataclass
+class DecodeGroup:
+    """The decode side of ``--pd``: its processes, the store they rendezvous through, their answers."""
+
+    processes: list
+    results: Any
+    store: Any
+    rank_args: dict
+    """Extra demo arguments for the prefill ranks (``pd_port``, ``pd_namespace``)."""
+    size: int = 1
+    answers: list = field(default_factory=list)
+
+    def result(self, timeout_s: float = 300.0) -> list[dict]:
+        """Every decode rank's answer (``outputs``, ``kv_digest``, ...) or ``error``, in rank order (bounded)."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.answers) < self.size and time.monotonic() < deadline:
+            try:
+                self.answers.append(self.results.get(timeout=1.0))
+            except queue_mod.Empty:
+                if any(p.exitcode not in (None, 0) for p in self.processes):
+                    break
+        for p in self.processes:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+        if len(self.answers) < self.size:
+            self.answers.append({"rank": -1, "error": f"the decode group did not answer within {timeout_s} s"})
+        return sorted(self.answers, key=lambda r: r["rank"])
+
+    def finish(self, rank_results: list[dict], timeout_s: float = 300.0) -> dict:
+        """Collect the decode group's answers and check them against the prefill ranks' (the ``pd_*`` JSON entries).
+
+        The check: the decode group's KV bytes (gathered from their owners) hash to what every prefill rank sent
+        (``pd_kv_digest``), its greedy tokens equal the prefill group's, and every decode rank stores its own pages
+        only (``bytes_per_rank * M == replicated``).
+        """
+        got = self.result(timeout_s)
+        errors = [g for g in got if "error" in g]
+        if errors:
+            msg = "; ".join(f"decode rank {g['rank']}: {g['error']}" for g in errors)
+            return {"pd_parity": False, "pd_error": msg, "pd_check": verdict.check(False, _RULE, 0.0, "", msg)}
+        r0, d0 = rank_results[0], got[0]
+        kv_ok = all(r.get("pd_kv_digest") == g["kv_digest"] for r in rank_results for g in got)
+        tokens_ok = all(g["outputs"] == r0["outputs"] for g in got)
+        owners_ok = all(g["bytes_per_rank"] * self.size == g["replicated_bytes"] for g in got)
+        ok = kv_ok and tokens_ok and owners_ok
+        why = [w for w, bad in (("KV digests differ", not kv_ok), ("greedy tokens differ", not tokens_ok),
+                                ("a decode rank holds more than its pages", not owners_ok)) if bad]  # fmt: skip
+        return {
+            "pd_parity": ok,
+            "pd_kv_equal": kv_ok,
+            "pd_tokens_equal": tokens_ok,
+            "pd_outputs": d0["outputs"],
+            "pd_entries": sum(r["pd_entries"] for r in rank_results),
+            "pd_min_entries": r0["pd_min_entries"],
+            "pd_calls": sum(r["pd_calls"] for r in rank_results),
+            "pd_bytes": sum(r["pd_bytes"] for r in rank_results),
+            "pd_decode_mode": d0["mode"],
+            "pd_kv_bytes_per_decode_rank": max(g["bytes_per_rank"] for g in got),
+            "pd_kv_bytes_replicated": d0["replicated_bytes"],
+            "pd_check": verdict.check(ok, _RULE, 0.0, "", "; ".join(why) or "equal on every decode rank"),
+        }
+
+
+_RULE = ("the decode group's KV bytes on their owners equal the prefill's (a digest of every layer and pool), its "
+         "greedy tokens equal the prefill group's, each decode rank stores only its own pages")  # fmt: skip
+
+
+def start_decode_group(args: dict, prompts: list[list[int]]) -> DecodeGroup:
+    """Host the rendezvous ``TCPStore`` on 127.0.0.1 and spawn the ``--decode-cp`` decode ranks."""
+    from dtkv.transfer import create_store
+
+    world = int(args.get("decode_cp") or 1)
+    store = create_store(port=0, is_master=True, timeout_s=args.get("timeout", 300.0))
+    namespace = uuid.uuid4().hex
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    fd, init_file = tempfile.mkstemp(prefix="dtkv_decode_")
+    os.close(fd)
+    os.unlink(init_file)
+    procs = [
+        ctx.Process(
+            target=_worker, args=(r, world, dict(args), [list(p) for p in prompts], store.port, namespace, init_file,
+                                  results), daemon=True,
+        )
+        for r in range(world)
+    ]  # fmt: skip
+    for p in procs:
+        p.start()
+    progress("decode group: %d rank(s) started", world)
+    return DecodeGroup(
+        processes=procs, results=results, store=store, size=world,
+        rank_args={"pd_port": store.port, "pd_namespace": namespace},
+    )  # fmt: skip

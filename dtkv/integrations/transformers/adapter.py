@@ -1,0 +1,84 @@
+"""``TransformersAdapter``: a loaded transformers DSA model (DeepSeek-V3.2, GLM-5) as a runtime model adapter.
+
+The model runs its own forward (``model.model``: embedding, decoder layers, norms, MoE, rotary embedding) over the
+step's rows, with its attention modules bound to :func:`dtkv.integrations.transformers.dsa_attention`
+(:meth:`TransformersAdapter.bind`, reversibly: :meth:`TransformersAdapter.close`); the runtime gathers the final
+hidden states and the model's ``lm_head`` gives the logits. The MLA latent and the indexer key of every layer live
+in the runtime's pools in the formats of :func:`dtkv.integrations.transformers.kv_layouts`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+
+from dtkv.integrations.transformers._family import KV_DTYPES, KVDtype, family_of, geometry_of, kv_layouts
+from dtkv.integrations.transformers.attention import check_unbound, install, uninstall
+from dtkv.runtime import ModelAdapter, ModelSpec, StepContext
+
+__all__ = ["TransformersAdapter"]
+
+
+class TransformersAdapter(ModelAdapter):
+    """A ``DeepseekV32ForCausalLM`` / ``GlmMoeDsaForCausalLM`` (on this rank's device, eval mode, any dtype).
+
+    Args:
+        model: the causal LM; every rank of a CP group wraps the same weights.
+        kv_dtype: stored formats (:func:`dtkv.integrations.transformers.kv_layouts`): ``"bf16"``, ``"fp32"`` or
+            ``"fp8"``.
+        page_size: tokens per KV page.
+
+    Attributes:
+        model, family, geometry, layouts, kv_dtype: the model, its :class:`DSAFamily`, its :class:`DSAGeometry`,
+            the pools' layouts and their name.
+        ctx: the step the bound attention runs in (``None`` between steps: the model runs its own forward).
+
+    Raises:
+        TypeError: ``model`` is not a supported DSA causal LM.
+        ValueError: bad ``kv_dtype`` or ``page_size``, a first layer that shares a top-k, or ``model`` already wrapped
+            by a runtime that was not closed.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, kv_dtype: KVDtype = "bf16", page_size: int = 64) -> None:
+        self.family = family_of(model)
+        self.geometry = geometry_of(model)
+        check_unbound(model)
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got kv_dtype={kv_dtype!r}")
+        self.model: Any = model  # a transformers causal LM (its config and submodules are dynamic attributes)
+        self.kv_dtype = kv_dtype
+        self.layouts = kv_layouts(self.geometry, kv_dtype, page_size)
+        self.device = next(model.parameters()).device
+        g, config = self.geometry, cast(Any, model).config
+        self.spec = ModelSpec(
+            layouts=self.layouts, num_layers=g.num_layers, vocab_size=g.vocab_size, index_topk=g.index_topk,
+            num_heads=config.num_attention_heads, kv_lora_rank=g.kv_lora_rank, rope_dim=g.rope_dim,
+        )  # fmt: skip
+        self.ctx: StepContext | None = None
+        self._masks = {t: None for t in config.layer_types}  # the replacement attention needs no mask
+
+    def describe(self) -> dict[str, object]:
+        return {**super().describe(), "model_type": self.family.model_type, "kv_dtype": self.kv_dtype}
+
+    def bind(self) -> None:
+        """Bind the replacement attention to the model's attention modules."""
+        install(self.model, self)
+
+    def close(self) -> None:
+        """Unbind the replacement attention (the model is then exactly as loaded)."""
+        uninstall(self.model)
+
+    def forward(self, ctx: StepContext) -> torch.Tensor:
+        self.ctx = ctx
+        try:
+            out = self.model.model(
+                input_ids=ctx.ids[None], position_ids=ctx.positions[None], attention_mask=self._masks, use_cache=False
+            )
+            return out.last_hidden_state[0]
+        finally:
+            self.ctx = None
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's ``lm_head``, as float32 ``[m, V]``."""
+        return self.model.lm_head(hidden).float()

@@ -1,0 +1,120 @@
+"""The runtime itself: the adapter contract, the plan's key table, the configuration agreement across ranks, the
+progress hooks, and the batch-invariant products that bitwise prefix-cache parity of float32 models rests on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dtkv.model import ModelConfig, ReferenceAdapter
+from dtkv.runtime import ModelSpec, Runtime, batch_invariant
+from dtkv.runtime._invariant import BLOCK_M, invariant_grouped_mm
+
+CFG = ModelConfig(page_size=4, num_layers=1)
+
+
+def test_rejects_what_is_not_an_adapter_and_specs_that_break_a_rule():
+    with pytest.raises(TypeError, match=r"adapter must be a dtkv.runtime.ModelAdapter \(it has no 'spec'\)"):
+        Runtime(object(), num_pages=8)
+    with pytest.raises(
+        ValueError, match=r"mode must be one of \('single', 'replicated', 'sharded', 'sharded_direct'\)"
+    ):
+        Runtime(ReferenceAdapter(CFG), num_pages=8, mode="shared")
+    with pytest.raises(ValueError, match="decode_mode='sharded' needs a page-sharded pool .* got mode='replicated'"):
+        Runtime(ReferenceAdapter(CFG), num_pages=8, mode="replicated", decode_mode="sharded")
+    lay = CFG.layouts
+    kw = dict(num_layers=1, vocab_size=10, index_topk=4, num_heads=2, kv_lora_rank=64, rope_dim=16)
+    with pytest.raises(ValueError, match=r"layouts must name the pools \['index', 'kv'\], got \['kv'\]"):
+        ModelSpec(layouts={"kv": lay["kv"]}, **kw)
+    other = ModelConfig(page_size=8).layouts
+    with pytest.raises(ValueError, match=r"layouts must share one page_size, got \[4, 8\]"):
+        ModelSpec(layouts={"kv": lay["kv"], "index": other["index"]}, **kw)
+    with pytest.raises(ValueError, match="num_heads must be >= 1, got num_heads=0"):
+        ModelSpec(layouts=lay, **{**kw, "num_heads": 0})
+
+
+def test_the_key_table_lists_every_readable_position_of_each_request_in_order():
+    rt = Runtime(ReferenceAdapter(CFG), num_pages=32)
+    a, b = rt.add_request(list(range(11))), rt.add_request(list(range(20, 27)))
+    rt.step([a, b], [6, 7])
+    plan = rt.plan_step([a], [5])
+    assert plan.key_indptr == (0, 11) and plan.key_pos.tolist() == list(range(11))
+    pages = torch.tensor(a.pages)
+    pos = torch.arange(11)
+    assert torch.equal(plan.key_locs, pages[pos // 4] * 4 + pos % 4)
+    assert torch.equal(plan.key_slots, plan.key_locs)  # a whole pool is its own view
+    rows = [r for _, lo, hi, _ in plan.groups for r in range(lo, hi)]
+    assert rows == list(range(5))  # the segments tile this rank's rows ...
+    assert all(kv == int(plan.positions[hi - 1]) + 1 for _, _, hi, kv in plan.groups)  # ... each reads up to its last
+
+
+def _two_ranks_disagree(rank, world):
+    import torch.distributed as dist
+
+    from dtkv import ConfigMismatchError
+
+    try:
+        Runtime(ReferenceAdapter(CFG), num_pages=16, group=dist.group.WORLD, batch_invariant=rank == 1)
+    except ConfigMismatchError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.multirank
+def test_ranks_that_disagree_on_the_configuration_fail_together(ranks2):
+    for msg in ranks2.run(_two_ranks_disagree):
+        assert msg is not None and "field 'batch_invariant' differs (rank 0: False, rank 1: True)" in msg, msg
+
+
+def test_prefill_and_decode_report_their_progress():
+    rt = Runtime(ReferenceAdapter(CFG), num_pages=32)
+    rt.add_request(list(range(10)))
+    rt.add_request(list(range(3)))
+    seen = []
+    rt.prefill(4, progress=lambda k, n: seen.append(("prefill", k, n)))
+    rt.decode(2, progress=lambda k, n: seen.append(("decode", k, n)))
+    assert seen == [("prefill", 1, 3), ("prefill", 2, 3), ("prefill", 3, 3), ("decode", 1, 2), ("decode", 2, 2)]
+
+
+# ----------------------------------------------------------------------------------------- batch invariance
+def test_matrix_products_do_not_depend_on_the_rows_sharing_a_call():
+    """Inside ``batch_invariant()`` a row's result is the same bits whatever else is in the call (rows, columns of
+    a product with activations, batch entries, expert groups), on shapes around the blocking (1, 15-17, 63-65)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 40, generator=g)
+    x = torch.randn(70, 40, generator=g)
+    keys = torch.randn(70, 40, generator=g)
+    with batch_invariant():
+        full = F.linear(x, w)
+        scores = x @ keys.T
+        for lo, hi in ((0, 1), (3, 18), (15, 16), (5, 70), (63, 65)):
+            assert torch.equal(F.linear(x[lo:hi], w), full[lo:hi])
+            assert torch.equal(torch.nn.functional.linear(x[lo:hi], w), full[lo:hi])
+            for k in (1, 17, 64, 65, 70):
+                assert torch.equal(x[lo:hi] @ keys[:k].T, scores[lo:hi, :k])
+        a, b = torch.randn(40, 1, 8, generator=g), torch.randn(40, 8, 70, generator=g)
+        batched = torch.matmul(a, b)
+        for n in (1, 7, 9, 40):
+            assert torch.equal(torch.bmm(a[:n], b[:n, :, :33]), batched[:n, :, :33])
+        offs = torch.tensor([5, 5, 21, 30], dtype=torch.int32)  # an empty group, then groups around BLOCK_M
+        experts = torch.randn(4, 40, 24, generator=g)
+        grouped = invariant_grouped_mm(x[:30], experts, offs=offs)
+        for e, (lo, hi) in enumerate(((0, 5), (5, 5), (5, 21), (21, 30))):
+            assert torch.equal(grouped[lo:hi], x[lo:hi] @ experts[e])
+        v = torch.randn(1000, generator=g) * 10
+        for fn in (F.silu, torch.sigmoid, torch.exp, torch.rsqrt):
+            whole = fn(v.abs() + 0.1)
+            for n in (1, 13, 100, 999):
+                assert torch.equal(fn(v[:n].abs() + 0.1), whole[:n]), fn
+        with pytest.raises(RuntimeError, match="cannot make einsum batch-invariant: write the contraction with"):
+            torch.einsum("ij,jk->ik", x, w.T)
+    assert BLOCK_M == 16
+
+
+def test_batch_invariant_products_equal_the_plain_ones_to_rounding():
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(37, 64, generator=g, dtype=torch.float64), torch.randn(48, 64, generator=g, dtype=torch.float64)
+    with batch_invariant():
+        got = F.linear(x, w)
+    torch.testing.assert_close(got, F.linear(x, w), rtol=1e-12, atol=1e-12)
