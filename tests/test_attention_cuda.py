@@ -78,7 +78,9 @@ def test_empty_query_convention():
                                                 flash_mla.get_mla_metadata()[0], softmax_scale=SCALE,
                                                 is_fp8_kvcache=True, indices=idx.view(2, 1, 64), use_legacy=True)  # fmt: skip
     kvb = _pool(BF16, 2, seed=0, device="cuda").view(-1, 1, 576)
-    p_out, _, p_lse = flash_mla.flash_mla_sparse_fwd(q, kvb, idx.view(2, 1, 64), SCALE, d_v=512, use_legacy=True)
+    p_idx = torch.full((2, 1, 128), -1, dtype=torch.int32, device="cuda")  # sparse prefill: a multiple of 128
+    p_idx[..., :64] = idx.view(2, 1, 64)
+    p_out, _, p_lse = flash_mla.flash_mla_sparse_fwd(q, kvb, p_idx, SCALE, d_v=512, use_legacy=True)
     print(f"\nFlashMLA, a query with every index -1: decode out absmax {float(out[0].float().abs().max())}, lse "
           f"{sorted({float(x) for x in lse[0].flatten()})}; prefill out absmax {float(p_out[0].float().abs().max())}, "
           f"lse {sorted({float(x) for x in p_lse[0].flatten()})}")  # fmt: skip
