@@ -49,3 +49,15 @@ def test_float32_models_must_choose_every_token_as_the_reference():
     d = torch.zeros(100)
     assert parity_of("float32", "bf16", d, False, [0.0])["parity"] is False
     assert parity_of("float32", "bf16", d, True, [])["parity"] is True
+
+
+def test_a_flashmla_run_is_held_to_the_bfloat16_rule_whatever_the_models_dtype():
+    """FlashMLA attends in bf16: a float32 model's run on it gets bf16 noise, so the float32 rule (1e-5..2e-3)
+    would call every such run a failure; on the other backends the model's own dtype sets the rule."""
+    from dtkv.demo._verdict import verdict_dtype
+
+    assert verdict_dtype("float32", "flashmla") == "bfloat16" and verdict_dtype("bfloat16", "flashmla") == "bfloat16"
+    assert verdict_dtype("float32", "torch") == "float32" and verdict_dtype("float32", "triton") == "float32"
+    d = torch.full((100,), 0.02)  # bf16-sized noise: fails the float32 rule, passes the bf16 one
+    assert parity_of(verdict_dtype("float32", "torch"), "bf16", d, True)["parity"] is False
+    assert parity_of(verdict_dtype("float32", "flashmla"), "bf16", d, True)["parity"] is True

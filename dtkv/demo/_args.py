@@ -42,7 +42,8 @@ def parser(description: str = "") -> argparse.ArgumentParser:
         "--dtype",
         choices=("float32", "bfloat16"),
         default=None,
-        help="dtype of a transformers model (default: float32 for the tiny models, the checkpoint's for a PATH)",
+        help="dtype of a transformers model (default: float32 for the tiny models, bfloat16 with --attention "
+        "flashmla, the checkpoint's for a PATH)",
     )
     a(
         "--split",

@@ -87,8 +87,10 @@ def load(args: dict, device: torch.device) -> DemoModel:
     if args["model"] in ("deepseek-v32", "glm5"):
         from dtkv.integrations.transformers import tiny_model
 
-        dims = FLASHMLA_DIMS if args.get("attention") == "flashmla" else {}
-        m.lm = tiny_model(args["model"], seed=args["seed"], dtype=dtype or torch.float32, device=device, **dims)
+        flashmla = args.get("attention") == "flashmla"
+        dims = FLASHMLA_DIMS if flashmla else {}
+        default = torch.bfloat16 if flashmla else torch.float32  # FlashMLA attends in bf16: the model matches it
+        m.lm = tiny_model(args["model"], seed=args["seed"], dtype=dtype or default, device=device, **dims)
     else:
         from dtkv.integrations.transformers import load_model
 

@@ -157,7 +157,8 @@ def _own_forward_check(model: DemoModel, ps, outputs, logit_rows, args) -> tuple
                     margins.append(float(row[want] - row[chosen]))
             tokens_equal &= not margins
         d = torch.cat(diffs)
-        out[key] = verdict.transformers_check(model.dtype, model.kv_dtype, d, labels, tokens_equal, margins)
+        precision = verdict.verdict_dtype(model.dtype, args.get("attention", "torch"))
+        out[key] = verdict.transformers_check(precision, model.kv_dtype, d, labels, tokens_equal, margins)
     return out[""], {
         "max_abs_logit_diff_full_precision": out["_full_precision"]["worst"],
         "tokens_equal_full_precision": out["_full_precision"]["tokens_equal"],

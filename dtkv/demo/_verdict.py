@@ -11,7 +11,8 @@ is. The rules:
 - transformers models, ``prefill_decode``: every prompt and decode position against the model's own forward under
   ``stable_topk`` with keys in the pools' formats (:mod:`dtkv.integrations.transformers`): per-position max
   ``|logit diff|`` within :data:`TOLERANCE` at a fraction >= :data:`MIN_WITHIN` of positions, none above
-  :data:`MAX_DIFF`, greedy tokens equal (a bfloat16 model's may differ only at a near tie: :data:`FLIP_MARGIN`).
+  :data:`MAX_DIFF`, greedy tokens equal (a bfloat16 model's may differ only at a near tie: :data:`FLIP_MARGIN`). A run
+  on FlashMLA is held to the bfloat16 rule whatever the model's dtype (:func:`verdict_dtype`).
 - ``prefix_cache``: tokens, logits and KV bytes bitwise equal to the run without the cache (transformers models run
   batch-invariant products for it); with sharded decode the logits within the sharded-decode bound (the cache
   moves pages, so the merge sums in another order) and, for the float32 transformers models, the KV bytes are not
@@ -36,6 +37,7 @@ __all__ = [
     "check",
     "parity_of",
     "transformers_check",
+    "verdict_dtype",
 ]
 
 SHARDED_DECODE_RTOL = 1e-9
@@ -74,6 +76,12 @@ margin between the two tokens is at most ``FLIP_MARGIN * tolerance``. Float32 mo
 the reference does."""
 MAX_DIFF = 1.0
 """Bound on any position's logit difference."""
+
+
+def verdict_dtype(model_dtype: str, attention: str) -> str:
+    """The precision a transformers run's verdict holds it to: FlashMLA attends in bfloat16 (its queries and
+    latent KV are bf16, whatever the model's dtype), so a run on it gets the bfloat16 rule; else the model's."""
+    return "bfloat16" if attention == "flashmla" else model_dtype
 
 
 def check(ok: bool, rule: str, worst: float, where: str = "", reason: str = "", **extra) -> dict:
