@@ -51,13 +51,43 @@ def test_float32_models_must_choose_every_token_as_the_reference():
     assert parity_of("float32", "bf16", d, True, [])["parity"] is True
 
 
-def test_a_flashmla_run_is_held_to_the_bfloat16_rule_whatever_the_models_dtype():
-    """FlashMLA attends in bf16: a float32 model's run on it gets bf16 noise, so the float32 rule (1e-5..2e-3)
-    would call every such run a failure; on the other backends the model's own dtype sets the rule."""
-    from dtkv.demo._verdict import verdict_dtype
+def test_a_flashmla_run_is_held_to_what_rounded_probabilities_cost_the_models_own_forward():
+    """FlashMLA rounds attention probabilities to bf16: the run passes when its mean logit difference from the
+    float32-attention reference is within ROUNDED_NOISE_RATIO of the model's own rounded forward's, and fails when
+    it is not, when a position is past MAX_DIFF, or when a greedy token differs at a margin the noise cannot explain."""
+    from dtkv.demo._verdict import MAX_DIFF, ROUNDED_NOISE_RATIO, rounded_attention_check
 
-    assert verdict_dtype("float32", "flashmla") == "bfloat16" and verdict_dtype("bfloat16", "flashmla") == "bfloat16"
-    assert verdict_dtype("float32", "torch") == "float32" and verdict_dtype("float32", "triton") == "float32"
-    d = torch.full((100,), 0.02)  # bf16-sized noise: fails the float32 rule, passes the bf16 one
-    assert parity_of(verdict_dtype("float32", "torch"), "bf16", d, True)["parity"] is False
-    assert parity_of(verdict_dtype("float32", "flashmla"), "bf16", d, True)["parity"] is True
+    base = torch.full((50,), 0.06)
+    base[7] = 0.6  # the rounded forward's largest movement
+    labels = [f"p{i}" for i in range(50)]
+    ok = rounded_attention_check(base * ROUNDED_NOISE_RATIO * 0.99, base, labels, True, [])
+    assert ok["ok"] is True and ok["where"] == "p7"
+    assert rounded_attention_check(base * ROUNDED_NOISE_RATIO * 1.01, base, labels, True, [])["ok"] is False
+    far = base.clone()
+    far[3] = MAX_DIFF + 0.01
+    assert rounded_attention_check(far, base, labels, True, [])["ok"] is False
+    assert rounded_attention_check(base, base, labels, False, [0.5])["ok"] is True  # a tie within the noise
+    assert rounded_attention_check(base, base, labels, False, [0.7])["ok"] is False  # past the largest movement
+
+
+def test_the_demo_checks_a_flashmla_run_against_the_models_own_rounded_forward():
+    """The demo's own-forward check as a FlashMLA run gets it (CPU: the logits handed in stand for the run's): the
+    model's own rounded forward passes, and a run whose logits are off by more than the rounding explains fails."""
+    from dtkv.demo._models import DemoModel
+    from dtkv.demo._run import _own_forward_check
+    from dtkv.integrations.transformers import reference_logits, tiny_model
+
+    m = DemoModel(name="deepseek-v32", kv_dtype="bf16", page_size=16, device=torch.device("cpu"))
+    m.lm = tiny_model("deepseek-v32", seed=1, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    ps = [torch.randint(0, 256, (40,), generator=g).tolist(), torch.randint(0, 256, (23,), generator=g).tolist()]
+    args = {"attention": "flashmla"}
+    outputs, rows = [], []
+    for p in ps:
+        own = reference_logits(m.lm, p, rounded_probabilities=True)
+        outputs.append([int(own[-1].argmax())])
+        rows.append(own[-8:])
+    check, _ = _own_forward_check(m, ps, outputs, rows, args)
+    assert check["ok"] is True and check["rounded_forward_mean"] > 0, check
+    bad, _ = _own_forward_check(m, ps, outputs, [r + 0.5 * torch.randn(r.shape, generator=g) for r in rows], args)
+    assert bad["ok"] is False, bad

@@ -143,12 +143,17 @@ def _own_forward_check(model: DemoModel, ps, outputs, logit_rows, args) -> tuple
 
     kv_dtype: Any = model.kv_dtype
     layouts = kv_layouts(geometry_of(model.lm), kv_dtype, 1)  # rounding ignores the page size
+    rounded = args.get("attention") == "flashmla"  # FlashMLA rounds the probabilities to bf16
     out = {}
     for key, lay in (("", layouts), ("_full_precision", None)):
-        diffs, labels, margins, tokens_equal = [], [], [], True
+        diffs, base, labels, margins, tokens_equal = [], [], [], [], True
         for i, (p, got) in enumerate(zip(ps, logit_rows)):
-            ref = reference_logits(model.lm, p + outputs[i][:-1], layouts=lay)[-got.shape[0] :]
+            seq = p + outputs[i][:-1]
+            ref = reference_logits(model.lm, seq, layouts=lay)[-got.shape[0] :]
             diffs.append((ref - got.to(ref.device)).abs().amax(-1).cpu())
+            if rounded:
+                own = reference_logits(model.lm, seq, layouts=lay, rounded_probabilities=True)[-got.shape[0] :]
+                base.append((ref - own).abs().amax(-1).cpu())
             first = len(p) + len(outputs[i]) - 1 - got.shape[0]
             labels += [f"request {i} position {first + j}" for j in range(got.shape[0])]
             gen = ref[-len(outputs[i]) :]
@@ -157,8 +162,10 @@ def _own_forward_check(model: DemoModel, ps, outputs, logit_rows, args) -> tuple
                     margins.append(float(row[want] - row[chosen]))
             tokens_equal &= not margins
         d = torch.cat(diffs)
-        precision = verdict.verdict_dtype(model.dtype, args.get("attention", "torch"))
-        out[key] = verdict.transformers_check(precision, model.kv_dtype, d, labels, tokens_equal, margins)
+        if rounded:
+            out[key] = verdict.rounded_attention_check(d, torch.cat(base), labels, tokens_equal, margins)
+        else:
+            out[key] = verdict.transformers_check(model.dtype, model.kv_dtype, d, labels, tokens_equal, margins)
     return out[""], {
         "max_abs_logit_diff_full_precision": out["_full_precision"]["worst"],
         "tokens_equal_full_precision": out["_full_precision"]["tokens_equal"],

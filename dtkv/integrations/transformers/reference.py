@@ -124,18 +124,34 @@ def stable_topk(model: torch.nn.Module, *, layouts: Mapping[str, KVLayout] | Non
 
 @torch.no_grad()
 def reference_logits(
-    model: torch.nn.Module, token_ids: Sequence[int], *, layouts: Mapping[str, KVLayout] | None = None
+    model: torch.nn.Module,
+    token_ids: Sequence[int],
+    *,
+    layouts: Mapping[str, KVLayout] | None = None,
+    rounded_probabilities: bool = False,
 ) -> torch.Tensor:
     """The model's own full forward over one sequence under :func:`stable_topk`: float32 ``[len(ids), V]``.
 
     Teacher-forced over a prompt followed by greedily generated tokens, ``argmax`` of row ``p`` is the model's
     greedy choice after position ``p``: one forward gives the reference of a whole prefill + decode.
     ``layouts``: read keys as these stored formats hold them (see :func:`stable_topk`).
+    ``rounded_probabilities``: attention as a half-precision kernel computes it -- transformers' eager attention,
+    whose softmax probabilities are rounded to the model's dtype before they multiply V (FlashMLA and SDPA's fused
+    kernels do the same) -- instead of :func:`float32_attention`; the two differ by what that rounding costs.
     """
     device = next(model.parameters()).device
     ids = torch.tensor([list(token_ids)], dtype=torch.int64, device=device)
-    with stable_topk(model, layouts=layouts), float32_attention():
-        return model(input_ids=ids, use_cache=False).logits[0].float()
+    if not rounded_probabilities:
+        with stable_topk(model, layouts=layouts), float32_attention():
+            return model(input_ids=ids, use_cache=False).logits[0].float()
+    config = model.config
+    before = config._attn_implementation
+    config._attn_implementation = "eager"
+    try:
+        with stable_topk(model, layouts=layouts):
+            return model(input_ids=ids, use_cache=False).logits[0].float()
+    finally:
+        config._attn_implementation = before
 
 
 def float32_attention() -> contextlib.AbstractContextManager:
