@@ -37,7 +37,8 @@ pytestmark = [
     pytest.mark.skipif(not _OK, reason=f"Mooncake transfer engine unavailable: {_WHY}"),
 ]
 
-NUM_REQUESTS = 200
+NUM_REQUESTS = 500 if os.environ.get("DTKV_TEST_LONG", "0") == "1" else 100
+"""Requests of the soak: 100 in CI (about 40 s on 2 cores), 500 with ``DTKV_TEST_LONG=1``."""
 SEED = 20261130
 PREFILL_PAGES = 64
 DECODE_PAGES = 96

@@ -83,9 +83,9 @@ MAX_DIFF = 1.0
 ROUNDED_NOISE_RATIO = 1.5
 """A run on FlashMLA: its mean logit difference from the float32-attention reference may be at most this many
 times the mean difference of the model's own forward with rounded probabilities (eager attention: softmax rounded
-to bf16 before it multiplies V, what FlashMLA does) from the same reference. Measured: a tiny DeepSeek-V3.2 in bf16
-at FlashMLA's dims, FlashMLA on one H200 mean 0.088 (max 0.78); the model's own rounded forward on CPU at the
-tiny dims mean 0.058 (max 0.64)."""
+to bf16 before it multiplies V, what FlashMLA does) from the same reference. Measured on one H200, the tiny models
+in bf16 at FlashMLA's dims: DeepSeek-V3.2 0.0875 vs 0.0855, GLM-5 0.0811 vs 0.0790
+(``benchmarks/results/demo_flashmla_h200_2026-12-01.md``)."""
 
 
 def rounded_attention_check(
