@@ -150,13 +150,19 @@ def make_packer(impl: str):
 
 
 def _all_gather_many(outs: list[torch.Tensor], ins: list[torch.Tensor], group, async_op: bool):
-    """Rank-major all-gather of each ``ins[k]`` into ``outs[k]`` as one collective where the backend coalesces."""
+    """Rank-major all-gather of each ``ins[k]`` into ``outs[k]`` as one collective where the backend coalesces.
+
+    Gloo never takes the coalesced path: its coalesced all-gather (a flattened copy of every input and output) has
+    a history of crashing its process (pytorch/pytorch#65231, #65237: asynchronous use), and this module's
+    prefetch runs it asynchronously; a CI rank died of heap corruption ("munmap_chunk(): invalid pointer",
+    SIGABRT) while the other ranks waited in it. One all-gather per tensor moves the same bytes.
+    """
     if len(outs) == 1:
         return all_gather_into(outs[0], ins[0], group, async_op=async_op)
     coalesced = getattr(group, "all_gather_single_coalesced", None) or getattr(  # torch 2.13 name, then 2.11
         group, "allgather_into_tensor_coalesced", None
     )
-    if coalesced is not None and _COALESCED.get(group.group_name, True):
+    if coalesced is not None and _coalesces(group) and _COALESCED.get(group.group_name, True):
         try:
             work = coalesced(outs, ins)
         except (RuntimeError, NotImplementedError):  # the backend does not coalesce: the same on every rank
@@ -175,6 +181,11 @@ def _all_gather_many(outs: list[torch.Tensor], ins: list[torch.Tensor], group, a
 
 
 _COALESCED: dict[str, bool] = {}
+
+
+def _coalesces(group) -> bool:
+    """Whether ``group``'s backend may take the coalesced all-gather: not gloo (see :func:`_all_gather_many`)."""
+    return "gloo" not in str(dist.get_backend(group))
 
 
 class _Works:
