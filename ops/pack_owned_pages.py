@@ -23,12 +23,13 @@ Legend: ``P`` local pages, ``M`` rows_per_rank, ``K`` list length.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
 from dtkv._checks import check_tensor
 from dtkv._util import warn_deprecated
-from dtkv.ownership import PageOwnership
+from dtkv.ownership import OwnershipScheme, PageOwnership
 
 from ._common import (
     OwnershipLike,
@@ -86,7 +87,8 @@ def plan_pack(pages: torch.Tensor, ownership: OwnershipLike, *, device: torch.de
         TypeError / ValueError: ``pages`` is not a 1-D integer tensor, or holds values outside ``[-1, num_pages)``.
     """
     check_tensor("pages", pages, dtype=(torch.int64, torch.int32), ndim=1)
-    ownership = PageOwnership(*ownership_spec(ownership))
+    spec = ownership_spec(ownership)
+    ownership = PageOwnership(spec.cp_size, spec.num_pages, cast(OwnershipScheme, spec.scheme))
     device = pages.device if device is None else torch.device(device)
     p = pages.to("cpu", torch.int64)
     ownership.check_pages("pages", p)
