@@ -114,9 +114,9 @@ class LocalSplit:
     num_tokens: int
     """Tokens this rank computes (``cu_seqlens_q[-1]``)."""
     actual_seq_q_prev: tuple[int, ...]
-    """Per request, tokens of the prev segment (zigzag: segment ``rank``; round_robin: every local token)."""
+    """Per request, tokens of the prev segment (segment ``rank`` in zigzag, every local token in round_robin)."""
     actual_seq_q_next: tuple[int, ...]
-    """Per request, tokens of the next segment (zigzag: segment ``2cp-1-rank``; round_robin: 0)."""
+    """Per request, tokens of the next segment (segment ``2cp-1-rank`` in zigzag, 0 in round_robin)."""
     kv_len_prev: tuple[int, ...]
     """Per request, causal KV extent of the prev segment: ``prefix_len + end of the segment`` (round_robin:
     ``prefix_len + 1 +`` the extend offset of the request's last local token, or ``prefix_len`` with none)."""
