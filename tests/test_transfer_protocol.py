@@ -17,10 +17,12 @@ from dtkv.transfer import (
     LocalEngine,
     PlanOptions,
     PrefillSender,
+    StoreTimeout,
     TransferError,
     send_entries,
 )
 from dtkv.transfer.descriptors import PeerEntries
+from dtkv.transfer.protocol import Backoff
 
 LAYERS = 2
 LAYOUTS = {
@@ -180,6 +182,62 @@ class TestFaults:
 
         e = pickle.loads(pickle.dumps(TransferError("boom", request_id="r", peer="p", pages=[1, 2])))
         assert str(e) == "transfer failed (request 'r', peer p, pages [1, 2]): boom"
+        e = pickle.loads(pickle.dumps(StoreTimeout("slow", request_id="r", peer="store")))
+        assert type(e) is StoreTimeout and str(e) == "transfer failed (request 'r', peer store): slow"
+
+
+class TestBackoffPoll:
+    """A poll loop reports its own timeout once the store answered it, and the store's before that."""
+
+    @staticmethod
+    def _backoff(deadline_s: float = 5.0) -> Backoff:
+        mine = lambda: TransferError("what the loop waited for did not come", request_id="r", peer="decode")
+        return Backoff(time.monotonic() + deadline_s, mine)
+
+    def test_a_store_timeout_before_any_answer_is_the_store_s(self):
+        slow = StoreTimeout("the store did not answer", request_id="r", peer="store")
+        with pytest.raises(StoreTimeout, match="the store did not answer"):
+            self._backoff().poll(lambda: (_ for _ in ()).throw(slow))
+
+    def test_a_store_timeout_after_an_answer_is_the_loop_s(self):
+        b = self._backoff()
+        assert b.poll(lambda: 7) == 7
+        slow = StoreTimeout("the store did not answer", request_id="r", peer="store")
+        with pytest.raises(TransferError, match="did not come") as info:
+            b.poll(lambda: (_ for _ in ()).throw(slow))
+        assert not isinstance(info.value, StoreTimeout) and info.value.__cause__ is slow
+
+    def test_other_errors_pass_through(self):
+        b = self._backoff()
+        b.poll(lambda: None)
+        bad = TransferError("malformed value", request_id="r", peer="store")
+        with pytest.raises(TransferError, match="malformed value"):
+            b.poll(lambda: (_ for _ in ()).throw(bad))
+
+    def test_wait_without_on_timeout_is_refused(self):
+        with pytest.raises(ValueError, match="on_timeout"):
+            Backoff(time.monotonic() - 1).wait()
+
+    def test_get_reports_the_missing_key_when_the_deadline_lands_in_a_poll(self):
+        """``Bootstrap.get``: the key never comes, and the poll that runs into the deadline is slow."""
+        store = dist.HashStore()
+        boot = Bootstrap(store, namespace="bp")
+        calls = []
+
+        class Slow:
+            def __getattr__(self, name):
+                return getattr(store, name)
+
+            def check(self, keys):
+                calls.append(keys)
+                if len(calls) == 3:
+                    time.sleep(0.6)
+                return store.check(keys)
+
+        boot.store = Slow()
+        with pytest.raises(TransferError, match="timed out waiting for 'nothing'") as info:
+            boot.get("nothing", deadline=time.monotonic() + 0.3)
+        assert isinstance(info.value.__cause__, StoreTimeout) and len(calls) == 3
 
 
 class _Writes:

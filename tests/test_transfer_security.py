@@ -169,6 +169,28 @@ class _FailingLink(LocalEngine):
         return -1 if self.failing else super().write(peer, src, dst, length)
 
 
+class _LateAnswerPoll:
+    """A link to the store whose ``nth`` poll for claim answers waits ``delay_s`` before reaching the store (a poll
+    checks for all of its answers at once first)."""
+
+    def __init__(self, inner, nth: int, delay_s: float) -> None:
+        self._inner, self._nth, self._delay_s, self._seen = inner, nth, delay_s, 0
+
+    @classmethod
+    def install(cls, bootstrap, **kw) -> None:
+        bootstrap.store = cls(bootstrap.store, **kw)
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+    def check(self, keys):
+        if len(keys) > 1 and all("/answer/" in k for k in keys):
+            self._seen += 1
+            if self._seen == self._nth:
+                time.sleep(self._delay_s)
+        return self._inner.check(keys)
+
+
 def _swallow(fn, *args) -> None:
     try:
         fn(*args)
@@ -181,9 +203,17 @@ class TestFreshness:
     its pages were reclaimed and reused by request 2. Prefill must not write request 1's KV over request 2's and
     must not report success."""
 
-    @pytest.mark.parametrize("claimed", [False, True], ids=["never-claimed", "claimed-and-answered"])
-    @pytest.mark.parametrize("cp_d", [1, 2, 3])
-    def test_replayed_attempt_never_makes_prefill_send(self, cp_d, claimed):
+    @pytest.mark.parametrize(
+        "cp_d,claimed,late_poll",
+        [
+            pytest.param(d, c, late, id=f"{d}-{'claimed-and-answered' if c else 'never-claimed'}{'-late-poll' * late}")
+            for d, c, late in [(d, c, False) for c in (False, True) for d in (1, 2, 3)]
+            + [(2, False, True), (2, True, True)]
+        ],
+    )
+    def test_replayed_attempt_never_makes_prefill_send(self, cp_d, claimed, late_poll):
+        """``late_poll``: the store is slow on the poll that runs into prefill's deadline (as on a loaded
+        machine): the error still names the decode ranks that did not answer, not the store."""
         store = dist.HashStore()
         peer = StorePeer(store, "fr")
         pre = shards(PageOwnership(2, 40), seed=21)
@@ -220,6 +250,8 @@ class TestFreshness:
         assert same_pages(pre, src2, dec, dst)
         peer.replay(recorded, last="req/r1")  # the epoch pointer, OPEN and READY slots (and answers) of attempt 1
         mark = peer.mark()
+        if late_poll:
+            _LateAnswerPoll.install(sender.bootstrap, nth=2, delay_s=1.3)
         with pytest.raises(TransferError, match=r"decode ranks \[.*\] did not answer"):
             sender.send_request("r1", src1, timeout_s=1.0)
         assert same_pages(pre, src2, dec, dst), "a replayed attempt made prefill write request 1 over request 2"

@@ -11,7 +11,8 @@ Entry points:
   :class:`Bootstrap` store, on a :class:`MooncakeEngine` (TCP, P2PHANDSHAKE) or the in-process
   :class:`LocalEngine`; a failed request's decode pages stay quarantined until :meth:`DecodeReceiver.reclaim`
   returns them.
-- :class:`TransferError` -- every failure or timeout, naming the peer, the request and the pages.
+- :class:`TransferError` -- every failure or timeout, naming the peer, the request and the pages;
+  :class:`StoreTimeout` is its case of a store call that ran into the caller's deadline.
 
 What a plan is: :mod:`dtkv.transfer.descriptors`; how it is chosen: :mod:`dtkv.transfer.plan`; the store keys,
 deadlines and the protocol: :mod:`dtkv.transfer.protocol`; the byte format of stored values (no pickle, optional
@@ -44,7 +45,7 @@ from dtkv.transfer.engine import (
     mooncake_available,
     send_entries,
 )
-from dtkv.transfer.errors import TransferError
+from dtkv.transfer.errors import StoreTimeout, TransferError
 from dtkv.transfer.messages import DstRequest, SendOutcome, SendStart
 from dtkv.transfer.plan import PlanOptions, disable_staging, layer_bounds, plan_request
 from dtkv.transfer.prefill import PrefillSender, SendReport
@@ -70,6 +71,7 @@ __all__ = [
     "SendStart",
     "SenderPlan",
     "StageCopy",
+    "StoreTimeout",
     "TransferError",
     "TransferSide",
     "apply_mooncake_env",

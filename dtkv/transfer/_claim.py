@@ -84,7 +84,9 @@ class ClaimSteps:
         refused: set[str] = set()
         call_ms = int(self.engine.call_timeout_s() * 1e3) + 1
         while True:
-            req = self.bootstrap.try_get(key, DstRequest, deadline=deadline, request_id=request_id, peer=peer)
+            req = backoff.poll(
+                lambda: self.bootstrap.try_get(key, DstRequest, deadline=deadline, request_id=request_id, peer=peer)
+            )
             if req is not None and req.epoch not in refused:
                 keys = AttemptKeys(request_id, req.epoch, req.num_prefill, req.num_decode)
                 self._check_party_counts(keys, deadline)
@@ -162,12 +164,14 @@ class ClaimSteps:
             if att.polled is not None:
                 (raws, progress), att.polled = att.polled, None
             else:
-                raws, progress = self.bootstrap.call(
-                    att.poll,
-                    deadline=deadline,
-                    what=f"poll {keys.prefix}/decode",
-                    request_id=keys.request_id,
-                    peer="decode",
+                raws, progress = backoff.poll(
+                    lambda: self.bootstrap.call(
+                        att.poll,
+                        deadline=deadline,
+                        what=f"poll {keys.prefix}/decode",
+                        request_id=keys.request_id,
+                        peer="decode",
+                    )
                 )
             check_not_aborted(keys, progress)
             msgs = []
@@ -227,12 +231,14 @@ class ClaimSteps:
         backoff = Backoff(deadline, timeout, hot_s=HOT_POLL_S)  # decode answers within a poll of its own
         while True:
             todo = [rd for rd in want if rd not in answers]
-            raws, progress = self.bootstrap.call(
-                lambda s, todo=todo: att.poll_answers(s, todo),
-                deadline=deadline,
-                what=f"poll {keys.prefix}/answer",
-                request_id=keys.request_id,
-                peer="decode",
+            raws, progress = backoff.poll(
+                lambda todo=todo: self.bootstrap.call(
+                    lambda s: att.poll_answers(s, todo),
+                    deadline=deadline,
+                    what=f"poll {keys.prefix}/answer",
+                    request_id=keys.request_id,
+                    peer="decode",
+                )
             )
             check_not_aborted(keys, progress)
             before = len(answers)

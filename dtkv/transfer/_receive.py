@@ -91,8 +91,10 @@ class ReceiveLoop:
         while len(done) < num_prefill:
             if time_left(deadline) <= 0:
                 raise timeout()
-            polled = self.bootstrap.call(
-                poll, deadline=deadline, what=f"poll {keys.prefix}", request_id=rid, peer="prefill"
+            polled = backoff.poll(
+                lambda: self.bootstrap.call(
+                    poll, deadline=deadline, what=f"poll {keys.prefix}", request_id=rid, peer="prefill"
+                )
             )
             progressed = False
             for r, item in enumerate(polled):

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from dtkv._env import transfer_secret
 from dtkv.transfer.descriptors import RankEndpoint
-from dtkv.transfer.errors import TransferError
+from dtkv.transfer.errors import StoreTimeout, TransferError
 from dtkv.transfer.messages import endpoint_fields, endpoint_from_fields
 from dtkv.transfer.protocol import Backoff, endpoint_key, time_left
 from dtkv.transfer.wire import Kind, WireError, pack, unpack
@@ -204,18 +204,19 @@ class Bootstrap:
         ``write=False`` drops the call if it has not started by then; a write still runs, in order, later.
 
         Raises:
-            TransferError: the store did not answer in time, or the call failed.
+            StoreTimeout: the store did not answer in time.
+            TransferError: the call failed.
         """
         left = time_left(deadline)
         if left <= 0:
-            raise TransferError(f"timed out before the store call {what}", request_id=request_id, peer=peer)
+            raise StoreTimeout(f"timed out before the store call {what}", request_id=request_id, peer=peer)
         fut = self._worker.submit(lambda: fn(self.store))
         try:
             return fut.result(timeout=left)
         except FutureTimeout:
             if not write:
                 fut.cancel()
-            raise TransferError(
+            raise StoreTimeout(
                 f"the store did not answer {what} within {left:.2f} s (stalled or unreachable)",
                 request_id=request_id,
                 peer=peer,
@@ -286,7 +287,7 @@ class Bootstrap:
         while True:
             if time_left(deadline) <= 0:
                 raise timeout()
-            msg = self.try_get(key, *types, deadline=deadline, request_id=request_id, peer=peer)
+            msg = backoff.poll(lambda: self.try_get(key, *types, deadline=deadline, request_id=request_id, peer=peer))
             if msg is not None:
                 return msg
             backoff.wait()
@@ -330,8 +331,10 @@ class Bootstrap:
         while True:
             if time_left(deadline) <= 0:
                 raise timeout()
-            raw = self.call(
-                lambda s: s.get(key) if s.check([key]) else None, deadline=deadline, what=f"get {key!r}", peer=peer
+            raw = backoff.poll(
+                lambda: self.call(
+                    lambda s: s.get(key) if s.check([key]) else None, deadline=deadline, what=f"get {key!r}", peer=peer
+                )
             )
             if raw is not None:
                 ep = self._endpoint(key, raw, peer=peer)

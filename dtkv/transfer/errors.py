@@ -1,4 +1,4 @@
-"""The one exception of the transfer path: :class:`TransferError`."""
+"""The one exception of the transfer path: :class:`TransferError` (and its :class:`StoreTimeout` case)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["TransferError", "format_pages"]
+__all__ = ["StoreTimeout", "TransferError", "format_pages"]
 
 
 def format_pages(pages: Sequence[int] | np.ndarray, limit: int = 8) -> str:
@@ -42,3 +42,18 @@ class TransferError(RuntimeError):
 
 def _rebuild(reason: str, request_id: str, peer: str, pages: np.ndarray) -> TransferError:
     return TransferError(reason, request_id=request_id, peer=peer, pages=pages)
+
+
+class StoreTimeout(TransferError):
+    """One bounded store call ran into its caller's deadline (not started before it, or not answered by it).
+
+    A polling loop whose store answered earlier polls reports its own timeout instead (what it waited for did not
+    come in time), chained to this one: see :meth:`dtkv.transfer.protocol.Backoff.poll`.
+    """
+
+    def __reduce__(self):
+        return (_rebuild_timeout, (self.reason, self.request_id, self.peer, self.pages))
+
+
+def _rebuild_timeout(reason: str, request_id: str, peer: str, pages: np.ndarray) -> StoreTimeout:
+    return StoreTimeout(reason, request_id=request_id, peer=peer, pages=pages)

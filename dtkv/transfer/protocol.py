@@ -84,8 +84,11 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
-from dtkv.transfer.errors import TransferError
+from dtkv.transfer.errors import StoreTimeout, TransferError
+
+T = TypeVar("T")
 
 __all__ = [
     "ABORT",
@@ -160,6 +163,7 @@ class Backoff:
         self.hot_s = hot_s
         self._hot_until = time.monotonic() + hot_s
         self._delay = 0.001
+        self._answered = False
 
     def sleep(self, progressed: bool = False) -> bool:
         """Sleep before the next poll (1 ms again after progress); whether time is left for another one."""
@@ -176,7 +180,29 @@ class Backoff:
     def wait(self, progressed: bool = False) -> None:
         """:meth:`sleep`, then raise ``on_timeout()`` once the deadline has passed."""
         if not self.sleep(progressed):
-            raise self.on_timeout()
+            raise self._timeout()
+
+    def poll(self, call: Callable[[], T]) -> T:
+        """Run one of the loop's store calls (bounded by the same deadline); its result.
+
+        Once the store answered a poll of this loop, a later one that runs into the deadline (it began with
+        milliseconds left, or the store was slow just then) means that what the loop waits for did not come in
+        time: that raises ``on_timeout()``, chained to the :class:`StoreTimeout`. Before any answer, the
+        :class:`StoreTimeout` itself is raised: the store is what did not answer.
+        """
+        try:
+            out = call()
+        except StoreTimeout as e:
+            if self._answered and self.on_timeout is not None:
+                raise self.on_timeout() from e
+            raise
+        self._answered = True
+        return out
+
+    def _timeout(self) -> TransferError:
+        if self.on_timeout is None:
+            raise ValueError("Backoff.wait needs on_timeout (use sleep() for a loop without one)")
+        return self.on_timeout()
 
 
 @dataclass(frozen=True, slots=True)
