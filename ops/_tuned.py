@@ -109,7 +109,7 @@ TUNED: dict[str, dict[int, Config]] = {
     },
 }
 # fmt: on
-# END TUNED# END TUNED
+# END TUNED
 
 _OVERRIDES: dict[str, Config] = {}
 

@@ -214,6 +214,11 @@ def test_the_repository_table_merges_into_itself_unchanged(tmp_path):
     (tmp_path / "tuned.json").write_text(json.dumps({**DOC, "tuned": {}}))
     T.write_table(str(tmp_path / "tuned.json"), table)
     assert _load(table).TUNED == _tuned.TUNED and _load(table).TUNED_ON == _tuned.TUNED_ON
+    assert table.read_text() == (ROOT / "ops" / "_tuned.py").read_text()
+    assert [line for line in table.read_text().splitlines() if T.BEGIN in line or T.END in line] == [
+        f"{T.BEGIN}: written by `python benchmarks/tune_ops.py --write-table <json>`; do not edit by hand",
+        T.END,
+    ], "one BEGIN and one END marker line"
 
 
 @pytest.mark.parametrize(
