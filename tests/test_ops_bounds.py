@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from dtkv.ops import HAS_TRITON
+from dtkv.ops import HAS_TRITON, _tuned
 from dtkv.ops._common import INTERPRET, tl, triton
 from tests.ops_reference import backend_ok, benchmark
 
@@ -142,10 +142,37 @@ def test_default_window_and_flat_configurations_stay_in_bounds(op):
     assert problems == []
 
 
-@pytest.mark.slow  # every candidate, 2 sizes, 2 input sets: a minute or more on 2 cores
+def _shipped(op: str) -> list[dict]:
+    """``op``'s configurations a launch can take (the defaults, every tuned entry), ``num_warps`` aside (the
+    interpreter runs twins alike)."""
+    out = []
+    for cfg in [M.T.full(op, {}), *(M.T.full(op, c) for c in _tuned.TUNED.get(op, {}).values())]:
+        key = {k: v for k, v in cfg.items() if k != "num_warps"}
+        if key not in out:
+            out.append(key)
+    return out
+
+
+@pytest.mark.slow  # every candidate: a minute on 2 cores (four with DTKV_TEST_LONG=1)
 @pytest.mark.parametrize("op", list(QUICK))
 def test_every_sweep_candidate_stays_in_bounds(op):
-    """Each candidate's address check on both sizes with input sets 0 and 1 (int64 and int32 locations, a pool
-    and a layer view of twice its page stride, ranks 0 and 1); ``DTKV_TEST_LONG=1`` adds set 2 (rank 2)."""
-    seeds = M.SEEDS if os.environ.get("DTKV_TEST_LONG", "0") == "1" else M.SEEDS[:2]
-    assert M.run([op], torch.device("cpu"), M.SIZES["cpu"], seeds, address_check=True, log=lambda msg: None) == []
+    """Each candidate's address check. The configurations a launch can take (defaults, tuned entries) run on both
+    sizes with input sets 0 and 1 (int64 and int32 locations, a pool and a layer view of twice its page stride,
+    ranks 0 and 1); every other sweep candidate on one (size, set) pair, in turn, so that each pair meets a share
+    of them. ``DTKV_TEST_LONG=1``: every candidate on every pair, and set 2 (rank 2)."""
+    long = os.environ.get("DTKV_TEST_LONG", "0") == "1"
+    seeds = M.SEEDS if long else M.SEEDS[:2]
+    pairs = [(n, seed) for n in M.SIZES["cpu"] for seed in seeds]
+    shipped = _shipped(op)
+    todo: dict[tuple[int, int], list[dict]] = {pair: [] for pair in pairs}
+    for i, cfg in enumerate(M.configs(op, distinct_compiles=False)):
+        everywhere = long or {k: v for k, v in cfg.items() if k != "num_warps"} in shipped
+        for pair in pairs if everywhere else [pairs[i % len(pairs)]]:
+            todo[pair].append(cfg)
+    assert sum(map(len, todo.values())) >= len(M.configs(op, distinct_compiles=False)), "a candidate was left out"
+    problems = []
+    with M.interpreter_address_check():
+        for (n, seed), cfgs in todo.items():
+            for case in M.CASES[op](torch.device("cpu"), n, seed):
+                problems += M.check_case(op, case, cfgs)
+    assert problems == []
