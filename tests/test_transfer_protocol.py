@@ -218,6 +218,35 @@ class TestBackoffPoll:
         with pytest.raises(ValueError, match="on_timeout"):
             Backoff(time.monotonic() - 1).wait()
 
+    def test_prefill_reports_the_missing_decode_rank_when_the_deadline_lands_in_a_poll(self):
+        """Decode rank 1 never takes part; prefill's first READY poll after its claim (which read the slots once
+        already) is slow past the deadline: the error is the missing rank's, not the store's."""
+        store = dist.HashStore()
+        pre = [KVShard.allocate(LAYOUTS, PageOwnership(2, 40), r, num_layers=LAYERS) for r in range(2)]
+        dec = [KVShard.allocate(LAYOUTS, PageOwnership(2, 30), r, num_layers=LAYERS) for r in range(2)]
+        sender = PrefillSender(pre, Bootstrap(store, namespace="wr"), engine=LocalEngine(), timeout_s=5)
+        receivers = [DecodeReceiver(d, Bootstrap(store, namespace="wr"), engine=LocalEngine()) for d in dec]
+        slot_reads = []
+
+        class Slow:
+            def __getattr__(self, name):
+                return getattr(link, name)
+
+            def check(self, keys):
+                if len(keys) == 1 and keys[0].endswith("/decode/1"):
+                    slot_reads.append(keys[0])
+                    if len(slot_reads) == 2:  # the claim's read was the first
+                        time.sleep(0.8)
+                return link.check(keys)
+
+        link, sender.bootstrap.store = sender.bootstrap.store, Slow()
+        for side in (sender, *receivers):
+            side.connect()
+        receivers[0].post_request("w", [1, 2, 3])  # decode rank 1 never takes part
+        with pytest.raises(TransferError, match="timed out waiting for every decode rank to take part") as info:
+            sender.send_request("w", [4, 5, 6], timeout_s=0.4)
+        assert isinstance(info.value.__cause__, StoreTimeout) and len(slot_reads) == 2
+
     def test_get_reports_the_missing_key_when_the_deadline_lands_in_a_poll(self):
         """``Bootstrap.get``: the key never comes, and the poll that runs into the deadline is slow."""
         store = dist.HashStore()

@@ -161,8 +161,9 @@ class ClaimSteps:
         )
         refreshed = False
         while True:
-            if att.polled is not None:
-                (raws, progress), att.polled = att.polled, None
+            if att.polled is not None:  # read by the claim itself: the store answered this loop's first poll
+                polled, att.polled = att.polled, None
+                raws, progress = backoff.poll(lambda polled=polled: polled)
             else:
                 raws, progress = backoff.poll(
                     lambda: self.bootstrap.call(
