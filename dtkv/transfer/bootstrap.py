@@ -15,6 +15,10 @@ touches the store; the keys and the protocol are :mod:`dtkv.transfer.protocol`.
   ``TransferError``. Calls run in submission order on that one thread, so a call that outlived its caller still
   lands, in order, once the store answers again (the protocol relies on this for cleanup); a read that had not
   started is dropped. The worker thread exits after :data:`WORKER_LINGER_S` without work.
+- **A clean exit.** At interpreter exit the calls already queued run (for up to :data:`EXIT_FLUSH_S`), then no
+  new call starts (:func:`exiting`): a store call still running when the interpreter finalizes would abort the
+  process ("terminate called without an active exception") as it returns. A receiver left open, whose thread
+  keeps answering claims, would otherwise start one at any moment.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from dtkv.transfer.messages import endpoint_fields, endpoint_from_fields
 from dtkv.transfer.protocol import Backoff, endpoint_key, time_left
 from dtkv.transfer.wire import Kind, WireError, pack, unpack
 
-__all__ = ["WORKER_LINGER_S", "Bootstrap", "create_store"]
+__all__ = ["WORKER_LINGER_S", "Bootstrap", "create_store", "exiting"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +57,14 @@ EXIT_FLUSH_S = 5.0
 """At interpreter exit, how long queued store calls (cleanup, reports) may still take to run."""
 
 T = TypeVar("T")
+
+_EXITING = threading.Event()
+
+
+def exiting() -> bool:
+    """Whether the interpreter is exiting: store calls queued from then on fail at once (module docstring)."""
+    return _EXITING.is_set()
+
 
 _ANY_HOST = ("", "0.0.0.0", "::", "*")
 
@@ -125,6 +137,11 @@ class _StoreWorker:
     def submit(self, fn: Callable[[], T]) -> Future:
         fut: Future = Future()
         with self._cv:
+            if _EXITING.is_set():  # checked under the lock that flush() waits on: nothing starts after it
+                fut.set_exception(
+                    TransferError("the interpreter is exiting: no new store call starts", request_id="-", peer="store")
+                )
+                return fut
             self._queue.append((fut, fn))
             if self._alive:
                 self._cv.notify()
@@ -163,8 +180,10 @@ _WORKERS: weakref.WeakSet[_StoreWorker] = weakref.WeakSet()
 
 @atexit.register
 def _flush_at_exit() -> None:
-    """Let queued store calls (a request's cleanup, a late report) run before the interpreter goes away: a daemon
-    thread still inside a store call at finalization would abort the process. Bounded by :data:`EXIT_FLUSH_S`."""
+    """Let the store calls queued so far (a request's cleanup, a late report) run before the interpreter goes away,
+    and start none after them: a daemon thread still inside a store call at finalization would abort the process.
+    Bounded by :data:`EXIT_FLUSH_S`."""
+    _EXITING.set()
     deadline = time.monotonic() + EXIT_FLUSH_S
     for worker in list(_WORKERS):
         worker.flush(deadline - time.monotonic())

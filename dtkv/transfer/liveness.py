@@ -22,7 +22,7 @@ import time
 
 import torch.distributed as dist
 
-from dtkv.transfer.bootstrap import WORKER_LINGER_S, Bootstrap
+from dtkv.transfer.bootstrap import WORKER_LINGER_S, Bootstrap, exiting
 from dtkv.transfer.errors import TransferError
 from dtkv.transfer.messages import Aborted, Answer, Claim, SlotOpen
 from dtkv.transfer.protocol import HOT_POLL_S, MAX_POLL_S, deadline_after
@@ -151,10 +151,10 @@ class Responder:
         delay, hot_until = 0.001, 0.0
         while True:
             with self._cv:
-                due = [] if self._closed else self._due()
+                due = [] if self._closed or exiting() else self._due()
                 if not due and not self._closed:
                     self._cv.wait(WORKER_LINGER_S)
-                    due = [] if self._closed else self._due()
+                    due = [] if self._closed or exiting() else self._due()
                 if not due:
                     self._alive = False
                     return
