@@ -19,8 +19,12 @@ indexer does: the dot is then fp8 x fp8 on the tensor cores (twice the bf16 rate
 memory bandwidth: every key costs ``2 * I * J`` flops for its ``J + 4`` bytes (124 flop/byte at ``I = 64``,
 ``J = 128``: HBM speed needs ~600 TFLOP/s, beyond what a bf16 dot sustains). The price is e4m3 rounding of the
 queries (up to 2**-4 relative per element), so the selection differs from that of unquantized queries at
-near-ties; every mode of a decode step (sharded, full view, replicated) scores a key with the same instructions
-(every launch the table holds gives the default launch's bits), so they agree with each other exactly.
+near-ties. Every mode of a decode step (sharded, full view, replicated) reads other page counts, so other launches
+and grids, yet scores a key with the same operations in the same order: a key's bits do not depend on the launch
+(the tile, program or grid it lands in) -- under the interpreter by construction (its dot is exact and in one
+order, :mod:`dtkv.ops._indexer_kernels`), on a GPU for every launch of :data:`LAUNCH_TABLE` (the sweep admits only
+launches whose keys equal the default launch's bitwise; ``benchmarks/bench_indexer_scores.py --check-launches``
+checks every launch on awkward shapes) -- so the modes select the same keys.
 ``q_fp8=False`` keeps ``q`` as given (bf16 for the kernel: bf16 x bf16 dot of the exactly converted codes): the
 reference model's formula.
 
@@ -142,8 +146,11 @@ _KERNELS = ("pages", "cols")
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class IndexerLaunch:
-    """Launch parameters of the Triton kernels (:mod:`dtkv.ops._indexer_kernels`); none changes a key's bits
-    (every kernel scores a key with the same instructions at ``num_warps=4``; ``imprecise`` does change them)."""
+    """Launch parameters of the Triton kernels (:mod:`dtkv.ops._indexer_kernels`). Every kernel scores a key's
+    row with the same operations whatever the tile, so none changes a key's bits under the interpreter (its dot is
+    exact, in one order); on a GPU the tensor-core dot is the same instruction sequence per row at
+    ``num_warps=4``, and the table holds only launches that the sweep found bitwise equal to the default
+    (``imprecise`` does change the bits)."""
 
     kernel: str = "pages"
     """``"pages"``: one page per tile, the page id loaded once and pipelined ahead; ``"cols"``: the first kernel,
@@ -212,8 +219,9 @@ LAUNCH_TABLE: dict[tuple[int, int], IndexerLaunch] = {
 }
 # END LAUNCH_TABLE
 """``(batch bucket, key bucket) -> IndexerLaunch`` measured on one H200 (``--indexer-sweep``); only launches
-whose keys are bitwise those of :data:`DEFAULT_LAUNCH` enter it, so sharded, full-view and replicated steps
-(which read different page counts) select the same keys."""
+whose keys are bitwise those of :data:`DEFAULT_LAUNCH` enter it (``bench_indexer_scores.py --check-launches``
+re-checks them on awkward shapes), so sharded, full-view and replicated steps (which read different page counts)
+select the same keys."""
 
 _FORCED: list[IndexerLaunch] = []
 
