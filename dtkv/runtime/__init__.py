@@ -70,7 +70,8 @@ mode                what each CP rank stores and how rows get there
                     (a partly filled first page, fallback requests) go through a small all-gather
 ==================  ===========================================================================================
 
-The page-table format is defined in :mod:`dtkv.page_table`.
+Every mode runs in one process too (no group, or a group of one rank): nothing is exchanged, and each stores and
+computes what ``single`` does, bitwise. The page-table format is defined in :mod:`dtkv.page_table`.
 """
 
 from __future__ import annotations

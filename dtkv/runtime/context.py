@@ -56,12 +56,21 @@ class StepContext:
         plan: StepPlan | None = None,
         decode: DecodePlan | None = None,
         ids: torch.Tensor | None = None,
+        decode_pages: list[list[int]] | None = None,
     ) -> None:
+        if (plan is None) == (decode is None):
+            raise ValueError(
+                "StepContext needs one step: an extend plan (plan=) or a sharded decode plan (decode=), got "
+                f"plan={'None' if plan is None else 'a plan'}, decode={'None' if decode is None else 'a plan'}"
+            )
+        if decode is not None and (ids is None or decode_pages is None):
+            raise ValueError("a sharded decode step's StepContext needs its token ids (ids=) and page tables "
+                             "(decode_pages=)")  # fmt: skip
         self.runtime = runtime
         self.plan = plan
         self.decode = decode
         self.materializer: Materializer | None = None
-        self.decode_pages: list[list[int]] | None = None
+        self.decode_pages = decode_pages
         """A sharded decode step's page tables (what ``DTKV_DEBUG`` checks the selection against)."""
         self._ids = ids
         self._sharded: ShardedDecodeStep | None = None
@@ -93,12 +102,12 @@ class StepContext:
 
     # ------------------------------------------------------------------------------------------ writes
     def _gather(self, x: torch.Tensor, rows: int) -> torch.Tensor:
-        """Rank-major all-gather of ``x`` padded to ``rows`` rows: ``[cp * rows, ...]``."""
+        """Rank-major all-gather of ``x`` padded to ``rows`` rows: ``[cp * rows, ...]`` (one process: ``x`` padded,
+        nothing exchanged -- ``mode="replicated"`` or ``"sharded"`` of a group of one, or of no group)."""
         group = self.runtime.group
-        assert group is not None, "only CP modes gather rows"
         padded = x.new_zeros((rows, *x.shape[1:]))
         padded[: x.shape[0]] = x
-        return all_gather_rows(padded, group)
+        return padded if group is None else all_gather_rows(padded, group)
 
     def write(self, name: str, layer: int, rows: torch.Tensor) -> None:
         """Store this step's rows ``[n, C]`` of pool ``name``, layer ``layer`` (collective in the CP modes).

@@ -39,7 +39,7 @@ def write_rows(
     if isinstance(layout, MLALatentLayout):
         rows = rows.to(layout.dtype)
         if direct:
-            ops.direct_write(pool, rows, locs, ownership, rank, page_aligned=True)
+            ops.direct_write(pool, rows, locs, ownership, rank)
         else:
             ops.write_owned(pool, rows, locs, ownership, rank)
     elif isinstance(layout, MLAFp8Layout):

@@ -395,8 +395,7 @@ class Runtime:
                 _prefix.make_room_for_decode(self, reqs)
             plan = plan_sharded_step(self, reqs)
             ids = torch.tensor([r.tokens[r.num_computed] for r in reqs], dtype=torch.int64, device=self.device)
-            ctx = StepContext(self, decode=plan, ids=ids)
-            ctx.decode_pages = [list(r.pages) for r in reqs]
+            ctx = StepContext(self, decode=plan, ids=ids, decode_pages=[list(r.pages) for r in reqs])
             with torch.no_grad():
                 hidden = self._run_model(ctx)
                 ctx.finish()
