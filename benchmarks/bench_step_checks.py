@@ -4,7 +4,9 @@ Per batch size, p50/p90 in microseconds over ``--iters`` steps, on every rank (r
 
 - ``check``: :func:`dtkv._batch.check_batch` + :func:`check_capacity` alone (local, what one process pays);
 - ``check+agree``: :func:`dtkv._batch.agreed_step`, the same checks plus the verdict and batch exchange (one
-  48-byte all-gather on the group's CPU channel: gloo, also for an NCCL group, so it never waits for the GPU).
+  48-byte all-gather on the group's CPU channel: gloo, also for an NCCL group, so it never waits for the GPU);
+- ``vote``: the step's outcome vote after its run (:func:`dtkv.runtime._outcome.vote` of the committed state: one
+  more 48-byte all-gather per step).
 
 The reference point is the step it guards: a decode step of a real model is milliseconds, a prefill chunk more.
 
@@ -26,6 +28,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from dtkv import PageAllocator, PageOwnership, _batch
+from dtkv.runtime._outcome import vote
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _dist_bench as db  # noqa: E402
@@ -80,9 +83,12 @@ def main() -> None:
         agreed_step = functools.partial(
             _batch.agreed_step, group, what="bench", check=check, value=functools.partial(_batch.batch_value, requests)
         )
+        state = {"num_computed": [r.num_computed for r in requests], "num_pages": [len(r.pages) for r in requests],
+                 "free_pages": alloc.num_free()}  # fmt: skip
         local = _time_us(check, args.iters, channel)
         agreed = _time_us(agreed_step, args.iters, channel)
-        rows.append({"num_reqs": num_reqs, "check_us": local, "check_agree_us": agreed})
+        voted = _time_us(functools.partial(vote, group, None, what="bench", value=state), args.iters, channel)
+        rows.append({"num_reqs": num_reqs, "check_us": local, "check_agree_us": agreed, "vote_us": voted})
     tag = db.hardware_tag(device, world)
     if rank == 0:
         path = db.out_dir(args.out_dir) / f"step_checks_{tag}_{db.today()}.json"
@@ -90,7 +96,8 @@ def main() -> None:
         for r in rows:
             print(
                 f"num_reqs={r['num_reqs']:4d}  check p50/p90 {r['check_us'][0]:8.1f}/{r['check_us'][1]:8.1f} us  "
-                f"check+agree {r['check_agree_us'][0]:8.1f}/{r['check_agree_us'][1]:8.1f} us"
+                f"check+agree {r['check_agree_us'][0]:8.1f}/{r['check_agree_us'][1]:8.1f} us  "
+                f"vote {r['vote_us'][0]:8.1f}/{r['vote_us'][1]:8.1f} us"
             )
         print(f"step checks ({tag}): wrote {path}")
     db.finish()

@@ -15,9 +15,12 @@ the pools as they were:
   allocation that cannot succeed is refused before any eviction or allocation.
 - :func:`agreed_step`: runs a step's checks on every rank and fails on every rank together
   (:func:`dtkv._agree.agree` on the CP group's CPU channel: one 48-byte all-gather per step that never waits for
-  the GPU), also comparing the ranks' batches (the SPMD contract), so a rank that refuses its input never leaves
-  the others waiting in the step's first collective.
-- :func:`undo_new_pages`: a step that fails after allocating (its run raised) returns the pages it took.
+  the GPU), also comparing the ranks' batches and where each request stands (:func:`batch_value`: the SPMD
+  contract), so a rank that refuses its input never leaves the others waiting in the step's first collective, and
+  ranks whose state diverged raise before any collective.
+
+A step that fails after its checks (its run raised on some rank) is undone on every rank together by
+:class:`dtkv.runtime._outcome.StepOutcome`.
 
 Requests are duck-typed: ``rid``, ``prompt``, ``output`` (their tokens are prompt + output), ``pages``,
 ``num_computed`` and ``finished``.
@@ -25,8 +28,7 @@ Requests are duck-typed: ``rid``, ``prompt``, ``output`` (their tokens are promp
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TypeVar, cast
 
 import torch.distributed as dist
@@ -44,7 +46,6 @@ __all__ = [
     "check_prompt",
     "check_rid",
     "new_pages",
-    "undo_new_pages",
 ]
 
 T = TypeVar("T")
@@ -229,21 +230,16 @@ def agreed_step(
     return cast("T", result)
 
 
-def batch_value(reqs: Sequence, lens: Sequence[int]) -> dict[str, list[int]]:
-    """What the ranks of a step compare (:func:`agreed_step`): the request ids and extend lengths."""
-    return {"rids": [int(r.rid) for r in reqs], "extend_lens": list(lens)}
-
-
-@contextlib.contextmanager
-def undo_new_pages(allocator: PageAllocator, reqs: Sequence) -> Iterator[None]:
-    """On an exception inside the block, return the pages the block appended to ``reqs``' page lists."""
-    before = [len(r.pages) for r in reqs]
-    try:
-        yield
-    except BaseException:
-        taken = []
-        for r, n in zip(reqs, before):
-            taken += r.pages[n:]
-            del r.pages[n:]
-        allocator.free(taken)
-        raise
+def batch_value(reqs: Sequence, lens: Sequence[int], *, allocator: PageAllocator | None = None) -> dict[str, object]:
+    """What the ranks of a step compare (:func:`agreed_step`): the request ids and extend lengths, and where each
+    request stands (``num_computed``, its page count) -- ranks whose state diverged would otherwise step the same
+    request from different positions with no error -- and, with ``allocator``, its free pages."""
+    value: dict[str, object] = {
+        "rids": [int(r.rid) for r in reqs],
+        "extend_lens": list(lens),
+        "num_computed": [int(r.num_computed) for r in reqs],
+        "num_pages": [len(r.pages) for r in reqs],
+    }
+    if allocator is not None:
+        value["free_pages"] = allocator.num_free()
+    return value

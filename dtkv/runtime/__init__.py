@@ -21,8 +21,14 @@ split (zigzag, page-aligned where possible, or round-robin), owner-aware allocat
 (owner-filtered, compute-owner direct, replicated), materialized views with a layer-ahead prefetch, sharded decode
 (a :class:`dtkv.decode.DecodeStep` layer per model layer: the exact global top-k and the LSE merge), PD send
 and receive, and the input rules of every call (:mod:`dtkv._batch`: checked before anything changes, on every
-rank together). A model adapter owns only what differs between models: how a layer projects its rows and how its
-attention reads KV.
+rank together, with where each request stands). A model adapter owns only what differs between models: how a layer
+projects its rows and how its attention reads KV.
+
+**A step stands on every rank or on none** (:mod:`dtkv.runtime._outcome`): after its run the ranks vote (one
+48-byte all-gather on the CPU channel); a step that failed on any rank -- an out-of-memory error in one GPU's LM
+head, after the step's last collective -- raises the same error on every rank, and every rank undoes it: pages,
+reference counts, ``num_computed``, the allocator's cursor, the prefix cache's evictions (with the bytes of the
+evicted pages the step overwrote) and insertions, ``stats``. The serving loop goes on from there.
 
 **The model-adapter interface** (:class:`ModelAdapter`)::
 

@@ -24,6 +24,7 @@ from dtkv.prefix_cache import PrefixCache
 from dtkv.runtime import _prefix
 from dtkv.runtime._decode import plan_sharded_step
 from dtkv.runtime._invariant import _BatchInvariant
+from dtkv.runtime._outcome import StepOutcome
 from dtkv.runtime._plan import StepPlan, plan_extend
 from dtkv.runtime._request import Request
 from dtkv.runtime.adapter import ModelAdapter
@@ -151,6 +152,7 @@ class Runtime:
         self.allocator = PageAllocator(self.alloc_ownership if sharded else self.ownership)
         self.prefix_cache = PrefixCache(self.allocator, self.page_size) if prefix_cache else None
         self.requests: list[Request] = []
+        self._outcome: StepOutcome | None = None  # the step running now (its evictions are noted there)
         self.transfer_held: dict[str, list[int]] = {}
         """Pages of requests whose PD receive failed, by transfer id, held until :func:`dtkv.runtime.pd.reclaim`."""
         self.stats = {
@@ -234,7 +236,7 @@ class Runtime:
             )  # fmt: skip
             return lens
 
-        value = functools.partial(_batch.batch_value, reqs)
+        value = functools.partial(_batch.batch_value, reqs, allocator=self.allocator)
         return _batch.agreed_step(self.group, what="Runtime step", check=check, value=value)
 
     def _plan(self, reqs: Sequence[Request], lens: list[int]) -> StepPlan:
@@ -257,8 +259,9 @@ class Runtime:
             AllocationError: the step's new pages exceed the free pages plus the evictable cached ones.
         """
         lens = self._check_step(reqs, extend_lens)
-        with _batch.undo_new_pages(self.allocator, reqs):
-            return self._plan(reqs, lens)
+        with StepOutcome(self, reqs, what="Runtime.plan_step"):
+            plan = self._plan(reqs, lens)
+        return plan
 
     # ------------------------------------------------------------------------------------------ run
     def _gather(self, x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -311,27 +314,30 @@ class Runtime:
         """Plan and run one extend step; advances each request by its extend length. Returns :meth:`forward`'s
         logits.
 
-        Raises what :meth:`plan_step` raises, with nothing changed. A run that fails gives the step's new pages
-        back (the requests keep the pages and computed tokens they had).
+        Raises what :meth:`plan_step` raises, with nothing changed. A run that fails on any rank raises on every
+        rank (the first failing rank's error type, naming it) and every rank undoes the step
+        (:mod:`dtkv.runtime._outcome`): the requests keep the pages and computed tokens they had, and the
+        allocator, the prefix cache and ``stats`` are as before.
         """
         lens = self._check_step(reqs, extend_lens)
         return self._run_step(reqs, lens, prefetch=prefetch, all_logits=all_logits)
 
     def _run_step(self, reqs, lens: list[int], *, prefetch: bool, all_logits: bool = False) -> torch.Tensor:
-        with _batch.undo_new_pages(self.allocator, reqs):
+        with StepOutcome(self, reqs, what="Runtime step") as outcome:  # every rank keeps it, or every rank undoes it
             plan = self._plan(reqs, lens)
+            outcome.keep_pages()
             logits = self.forward(plan, prefetch=prefetch, all_logits=all_logits)
-        for r, n in zip(reqs, lens):
-            r.num_computed += n
-        if self.prefix_cache is not None:
-            _prefix.cache_computed(self, reqs)
-            self._check_cache()
-        self.stats["steps"] += 1
-        self.stats["direct_rows"] += int(plan.direct_rows.numel())
-        self.stats["handoff_rows"] += int(plan.handoff_rows.numel())
-        if plan.mat_plan is not None:
-            scratch = plan.mat_plan.scratch_pages * self.model_spec.page_bytes * (2 if prefetch else 1)
-            self.stats["scratch_bytes"] = max(self.stats["scratch_bytes"], scratch)
+            for r, n in zip(reqs, lens):
+                r.num_computed += n
+            if self.prefix_cache is not None:
+                _prefix.cache_computed(self, reqs)
+                self._check_cache()
+            self.stats["steps"] += 1
+            self.stats["direct_rows"] += int(plan.direct_rows.numel())
+            self.stats["handoff_rows"] += int(plan.handoff_rows.numel())
+            if plan.mat_plan is not None:
+                scratch = plan.mat_plan.scratch_pages * self.model_spec.page_bytes * (2 if prefetch else 1)
+                self.stats["scratch_bytes"] = max(self.stats["scratch_bytes"], scratch)
         return logits
 
     # ------------------------------------------------------------------------------------------ driver
@@ -386,26 +392,28 @@ class Runtime:
 
         Raises:
             TypeError / ValueError: as :meth:`step` (also a request with no token to decode), nothing changed.
+            A run that fails on any rank: as :meth:`step`, on every rank, the step undone everywhere.
         """
         if self.decode_mode != "sharded":
             return self._run_step(reqs, self._check_step(reqs, None, decode=True), prefetch=False)
         self._check_step(reqs, None, decode=True)
-        with _batch.undo_new_pages(self.allocator, reqs):
+        with StepOutcome(self, reqs, what="Runtime decode step") as outcome:
             if self.prefix_cache is not None:
                 _prefix.make_room_for_decode(self, reqs)
             plan = plan_sharded_step(self, reqs)
+            outcome.keep_pages()
             ids = torch.tensor([r.tokens[r.num_computed] for r in reqs], dtype=torch.int64, device=self.device)
             ctx = StepContext(self, decode=plan, ids=ids, decode_pages=[list(r.pages) for r in reqs])
             with torch.no_grad():
                 hidden = self._run_model(ctx)
                 ctx.finish()
                 logits = self._logits(hidden)
-        for r in reqs:
-            r.num_computed += 1
-        self.stats["sharded_decode_steps"] += 1
-        if self.prefix_cache is not None:
-            _prefix.cache_computed(self, reqs)
-            self._check_cache()
+            for r in reqs:
+                r.num_computed += 1
+            self.stats["sharded_decode_steps"] += 1
+            if self.prefix_cache is not None:
+                _prefix.cache_computed(self, reqs)
+                self._check_cache()
         return logits
 
     def decode(self, steps: int, *, return_logits: bool = False, progress: Callable[[int, int], object] | None = None):
@@ -448,7 +456,7 @@ class Runtime:
         """
         rule = f"request {rid} is finished: its pages were released, got rid={rid}"
         r = _batch.agreed_step(
-            self.pool.group, what="Runtime.kv_bytes", value=lambda req: req.rid,
+            self.pool.group, what="Runtime.kv_bytes", value=lambda req: [req.rid, req.num_computed, len(req.pages)],
             check=lambda: _batch.check_rid(rid, self.requests, finished_rule=rule),
         )  # fmt: skip
         from dtkv.layouts import IndexerFp8Layout
