@@ -153,6 +153,8 @@ class Runtime:
         self.prefix_cache = PrefixCache(self.allocator, self.page_size) if prefix_cache else None
         self.requests: list[Request] = []
         self._outcome: StepOutcome | None = None  # the step running now (its evictions are noted there)
+        self.closed = False
+        """Whether :meth:`close` ran (a closed runtime runs no step)."""
         self.transfer_held: dict[str, list[int]] = {}
         """Pages of requests whose PD receive failed, by transfer id, held until :func:`dtkv.runtime.pd.reclaim`."""
         self.stats = {
@@ -176,8 +178,21 @@ class Runtime:
         return self.model_spec.page_size
 
     def close(self) -> None:
-        """Detach the adapter from its model (e.g. unbind a transformers model's attention modules)."""
-        self.adapter.close()
+        """Detach the adapter from its model (e.g. unbind a transformers model's attention modules); idempotent.
+
+        Afterwards the runtime refuses every call that would run the model or take pages (``add_request``,
+        ``step``, ``plan_step``, ``forward``, ``prefill``, ``decode_step``, ``decode``); ``finish_request`` and
+        ``kv_bytes`` still work."""
+        if not self.closed:
+            self.closed = True
+            self.adapter.close()
+
+    def _check_open(self, what: str) -> None:
+        if self.closed:
+            raise RuntimeError(
+                f"Runtime.{what}() on a closed runtime: close() ran (or its with-block ended), so its adapter is "
+                "unbound from the model; build a new Runtime to run it again (nothing was allocated)"
+            )
 
     def __enter__(self) -> Runtime:
         return self
@@ -196,6 +211,7 @@ class Runtime:
             ValueError: an empty prompt, an id outside the vocabulary, or more pages than the pool could ever hand
                 out (:func:`dtkv._batch.check_prompt`); nothing is queued.
         """
+        self._check_open("add_request")
         alloc = self.allocator
         ids = _batch.check_prompt(
             prompt, vocab_size=self.model_spec.vocab_size, page_size=self.page_size,
@@ -224,11 +240,14 @@ class Runtime:
             self.prefix_cache.check_agreement(self.group)
 
     # ------------------------------------------------------------------------------------------ plan
-    def _check_step(self, reqs: Sequence[Request], extend_lens, *, decode: bool = False) -> list[int]:
+    def _check_step(
+        self, reqs: Sequence[Request], extend_lens, *, decode: bool = False, what: str = "step"
+    ) -> list[int]:
         """The step's input rules and its page budget, on every rank together (nothing changes)."""
         cache = self.prefix_cache
 
         def check() -> list[int]:
+            self._check_open("decode_step" if decode else what)
             lens = _batch.check_batch(self.requests, reqs, extend_lens, decode=decode)
             _batch.check_capacity(
                 reqs, lens, page_size=self.page_size, allocator=self.allocator,
@@ -258,7 +277,7 @@ class Runtime:
                 not of this runtime, finished or repeated, a length not an int in ``[1, tokens not yet computed]``).
             AllocationError: the step's new pages exceed the free pages plus the evictable cached ones.
         """
-        lens = self._check_step(reqs, extend_lens)
+        lens = self._check_step(reqs, extend_lens, what="plan_step")
         with StepOutcome(self, reqs, what="Runtime.plan_step"):
             plan = self._plan(reqs, lens)
         return plan
@@ -295,6 +314,7 @@ class Runtime:
             all_logits: logits of every token of the step in natural order ``[sum(extend_lens), V]``, instead of
                 each request's last token ``[num_reqs, V]``.
         """
+        self._check_open("forward")
         ctx = StepContext(self, plan=plan)
         if prefetch and plan.mat_plan is not None:
             ctx.materializer = Materializer(self.pool, plan.mat_plan)
@@ -361,6 +381,7 @@ class Runtime:
         Raises:
             TypeError / ValueError: ``chunk_size`` is not an int >= 1.
         """
+        self._check_open("prefill")
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"chunk_size must be an int >= 1, got chunk_size={chunk_size!r}")
         todo_all = [r for r in self.requests if not r.finished and r.num_computed < len(r.prompt)]
@@ -428,6 +449,7 @@ class Runtime:
             Every request's generated tokens; with ``return_logits``, also per step the logits
             ``[num_decoding, V]`` that chose the next tokens.
         """
+        self._check_open("decode")
         check_int("steps", steps, min_value=0)
         step_logits = []
         for _ in range(steps):
