@@ -13,6 +13,8 @@ the pools as they were:
   requests, each once, each with an extend length in ``[1, tokens not yet computed]``.
 - :func:`check_capacity`: the step's new pages fit the free pages plus the cached pages eviction could free; an
   allocation that cannot succeed is refused before any eviction or allocation.
+- :func:`admit_prefill` (``prefill``): which requests a prefill step runs, so that each one it starts can finish
+  its prompt (the others wait for a later step or call).
 - :func:`agreed_step`: runs a step's checks on every rank and fails on every rank together
   (:func:`dtkv._agree.agree` on the CP group's CPU channel: one 48-byte all-gather per step that never waits for
   the GPU), also comparing the ranks' batches and where each request stands (:func:`batch_value`: the SPMD
@@ -39,6 +41,7 @@ from dtkv._util import as_int_array, cdiv
 from dtkv.allocator import AllocationError, PageAllocator
 
 __all__ = [
+    "admit_prefill",
     "agreed_step",
     "batch_value",
     "check_batch",
@@ -198,6 +201,44 @@ def check_capacity(
             f"the step needs {need} new pages, the pool has {free} free{cached}; nothing was allocated "
             "(finish or free requests, or step fewer tokens)"
         )
+
+
+def admit_prefill(
+    todo: Sequence, *, page_size: int, allocator: PageAllocator, evictable: Callable[[], int] | None = None
+) -> tuple[list, str]:
+    """The requests a prefill step runs, so that every request it starts can finish its prompt.
+
+    Requests under way (some of their own tokens computed) come first, then the rest in request order; each is
+    admitted while the pages it still needs to finish its prompt fit beside those of the requests admitted before
+    it, within the free pages plus what eviction could free (``evictable``, called only when the free pages fall
+    short). Pages are taken chunk by chunk, so without this rule requests that each fit but not together took pages
+    until no step could get its own, and no request could ever finish.
+
+    Returns:
+        ``(admitted in request order, why nothing was admitted)``: the reason is ``""`` when some request was.
+    """
+    ps = page_size
+    need = {r.rid: max(0, cdiv(len(r.prompt), ps) - len(r.pages)) for r in todo}
+    order = sorted(todo, key=lambda r: (r.num_computed <= getattr(r, "cached_tokens", 0), r.rid))
+    free = allocator.num_free()
+    extra = None
+    budget, admitted = free, set()
+    for r in order:
+        if need[r.rid] > budget and extra is None and evictable is not None:
+            extra = evictable()
+            budget += extra
+        if need[r.rid] <= budget:
+            admitted.add(r.rid)
+            budget -= need[r.rid]
+    if admitted:
+        return [r for r in todo if r.rid in admitted], ""
+    first = order[0]
+    cached = f" and {extra} cached pages eviction could free" if extra is not None else ""
+    why = (
+        f"no request can finish its prompt: request {first.rid} needs {need[first.rid]} more pages of {ps} tokens, "
+        f"the pool has {free} free{cached}; nothing was allocated (finish requests to make room)"
+    )
+    return [], why
 
 
 def agreed_step(

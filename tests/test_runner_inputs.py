@@ -170,12 +170,60 @@ def test_a_step_that_cannot_get_its_pages_changes_nothing(adapter):
         before = snapshot(run)
         with pytest.raises(AllocationError, match="the step needs 9 new pages, the pool has 7 free; nothing was"):
             run.step([a, b], [18, 20])
-        with pytest.raises(AllocationError, match="the step needs 9 new pages"):
-            run.prefill(20)
         assert unchanged(run, before)
         run.step([a], [18])  # the pool still serves what fits
         free(run, a.rid)
         assert run.prefill(20) == [b.output[0]]
+
+
+@both
+@pytest.mark.parametrize("cache", [False, True], ids=["no_cache", "prefix_cache"])
+def test_requests_that_fit_alone_but_not_together_queue_instead_of_wedging_prefill(adapter, cache):
+    """Two prompts of 5 pages each in a pool of 8: chunk by chunk both took pages until a step could not get its
+    own, and every later ``prefill()`` raised ``AllocationError`` with no request able to finish. Now a step runs
+    the requests whose remaining pages fit together (those under way first): the first finishes, the second waits
+    (no page taken) and runs once the first is finished; each gets the first token it gets alone. With a prefix
+    cache, the pages eviction could free count as room."""
+    alone = []
+    for seed in (0, 1):
+        with make_runner(adapter, num_pages=8) as run:
+            run.add_request(_prompt(20, seed))
+            alone.append(run.prefill(4, return_logits=True))
+    with make_runner(adapter, num_pages=8, prefix_cache=cache) as run:
+        if cache:  # a finished request leaves 2 cached pages (only the cache holds them): room by eviction
+            run.add_request(_prompt(8, 7))
+            run.prefill(4)
+            free(run, 0)
+            assert run.prefix_cache.num_evictable() == 2
+        a, b = run.add_request(_prompt(20)), run.add_request(_prompt(20, 1))
+        seen = []
+        first, logits = run.prefill(4, return_logits=True, progress=lambda k, n: seen.append((k, n)))
+        assert first == [a.output[0]] == alone[0][0] and torch.equal(logits[0], alone[0][1][0])
+        assert b.num_computed == 0 and b.pages == [] and not b.output  # queued: nothing taken
+        assert seen[-1][0] == 5 and all(k <= n for k, n in seen)
+        before = snapshot(run)
+        with pytest.raises(AllocationError, match=f"no request can finish its prompt: request {b.rid} needs 5 more"):
+            run.prefill(4)  # still no room for b: a call that can start nothing says so, taking nothing
+        assert unchanged(run, before)
+        free(run, a.rid)
+        assert run.prefill(4) == [b.output[0]] == alone[1][0]
+
+
+def test_prefill_that_cannot_start_any_request_raises_and_takes_nothing():
+    with make_runner("reference", num_pages=8) as run:
+        a = run.add_request(_prompt(24))  # 6 pages
+        run.prefill(8)
+        b = run.add_request(_prompt(12, 1))  # 3 pages, 2 free
+        before = snapshot(run)
+        with pytest.raises(
+            AllocationError,
+            match=r"prefill cannot start: no request can finish its prompt: request 1 needs 3 more pages of 4 tokens, "
+            r"the pool has 2 free; nothing was allocated",
+        ):
+            run.prefill(4)
+        assert unchanged(run, before) and not b.pages
+        free(run, a.rid)
+        assert len(run.prefill(4)) == 1
 
 
 @both

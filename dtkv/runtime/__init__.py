@@ -30,6 +30,11 @@ head, after the step's last collective -- raises the same error on every rank, a
 reference counts, ``num_computed``, the allocator's cursor, the prefix cache's evictions (with the bytes of the
 evicted pages the step overwrote) and insertions, ``stats``. The serving loop goes on from there.
 
+**Prefill queues requests that do not fit together**: each ``prefill()`` step runs the requests whose remaining
+prompt pages fit beside each other (those under way first, then in request order); the others wait, holding no
+page, until pages free up -- in a later step of the same call, or a later call after ``finish_request``. A call
+raises :class:`dtkv.AllocationError` only when no waiting request can finish its prompt.
+
 **The model-adapter interface** (:class:`ModelAdapter`)::
 
     spec: ModelSpec                  # stored layouts ("kv": MLA latent, "index": indexer keys), layers, vocab, top-k

@@ -14,7 +14,7 @@ from dtkv._agree import agree
 from dtkv._checks import check_int
 from dtkv._collectives import all_gather_rows, group_rank, group_size
 from dtkv._util import cdiv
-from dtkv.allocator import PageAllocator
+from dtkv.allocator import AllocationError, PageAllocator
 from dtkv.attention import AttentionBackend, AttentionName, AttentionSpec, resolve_attention
 from dtkv.layouts import MLAFp8Layout, MLALatentLayout
 from dtkv.materialize import Materializer
@@ -369,9 +369,16 @@ class Runtime:
         return_logits: bool = False,
         progress: Callable[[int, int], object] | None = None,
     ) -> list[int] | tuple[list[int], list[torch.Tensor]]:
-        """Chunked prefill of every live request not prefilled yet, ``chunk_size`` tokens per request per step.
+        """Chunked prefill of the live requests not prefilled yet, ``chunk_size`` tokens per request per step.
 
-        ``progress(k, n)`` is called after step ``k`` of ``n`` (e.g. a CLI's progress line).
+        Requests whose pages do not fit together queue: each step runs the requests whose remaining prompt pages
+        fit beside each other (requests under way first, then in request order; :func:`dtkv._batch.admit_prefill`),
+        and a waiting request joins a later step of this call once its pages fit. Requests that still do not fit
+        when no other can progress stay queued (not prefilled, no page taken) for a later ``prefill()``, after
+        ``finish_request`` made room; so a call makes progress whenever some request can complete.
+
+        ``progress(k, n)`` is called after step ``k`` of ``n`` (``n`` is the estimate before the first step, raised
+        to ``k`` where queued requests add steps; e.g. a CLI's progress line).
 
         Returns:
             The first generated token (greedy) of each request this call finished, in request order, also appended
@@ -380,6 +387,8 @@ class Runtime:
 
         Raises:
             TypeError / ValueError: ``chunk_size`` is not an int >= 1.
+            AllocationError: no waiting request can finish its prompt in the free pages (plus the evictable cached
+                ones); nothing was allocated.
         """
         self._check_open("prefill")
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
@@ -387,13 +396,21 @@ class Runtime:
         todo_all = [r for r in self.requests if not r.finished and r.num_computed < len(r.prompt)]
         logits: dict[int, list[torch.Tensor]] = {r.rid: [] for r in todo_all}
         total = max([cdiv(len(r.prompt) - r.num_computed, chunk_size) for r in todo_all] + [0])
-        done = 0
-        while todo := [r for r in self.requests if not r.finished and r.num_computed < len(r.prompt)]:
+        done, cache = 0, self.prefix_cache
+        while waiting := [r for r in self.requests if not r.finished and r.num_computed < len(r.prompt)]:
+            todo, why = _batch.admit_prefill(
+                waiting, page_size=self.page_size, allocator=self.allocator,
+                evictable=cache.num_evictable if cache is not None else None,
+            )  # fmt: skip
+            if not todo:
+                if done:
+                    break  # the rest waits for pages: a later prefill()
+                raise AllocationError(f"prefill cannot start: {why}")
             lens = [min(chunk_size, len(r.prompt) - r.num_computed) for r in todo]
             out = self.step(todo, lens, prefetch=prefetch, all_logits=return_logits)
             done += 1
             if progress is not None:
-                progress(done, total)
+                progress(done, max(total, done))
             ends = torch.tensor(lens).cumsum(0) - 1 if return_logits else torch.arange(len(todo))
             for i, r in enumerate(todo):
                 end = int(ends[i])
@@ -401,9 +418,10 @@ class Runtime:
                     logits[r.rid].append(out[end - lens[i] + 1 : end + 1])
                 if r.num_computed == len(r.prompt) and not r.output:
                     r.output.append(int(out[end].argmax()))
-        first = [r.output[0] for r in todo_all]
+        finished = [r for r in todo_all if r.num_computed == len(r.prompt)]
+        first = [r.output[0] for r in finished]
         if return_logits:
-            return first, [torch.cat(logits[r.rid]) for r in todo_all]
+            return first, [torch.cat(logits[r.rid]) for r in finished]
         return first
 
     def decode_step(self, reqs: Sequence[Request]) -> torch.Tensor:
