@@ -69,3 +69,54 @@ def test_refuses_what_is_not_a_supported_checkpoint_before_loading(tmp_path, con
         (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=match):
         load_model(tmp_path)
+
+
+def _saved(tmp_path, edit):
+    """A saved tiny GLM-5 whose safetensors ``edit(state_dict)`` rewrote."""
+    from safetensors.torch import load_file, save_file
+
+    tiny_model("glm5", seed=0).save_pretrained(tmp_path)
+    (f,) = tmp_path.glob("*.safetensors")
+    sd = load_file(f)
+    edit(sd)
+    save_file(sd, f, metadata={"format": "pt"})
+    return sorted(load_file(f)) if sd else []
+
+
+def test_refuses_a_checkpoint_that_lacks_weights_naming_them(tmp_path):
+    """``from_pretrained`` filled the missing weights with random values (each CP rank its own), so the run only
+    showed a logit mismatch; now the load fails naming what is missing."""
+    key = "model.layers.0.mlp.up_proj.weight"
+    _saved(tmp_path, lambda sd: sd.pop(key))
+    with pytest.raises(ValueError, match=rf"got 1 missing tensors \({key}\) in .*from_pretrained would fill them"):
+        load_model(tmp_path)
+
+
+def test_refuses_a_checkpoint_without_any_weight(tmp_path):
+    _saved(tmp_path, lambda sd: sd.clear())
+    with pytest.raises(ValueError, match=r"got \d+ missing tensors \(.*, \.\.\. \(\d+ more\)\)"):
+        load_model(tmp_path)
+
+
+def test_refuses_a_weight_of_another_shape_naming_both_shapes(tmp_path):
+    key = "model.layers.0.self_attn.indexer.k_norm.bias"
+
+    def shrink(sd):
+        sd[key] = sd[key][:-1].contiguous()
+
+    _saved(tmp_path, shrink)
+    with pytest.raises(
+        ValueError, match=rf"1 tensors of another shape \({key}: \[31\] in the checkpoint, \[32\] in the model\)"
+    ):
+        load_model(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "text,kind", [("[1, 2]", "array"), ('"glm_moe_dsa"', "string"), ("7", "number"), ("null", "null")]
+)
+def test_refuses_a_config_json_that_is_not_an_object(tmp_path, text, kind):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(
+        ValueError, match=rf"config.json must hold a JSON object \(the model's config\), got a JSON {kind}"
+    ):
+        load_model(tmp_path)
