@@ -25,6 +25,7 @@ MODES = {
     "fp8": ["--kv-dtype", "fp8"],
     "round_robin": ["--split", "round_robin"],
     "multi_turn": ["--multi-turn", "--turns", "2", "--shared-requests", "2"],
+    "triton": ["--attention", "triton"],  # the Triton interpreter here (TRITON_INTERPRET=1, tests/conftest.py)
 }
 
 
