@@ -386,3 +386,22 @@ def test_kernel_builds_for_sm90_with_wgmma_and_no_spills(tmp_path):
     first = next(r for r in deepseek if r["constexprs"]["BQ"] == str(default["block_q"])
                  and r["constexprs"]["KEYS_M"] == "True" and r["num_warps"] == default["num_warps"])  # fmt: skip
     assert first["registers"] <= 168 and first["smem"] <= 64 * 1024, first
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("launch", ["default", "keys_q1_k16", "queries_q1_k64"])
+def test_cuda_kernel_vs_reference(launch):
+    """On a GPU, DeepSeek-V3.2's geometry (64 heads x 128 dims, pages of 64) with a causal chunk: masks equal, logits
+    within 1e-2 of each row's largest (the fp8 ``wgmma`` accumulates with the tensor core's reduced-precision adder,
+    about 2**-13 relative per dot), packed keys bitwise the selection keys of the same launch's logits."""
+    lay, q, w, pages, slots, _, _ = _case(96, 64, 128, 64, 70, 4000, seed=8)
+    start = torch.zeros(96, dtype=torch.int64)
+    end = torch.arange(4000 - 96, 4000) + 1
+    args = [t.cuda() for t in (q, w, pages, slots, start, end)]
+    want = indexer_logits(*args, layout=lay, backend="torch")
+    with _tuned.override("indexer_logits", **LAUNCHES[launch]):
+        got = indexer_logits(*args, layout=lay, backend="triton")
+        packed = indexer_logits(*args, layout=lay, backend="triton", packed=True)
+    _close(got.cpu(), want.cpu(), tol=1e-2)
+    cols = torch.arange(slots.shape[0], device="cuda").expand_as(got)
+    assert torch.equal(packed, selection_keys(got, cols, torch.isfinite(got)))
