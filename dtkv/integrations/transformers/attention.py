@@ -115,6 +115,8 @@ class AbsorbedWeights:
 
     def __init__(self, attn) -> None:
         self.attn = attn
+        self.weight_dtype: torch.dtype = attn.kv_b_proj.weight.dtype
+        """The weight's dtype at the bind."""
         self._by_dtype: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def get(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,12 +137,11 @@ def _factors(attn, absorbed: AbsorbedWeights | None, dtype: torch.dtype) -> tupl
     return absorbed.get(dtype) if absorbed is not None else _absorbed_factors(attn, dtype)
 
 
-def _backend_dtype(backend, attn) -> torch.dtype:
+def _backend_dtype(backend, attn, absorbed: AbsorbedWeights | None = None) -> torch.dtype:
     """The dtype the absorbed products run in: what the backend takes float32 queries as (FlashMLA: bf16), or the
     weight's dtype where that is wider (a float32 model keeps float32 products on every backend)."""
-    return torch.promote_types(
-        backend.cast_queries(torch.zeros((), dtype=torch.float32)).dtype, attn.kv_b_proj.weight.dtype
-    )
+    weight = absorbed.weight_dtype if absorbed is not None else attn.kv_b_proj.weight.dtype
+    return torch.promote_types(backend.cast_queries(torch.zeros((), dtype=torch.float32)).dtype, weight)
 
 
 def _extend_attention(attn, ctx, hidden_states, q_resid, query_HNC, cos, sin, prev_topk, rope, absorbed=None):
@@ -189,7 +190,7 @@ def _absorbed_attention(attn, backend, query_HNC, kv_view, topk_NK, absorbed=Non
     for a bf16 model, as its kernel, float32 for a float32 one).
     """
     nope = attn.qk_nope_head_dim
-    dtype = _backend_dtype(backend, attn)
+    dtype = _backend_dtype(backend, attn, absorbed)
     w_uk, w_uv_t = _factors(attn, absorbed, dtype)
     q_lat = torch.matmul(query_HNC[..., :nope].to(dtype), w_uk).transpose(0, 1)  # [N, H, R]
     q = torch.cat((q_lat, query_HNC[..., nope:].transpose(0, 1).to(dtype)), dim=-1)  # [N, H, R + E]
