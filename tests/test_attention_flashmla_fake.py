@@ -167,8 +167,12 @@ def test_transformers_run_the_flashmla_path(flashmla, name):
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (90, 20)]
     pages = num_pages_for([len(p) for p in prompts], page_size=64, decode_steps=2)
     logits = {}
+    from dtkv.integrations.transformers import indexer_precision
+
     for attention in ("torch", "flashmla"):
-        with DSAModelRunner(lm, num_pages=pages, page_size=64, kv_dtype="fp8", attention=attention) as runner:
+        # fp8 KV on flashmla runs the fp8 indexer: the torch run takes its math too (the same selections)
+        with indexer_precision("fp8"), DSAModelRunner(lm, num_pages=pages, page_size=64, kv_dtype="fp8",
+                                                       attention=attention) as runner:  # fmt: skip
             assert runner.attention.name == attention
             for p in prompts:
                 runner.add_request(p)

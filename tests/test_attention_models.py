@@ -1,8 +1,8 @@
 """The models take an attention backend: ``ModelRunner(attention=...)`` and ``DSAModelRunner(attention=...)``.
 
 On CPU the Triton backend runs under the interpreter, so the same seam the GPU uses (the reference model's attention
-over stored pages; the transformers models' absorbed form through ``kv_b_proj``) is checked here against the torch
-path: greedy tokens equal, logits within float32 rounding. Tolerance: the Triton kernel computes in float32 (the
+over stored pages; the transformers models' absorbed form through ``kv_b_proj`` and, with fp8 KV, the fp8 indexer
+kernel) is checked here against the torch path: greedy tokens equal, logits within float32 rounding. Tolerance: the Triton kernel computes in float32 (the
 reference model's float64 queries are cast), and the transformers torch path expands keys instead (another
 summation order, and bf16 KV rounded at other points); measured max relative logit differences: <= 1.2e-7 on the
 reference model, <= 9e-5 on the transformers models (GLM-5, bf16 KV). ``1e-3`` of the logits' scale bounds both.
@@ -92,8 +92,13 @@ def _hf_run(name, attention, kv_dtype):
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize("name", ["deepseek-v32", "glm5"])
 def test_transformers_absorbed_triton_vs_expanded_torch(name, kv_dtype):
-    got_name, got_out, got = _hf_run(name, "triton", kv_dtype)
-    want_name, want_out, want = _hf_run(name, "auto", kv_dtype)
+    """Both with the same indexer: with fp8 KV the Triton backend runs the fp8 indexer kernel by default, so the
+    torch run takes its fp8 math too (``indexer_precision("fp8")``; bf16 KV: the exact indexer on both)."""
+    from dtkv.integrations.transformers.attention import indexer_precision
+
+    with indexer_precision("fp8"):
+        got_name, got_out, got = _hf_run(name, "triton", kv_dtype)
+        want_name, want_out, want = _hf_run(name, "auto", kv_dtype)
     assert (got_name, want_name) == ("triton", "torch")
     assert got_out == want_out
     assert float((got - want).abs().max() / want.abs().max()) <= 1e-3

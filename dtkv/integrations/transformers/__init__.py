@@ -13,6 +13,7 @@ Entry points:
                         num_pages=num_pages_for(lens, page_size=64, cp_size=cp))
 
 - :func:`dsa_attention` -- the replacement attention bound to each attention module (:mod:`.attention`).
+- :func:`indexer_precision`, :func:`uses_fp8_indexer` -- which indexer the extend steps run (fp8 or exact).
 - :func:`reference_logits`, :func:`stable_topk` -- the model's own forward as the parity reference.
 - :func:`load_model` -- a DeepSeek-V3.2 / GLM-5 checkpoint directory (safetensors) for the runner.
 - :func:`tiny_config`, :func:`tiny_model` -- small random DSA models (no download).
@@ -53,8 +54,25 @@ harmless: the top-k mask is combined with the causal mask, so those keys never g
 (:func:`stable_topk`: highest score first, ties to the lowest position). With it both quirks vanish (tiny
 models: 200 vs 300 tokens and chunked vs full agree to 8.4e-7). The runner's indexer implements the same rule, so
 parity tests compare dtkv with a well-defined forward of the unmodified model, not with an accident of tie
-order. For bf16 and fp8 KV the reference also reads its keys as the pools store them (``layouts``), so the
-format's rounding is common to both sides and the comparison measures dtkv's split, writes, views and remap;
+order. It does so without a sort: each score (rounded to float32; ``-0.0`` as ``+0.0``) and its position travel
+as one int64 key, ``ord32(score) * 2**32 + (2**32 - 1 - position)`` (:func:`dtkv.decode.selection_keys`), so every
+key is distinct and ``torch.topk`` of the keys is the stable sort's selection, in its order, in blocks of queries
+of bounded memory (:func:`dtkv.integrations.transformers.attention.select_topk`; the same keys on the ``torch``
+backend and from the fp8 kernel :func:`dtkv.ops.indexer_logits`, whose "position" is the key-table column: within
+a request the columns are in position order). The reference model (:meth:`dtkv.model.TinyDSA.select`) and sharded
+decode (:mod:`dtkv.decode`) keep the same rule with the same keys.
+
+**Indexer precision.** With fp8 index pages (``kv_dtype="fp8"``) on the ``triton`` and ``flashmla`` backends the
+indexer is DeepSeek-V3.2's fp8 one: queries rounded per (token, head) to e4m3, scored against the stored fp8 keys in
+one kernel. Everywhere else (the ``torch`` backend, the parity reference; bf16/fp32 index rows) it is the model's
+own float32 formula. :func:`indexer_precision` switches this, :func:`uses_fp8_indexer` says which one a run takes,
+and the reference mirrors the fp8 one with ``reference_logits(..., fp8_indexer=True)``: fp8 rounding of the queries
+changes 5-7% of a top-16's entries (random keys, 4 or 64 heads), which moves the tiny models' logits by 0.3 on
+average and up to 1.3 against the exact reference (the demo's DeepSeek-V3.2 run, CPU), so a fast run with fp8 KV
+is compared with the mirrored reference (within the fp8 tolerance: ``tests/test_integration_transformers_indexer.py``).
+
+**Stored formats.** For bf16 and fp8 KV the reference also reads its keys as the pools store them (``layouts``),
+so the format's rounding is common to both sides and the comparison measures dtkv's split, writes, views and remap;
 ``tests/test_integration_transformers.py`` states the tolerances and why isolated positions may exceed them
 (noise flipping a near-tie of the MoE router or of the index top-k).
 """
@@ -63,7 +81,7 @@ from __future__ import annotations
 
 from dtkv.integrations.transformers._family import KV_DTYPES, DSAGeometry, family_of, geometry_of, kv_layouts
 from dtkv.integrations.transformers.adapter import TransformersAdapter
-from dtkv.integrations.transformers.attention import dsa_attention
+from dtkv.integrations.transformers.attention import dsa_attention, indexer_precision, uses_fp8_indexer
 from dtkv.integrations.transformers.loader import load_model
 from dtkv.integrations.transformers.reference import (
     MODEL_TYPES,
@@ -84,6 +102,7 @@ __all__ = [
     "dsa_attention",
     "family_of",
     "geometry_of",
+    "indexer_precision",
     "kv_layouts",
     "load_model",
     "num_pages_for",
@@ -91,6 +110,7 @@ __all__ = [
     "stable_topk",
     "tiny_config",
     "tiny_model",
+    "uses_fp8_indexer",
 ]
 
 

@@ -32,10 +32,20 @@ MODEL_TYPES: dict[str, str] = {"deepseek-v32": "deepseek_v32", "glm5": "glm_moe_
 
 
 class _StableTopk(TorchFunctionMode):
-    """Turns ``Tensor.topk`` / ``torch.topk`` into a stable descending sort (ties to the lower index)."""
+    """Turns ``Tensor.topk`` / ``torch.topk`` into a stable descending sort (ties to the lower index); with
+    ``fp8_queries = (heads, head_dim)`` also rounds the queries of the indexer's score product (the ``torch.matmul``
+    whose left operand is ``[..., heads, head_dim]``) as the fp8 indexer takes them."""
+
+    def __init__(self, fp8_queries: tuple[int, int] | None = None) -> None:
+        super().__init__()
+        self.fp8_queries = fp8_queries
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        if func is torch.matmul and self.fp8_queries is not None and len(args) == 2:
+            q, k = args
+            if q.dim() >= 2 and tuple(q.shape[-2:]) == self.fp8_queries and k.shape[-2] == self.fp8_queries[1]:
+                return func(round_trip(q.float(), IndexerFp8Layout(page_size=1, head_dim=q.shape[-1])), k, **kwargs)
         if func is torch.Tensor.topk or func is torch.topk:
             x, k = args[0], args[1] if len(args) > 1 else kwargs.pop("k")
             dim = args[2] if len(args) > 2 else kwargs.pop("dim", -1)
@@ -76,14 +86,20 @@ class _RoundIndexerKeys:
 
 
 @contextlib.contextmanager
-def stable_topk(model: torch.nn.Module, *, layouts: Mapping[str, KVLayout] | None = None) -> Iterator[torch.nn.Module]:
+def stable_topk(
+    model: torch.nn.Module, *, layouts: Mapping[str, KVLayout] | None = None, fp8_indexer: bool = False
+) -> Iterator[torch.nn.Module]:
     """Inside the block, ``model`` runs as the parity reference (module docstring); outside, as loaded.
 
     Always: the DSA indexers break top-k ties by position. With ``layouts`` (``{"kv": ..., "index": ...}``,
     as :func:`dtkv.integrations.transformers.kv_layouts` gives them), the model also reads its keys as those
     stored formats hold them: the MLA latent row ``[kv_a_layernorm(kv), rope(k_rot)]`` goes through
     :func:`round_trip` before ``expand_kv`` and the indexer key (after its rope) before scoring. That is the
-    model with its KV cache in the pools' formats (an identity for fp32 KV of a float32 model).
+    model with its KV cache in the pools' formats (an identity for fp32 KV of a float32 model). ``fp8_indexer``
+    (with fp8 index pages, for a run that :func:`dtkv.integrations.transformers.attention.uses_fp8_indexer`):
+    the indexer is DeepSeek-V3.2's fp8 one as dtkv runs it, its queries (after their rope) rounded per (token,
+    head) to e4m3 too (:func:`round_trip` through an :class:`dtkv.IndexerFp8Layout`, bitwise
+    :func:`dtkv.integrations.transformers.attention.fp8_indexer_queries`).
 
     The wraps are instance attributes of the attention and indexer modules, removed on exit; every other
     module, and every other model, is untouched.
@@ -96,11 +112,13 @@ def stable_topk(model: torch.nn.Module, *, layouts: Mapping[str, KVLayout] | Non
         if indexer is not None:
             original = type(indexer).forward.__get__(indexer)
 
-            def forward(*args, _original=original, **kwargs):
+            shape = (indexer.n_heads, indexer.head_dim) if fp8_indexer else None
+
+            def forward(*args, _original=original, _shape=shape, **kwargs):
                 if layouts is not None:
                     cache = kwargs.pop("past_key_values", args[5] if len(args) > 5 else None)
                     args, kwargs["past_key_values"] = args[:5], _RoundIndexerKeys(layouts["index"], cache)
-                with _StableTopk():
+                with _StableTopk(_shape):
                     return _original(*args, **kwargs)
 
             indexer.forward = forward
@@ -129,6 +147,7 @@ def reference_logits(
     *,
     layouts: Mapping[str, KVLayout] | None = None,
     rounded_probabilities: bool = False,
+    fp8_indexer: bool = False,
 ) -> torch.Tensor:
     """The model's own full forward over one sequence under :func:`stable_topk`: float32 ``[len(ids), V]``.
 
@@ -138,17 +157,18 @@ def reference_logits(
     ``rounded_probabilities``: attention as a half-precision kernel computes it -- transformers' eager attention,
     whose softmax probabilities are rounded to the model's dtype before they multiply V (FlashMLA and SDPA's fused
     kernels do the same) -- instead of :func:`float32_attention`; the two differ by what that rounding costs.
+    ``fp8_indexer``: the indexer's queries in fp8 too (see :func:`stable_topk`).
     """
     device = next(model.parameters()).device
     ids = torch.tensor([list(token_ids)], dtype=torch.int64, device=device)
     if not rounded_probabilities:
-        with stable_topk(model, layouts=layouts), float32_attention():
+        with stable_topk(model, layouts=layouts, fp8_indexer=fp8_indexer), float32_attention():
             return model(input_ids=ids, use_cache=False).logits[0].float()
     config = model.config
     before = config._attn_implementation
     config._attn_implementation = "eager"
     try:
-        with stable_topk(model, layouts=layouts):
+        with stable_topk(model, layouts=layouts, fp8_indexer=fp8_indexer):
             return model(input_ids=ids, use_cache=False).logits[0].float()
     finally:
         config._attn_implementation = before
