@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "demo":
         from dtkv.demo import main as demo_main
 
-        return demo_main(rest)
+        return demo_main(rest, prog="dtkv demo")
     if cmd == "capacity":
         from dtkv.capacity import main as capacity_main
 
