@@ -231,3 +231,15 @@ def test_deprecated_cp_keyword_and_field_warn_and_agree():
         capacity("deepseek-v32", cp_size=4, cp=2, tokens=1 << 15)
     with pytest.raises(TypeError, match="missing required keyword argument: 'cp_size'"):
         capacity("deepseek-v32", tokens=1 << 15)
+
+
+def test_the_usage_page_shows_what_the_command_prints():
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "usage.md").read_text()
+    shown = re.search(r"```text\n\$ dtkv capacity (.*?)\n(.*?)```", doc, re.S)
+    assert shown, "docs/usage.md shows no dtkv capacity run"
+    run = subprocess.run([sys.executable, "-m", "dtkv", "capacity", *shown.group(1).split()], capture_output=True,
+                         text=True, check=True)  # fmt: skip
+    assert run.stdout == shown.group(2)

@@ -168,3 +168,22 @@ def test_the_mooncake_check_can_be_turned_off_explicitly(tmp_path, how):
     else:
         out = _pytest_with_a_broken_mooncake(tmp_path, "-m", "not mooncake")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+
+
+def test_the_performance_page_links_every_results_file_and_shows_every_plot():
+    page = (ROOT / "docs" / "performance.md").read_text()
+    for f in sorted((ROOT / "benchmarks" / "results").iterdir()):
+        if f.suffix == ".png":
+            assert re.search(rf"!\[[^\]]+\]\(\.\./benchmarks/results/{re.escape(f.name)}\)", page), (
+                f"{f.name} is not shown"
+            )
+        else:
+            assert f"[{f.name}](path:../benchmarks/results/{f.name})" in page, f"{f.name} is not linked"
+
+
+def test_docs_have_an_install_page_and_the_one_line_checkpoint_recipe():
+    install = (ROOT / "docs" / "install.md").read_text()
+    assert "install\n" in (ROOT / "docs" / "index.md").read_text() and "pip install torch==2.13.0" in install
+    recipe = "tiny_model('deepseek-v32').save_pretrained('ckpt')"
+    for doc in ("docs/install.md", "docs/usage.md", "docs/transformers.md", "README.md"):
+        assert recipe in (ROOT / doc).read_text(), doc
