@@ -180,11 +180,11 @@ def one_process_note(worst: float, where: str, one: dict | None, tol: float) -> 
     the sharded run's logits and its own); ``None`` when the run is one process itself. Returns the sentence for
     the check's reason and its JSON fields. When one process shows the same worst difference at the same position
     and the sharded run stays within ``tol`` of it everywhere, the difference is the reference's own rounding
-    (its float32 full-sequence forward sums in another order than dtkv's kernels, and at a near tie of the MoE
+    (its full-sequence forward sums in another order than dtkv's kernels, and at a near tie of the MoE
     router or the index top-k that flips a choice), not the sharding.
     """
     if one is None:
-        return ("one process (cp=1): the difference is the comparison with the model's own forward, whose float32 "
+        return ("one process (cp=1): the difference is the comparison with the model's own forward, whose "
                 "rounding differs from dtkv's kernels", {})  # fmt: skip
     fields = {"one_process_worst": one["worst"], "one_process_where": one["where"],
               "sharded_vs_one_process": one["vs_sharded"]}  # fmt: skip
@@ -192,8 +192,8 @@ def one_process_note(worst: float, where: str, one: dict | None, tol: float) -> 
     if one["vs_sharded"] <= tol and same:
         agree = "bitwise equal to" if one["vs_sharded"] == 0 else f"within {one['vs_sharded']:.1e} of"
         text = (f"one process (cp=1) gives the same {one['worst']:.2e} at the same position, and the sharded run's "
-                f"logits are {agree} that run's: the reference's own rounding (its float32 forward sums in another "
-                "order than dtkv's kernels), not the sharding")  # fmt: skip
+                f"logits are {agree} that run's: the reference's own rounding (its full-sequence forward sums in "
+                "another order than dtkv's kernels), not the sharding")  # fmt: skip
     else:
         text = (f"one process (cp=1) gives {one['worst']:.2e} at {one['where'] or '-'}; the sharded run differs "
                 f"from it by up to {one['vs_sharded']:.2e}")  # fmt: skip
