@@ -1,7 +1,7 @@
 """``python -m dtkv`` and the ``dtkv`` console script: one entry point for the demo, capacity planning and the
 benchmarks.
 
-    dtkv --version
+    dtkv --version                        # imports neither torch nor a kernel
     dtkv demo [demo options]              # = python -m dtkv.demo
     dtkv capacity [capacity options]      # = python -m dtkv.capacity
     dtkv bench                            # lists the benchmarks of a source checkout
@@ -38,8 +38,9 @@ dtkv: page-ownership-sharded KV caches for context-parallel prefill of sparse-at
 
 subcommands:
   demo       2 gloo ranks (or torchrun's group): chunked CP prefill on sharded KV against the replicated
-             baseline; --pd, --multi-turn, --model deepseek-v32|glm5 (python -m dtkv.demo --help)
-  capacity   per-rank bytes and capacity multiplier of sharded KV, no allocation (python -m dtkv.capacity --help)
+             baseline; --pd, --multi-turn, --model deepseek-v32|glm5 (dtkv demo --help)
+  capacity   GiB of KV per rank, replicated vs sharded, and the view's scratch, for a model, cp and
+             context; no allocation (dtkv capacity --help)
   bench      the benchmarks of a source checkout: `dtkv bench` lists them, `dtkv bench NAME --help` explains one
 
 options:
@@ -104,11 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "demo":
         from dtkv.demo import main as demo_main
 
-        return demo_main(rest)
+        return demo_main(rest, prog="dtkv demo")
     if cmd == "capacity":
         from dtkv.capacity import main as capacity_main
 
-        return capacity_main(rest)
+        return capacity_main(rest, prog="dtkv capacity")
     if cmd == "bench":
         return _bench(rest)
     print(_USAGE, end="", file=sys.stderr)

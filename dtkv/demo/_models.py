@@ -108,11 +108,12 @@ def vocab_of(args: dict) -> int:
         from dtkv.integrations.transformers import tiny_config
 
         return tiny_config(args["model"]).vocab_size
-    import json
-    import os
+    from dtkv.demo._args import checkpoint_config
 
-    with open(os.path.join(args["model"], "config.json")) as f:
-        return int(json.load(f)["vocab_size"])
+    cfg, error = checkpoint_config(args["model"])  # checked before any rank started: this is a usage error
+    if cfg is None:
+        raise ValueError(error)
+    return int(cfg["vocab_size"])
 
 
 def prompts(tokens: int, num_requests: int, vocab: int, seed: int) -> list[list[int]]:

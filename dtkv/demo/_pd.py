@@ -97,7 +97,7 @@ def _decode_rank(rank: int, world: int, args: dict, prompts: list[list[int]], po
 
 def _worker(rank: int, world: int, args: dict, prompts, port: int, namespace: str, init_file: str, out) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    setup_cli_logging(rank=rank)
+    setup_cli_logging(rank=rank, side="decode")
     try:
         if world > 1:
             import datetime
