@@ -151,10 +151,11 @@ def _own_forward_check(model: DemoModel, ps, outputs, logit_rows, args, one_proc
     served by one process, compared with the same reference (:func:`dtkv.demo._verdict.one_process_note`);
     ``None`` when this run is one process; ``False``: not measured.
     """
-    from dtkv.integrations.transformers import geometry_of, kv_layouts, reference_logits
+    from dtkv.integrations.transformers import geometry_of, kv_layouts, reference_logits, uses_fp8_indexer
 
     kv_dtype: Any = model.kv_dtype
     layouts = kv_layouts(geometry_of(model.lm), kv_dtype, 1)  # rounding ignores the page size
+    fp8 = uses_fp8_indexer(args.get("attention") or "torch", layouts["index"])  # the run's own indexer formula
     rounded = args.get("attention") == "flashmla"  # FlashMLA rounds the probabilities to bf16
     out = {}
     one: dict | None = None
@@ -164,14 +165,16 @@ def _own_forward_check(model: DemoModel, ps, outputs, logit_rows, args, one_proc
         one_diffs, vs_sharded = [], []
         for i, (p, got) in enumerate(zip(ps, logit_rows)):
             seq = p + outputs[i][:-1]
-            ref = reference_logits(model.lm, seq, layouts=lay)[-got.shape[0] :]
+            ref = reference_logits(model.lm, seq, layouts=lay, fp8_indexer=fp8 and lay is not None)[-got.shape[0] :]
             diffs.append((ref - got.to(ref.device)).abs().amax(-1).cpu())
             if key == "" and same_tokens:
                 mine = one_process[1][i].to(ref.device)
                 one_diffs.append((ref - mine).abs().amax(-1).cpu())
                 vs_sharded.append(float((mine - got.to(ref.device)).abs().max()))
             if rounded:
-                own = reference_logits(model.lm, seq, layouts=lay, rounded_probabilities=True)[-got.shape[0] :]
+                own = reference_logits(
+                    model.lm, seq, layouts=lay, rounded_probabilities=True, fp8_indexer=fp8 and lay is not None
+                )[-got.shape[0] :]
                 base.append((ref - own).abs().amax(-1).cpu())
             first = len(p) + len(outputs[i]) - 1 - got.shape[0]
             labels += [f"request {i} position {first + j}" for j in range(got.shape[0])]
