@@ -78,13 +78,43 @@ DEFAULTS: dict[str, Config] = {
 TUNED_ON = (
     "NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, 2026-12-01 (dtkv h28-ops 410fcc1); NVIDIA H200, torch "
     "2.11.0+cu130, triton 3.6.0, 2026-12-01 (dtkv h28-ops 41aa3a6): direct_write, pack_layer_pages, "
-    "pack_owned_pages, quantize_write_mla_fp8, remap, write_owned"
+    "pack_owned_pages, quantize_write_mla_fp8, remap, write_owned; NVIDIA H200, torch 2.11.0+cu130, "
+    "triton 3.6.0, 2026-12-01 (dtkv 3009ed5): indexer_logits"
 )
 TUNED: dict[str, dict[int, Config]] = {
     "direct_write": {
         65536: {"layout": "flat", "block_r": 16, "chunk_w": 1024, "num_warps": 4},
         262144: {"layout": "flat", "block_r": 8, "chunk_w": 512, "num_warps": 8},
         1048576: {"layout": "flat", "block_r": 16, "chunk_w": 1024, "num_warps": 4},
+    },
+    "indexer_logits": {
+        16: {
+            "variant": "keys",
+            "block_q": 8,
+            "block_k": 64,
+            "num_warps": 8,
+            "num_stages": 3,
+            "ctas_per_sm": 3,
+            "maxnreg": 0,
+        },
+        4096: {
+            "variant": "keys",
+            "block_q": 1,
+            "block_k": 128,
+            "num_warps": 4,
+            "num_stages": 2,
+            "ctas_per_sm": 3,
+            "maxnreg": 0,
+        },
+        8192: {
+            "variant": "keys",
+            "block_q": 1,
+            "block_k": 128,
+            "num_warps": 4,
+            "num_stages": 2,
+            "ctas_per_sm": 3,
+            "maxnreg": 0,
+        },
     },
     "pack_layer_pages": {
         1024: {"rows": 1, "parts": 1, "chunk_w": 4096, "num_warps": 8},
