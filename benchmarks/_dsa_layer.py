@@ -138,7 +138,7 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 @dataclass
-class StepPlan:
+class ChunkPlan:
     """Host-built indices of one step on one rank."""
 
     prefix: int
@@ -204,7 +204,7 @@ class Runner:
                                     max_view_pages=mp.num_view_pages)  # fmt: skip
             self.stats["scratch_bytes"] = self.mat.scratch_bytes()
 
-    def plan(self, prefix: int, chunk: int) -> StepPlan:
+    def plan(self, prefix: int, chunk: int) -> ChunkPlan:
         """One step's indices (host work; no host-device synchronization)."""
         d, ps, dev = self.d, self.d.page_size, self.dev
         split = plan_cp_split([prefix], [chunk], cp_size=self.cp, page_size=ps, mode="zigzag")
@@ -214,7 +214,7 @@ class Runner:
         # the request's pages were allocated in order: logical page p holds tokens [p*S, (p+1)*S)
         locs_gathered = torch.where(gi >= 0, prefix + gi, torch.full_like(gi, -1))
         kv_pages = torch.arange(-(-kv_len // ps), dtype=torch.int32)
-        plan = StepPlan(prefix=prefix, kv_len=kv_len, positions=to_device(loc.positions, dev),
+        plan = ChunkPlan(prefix=prefix, kv_len=kv_len, positions=to_device(loc.positions, dev),
                         max_local=split.max_local_tokens, locs_gathered=to_device(locs_gathered, dev),
                         page_table=to_device(kv_pages, dev), page_map=self.pool_map,
                         view_locs_gathered=None)  # fmt: skip
@@ -232,7 +232,7 @@ class Runner:
         return plan
 
     # -------------------------------------------------------------------------------------- run
-    def step(self, plan: StepPlan, x: torch.Tensor, *, record: bool) -> torch.Tensor:
+    def step(self, plan: ChunkPlan, x: torch.Tensor, *, record: bool) -> torch.Tensor:
         mat = self.mat
         if mat is not None and self.mode == "sharded_prefetch":
             mat.prefetch(0)
@@ -240,7 +240,7 @@ class Runner:
             x = self._layer(layer, plan, x, record)
         return x
 
-    def _layer(self, layer: int, plan: StepPlan, x: torch.Tensor, record: bool) -> torch.Tensor:
+    def _layer(self, layer: int, plan: ChunkPlan, x: torch.Tensor, record: bool) -> torch.Tensor:
         d, w, ps = self.d, self.w, self.d.page_size
         n = x.shape[0]
         h = F.rms_norm(x, (d.hidden,))

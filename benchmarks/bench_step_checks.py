@@ -1,9 +1,9 @@
-"""Host cost of a runner step's input rules (:mod:`dtkv._batch`) and of failing together across the CP group.
+"""Host cost of a runtime step's input rules (:mod:`dtkv.runtime._batch`) and of failing together across the CP group.
 
 Per batch size, p50/p90 in microseconds over ``--iters`` steps, on every rank (rank 0 prints):
 
-- ``check``: :func:`dtkv._batch.check_batch` + :func:`check_capacity` alone (local, what one process pays);
-- ``check+agree``: :func:`dtkv._batch.agreed_step`, the same checks plus the verdict and batch exchange (one
+- ``check``: :func:`dtkv.runtime._batch.check_batch` + :func:`check_capacity` alone (local, what one process pays);
+- ``check+agree``: :func:`dtkv.runtime._batch.agreed_step`, the same checks plus the verdict and batch exchange (one
   48-byte all-gather on the group's CPU channel: gloo, also for an NCCL group, so it never waits for the GPU);
 - ``vote``: the step's outcome vote after its run (:func:`dtkv.runtime._outcome.vote` of the committed state: one
   more 48-byte all-gather per step).
@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from dtkv import PageAllocator, PageOwnership, _batch
+from dtkv import PageAllocator, PageOwnership
+from dtkv.runtime import _batch
 from dtkv.runtime._outcome import vote
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -64,7 +65,7 @@ def main() -> None:
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args()
     rank, world, device = db.init()
-    from dtkv.materialize._exchange import cpu_channel
+    from dtkv._collectives import cpu_channel
 
     group = dist.group.WORLD
     channel = cpu_channel(group)

@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return demo_main(rest, prog="dtkv demo")
     if cmd == "capacity":
-        from dtkv.capacity import main as capacity_main
+        from dtkv._capacity_cli import main as capacity_main
 
         return capacity_main(rest, prog="dtkv capacity")
     if cmd == "bench":

@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 
 from dtkv.capacity import (
-    PRESET_ALIASES,
     PRESETS,
     CapacityReport,
     ContextReport,
@@ -51,9 +49,8 @@ def parser(prog: str = "python -m dtkv.capacity") -> argparse.ArgumentParser:
     )
     a = p.add_argument
     names = ", ".join(sorted(PRESETS))
-    aliases = ", ".join(f"{k} = {v}" for k, v in sorted(PRESET_ALIASES.items()))
     a("--model", "--preset", dest="model", default=None, metavar="NAME",
-      help=f"model preset: {names}; spelled as you like (glm-5, deepseek-v3.2); deprecated aliases: {aliases} "
+      help=f"model preset: {names}; spelled as you like (glm-5, deepseek-v3.2) "
       "(default: glm5)")  # fmt: skip
     a("--config", default=None, metavar="PATH",
       help="a DSA model's config.json, or the checkpoint directory holding it, instead of --model "
@@ -62,7 +59,6 @@ def parser(prog: str = "python -m dtkv.capacity") -> argparse.ArgumentParser:
       help="with --config: fp8 MLA rows, or bf16 ones; the indexer page is fp8 in both (default: fp8)")  # fmt: skip
     a("--page-size", type=int, default=None, help="with --config: tokens per KV page (default: 64)")
     a("--cp", type=int, default=8, metavar="N", help="CP group size, ranks (default: 8)")
-    a("--cp-size", type=int, default=None, metavar="N", help="deprecated alias of --cp (default: none)")
     a("--context", type=int, default=None, metavar="TOKENS",
       help="tokens of KV the group holds: GiB per rank replicated vs sharded, the question asked unless --tokens "
       f"or --shared-prefix-tokens is given (default: {DEFAULT_TOKENS})")  # fmt: skip
@@ -101,14 +97,11 @@ def _check(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _model(args: argparse.Namespace, log: logging.Logger) -> ModelGeometry:
+def _model(args: argparse.Namespace) -> ModelGeometry:
     if args.config is not None:
         return geometry_from_config(args.config, kv_dtype=args.kv_dtype or "fp8", page_size=args.page_size or 64)
     name = preset_name(args.model or "glm5")
     assert name is not None, "checked by _check"
-    if name in PRESET_ALIASES:
-        log.warning("--model %s is deprecated; use --model %s", name, PRESET_ALIASES[name])
-        name = PRESET_ALIASES[name]
     return PRESETS[name]
 
 
@@ -118,14 +111,10 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m dtkv.capacity"
 
     setup_cli_logging()
     args = parser(prog).parse_args(argv)
-    log = logging.getLogger("dtkv.capacity")  # not __name__: that is "__main__" under python -m
-    if args.cp_size is not None:
-        log.warning("--cp-size is deprecated and will be removed in the next release; use --cp")
-        args.cp = args.cp_size
     error = _check(args)
     if error is None:
         try:
-            geo = _model(args, log)
+            geo = _model(args)
         except ValueError as e:  # a config.json that is not a DSA model's
             error = str(e)
     if error is not None:

@@ -29,14 +29,13 @@ from dataclasses import asdict, dataclass
 from dtkv._checks import check_int
 from dtkv._names import canonical_name
 from dtkv._scratch import scratch_bytes
-from dtkv._util import cdiv, warn_deprecated
-from dtkv.layouts import IndexerFp8Layout, KVLayout, MLAFp8Layout, MLALatentLayout
+from dtkv._util import cdiv
+from dtkv.layouts import IndexerFp8Layout, KVLayout, MLAFp8Layout, MLALatentLayout, total_page_bytes
 from dtkv.ownership import PageOwnership
 from dtkv.pool import ShardedKVPool
 
 __all__ = [
     "PRESETS",
-    "PRESET_ALIASES",
     "CapacityReport",
     "ContextReport",
     "ModelGeometry",
@@ -69,7 +68,7 @@ class ModelGeometry:
     @property
     def page_bytes_per_layer(self) -> int:
         """Bytes of one page of one layer, every layout together."""
-        return sum(lay.page_bytes for _, lay in self.layouts)
+        return total_page_bytes(lay for _, lay in self.layouts)
 
 
 PRESETS: dict[str, ModelGeometry] = {
@@ -93,24 +92,15 @@ PRESETS: dict[str, ModelGeometry] = {
 DeepSeek-V3.2 (61 layers) with fp8 KV (656-byte MLA rows + the 8448-byte indexer page, page size 64), and
 DeepSeek-V3.2 with bf16 latent rows."""
 
-PRESET_ALIASES: dict[str, str] = {"dsv32": "deepseek-v32", "dsv32-bf16": "deepseek-v32-bf16"}
-"""Deprecated preset names -> their names in :data:`PRESETS` (accepted with a ``DeprecationWarning``)."""
-
 
 def preset_name(text: str) -> str | None:
-    """The :data:`PRESETS` key that ``text`` spells (``"GLM-5"``, ``"deepseek-v3.2"``), a deprecated alias of
-    :data:`PRESET_ALIASES` as it is, or ``None``."""
-    if text in PRESET_ALIASES:
-        return text
+    """The :data:`PRESETS` key that ``text`` spells (``"GLM-5"``, ``"deepseek-v3.2"``), or ``None``."""
     return canonical_name(text, PRESETS)
 
 
 def _geometry(preset: str | ModelGeometry) -> ModelGeometry:
     if isinstance(preset, str):
         preset = preset_name(preset) or preset
-    if isinstance(preset, str) and preset in PRESET_ALIASES:
-        warn_deprecated(f"preset {preset!r}", f"preset {PRESET_ALIASES[preset]!r}", stacklevel=4)
-        preset = PRESET_ALIASES[preset]
     geo = PRESETS[preset] if isinstance(preset, str) and preset in PRESETS else preset
     if not isinstance(geo, ModelGeometry):
         raise ValueError(f"preset must be one of {sorted(PRESETS)} or a ModelGeometry, got preset={preset!r}")
@@ -261,12 +251,6 @@ class CapacityReport:
     """``sharded_tokens / tokens``."""
 
     @property
-    def cp(self) -> int:
-        """Deprecated name of :attr:`cp_size` (warns)."""
-        warn_deprecated("CapacityReport.cp", "CapacityReport.cp_size")
-        return self.cp_size
-
-    @property
     def scratch_takes_the_budget(self) -> bool:
         """True when the view's scratch leaves no room for a single page (the multiplier is 0)."""
         return self.sharded_pages == 0
@@ -279,29 +263,19 @@ class CapacityReport:
 def capacity(
     preset: str | ModelGeometry = "glm5",
     *,
-    cp_size: int | None = None,
+    cp_size: int,
     tokens: int,
     max_request_tokens: int | None = None,
-    cp: int | None = None,
 ) -> CapacityReport:
     """Per-rank bytes and capacity multiplier of sharded vs replicated KV, computed on meta tensors.
 
     Args:
-        preset: a key of :data:`PRESETS` (or a deprecated alias of :data:`PRESET_ALIASES`) or a
-            :class:`ModelGeometry`.
+        preset: a key of :data:`PRESETS` (as :func:`preset_name` reads it) or a :class:`ModelGeometry`.
         cp_size: CP group size (>= 1).
         tokens: the per-rank budget, in tokens: each rank has the bytes of a replicated pool of ``tokens``
             tokens (every rank holding every page), which the sharded pools then fill.
         max_request_tokens: the longest request the scratch must materialize (default ``tokens``).
-        cp: deprecated name of ``cp_size`` (warns).
     """
-    if cp is not None:
-        warn_deprecated("capacity(cp=...)", "capacity(cp_size=...)")
-        if cp_size is not None and cp_size != cp:
-            raise TypeError(f"capacity got cp_size={cp_size} and the deprecated cp={cp}; pass cp_size= only")
-        cp_size = cp
-    if cp_size is None:
-        raise TypeError("capacity() missing required keyword argument: 'cp_size'")
     geo = _geometry(preset)
     check_int("cp_size", cp_size, min_value=1)
     check_int("tokens", tokens, min_value=1)
@@ -418,12 +392,7 @@ def shared_prefix_capacity(
     )
 
 
-def main(argv: list[str] | None = None, *, prog: str = "python -m dtkv.capacity") -> int:
-    """``dtkv capacity`` / ``python -m dtkv.capacity``: see ``--help`` (:mod:`dtkv._capacity_cli`)."""
-    from dtkv._capacity_cli import main as _main
+if __name__ == "__main__":  # python -m dtkv.capacity: the command line (dtkv._capacity_cli) runs, not this module
+    from dtkv._capacity_cli import main
 
-    return _main(argv, prog=prog)
-
-
-if __name__ == "__main__":
     sys.exit(main())

@@ -57,7 +57,7 @@ keeps per-owner free counts where the allocation needs them; only then is any le
 **SPMD check.** :meth:`digest` hashes the tree (paths, pages, clock values), the clock and the allocator's state
 (free pages, reference counts); :meth:`check_agreement` compares it across the CP group in one fixed-size
 collective (:func:`dtkv._agree.agree`) and raises :class:`PrefixCacheMismatchError` on every rank together when
-ranks diverged. The model runner calls it after every step under ``DTKV_DEBUG``.
+ranks diverged. The runtime calls it after every step under ``DTKV_DEBUG``.
 
 **Undo.** While a :class:`dtkv._journal.Journal` is attached (:attr:`PrefixCache.journal`, with the same journal on
 the allocator), every :meth:`match`, :meth:`insert` and :meth:`evict` records its undo (tree, clock, last uses,

@@ -22,6 +22,7 @@ Legend: ``N`` queries, ``I`` heads (``NH``, padded ``NHP``), ``J`` dims (padded 
 from __future__ import annotations
 
 from ._common import e4m3_bits, tl, triton
+from .selection_keys import pack_selection_key
 
 __all__ = ["indexer_cols_kernel", "indexer_pages_kernel"]
 
@@ -71,13 +72,7 @@ def _score_keys(kf, qt, w, scale, pos, valid, IMPRECISE_ACC: tl.constexpr, Q_FP8
     else:
         acc = tl.dot(kf, qt)
     s = tl.sum(tl.maximum(acc, 0.0) * w[None, :], axis=1) * scale
-    # the int64 selection key: ord32(score) * 2**32 + (2**32 - 1 - position); -0.0 -> +0.0, one NaN
-    s = tl.where(s == 0.0, 0.0, s)
-    s = tl.where(s != s, float("nan"), s)
-    bits = s.to(tl.int32, bitcast=True)
-    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
-    key = ordered * 4294967296 + (4294967295 - pos)
-    return tl.where(valid & (s != float("-inf")), key, -9223372036854775808)
+    return pack_selection_key(s, pos, valid)
 
 
 @triton.jit

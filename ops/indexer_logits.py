@@ -5,7 +5,7 @@ Entry point: :func:`indexer_logits`; reference :func:`indexer_logits_torch`; the
 :func:`quantize_indexer_queries`; the top-k of its output: :func:`indexer_topk`. Key column ``c`` is token slot
 ``key_slots[c]`` of ``pages`` (a full view or a pool of :class:`dtkv.IndexerFp8Layout` pages: token ``t`` of page
 ``p`` is slot ``p * S + t``), and query ``n`` sees columns ``key_start[n] <= c < key_end[n]`` (its request's keys up
-to its own position: request and causal visibility in one range, as :attr:`dtkv.runtime.StepPlan`'s key table lays
+to its own position: request and causal visibility in one range, as :attr:`dtkv.runtime.ExtendPlan`'s key table lays
 them out)::
 
     logits[n, c] = sum_i w[n, i] * relu(q[n, i] . codes(c)) * scale(c)        for visible c, else -inf
@@ -16,7 +16,7 @@ DeepSeek-V3.2's fp8 indexer, whose per-(query, head) query scale and ``softmax_s
 (:func:`quantize_indexer_queries`).
 
 **Output.** float32 ``[N, K]`` (``-inf`` where not visible), or with ``packed=True`` the int64 selection keys of
-those logits (:func:`dtkv.decode.selection_keys`' order with the *column* as the position: a higher score first,
+those logits (:mod:`dtkv.ops.selection_keys`' order with the *column* as the position: a higher score first,
 equal scores by lower column, which within a request is the lower position; ``-0.0`` folded into ``+0.0``, one NaN
 above ``+inf``; :data:`INVALID_KEY` where not visible or ``-inf``): ``torch.topk`` of them is the stable
 lowest-position selection rule with no sort (:func:`indexer_topk`). Never ``[N, I, K]``: the kernel sums the heads
@@ -59,6 +59,7 @@ from dtkv.layouts import IndexerFp8Layout
 
 from . import _tuned
 from ._common import device_ctx, e4m3_blocks_torch, index_arg, resolve_backend, tl, triton
+from .selection_keys import INVALID_KEY, MAX_POSITION, pack_selection_key, selection_keys
 
 __all__ = [
     "INVALID_KEY",
@@ -69,11 +70,6 @@ __all__ = [
     "quantize_indexer_queries",
 ]
 
-INVALID_KEY = -(2**63)
-"""The packed key of a column that is not visible (:data:`dtkv.decode.INVALID_KEY`)."""
-
-_LOW32 = 2**32 - 1
-_MAG31 = 0x7FFFFFFF
 _IDX_DTYPES = (torch.int32, torch.int64)
 _REF_BLOCK_BYTES = 1 << 28
 """The reference's ``[B, I, K]`` float32 products per block of queries (bounded whatever ``N``)."""
@@ -96,15 +92,6 @@ def quantize_indexer_queries(
         raise ValueError(f"scale must be > 0 (relu commutes only with a positive scale), got scale={scale}")
     codes, q_scale = e4m3_blocks_torch(q.float())
     return codes.view(torch.float8_e4m3fn), w.float() * q_scale * scale
-
-
-def _pack_keys(logits: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """int64 selection keys of float32 ``logits`` ``[B, K]`` (``-inf``: not visible) with the columns as positions."""
-    s = torch.where(logits == 0, torch.zeros_like(logits), logits)
-    s = torch.where(torch.isnan(s), torch.full_like(s, float("nan")), s)
-    bits = s.view(torch.int32).to(torch.int64)
-    keys = torch.where(bits < 0, torch.bitwise_xor(bits, _MAG31), bits) * (2**32) + (_LOW32 - cols)
-    return torch.where(s != float("-inf"), keys, torch.full_like(keys, INVALID_KEY))
 
 
 def indexer_logits_torch(
@@ -143,13 +130,13 @@ def indexer_logits_torch(
         logits = torch.matmul(wf[b0:b1, None, :], prod)[:, 0]  # [B, K]
         vis = (cols[None, :] >= lo[b0:b1, None]) & (cols[None, :] < hi[b0:b1, None]) & ok[None, :]
         logits = torch.where(vis, logits, torch.full_like(logits, float("-inf")))
-        out[b0:b1] = _pack_keys(logits, cols) if packed else logits
+        out[b0:b1] = selection_keys(logits, cols) if packed else logits
     return out
 
 
 def indexer_topk(keys: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` best columns of each row of packed selection keys ``[N, K]`` (``packed=True`` output, or
-    :func:`dtkv.decode.selection_keys` of any scores with the columns as positions), best first:
+    :func:`dtkv.ops.selection_keys.selection_keys` of any scores with the columns as positions), best first:
     ``(cols int64 [N, k], valid bool [N, k])``, ``-1`` / False past a row's visible keys (run phase: no host sync).
 
     Keys are distinct (the column is part of each), so ``torch.topk`` needs no tie rule of its own: the result is
@@ -182,12 +169,7 @@ def _store_tile(out_ptr, rows, cols, s, vis, row_ok, col_ok, out_sn, PACKED: tl.
     ptrs = out_ptr + rows.to(tl.int64)[:, None] * out_sn + cols[None, :]
     m = row_ok[:, None] & col_ok[None, :]
     if PACKED:
-        s = tl.where(s == 0.0, 0.0, s)  # -0.0 -> +0.0, every NaN one NaN: equal floats give equal keys
-        s = tl.where(s != s, float("nan"), s)
-        bits = s.to(tl.int32, bitcast=True)
-        ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
-        key = ordered * 4294967296 + (4294967295 - cols[None, :])
-        tl.store(ptrs, tl.where(vis & (s != float("-inf")), key, -9223372036854775808), mask=m)
+        tl.store(ptrs, pack_selection_key(s, cols[None, :], vis), mask=m)
     else:
         tl.store(ptrs, tl.where(vis, s, float("-inf")), mask=m)
 
@@ -344,7 +326,7 @@ def _check(q, w, pages, key_slots, key_start, key_end, page_size) -> None:
     if pages.shape[0] and pages.stride(1) != 1:
         raise ValueError(f"pages must be contiguous within a page (stride 1 in dim 1), got {pages.stride()}")
     check_tensor("key_slots", key_slots, dtype=_IDX_DTYPES, ndim=1, device=dev)
-    if key_slots.shape[0] >= _LOW32:
+    if key_slots.shape[0] > MAX_POSITION:  # a column is a selection key's position
         raise ValueError(f"key_slots must have fewer than 2**32 - 1 columns, got {key_slots.shape[0]}")
     check_tensor("key_start", key_start, dtype=_IDX_DTYPES, shape=(n,), device=dev)
     check_tensor("key_end", key_end, dtype=_IDX_DTYPES, shape=(n,), device=dev)

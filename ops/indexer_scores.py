@@ -8,8 +8,8 @@ For every such key::
 
     score[n, s] = sum_i w[n, i] * relu(q[n, i] . k[s])        k[s] = e4m3 codes of token s * its fp32 scale
 
-masked (:data:`dtkv.decode.INVALID_KEY`) where the page is padding or the key is not causal (position >
-``query_pos[n]``), and packed with its position into the int64 key of :func:`dtkv.decode.selection_keys` (score
+masked (:data:`dtkv.ops.selection_keys.INVALID_KEY`) where the page is padding or the key is not causal (position >
+``query_pos[n]``), and packed with its position into the int64 key of :mod:`dtkv.ops.selection_keys` (score
 rounded to float32, ties by position): ``torch.topk`` of the output *is* the selection rule. Output column
 ``l * S + t`` is token ``t`` of page ``l``.
 
@@ -63,6 +63,7 @@ from dtkv.layouts import IndexerFp8Layout
 
 from ._common import INTERPRET, device_ctx, e4m3_blocks_torch, index_arg, resolve_backend
 from ._indexer_kernels import indexer_cols_kernel, indexer_pages_kernel
+from .selection_keys import selection_keys
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -83,26 +84,11 @@ __all__ = [
     "use_launch",
 ]
 
-_INVALID_KEY = -(2**63)
-_LOW32 = 2**32 - 1
-_MAG31 = 0x7FFFFFFF
 _Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _IDX_DTYPES = (torch.int32, torch.int64)
 
 
 # ----------------------------------------------------------------------------------------- torch reference
-def _pack_keys(scores_NS: torch.Tensor, pos_NS: torch.Tensor, valid_NS: torch.Tensor) -> torch.Tensor:
-    """:func:`dtkv.decode.selection_keys` (restated here: ops sit below ``dtkv.decode``)."""
-    s = scores_NS.to(torch.float32)
-    s = torch.where(s == 0, torch.zeros_like(s), s)
-    s = torch.where(torch.isnan(s), torch.full_like(s, float("nan")), s)
-    bits = s.contiguous().view(torch.int32).to(torch.int64)
-    ordered = torch.where(bits < 0, torch.bitwise_xor(bits, _MAG31), bits)
-    keys = ordered * (2**32) + (_LOW32 - pos_NS.to(torch.int64))
-    keep = valid_NS & (s != float("-inf"))
-    return torch.where(keep, keys, torch.full_like(keys, _INVALID_KEY))
-
-
 def indexer_scores_torch(
     q: torch.Tensor,  # [N, I, J] bf16/fp16/fp32/fp64
     w: torch.Tensor,  # [N, I] floating
@@ -137,7 +123,7 @@ def indexer_scores_torch(
     offsets = torch.arange(ps, device=q.device)
     pos = (page_slots.to(torch.int64)[:, :, None] * ps + offsets).reshape(n, -1)
     valid = real[:, :, None].expand(-1, -1, ps).reshape(n, -1) & (pos <= query_pos.to(torch.int64)[:, None])
-    return _pack_keys(scores, pos, valid)
+    return selection_keys(scores, pos, valid)
 
 
 # ----------------------------------------------------------------------------------------- launch configuration

@@ -10,12 +10,10 @@ import sys
 import pytest
 
 from dtkv.capacity import (
-    PRESET_ALIASES,
     PRESETS,
     capacity,
     context_capacity,
     geometry_from_config,
-    shared_prefix_capacity,
 )
 
 
@@ -45,28 +43,24 @@ def test_rejects_unknown_preset_and_bad_sizes():
     assert set(PRESETS) >= {"glm5"}
 
 
-@pytest.mark.parametrize("flag", ["--cp", "--cp-size"])
-def test_cli_prints_one_json_object(flag):
-    cmd = [sys.executable, "-m", "dtkv.capacity", "--preset", "glm5", flag, "8", "--tokens", "1048576", "--json"]
+def test_cli_prints_one_json_object():
+    cmd = [sys.executable, "-m", "dtkv.capacity", "--preset", "glm5", "--cp", "8", "--tokens", "1048576", "--json"]
     run = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    out = json.loads(run.stdout)  # stdout holds the one object; warnings go to stderr
+    out = json.loads(run.stdout)  # stdout holds the one object
     assert out["capacity_multiplier"] >= 7.6 and out["cp_size"] == 8
     assert "cp" not in out  # one name per quantity (0.1.0 repeated cp_size as cp for one release)
-    assert ("--cp-size is deprecated" in run.stderr) == (flag == "--cp-size")
 
 
-@pytest.mark.parametrize("old", sorted(PRESET_ALIASES))
-def test_old_preset_names_warn_and_give_the_new_names_reports(old):
-    new = PRESET_ALIASES[old]
-    with pytest.warns(DeprecationWarning, match=rf"preset '{old}' is deprecated.*use preset '{new}'"):
-        rep = capacity(old, cp_size=4, tokens=1 << 15)
-    assert rep == capacity(new, cp_size=4, tokens=1 << 15) and rep.preset == new
-    with pytest.warns(DeprecationWarning):
-        shared = shared_prefix_capacity(old, cp_size=4, tokens=1 << 15, prefix_tokens=100, suffix_tokens=10)
-    assert shared == shared_prefix_capacity(new, cp_size=4, tokens=1 << 15, prefix_tokens=100, suffix_tokens=10)
-    cmd = [sys.executable, "-m", "dtkv.capacity", "--preset", old, "--cp", "4", "--tokens", "32768", "--json"]
-    run = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    assert json.loads(run.stdout)["preset"] == new and f"--model {old} is deprecated" in run.stderr
+@pytest.mark.parametrize("old", ["--cp-size", "--model dsv32", "--model dsv32-bf16"])
+def test_the_0_1_spellings_are_usage_errors(old):
+    """0.2 removed ``--cp-size`` (``--cp``) and the preset aliases ``dsv32`` / ``dsv32-bf16`` (``deepseek-v32``,
+    ``deepseek-v32-bf16``): each is a usage error now (exit 2, one ``error:`` line)."""
+    flag, *value = old.split()
+    cmd = [sys.executable, "-m", "dtkv.capacity", flag, *(value or ["4"]), "--tokens", "32768", "--json"]
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    assert run.returncode == 2 and run.stdout == "" and "error:" in run.stderr, run.stderr
+    with pytest.raises(ValueError, match="preset must be one of"):
+        capacity("dsv32", cp_size=4, tokens=1 << 15)
 
 
 def test_cli_help_gives_every_default_and_what_context_and_tokens_mean():
@@ -220,16 +214,13 @@ def test_capacity_imports_no_kernels_triton_or_materializer():
     assert out.strip() == "[]", out
 
 
-def test_deprecated_cp_keyword_and_field_warn_and_agree():
-    new = capacity("deepseek-v32", cp_size=4, tokens=1 << 15)
-    with pytest.warns(DeprecationWarning, match=r"capacity\(cp=\.\.\.\) is deprecated"):
-        old = capacity("deepseek-v32", cp=4, tokens=1 << 15)
-    assert old == new
-    with pytest.warns(DeprecationWarning, match=r"CapacityReport\.cp is deprecated"):
-        assert new.cp == 4
-    with pytest.raises(TypeError, match="pass cp_size= only"), pytest.warns(DeprecationWarning):
-        capacity("deepseek-v32", cp_size=4, cp=2, tokens=1 << 15)
-    with pytest.raises(TypeError, match="missing required keyword argument: 'cp_size'"):
+def test_cp_size_is_the_one_name_of_the_group_size():
+    """``capacity(cp_size=...)`` and ``CapacityReport.cp_size``: 0.1's ``cp=`` keyword and ``.cp`` field are gone."""
+    rep = capacity("deepseek-v32", cp_size=4, tokens=1 << 15)
+    assert rep.cp_size == 4 and not hasattr(rep, "cp")
+    with pytest.raises(TypeError, match="cp"):
+        capacity("deepseek-v32", cp=4, tokens=1 << 15)
+    with pytest.raises(TypeError, match="missing 1 required keyword-only argument: 'cp_size'"):
         capacity("deepseek-v32", tokens=1 << 15)
 
 

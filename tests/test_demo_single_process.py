@@ -105,16 +105,19 @@ def test_every_kv_mode_without_a_group_is_the_single_mode(model, mode, decode_mo
 
 
 def test_a_step_context_needs_one_step():
-    """``StepContext`` (public: an adapter's tests build one) refuses to be built without a step instead of an
-    ``assert`` firing later in ``ctx.ids``."""
+    """``StepContext`` (public: an adapter's tests build one, ``Runtime.context(plan)``) refuses to be built without
+    a step instead of an ``assert`` firing later in ``ctx.ids``."""
     from dtkv.runtime import StepContext
 
     rt = runtime("reference", num_pages=8)
     try:
-        with pytest.raises(ValueError, match=r"StepContext needs one step: .* got plan=None, decode=None"):
-            StepContext(rt)
+        parts = dict(pool=rt.pool, mode=rt.mode, group=rt.group, ownership=rt.ownership, spec=rt.ownership_spec,
+                     attention=rt.attention)  # fmt: skip
+        with pytest.raises(ValueError, match=r"StepContext needs one step: .* got plan=None, sharded=None"):
+            StepContext(**parts)
         rt.add_request([1, 2, 3])
         plan = rt.plan_step(rt.requests, [3])
-        assert StepContext(rt, plan=plan).ids.tolist() == [1, 2, 3]
+        assert rt.context(plan).ids.tolist() == [1, 2, 3]
+        assert StepContext(**parts, plan=plan).ids.tolist() == [1, 2, 3]
     finally:
         rt.close()

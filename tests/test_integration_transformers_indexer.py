@@ -34,8 +34,8 @@ from dtkv.integrations.transformers import (  # noqa: E402
 )
 from dtkv.integrations.transformers import _indexer as X  # noqa: E402
 from dtkv.integrations.transformers import attention as A  # noqa: E402
-from dtkv.runtime import Runtime, StepContext, batch_invariant  # noqa: E402
-from dtkv.runtime.kvio import read_rows  # noqa: E402
+from dtkv.kvio import read_rows  # noqa: E402
+from dtkv.runtime import Runtime, batch_invariant  # noqa: E402
 from tests.ops_reference import backend_ok  # noqa: E402
 
 needs_interpreter = pytest.mark.skipif(not backend_ok("triton", "cpu"), reason="needs Triton in interpreter mode")
@@ -73,7 +73,7 @@ def _layer_inputs(name, kv_dtype, *, attention="torch", index_topk=16, first=(40
     rt.add_request([7, 7, 7, 7, 9] * 7)
     rt.step(rt.requests, list(first))
     plan = rt.plan_step(rt.requests, list(second))
-    ctx = StepContext(rt, plan=plan)
+    ctx = rt.context(plan)
     attn = lm.model.layers[0].self_attn
     with torch.no_grad():
         hidden = lm.model.layers[0].input_layernorm(lm.model.embed_tokens(plan.ids[None]))
@@ -157,7 +157,7 @@ def test_uses_fp8_indexer_rules_and_switch():
 
 def test_fp8_queries_round_as_the_reference_rounds_them():
     """The adapter's fp8 query rounding is bitwise the reference's (``round_trip`` through an indexer layout)."""
-    from dtkv.integrations.transformers.reference import round_trip
+    from dtkv.kvio import round_trip
 
     q = torch.randn(5, 4, 32).bfloat16()
     got = A.fp8_indexer_queries(q)

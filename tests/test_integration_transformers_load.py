@@ -1,5 +1,5 @@
 """``load_model``: a checkpoint directory written by ``save_pretrained`` loads into the model it was saved from
-(bitwise equal logits), in the dtype it ships, and runs in the runner with parity; other models are refused."""
+(bitwise equal logits), in the dtype it ships, and runs in the runtime with parity; other models are refused."""
 
 from __future__ import annotations
 
@@ -48,12 +48,12 @@ def test_the_runtime_on_a_loaded_checkpoint_matches_its_own_forward(tmp_path):
     tiny_model("deepseek-v32", seed=1).save_pretrained(tmp_path)
     lm = load_model(tmp_path)
     prompt = torch.randint(0, 256, (37,), generator=torch.Generator().manual_seed(2)).tolist()
-    runner = Runtime(TransformersAdapter(lm, page_size=16, kv_dtype="fp32"),
+    rt = Runtime(TransformersAdapter(lm, page_size=16, kv_dtype="fp32"),
                      num_pages=num_pages_for([37], page_size=16, decode_steps=2, cp_size=1))  # fmt: skip
-    runner.add_request(prompt)
-    _, logits = runner.prefill(16, return_logits=True)
-    runner.close()
-    ref = reference_logits(lm, prompt, layouts=runner.pool.layouts)
+    rt.add_request(prompt)
+    _, logits = rt.prefill(16, return_logits=True)
+    rt.close()
+    ref = reference_logits(lm, prompt, layouts=rt.pool.layouts)
     assert (ref - logits[0].to(ref.dtype)).abs().max() <= 1e-5
 
 

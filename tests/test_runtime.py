@@ -127,13 +127,13 @@ def test_a_closed_runtime_refuses_every_step_naming_close(adapter, how):
     again, which failed with ``TypeError: 'NoneType' object is not subscriptable`` deep inside transformers):
     every call that would run the model or take pages refuses, naming close(), with nothing allocated;
     ``finish_request`` and ``kv_bytes`` still work."""
-    from tests._runners import make_runner, snapshot, unchanged
+    from tests._runtime import make_runtime, snapshot, unchanged
 
-    with make_runner(adapter, num_pages=16) as rt:
+    with make_runtime(adapter, num_pages=16) as rt:
         a = rt.add_request([1, 2, 3, 4, 5])
         rt.prefill(2)
         plan_reqs = [rt.add_request([6, 7])]
-        plan = rt.plan_step(plan_reqs, [1])  # planned while open, run after
+        plan = rt.plan_step(plan_reqs, [1])  # planned while open, rt after
         if how == "close":
             rt.close()
     assert rt.closed

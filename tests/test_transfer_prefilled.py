@@ -19,20 +19,20 @@ CFG = ModelConfig(kv_dtype="fp8", page_size=4, num_layers=2)
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2], [6, 5], [3]]
 
 
-def _runner(adapter: str, prefilled: bool):
+def _runtime(adapter: str, prefilled: bool):
     if adapter == "reference":
-        runner = Runtime(ReferenceAdapter(CFG), num_pages=24)
+        rt = Runtime(ReferenceAdapter(CFG), num_pages=24)
     else:
         from dtkv.integrations.transformers import TransformersAdapter
         from dtkv.integrations.transformers.reference import tiny_model
 
-        runner = Runtime(TransformersAdapter(tiny_model("deepseek-v32", seed=0), kv_dtype="fp8", page_size=4),
+        rt = Runtime(TransformersAdapter(tiny_model("deepseek-v32", seed=0), kv_dtype="fp8", page_size=4),
                          num_pages=24)  # fmt: skip
     if prefilled:
         for p in PROMPTS:
-            runner.add_request(p)
-        runner.prefill(8)
-    return runner
+            rt.add_request(p)
+        rt.prefill(8)
+    return rt
 
 
 def _adapters():
@@ -72,7 +72,7 @@ def _hand_off(prefill, decode, prompts):
 
 @pytest.mark.parametrize("adapter", list(_adapters()))
 def test_decode_receives_the_prompt_kv_and_first_token(adapter):
-    prefill, decode = _runner(adapter, True), _runner(adapter, False)
+    prefill, decode = _runtime(adapter, True), _runtime(adapter, False)
     reports = _hand_off(prefill, decode, PROMPTS)
     assert len(reports) == len(PROMPTS)
     lens = [len(p) for p in PROMPTS]
@@ -84,7 +84,7 @@ def test_decode_receives_the_prompt_kv_and_first_token(adapter):
 @pytest.mark.parametrize("adapter", list(_adapters()))
 @pytest.mark.parametrize("first", [-1, 10**6])
 def test_a_first_token_outside_the_vocabulary_is_a_transfer_error(adapter, first):
-    prefill, decode = _runner(adapter, True), _runner(adapter, False)
+    prefill, decode = _runtime(adapter, True), _runtime(adapter, False)
     prefill.requests[1].output[0] = first  # what a faulty or hostile prefill peer would send
     with pytest.raises(TransferError, match=rf"first token {first}, outside \[0, \d+\)"):
         _hand_off(prefill, decode, PROMPTS)
@@ -99,10 +99,10 @@ def test_a_prompt_that_is_not_the_prefilled_one_is_a_transfer_error(adapter, how
     """The decode side given its prompts in another order, or another prompt of the same length, used to receive
     every request "successfully" and decode one request's KV under another prompt; the metadata row now carries
     the prompt's digest, and a mismatch fails that request like any other failed receive."""
-    prefill, decode = _runner(adapter, True), _runner(adapter, False)
+    prefill, decode = _runtime(adapter, True), _runtime(adapter, False)
     prompts = [list(p) for p in PROMPTS]
     if how == "another_order":  # two prompts of the same length, swapped
-        prefill = _runner(adapter, False)
+        prefill = _runtime(adapter, False)
         for p in ([1, 2, 3], [3, 2, 1], [5]):
             prefill.add_request(p)
         prefill.prefill(8)
@@ -146,7 +146,7 @@ class _RecordingSender:
 
 @pytest.mark.parametrize("adapter", list(_adapters()))
 def test_an_unfinished_request_is_rejected_before_anything_is_sent(adapter):
-    prefill = _runner(adapter, True)
+    prefill = _runtime(adapter, True)
     prefill.add_request([7, 7, 7])  # added after prefill: not computed
     sender = _RecordingSender()
     with pytest.raises(ValueError, match=r"must finish prefill before it is sent, got num_computed=0 of 3"):

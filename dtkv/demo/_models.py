@@ -12,9 +12,7 @@ from typing import Any
 
 import torch
 
-from dtkv._util import cdiv
-
-__all__ = ["DTYPES", "FLASHMLA_DIMS", "REFERENCE_FLASHMLA", "DemoModel", "load", "num_pages", "prompts", "vocab_of"]
+__all__ = ["DTYPES", "FLASHMLA_DIMS", "REFERENCE_FLASHMLA", "DemoModel", "load", "prompts", "vocab_of"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 FLASHMLA_DIMS = {
@@ -123,10 +121,3 @@ def prompts(tokens: int, num_requests: int, vocab: int, seed: int) -> list[list[
     lens = (weights / weights.sum() * tokens).floor().long().clamp(min=1)
     lens[0] += tokens - int(lens.sum())
     return [torch.randint(0, vocab, (int(n),), generator=g).tolist() for n in lens]
-
-
-def num_pages(prompts: list[list[int]], page_size: int, decode_steps: int, cp: int) -> int:
-    """Pages that hold every prompt and its decode steps on a pool of ``cp`` owners (owner-aware allocation
-    may waste up to a page per request and owner)."""
-    pages = sum(cdiv(len(p) + decode_steps + 1, page_size) + 1 for p in prompts)
-    return cdiv(pages, cp) * cp + cp

@@ -19,8 +19,9 @@ import torch.distributed as dist
 
 from dtkv._log import Progress, progress
 from dtkv.demo import _verdict as verdict
-from dtkv.demo._models import DemoModel, load, num_pages, prompts
-from dtkv.runtime import Runtime
+from dtkv.demo._models import DemoModel, load, prompts
+from dtkv.demo.workloads import max_diff
+from dtkv.runtime import Runtime, num_pages_for
 
 __all__ = ["run_rank"]
 
@@ -50,8 +51,10 @@ def _serve(
     ``send``: hand the prefilled requests to ``--pd``'s decode group (timed apart: ``seconds`` is prefill and
     decode only, ``pd_seconds`` the hand-off)."""
     world = 1 if group is None else dist.get_world_size(group)
+    pages = num_pages_for([len(p) for p in ps], page_size=args["page_size"], decode_steps=args["decode_steps"],
+                          cp_size=world)  # fmt: skip
     rt = Runtime(
-        model.adapter(), num_pages=num_pages(ps, args["page_size"], args["decode_steps"], world), group=group,
+        model.adapter(), num_pages=pages, group=group,
         mode=mode, split=args["split"], decode_mode=decode_mode, attention=args["attention"],
     )  # fmt: skip
     try:
@@ -92,16 +95,6 @@ def _serve(
         rt.close()
 
 
-def _max_diff(xs: list[torch.Tensor], ys: list[torch.Tensor], labels) -> tuple[float, float, str]:
-    """Largest ``|x - y|`` over the pairs: ``(absolute, relative to y's scale, where)``."""
-    worst = (0.0, 0.0, "")
-    for (x, y), where in zip(zip(xs, ys), labels):
-        d = float((x.double() - y.double()).abs().max()) if x.numel() else 0.0
-        if d > worst[0]:
-            worst = (d, d / max(float(y.double().abs().max()), 1e-300), where)
-    return worst
-
-
 def _kv_differing_bytes(a: list[dict], b: list[dict]) -> int:
     return sum(int((x[n] != y[n]).sum()) for x, y in zip(a, b) for n in x)
 
@@ -109,7 +102,7 @@ def _kv_differing_bytes(a: list[dict], b: list[dict]) -> int:
 def _reference_checks(base: dict, cand: dict, decode_mode: str) -> dict:
     """The reference model: the sharded run against the replicated-KV baseline (bitwise; sharded decode 1e-9)."""
     n = len(base["outputs"])
-    d, _, where = _max_diff(cand["logits"], base["logits"], [f"request {i} prompt" for i in range(n)])
+    d, _, where = max_diff(cand["logits"], base["logits"], [f"request {i} prompt" for i in range(n)])
     kv_bad = _kv_differing_bytes(cand["kv"], base["kv"])
     prefill = verdict.check(
         d == 0 and kv_bad == 0 and [o[:1] for o in cand["outputs"]] == [o[:1] for o in base["outputs"]],
@@ -120,7 +113,7 @@ def _reference_checks(base: dict, cand: dict, decode_mode: str) -> dict:
         kv_bytes_differing=kv_bad,
     )  # fmt: skip
     labels = [f"decode step {s}" for s in range(len(base["decode_logits"]))]
-    d_abs, d_rel, where = _max_diff(cand["decode_logits"], base["decode_logits"], labels)
+    d_abs, d_rel, where = max_diff(cand["decode_logits"], base["decode_logits"], labels)
     tokens = cand["outputs"] == base["outputs"]
     if decode_mode == "full":
         decode = verdict.check(

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from dtkv import _env
+from dtkv.layouts import total_page_bytes
 from dtkv.ops._common import resolve_backend
 
 from ._gather import (
@@ -117,7 +118,7 @@ class Materializer:
         self._history_group = history_group
         dev = pool.device
         capacity = max(plan.num_view_pages, max_view_pages or 0)
-        self._page_bytes = sum(pool.layouts[n].page_bytes for n in self.names)
+        self._page_bytes = total_page_bytes(pool.layouts[n] for n in self.names)
         self.backend = resolve_gather_backend(backend, pool.group, dev, capacity * self._page_bytes)
         """The backend in use: ``"local"``, ``"all_gather"`` or ``"copy_engine"``."""
         impl = CopyEngineGather if self.backend == "copy_engine" else AllGatherGather

@@ -77,8 +77,8 @@ def attention_spec(cfg: ModelConfig) -> AttentionSpec:
 class TinyDSA:
     """Deterministic seeded weights and the per-layer math of the reference model.
 
-    The model does not own a KV cache: :class:`dtkv.model.ModelRunner` moves rows between these
-    functions and the (sharded or replicated) pools.
+    The model does not own a KV cache: :class:`dtkv.runtime.Runtime` (through :class:`dtkv.model.ReferenceAdapter`)
+    moves rows between these functions and the (sharded or replicated) pools.
     """
 
     def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu") -> None:

@@ -20,7 +20,7 @@ Entry points:
 split (zigzag, page-aligned where possible, or round-robin), owner-aware allocation, the prefix cache, KV writes
 (owner-filtered, compute-owner direct, replicated), materialized views with a layer-ahead prefetch, sharded decode
 (a :class:`dtkv.decode.DecodeStep` layer per model layer: the exact global top-k and the LSE merge), PD send
-and receive, and the input rules of every call (:mod:`dtkv._batch`: checked before anything changes, on every
+and receive, and the input rules of every call (:mod:`dtkv.runtime._batch`: checked before anything changes, on every
 rank together, with where each request stands). A model adapter owns only what differs between models: how a layer
 projects its rows and how its attention reads KV.
 
@@ -63,7 +63,7 @@ model's concern.
 
 **Plan and run** (as flashinfer's ``plan()`` / ``run()``): :meth:`Runtime.plan_step` is the host phase -- input
 rules, split, prefix-cache eviction, allocation, token locations, the key table, the materialization plan and the
-remapped page tables (:class:`StepPlan`, identical on every rank up to the rank's own rows); :meth:`Runtime.forward`
+remapped page tables (:class:`ExtendPlan`, identical on every rank up to the rank's own rows); :meth:`Runtime.forward`
 is the run phase: tensor work only, no host sync (it compiles with ``torch.compile(fullgraph=True)`` for the
 reference model). Sharded decode has the same split (:func:`dtkv.decode.plan_decode` and
 :meth:`dtkv.decode.DecodeStep.set_plan`, then the layers).
@@ -88,7 +88,7 @@ computes what ``single`` does, bitwise. The page-table format is defined in :mod
 from __future__ import annotations
 
 from dtkv.runtime._invariant import batch_invariant
-from dtkv.runtime._plan import StepPlan
+from dtkv.runtime._plan import ExtendPlan
 from dtkv.runtime._request import Request
 from dtkv.runtime.adapter import ModelAdapter, ModelSpec
 from dtkv.runtime.context import StepContext
@@ -104,7 +104,7 @@ __all__ = [
     "Request",
     "Runtime",
     "StepContext",
-    "StepPlan",
+    "ExtendPlan",
     "batch_invariant",
     "num_pages_for",
 ]

@@ -36,6 +36,7 @@ from collections.abc import Sequence
 import torch
 
 from dtkv._agree import agree
+from dtkv._collectives import cpu_channel
 from dtkv._journal import Journal
 
 __all__ = ["StepOutcome", "vote"]
@@ -51,8 +52,6 @@ def vote(group, error: BaseException | None, *, what: str, value: object = None)
     """
     channel = None
     if group is not None:
-        from dtkv.materialize._exchange import cpu_channel
-
         channel = cpu_channel(group)
     agree(error, channel, what=what, value=value, keep_common=True)
 

@@ -28,9 +28,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from dtkv import _batch
 from dtkv._agree import agree
+from dtkv._collectives import cpu_channel
 from dtkv._util import cdiv
+from dtkv.runtime import _batch
 from dtkv.transfer import DecodeReceiver, KVShard, PrefillSender, ReceiveReport, SendReport, TransferError
 from dtkv.transfer import prefilled as _prefilled
 from dtkv.transfer.prefilled import META_ROW_BYTES, kv_digest
@@ -91,8 +92,6 @@ def send_prefilled(
 
 
 def _channel(group):
-    from dtkv.materialize._exchange import cpu_channel
-
     return None if group is None else cpu_channel(group)
 
 
@@ -121,8 +120,9 @@ def receive_prefilled(
         One :class:`dtkv.transfer.ReceiveReport` per request (this rank's share).
 
     Raises:
-        TypeError / ValueError: a prompt breaks :func:`dtkv._batch.check_prompt`, the prompts' pages do not fit the
-            free pages, or the runtime has a prefix cache; checked before anything changes, on every rank together.
+        TypeError / ValueError: a prompt breaks :func:`dtkv.runtime._batch.check_prompt`, the prompts' pages do not
+            fit the free pages, or the runtime has a prefix cache; checked before anything changes, on every rank
+            together.
         TransferError: on every decode rank together, when any rank's transfer failed, the ranks' metadata rows
             differ, or the row disagrees with the prompt (its length, or its digest: the prefill side sent another
             prompt under this request id, e.g. prompts in another order) or holds a first token outside the

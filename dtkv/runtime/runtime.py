@@ -9,10 +9,10 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from dtkv import _batch, _env
+from dtkv import _env
 from dtkv._agree import agree
 from dtkv._checks import check_int
-from dtkv._collectives import all_gather_rows, group_rank, group_size
+from dtkv._collectives import cpu_channel, gather_padded, group_rank, group_size
 from dtkv._util import cdiv
 from dtkv.allocator import AllocationError, PageAllocator
 from dtkv.attention import AttentionBackend, AttentionName, AttentionSpec, resolve_attention
@@ -21,11 +21,11 @@ from dtkv.materialize import Materializer
 from dtkv.ownership import OwnershipScheme, PageOwnership, ownership_spec
 from dtkv.pool import ShardedKVPool, gather_pages
 from dtkv.prefix_cache import PrefixCache
-from dtkv.runtime import _prefix
-from dtkv.runtime._decode import plan_sharded_step
+from dtkv.runtime import _batch, _prefix
+from dtkv.runtime._decode import ShardedDecodeAttention, plan_sharded_step
 from dtkv.runtime._invariant import _BatchInvariant
 from dtkv.runtime._outcome import StepOutcome
-from dtkv.runtime._plan import StepPlan, plan_extend
+from dtkv.runtime._plan import ExtendPlan, plan_extend
 from dtkv.runtime._request import Request
 from dtkv.runtime.adapter import ModelAdapter
 from dtkv.runtime.context import StepContext
@@ -167,8 +167,6 @@ class Runtime:
                 "prefix_cache": bool(prefix_cache), "batch_invariant": self.batch_invariant,
                 "attention": self.attention.name, "model": adapter.describe(),
             }  # fmt: skip
-            from dtkv.materialize._exchange import cpu_channel
-
             agree(None, cpu_channel(self.group), what="Runtime", value=config)
         adapter.bind()
 
@@ -209,7 +207,7 @@ class Runtime:
         Raises:
             TypeError: a token id is not an int (floats and bools are refused, never truncated).
             ValueError: an empty prompt, an id outside the vocabulary, or more pages than the pool could ever hand
-                out (:func:`dtkv._batch.check_prompt`); nothing is queued.
+                out (:func:`dtkv.runtime._batch.check_prompt`); nothing is queued.
         """
         self._check_open("add_request")
         alloc = self.allocator
@@ -229,7 +227,7 @@ class Runtime:
         A finished request is never stepped, decoded or inspected again (those calls refuse it).
 
         Raises:
-            TypeError / ValueError: ``rid`` is not an int naming a live request (:func:`dtkv._batch.check_rid`).
+            TypeError / ValueError: ``rid`` is not an int naming a live request (:func:`dtkv.runtime._batch.check_rid`).
         """
         req = _batch.check_rid(rid, self.requests)
         _prefix.release_request(self, req)
@@ -258,7 +256,7 @@ class Runtime:
         value = functools.partial(_batch.batch_value, reqs, allocator=self.allocator)
         return _batch.agreed_step(self.group, what="Runtime step", check=check, value=value)
 
-    def _plan(self, reqs: Sequence[Request], lens: list[int]) -> StepPlan:
+    def _plan(self, reqs: Sequence[Request], lens: list[int]) -> ExtendPlan:
         make_room = functools.partial(_prefix.make_room, self) if self.prefix_cache is not None else None
         return plan_extend(
             reqs, lens, allocator=self.allocator, ownership=self.ownership, cp_size=self.cp, rank=self.rank,
@@ -266,14 +264,14 @@ class Runtime:
             group=self.pool.group, make_room=make_room,
         )  # fmt: skip
 
-    def plan_step(self, reqs: Sequence[Request], extend_lens: Sequence[int]) -> StepPlan:
+    def plan_step(self, reqs: Sequence[Request], extend_lens: Sequence[int]) -> ExtendPlan:
         """Split, allocate pages and build every index the step's run needs (plan phase: host; SPMD).
 
-        The inputs are checked first, on every rank together (:func:`dtkv._batch.agreed_step`: collective with a
+        The inputs are checked first, on every rank together (:func:`dtkv.runtime._batch.agreed_step`: collective with a
         group); a refused step changes nothing.
 
         Raises:
-            TypeError / ValueError: the batch breaks a rule of :func:`dtkv._batch.check_batch` (empty, a request
+            TypeError / ValueError: the batch breaks a rule of :func:`dtkv.runtime._batch.check_batch` (empty, a request
                 not of this runtime, finished or repeated, a length not an int in ``[1, tokens not yet computed]``).
             AllocationError: the step's new pages exceed the free pages plus the evictable cached ones.
         """
@@ -283,12 +281,14 @@ class Runtime:
         return plan
 
     # ------------------------------------------------------------------------------------------ run
-    def _gather(self, x: torch.Tensor, rows: int) -> torch.Tensor:
-        if self.group is None:
-            return x
-        padded = x.new_zeros((rows, *x.shape[1:]))
-        padded[: x.shape[0]] = x
-        return all_gather_rows(padded, self.group)
+    def context(self, plan: ExtendPlan) -> StepContext:
+        """The :class:`StepContext` of an extend step's ``plan`` (what :meth:`forward` hands the adapter; for
+        driving an adapter's forward, or one of its layers, yourself: e.g. to compile it)."""
+        return self._context(plan=plan)
+
+    def _context(self, **step) -> StepContext:
+        return StepContext(pool=self.pool, mode=self.mode, group=self.group, ownership=self.ownership,
+                           spec=self.ownership_spec, attention=self.attention, **step)  # fmt: skip
 
     def _run_model(self, ctx: StepContext) -> torch.Tensor:
         if self.batch_invariant:
@@ -302,7 +302,7 @@ class Runtime:
                 return self.adapter.logits(hidden)
         return self.adapter.logits(hidden)
 
-    def forward(self, plan: StepPlan, *, prefetch: bool = False, all_logits: bool = False) -> torch.Tensor:
+    def forward(self, plan: ExtendPlan, *, prefetch: bool = False, all_logits: bool = False) -> torch.Tensor:
         """The run phase of one extend step (collective): writes every layer's KV and returns logits.
 
         Tensor work only (no host sync; the reference model's run compiles with fullgraph).
@@ -315,12 +315,14 @@ class Runtime:
                 each request's last token ``[num_reqs, V]``.
         """
         self._check_open("forward")
-        ctx = StepContext(self, plan=plan)
+        ctx = self.context(plan)
         if prefetch and plan.mat_plan is not None:
             ctx.materializer = Materializer(self.pool, plan.mat_plan)
             ctx.materializer.prefetch(0)
         with torch.no_grad():
-            hidden = self._gather(self._run_model(ctx), plan.max_local)
+            hidden = self._run_model(ctx)
+            if self.group is not None:
+                hidden = gather_padded(hidden, plan.max_local, self.group)
             return self._logits(hidden[plan.restore_rows if all_logits else plan.last_rows])
 
     def step(
@@ -372,8 +374,9 @@ class Runtime:
         """Chunked prefill of the live requests not prefilled yet, ``chunk_size`` tokens per request per step.
 
         Requests whose pages do not fit together queue: each step runs the requests whose remaining prompt pages
-        fit beside each other (requests under way first, then in request order; :func:`dtkv._batch.admit_prefill`),
-        and a waiting request joins a later step of this call once its pages fit. Requests that still do not fit
+        fit beside each other (requests under way first, then in request order:
+        :func:`dtkv.runtime._batch.admit_prefill`), and a waiting request joins a later step of this call once its
+        pages fit. Requests that still do not fit
         when no other can progress stay queued (not prefilled, no page taken) for a later ``prefill()``, after
         ``finish_request`` made room; so a call makes progress whenever some request can complete.
 
@@ -439,10 +442,17 @@ class Runtime:
         with StepOutcome(self, reqs, what="Runtime decode step") as outcome:
             if self.prefix_cache is not None:
                 _prefix.make_room_for_decode(self, reqs)
-            plan = plan_sharded_step(self, reqs)
+            plan = plan_sharded_step(
+                reqs, allocator=self.allocator, ownership=self.ownership, rank=self.pool.rank,
+                page_size=self.page_size, topk=self.model_spec.index_topk, device=self.device,
+            )  # fmt: skip
             outcome.keep_pages()
             ids = torch.tensor([r.tokens[r.num_computed] for r in reqs], dtype=torch.int64, device=self.device)
-            ctx = StepContext(self, decode=plan, ids=ids, decode_pages=[list(r.pages) for r in reqs])
+            sharded = ShardedDecodeAttention(
+                pool=self.pool, spec=self.ownership_spec, attention=self.attention.name, stats=self.stats, plan=plan,
+                page_tables=[r.pages for r in reqs],
+            )  # fmt: skip
+            ctx = self._context(sharded=sharded, ids=ids)
             with torch.no_grad():
                 hidden = self._run_model(ctx)
                 ctx.finish()

@@ -15,17 +15,15 @@ Entry points:
 - :func:`dsa_attention` -- the replacement attention bound to each attention module (:mod:`.attention`).
 - :func:`indexer_precision`, :func:`uses_fp8_indexer` -- which indexer the extend steps run (fp8 or exact).
 - :func:`reference_logits`, :func:`stable_topk` -- the model's own forward as the parity reference.
-- :func:`load_model` -- a DeepSeek-V3.2 / GLM-5 checkpoint directory (safetensors) for the runner.
+- :func:`load_model` -- a DeepSeek-V3.2 / GLM-5 checkpoint directory (safetensors) for the adapter.
 - :func:`tiny_config`, :func:`tiny_model` -- small random DSA models (no download).
-- :class:`DSAModelRunner` -- the deprecated 0.1 entry point (one release): a :class:`dtkv.runtime.Runtime` over a
-  :class:`TransformersAdapter`.
 
 Tested with transformers 5.17.0 (the ``hf`` extra takes ``>=5.17,<6``; CI pins 5.17.0).
 
 **Why the attention module, not an attention interface.** transformers' ``AttentionInterface`` receives keys
 and values already expanded by ``kv_b_proj`` from the model's dense ``DynamicCache``, and a top-k mask the
 indexer already computed against that cache. DSA's KV storage and its sparse selection both happen inside the
-attention module's forward, so that forward is what the runner binds (per instance, reversibly).
+attention module's forward, so that forward is what the adapter binds (per instance, reversibly).
 
 **transformers 5.17's DSA forward is not length-invariant, and why.** With ``index_topk=16`` the logits of
 a 200-token forward differ from the first 200 rows of a 300-token forward, and a chunked forward with a cache
@@ -52,7 +50,7 @@ harmless: the top-k mask is combined with the causal mask, so those keys never g
 
 **The comparison.** The reference is the model's own forward with that one call made deterministic
 (:func:`stable_topk`: highest score first, ties to the lowest position). With it both quirks vanish (tiny
-models: 200 vs 300 tokens and chunked vs full agree to 8.4e-7). The runner's indexer implements the same rule, so
+models: 200 vs 300 tokens and chunked vs full agree to 8.4e-7). The adapter's indexer implements the same rule, so
 parity tests compare dtkv with a well-defined forward of the unmodified model, not with an accident of tie
 order. It does so without a sort: each score (rounded to float32; ``-0.0`` as ``+0.0``) and its position travel
 as one int64 key, ``ord32(score) * 2**32 + (2**32 - 1 - position)`` (:func:`dtkv.decode.selection_keys`), so every
@@ -90,14 +88,11 @@ from dtkv.integrations.transformers.reference import (
     tiny_config,
     tiny_model,
 )
-from dtkv.integrations.transformers.runner import DSAModelRunner, KVMode, num_pages_for
 
 __all__ = [
     "KV_DTYPES",
     "MODEL_TYPES",
     "DSAGeometry",
-    "DSAModelRunner",
-    "KVMode",
     "TransformersAdapter",
     "dsa_attention",
     "family_of",
@@ -105,24 +100,9 @@ __all__ = [
     "indexer_precision",
     "kv_layouts",
     "load_model",
-    "num_pages_for",
     "reference_logits",
     "stable_topk",
     "tiny_config",
     "tiny_model",
     "uses_fp8_indexer",
 ]
-
-
-def __getattr__(name: str):
-    if name in ("Request", "StepPlan"):  # importable from here as in 0.1; they are dtkv.runtime's
-        import dtkv.runtime
-
-        return getattr(dtkv.runtime, name)
-    if name == "AttentionContext":  # the 0.1 per-runner attention context: the runtime's StepContext now
-        from dtkv._util import warn_deprecated
-        from dtkv.runtime import StepContext
-
-        warn_deprecated("dtkv.integrations.transformers.AttentionContext", "dtkv.runtime.StepContext")
-        return StepContext
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

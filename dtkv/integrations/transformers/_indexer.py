@@ -20,6 +20,7 @@ import torch
 
 from dtkv import ops
 from dtkv.decode import selection_keys
+from dtkv.kvio import read_rows, round_trip
 from dtkv.layouts import IndexerFp8Layout
 from dtkv.runtime import StepContext
 
@@ -83,21 +84,9 @@ def uses_fp8_indexer(attention: str, index_layout) -> bool:
 
 def fp8_indexer_queries(q: torch.Tensor) -> torch.Tensor:
     """Indexer queries ``[..., J]`` as DeepSeek-V3.2's fp8 indexer takes them: each row in e4m3 with the scale
-    ``amax / 448`` (:func:`dtkv.ops.quantize_indexer_fp8`), given back as float32 ``codes * scale``."""
-    codes, scale = ops.quantize_indexer_fp8(q.float().reshape(-1, q.shape[-1]))
-    return (codes.view(torch.float8_e4m3fn).float() * scale[:, None]).view(q.shape)
-
-
-def _key_rows(view: torch.Tensor, layout, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The index rows of token slots ``slots`` ``[K]`` of ``view``, as :func:`dtkv.runtime.kvio.read_rows` reads
-    them (bitwise: the same per-element conversion), gathered first: ``[K, J]`` whatever the view's size."""
-    if isinstance(layout, IndexerFp8Layout):
-        ps, hd = layout.page_size, layout.head_dim
-        page, t = slots // ps, slots % ps
-        codes = view[:, : ps * hd].reshape(view.shape[0], ps, hd)[page, t]  # [K, J] e4m3 bytes
-        scales = view[:, ps * hd :].reshape(view.shape[0], ps, 4)[page, t].contiguous().view(torch.float32)
-        return (codes.view(torch.float8_e4m3fn).float() * scales).to(dtype)
-    return view.reshape(-1, layout.row_dim)[slots].to(dtype)
+    ``amax / 448`` (:func:`dtkv.ops.quantize_indexer_fp8`), given back as float32 ``codes * scale`` (an fp8 index
+    key's :func:`dtkv.kvio.round_trip`)."""
+    return round_trip(q.float(), IndexerFp8Layout(page_size=1, head_dim=q.shape[-1]))
 
 
 def select_topk(indexer, ctx: StepContext, q_NIJ, w_NI, view_index) -> torch.Tensor:
@@ -129,7 +118,7 @@ def select_topk(indexer, ctx: StepContext, q_NIJ, w_NI, view_index) -> torch.Ten
         backend = "triton" if name == "triton" else "auto"
         block = max(1, FP8_BLOCK_BYTES // max(1, 8 * num_keys))
     else:
-        keys_JK = _key_rows(view_index, lay, plan.key_slots, q_NIJ.dtype).transpose(0, 1).float()
+        keys_JK = read_rows(view_index, lay, q_NIJ.dtype, slots=plan.key_slots).transpose(0, 1).float()
         cols = torch.arange(num_keys, device=q_NIJ.device)
         block = max(1, TORCH_BLOCK_BYTES // max(1, (4 * heads + 48) * num_keys))
     out = []

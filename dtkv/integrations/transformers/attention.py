@@ -56,8 +56,8 @@ from dtkv.integrations.transformers._indexer import (
     select_topk,
     uses_fp8_indexer,
 )
+from dtkv.kvio import read_rows
 from dtkv.runtime import StepContext
-from dtkv.runtime.kvio import read_rows
 
 __all__ = [
     "FP8_BLOCK_BYTES",

@@ -21,11 +21,11 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 from torch.overrides import TorchFunctionMode
 
-from dtkv import ops
 from dtkv.integrations.transformers._family import FAMILIES, family_of
-from dtkv.layouts import IndexerFp8Layout, KVLayout, MLAFp8Layout, MLALatentLayout
+from dtkv.kvio import round_trip
+from dtkv.layouts import IndexerFp8Layout, KVLayout
 
-__all__ = ["MODEL_TYPES", "reference_logits", "round_trip", "stable_topk", "tiny_config", "tiny_model"]
+__all__ = ["MODEL_TYPES", "reference_logits", "stable_topk", "tiny_config", "tiny_model"]
 
 MODEL_TYPES: dict[str, str] = {"deepseek-v32": "deepseek_v32", "glm5": "glm_moe_dsa"}
 """Short names (as ``python -m dtkv.demo --model`` takes them) -> ``config.model_type``."""
@@ -55,25 +55,6 @@ class _StableTopk(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def round_trip(rows: torch.Tensor, layout: KVLayout) -> torch.Tensor:
-    """``rows`` ``[..., C]`` as a pool of ``layout`` gives them back (stored, then read): same shape and dtype.
-
-    ``MLALatentLayout``: a cast to the store dtype and back; ``MLAFp8Layout`` / ``IndexerFp8Layout``: the fp8
-    quantization of :mod:`dtkv.ops` and its dequantization.
-    """
-    flat = rows.reshape(-1, rows.shape[-1])
-    if isinstance(layout, MLALatentLayout):
-        out = flat.to(layout.dtype)
-    elif isinstance(layout, MLAFp8Layout):
-        out = ops.dequantize_mla_fp8(ops.quantize_mla_fp8(flat, layout), layout)
-    elif isinstance(layout, IndexerFp8Layout):
-        q, scale = ops.quantize_indexer_fp8(flat)
-        out = q.view(torch.float8_e4m3fn).float() * scale[:, None]
-    else:
-        raise TypeError(f"layout must be an MLA or indexer layout, got {type(layout).__name__}")
-    return out.to(rows.dtype).reshape(rows.shape)
-
-
 class _RoundIndexerKeys:
     """Stands in for ``past_key_values`` inside an indexer: its keys come back as the pool stores them."""
 
@@ -94,11 +75,11 @@ def stable_topk(
     Always: the DSA indexers break top-k ties by position. With ``layouts`` (``{"kv": ..., "index": ...}``,
     as :func:`dtkv.integrations.transformers.kv_layouts` gives them), the model also reads its keys as those
     stored formats hold them: the MLA latent row ``[kv_a_layernorm(kv), rope(k_rot)]`` goes through
-    :func:`round_trip` before ``expand_kv`` and the indexer key (after its rope) before scoring. That is the
+    :func:`dtkv.kvio.round_trip` before ``expand_kv`` and the indexer key (after its rope) before scoring. That is the
     model with its KV cache in the pools' formats (an identity for fp32 KV of a float32 model). ``fp8_indexer``
     (with fp8 index pages, for a run that :func:`dtkv.integrations.transformers.attention.uses_fp8_indexer`):
     the indexer is DeepSeek-V3.2's fp8 one as dtkv runs it, its queries (after their rope) rounded per (token,
-    head) to e4m3 too (:func:`round_trip` through an :class:`dtkv.IndexerFp8Layout`, bitwise
+    head) to e4m3 too (:func:`dtkv.kvio.round_trip` through an :class:`dtkv.IndexerFp8Layout`, bitwise
     :func:`dtkv.integrations.transformers.attention.fp8_indexer_queries`).
 
     The wraps are instance attributes of the attention and indexer modules, removed on exit; every other

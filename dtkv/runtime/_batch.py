@@ -1,15 +1,14 @@
-"""The runners' input rules, written once: what a prompt, a request id and a step's batch must be (plan phase).
+"""The runtime's input rules, written once: what a prompt, a request id and a step's batch must be (plan phase).
 
-Every model runner (:class:`dtkv.model.ModelRunner`, :class:`dtkv.integrations.transformers.DSAModelRunner`) calls
-these before it changes anything, so a refused call leaves requests, pages, the allocator, the prefix cache and
-the pools as they were:
+:class:`dtkv.runtime.Runtime` (every model) and :mod:`dtkv.runtime.pd` call these before they change anything, so a
+refused call leaves requests, pages, the allocator, the prefix cache and the pools as they were:
 
 - :func:`check_prompt` (``add_request``): token ids as Python ints in ``[0, vocab_size)``, at least one, and few
   enough that their pages fit the pool at all (a prompt that can never be prefilled is refused here instead of
   holding pages forever and blocking every later ``prefill()``).
-- :func:`check_rid` (``finish_request`` / ``free_request`` / ``kv_bytes``): an int naming a request of the runner,
+- :func:`check_rid` (``finish_request`` / ``kv_bytes``): an int naming a request of the runtime,
   live unless told otherwise.
-- :func:`check_batch` (``plan_step`` / ``step`` / ``decode_step``): a non-empty batch of the runner's own live
+- :func:`check_batch` (``plan_step`` / ``step`` / ``decode_step``): a non-empty batch of the runtime's own live
   requests, each once, each with an extend length in ``[1, tokens not yet computed]``.
 - :func:`check_capacity`: the step's new pages fit the free pages plus the cached pages eviction could free; an
   allocation that cannot succeed is refused before any eviction or allocation.
@@ -24,8 +23,7 @@ the pools as they were:
 A step that fails after its checks (its run raised on some rank) is undone on every rank together by
 :class:`dtkv.runtime._outcome.StepOutcome`.
 
-Requests are duck-typed: ``rid``, ``prompt``, ``output`` (their tokens are prompt + output), ``pages``,
-``num_computed`` and ``finished``.
+Requests are the runtime's :class:`dtkv.runtime.Request` objects (their tokens are prompt + output).
 """
 
 from __future__ import annotations
@@ -37,6 +35,7 @@ import torch.distributed as dist
 
 from dtkv._agree import agree
 from dtkv._checks import check_int
+from dtkv._collectives import cpu_channel
 from dtkv._util import as_int_array, cdiv
 from dtkv.allocator import AllocationError, PageAllocator
 
@@ -88,7 +87,7 @@ def check_rid(rid: object, requests: Sequence, *, live: bool = True, finished_ru
 
     Args:
         rid: a request id (an int; not a bool).
-        requests: the runner's requests, in id order.
+        requests: the runtime's requests, in id order.
         live: refuse a finished (freed) request.
         finished_rule: the message for a finished request (default: "rid must name a live request ...").
 
@@ -110,8 +109,8 @@ def check_batch(requests: Sequence, reqs: object, extend_lens: object, *, decode
     """Check one step's batch; returns the extend lengths as Python ints (nothing is changed).
 
     Args:
-        requests: the runner's requests, in id order.
-        reqs: the step's requests: a non-empty sequence of the runner's own live request objects, each once.
+        requests: the runtime's requests, in id order.
+        reqs: the step's requests: a non-empty sequence of the runtime's own live request objects, each once.
         extend_lens: per request, tokens to compute: ints in ``[1, len(tokens) - num_computed]``; ``None``: one
             token each.
         decode: the batch of a decode step (every length 1): the message for a request with no token left says
@@ -119,7 +118,7 @@ def check_batch(requests: Sequence, reqs: object, extend_lens: object, *, decode
 
     Raises:
         TypeError: ``reqs`` is not a sequence, or a length is not an int (bools and floats are refused).
-        ValueError: empty batch, a request not of this runner, finished, or repeated, ``extend_lens`` of another
+        ValueError: empty batch, a request not of this runtime, finished, or repeated, ``extend_lens`` of another
             length than ``reqs``, a length < 1 (a zero-length extend has no logits of its own) or past the
             request's known tokens.
     """
@@ -135,7 +134,7 @@ def check_batch(requests: Sequence, reqs: object, extend_lens: object, *, decode
         rid = getattr(r, "rid", None)
         if isinstance(rid, bool) or not isinstance(rid, int) or not 0 <= rid < len(requests) or requests[rid] is not r:
             raise ValueError(
-                f"reqs[{i}] must be one of this runner's requests (runner.requests[r.rid] is r), got {r!r:.80}"
+                f"reqs[{i}] must be one of this runtime's requests (runtime.requests[r.rid] is r), got {r!r:.80}"
             )
         if r.finished:
             raise ValueError(
@@ -246,7 +245,7 @@ def agreed_step(
 ) -> T:
     """Run ``check()`` (this rank's checks of a collective call's inputs) and fail on every rank of ``group`` together.
 
-    Collective over ``group``'s CPU channel (:func:`dtkv.materialize._exchange.cpu_channel`: one 48-byte
+    Collective over ``group``'s CPU channel (:func:`dtkv._collectives.cpu_channel`: one 48-byte
     all-gather that never waits for the GPU) whatever the local outcome; without a group (or with one rank) a
     local error is raised as it is. With ``value`` the ranks also compare ``value(check())`` (JSON-able: the
     batch's request ids and lengths), so inputs that differ between ranks (a broken SPMD contract) raise
@@ -264,8 +263,6 @@ def agreed_step(
         if error is not None:
             raise error
         return cast("T", result)
-    from dtkv.materialize._exchange import cpu_channel  # the materialization path's CPU mirror of the group
-
     agreed = value(cast("T", result)) if error is None and value is not None else None
     agree(error, cpu_channel(group), what=what, value=agreed)
     return cast("T", result)
