@@ -243,6 +243,28 @@ def test_reference_round_trip_reads_what_the_pools_store(kv_dtype):
         assert torch.equal(stored, round_trip(rows, lay)), name
 
 
+@pytest.mark.parametrize("name", ["deepseek-v32", "glm5"])
+def test_the_reference_scores_the_indexer_keys_as_the_pools_store_them(name, monkeypatch):
+    """With ``layouts``, every indexer of the reference scores its keys (after their rope, ``[T, index_head_dim]``)
+    as the index pool gives them back, and its latent rows likewise; no argument of the model's forward carries it.
+    transformers 5.24 ignores the deprecated ``past_key_values`` an earlier hook passed the indexer, so its fp8
+    reference scored exact keys: ``python -m dtkv.demo --model deepseek-v32 --kv-dtype fp8`` lost parity (worst
+    logit difference 1.08)."""
+    from dtkv.integrations.transformers import reference
+
+    lm = model(name)
+    layouts, real, seen = kv_layouts(geometry_of(lm), "fp8", 4), reference.round_trip, []
+    monkeypatch.setattr(reference, "round_trip", lambda rows, lay: seen.append((lay, rows.shape)) or real(rows, lay))
+    ids = list(range(3, 43))
+    rounded = reference_logits(lm, ids, layouts=layouts)
+    cfg, layers = lm.config, lm.config.num_hidden_layers
+    index = [shape for lay, shape in seen if lay is layouts["index"]]
+    own = sum(t != "shared" for t in getattr(cfg, "indexer_types", None) or ["full"] * layers)
+    assert len(index) == own and all(tuple(s[-2:]) == (len(ids), cfg.index_head_dim) for s in index), index
+    assert sum(lay is layouts["kv"] for lay, _ in seen) == layers
+    assert not torch.equal(rounded, reference_logits(lm, ids))  # the rounding reaches the logits
+
+
 def test_runtime_rejects_bad_input_and_close_restores_the_model():
     lm = model("deepseek-v32")
     with pytest.raises(TypeError, match=r"model must be one of \['DeepseekV32ForCausalLM', 'GlmMoeDsaForCausalLM'\]"):

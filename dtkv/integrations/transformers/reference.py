@@ -32,20 +32,43 @@ MODEL_TYPES: dict[str, str] = {"deepseek-v32": "deepseek_v32", "glm5": "glm_moe_
 
 
 class _StableTopk(TorchFunctionMode):
-    """Turns ``Tensor.topk`` / ``torch.topk`` into a stable descending sort (ties to the lower index); with
-    ``fp8_queries = (heads, head_dim)`` also rounds the queries of the indexer's score product (the ``torch.matmul``
-    whose left operand is ``[..., heads, head_dim]``) as the fp8 indexer takes them."""
+    """An indexer's forward as the parity reference runs it (one instance per call).
 
-    def __init__(self, fp8_queries: tuple[int, int] | None = None) -> None:
+    Always: ``Tensor.topk`` / ``torch.topk`` become a stable descending sort (ties to the lower index). The
+    indexer's score product -- the ``torch.matmul`` whose left operand is the queries ``[..., heads, head_dim]``
+    and whose right operand is the keys ``[..., head_dim, T]`` (transformers 5.17 to 5.24 score with it) -- may also
+    read its operands as dtkv holds them: ``fp8_queries`` rounds the queries as the fp8 indexer takes them,
+    ``key_layout`` gives the keys back as a pool of that layout stores them (:func:`dtkv.kvio.round_trip` of the
+    keys in ``key_dtype``, the dtype the model computes them in). No argument of the model's forward is involved:
+    the model runs without a cache, as loaded.
+    """
+
+    def __init__(
+        self,
+        scores: tuple[int, int],
+        *,
+        fp8_queries: bool = False,
+        key_layout: KVLayout | None = None,
+        key_dtype: torch.dtype = torch.float32,
+    ) -> None:
         super().__init__()
-        self.fp8_queries = fp8_queries
+        self.scores, self.fp8_queries, self.key_layout, self.key_dtype = scores, fp8_queries, key_layout, key_dtype
+
+    def _score_product(self, q: torch.Tensor, k: torch.Tensor) -> bool:
+        heads, dim = self.scores
+        return q.dim() >= 2 and tuple(q.shape[-2:]) == (heads, dim) and k.dim() >= 2 and k.shape[-2] == dim
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
-        if func is torch.matmul and self.fp8_queries is not None and len(args) == 2:
+        if func is torch.matmul and len(args) == 2 and (self.fp8_queries or self.key_layout is not None):
             q, k = args
-            if q.dim() >= 2 and tuple(q.shape[-2:]) == self.fp8_queries and k.shape[-2] == self.fp8_queries[1]:
-                return func(round_trip(q.float(), IndexerFp8Layout(page_size=1, head_dim=q.shape[-1])), k, **kwargs)
+            if self._score_product(q, k):
+                if self.fp8_queries:
+                    q = round_trip(q.float(), IndexerFp8Layout(page_size=1, head_dim=q.shape[-1]))
+                if self.key_layout is not None:  # rows of head_dim: the keys' own dtype, stored, read back
+                    rows = k.transpose(-1, -2).to(self.key_dtype)
+                    k = round_trip(rows, self.key_layout).to(k.dtype).transpose(-1, -2)
+                return func(q, k, **kwargs)
         if func is torch.Tensor.topk or func is torch.topk:
             x, k = args[0], args[1] if len(args) > 1 else kwargs.pop("k")
             dim = args[2] if len(args) > 2 else kwargs.pop("dim", -1)
@@ -53,17 +76,6 @@ class _StableTopk(TorchFunctionMode):
             values, indices = torch.sort(x, dim=dim, descending=largest, stable=True)
             return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
         return func(*args, **kwargs)
-
-
-class _RoundIndexerKeys:
-    """Stands in for ``past_key_values`` inside an indexer: its keys come back as the pool stores them."""
-
-    def __init__(self, layout: KVLayout, cache=None) -> None:
-        self.layout, self.cache = layout, cache
-
-    def update_indexer(self, key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
-        key_states = round_trip(key_states, self.layout)
-        return key_states if self.cache is None else self.cache.update_indexer(key_states, layer_idx)
 
 
 @contextlib.contextmanager
@@ -92,14 +104,13 @@ def stable_topk(
         indexer = getattr(attn, "indexer", None)
         if indexer is not None:
             original = type(indexer).forward.__get__(indexer)
+            mode = dict(
+                scores=(indexer.n_heads, indexer.head_dim), fp8_queries=fp8_indexer,
+                key_layout=None if layouts is None else layouts["index"], key_dtype=indexer.wk.weight.dtype,
+            )  # fmt: skip
 
-            shape = (indexer.n_heads, indexer.head_dim) if fp8_indexer else None
-
-            def forward(*args, _original=original, _shape=shape, **kwargs):
-                if layouts is not None:
-                    cache = kwargs.pop("past_key_values", args[5] if len(args) > 5 else None)
-                    args, kwargs["past_key_values"] = args[:5], _RoundIndexerKeys(layouts["index"], cache)
-                with _StableTopk(_shape):
+            def forward(*args, _original=original, _mode=mode, **kwargs):
+                with _StableTopk(**_mode):
                     return _original(*args, **kwargs)
 
             indexer.forward = forward
