@@ -21,7 +21,7 @@ Legend: ``N`` queries, ``I`` heads (``NH``, padded ``NHP``), ``J`` dims (padded 
 
 from __future__ import annotations
 
-from ._common import e4m3_bits, tl, triton
+from ._common import e4m3_bits, scalar_mask, tl, triton
 from .selection_keys import pack_selection_key
 
 __all__ = ["indexer_cols_kernel", "indexer_pages_kernel"]
@@ -174,19 +174,22 @@ def indexer_pages_kernel(
                 base = tl.where(ok, pid, 0) * page_stride
                 k_ptrs = (pool_ptr + base + r[:, None] * J + cj[None, :]).to(tl.pointer_type(tl.float8e4nv))
                 s_ptrs = (pool_ptr + base + S * J + 4 * r).to(tl.pointer_type(tl.float32))
+                tile_ok = scalar_mask(ok, r[:, None] + cj[None, :], PREROUND)  # PREROUND: the interpreter
+                rows_ok = scalar_mask(ok, r, PREROUND)
                 if SP == S and JP == J:
-                    kf = tl.load(k_ptrs, mask=ok, other=0.0, eviction_policy="evict_first")
-                    scale = tl.load(s_ptrs, mask=ok, other=0.0, eviction_policy="evict_first")
+                    kf = tl.load(k_ptrs, mask=tile_ok, other=0.0, eviction_policy="evict_first")
+                    scale = tl.load(s_ptrs, mask=rows_ok, other=0.0, eviction_policy="evict_first")
                 else:
-                    kmask = ok & (r < S)[:, None] & (cj < J)[None, :]
+                    kmask = tile_ok & (r < S)[:, None] & (cj < J)[None, :]
                     kf = tl.load(k_ptrs, mask=kmask, other=0.0, eviction_policy="evict_first")
-                    scale = tl.load(s_ptrs, mask=ok & (r < S), other=0.0, eviction_policy="evict_first")
+                    scale = tl.load(s_ptrs, mask=rows_ok & (r < S), other=0.0, eviction_policy="evict_first")
             pos = slot * S + r
             key = _score_keys(kf, qt, w, scale, pos, ok & (pos <= qpos), IMPRECISE_ACC, Q_FP8, PREROUND)
+            stored = scalar_mask(inside, r, PREROUND)
             if SP == S:
-                tl.store(row_keys + p * S + r, key, mask=inside)
+                tl.store(row_keys + p * S + r, key, mask=stored)
             else:
-                tl.store(row_keys + p * S + r, key, mask=inside & (r < S))
+                tl.store(row_keys + p * S + r, key, mask=stored & (r < S))
 
 
 @triton.jit(do_not_specialize=["num_cols", "num_page_cols", "num_local_pages", "tiles_per_prog"])
