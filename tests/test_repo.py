@@ -187,3 +187,43 @@ def test_docs_have_an_install_page_and_the_one_line_checkpoint_recipe():
     recipe = "tiny_model('deepseek-v32').save_pretrained('ckpt')"
     for doc in ("docs/install.md", "docs/usage.md", "docs/transformers.md", "README.md"):
         assert recipe in (ROOT / doc).read_text(), doc
+
+
+def _structure():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("dtkv_structure", ROOT / "tools" / "structure.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_every_package_depends_only_on_the_floors_below_it_and_no_import_is_circular():
+    """``tools/structure.py`` reads every import of ``dtkv/`` and ``ops/`` (``TYPE_CHECKING`` ones too): no room
+    imports a room on its own floor or a higher one, every room stands on one floor, no modules import each other in
+    a circle."""
+    r = _structure().read()
+    assert r["back_arrows"] == [] and r["unplaced"] == [] and r["circles"] == [], r
+
+
+def test_the_structure_check_finds_a_back_arrow_a_circle_and_a_room_on_no_floor(tmp_path):
+    """The check can fail: a low room importing a high one, a circle through a ``TYPE_CHECKING`` import (0.1's
+    ``runtime/adapter`` -> ``context`` -> ``runtime``), a module on no floor."""
+    files = {
+        "dtkv/__init__.py": "",
+        "dtkv/low.py": "from dtkv.high import f\n",
+        "dtkv/high.py": "def f(): pass\n",
+        "dtkv/extra.py": "",
+        "dtkv/pkg/__init__.py": "",
+        "dtkv/pkg/a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from dtkv.pkg.b import B\n",
+        "dtkv/pkg/b.py": "from dtkv.pkg import a\n",
+        "dtkv/script.py": "if __name__ == '__main__':\n    from dtkv.high import f\n",  # a script's entry: no arrow
+    }
+    for path, text in files.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+    (tmp_path / "ops").mkdir()
+    floors = (("low", "script"), ("high", "pkg"), ("dtkv",))
+    r = _structure().read(tmp_path, floors)
+    assert r["back_arrows"] == ["low (floor 0) -> high (floor 1): dtkv.low line 1 imports dtkv.high"]
+    assert r["circles"] == [["dtkv.pkg.a", "dtkv.pkg.b"]] and r["unplaced"] == ["extra"]
