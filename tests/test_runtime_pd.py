@@ -70,7 +70,7 @@ def _store(args):
 def _prefill_rank(rank, world, args):
     import torch.distributed as dist
 
-    from dtkv.runtime.pd import kv_digest, request_bytes, send_prefilled, shard_for
+    from dtkv.runtime.pd import kv_digest, request_bytes, request_id, send_prefilled, shard_for
     from dtkv.transfer import PrefillSender, TransferError
 
     rt = _runtime(args, dist.group.WORLD if world > 1 else None, decode=False)
@@ -83,7 +83,7 @@ def _prefill_rank(rank, world, args):
     shard = shard_for(rt, staging_bytes=request_bytes(rt, [len(p) for p in prompts]))
     sender = PrefillSender(shard, _store(args), timeout_s=TIMEOUT_S)
     if args.get("fault") == "prefill_engine" and rank == args["fault_rank"]:
-        _fail_last_request(sender, f"req-{len(prompts) - 1}")
+        _fail_last_request(sender, request_id(len(prompts) - 1))
     error = None
     try:
         sender.connect()
@@ -120,7 +120,7 @@ def _decode_rank(rank, world, args):
 
     import torch.distributed as dist
 
-    from dtkv.runtime.pd import kv_digest, receive_prefilled, reclaim, request_bytes, shard_for
+    from dtkv.runtime.pd import kv_digest, receive_prefilled, reclaim, request_bytes, request_id, shard_for
     from dtkv.transfer import DecodeReceiver, TransferError
 
     rt = _runtime(args, dist.group.WORLD if world > 1 else None, decode=True)
@@ -132,7 +132,7 @@ def _decode_rank(rank, world, args):
     receiver = DecodeReceiver(shard, _store(args), timeout_s=TIMEOUT_S)
     fault = args.get("fault") if rank == args.get("fault_rank") else None
     if fault in ("decode_alone", "forged_meta"):
-        _break_last_receive(receiver, f"req-{len(prompts) - 1}", fault)
+        _break_last_receive(receiver, request_id(len(prompts) - 1), fault)
     error = None
     try:
         receiver.connect()
@@ -253,7 +253,9 @@ def test_a_fault_mid_handoff_fails_every_decode_rank_and_reports_nothing_ok(grou
     in another order, say): the metadata row's prompt digest differs, so no rank decodes its KV under that prompt."""
     prefill, decode = _handoff(groups, n, m, fault=fault, fault_rank=fault_rank)
     errors = [d["error"] for d in decode]
-    assert all(e is not None and "req-2" in e for e in errors), errors  # every rank, the same request
+    from dtkv.runtime.pd import request_id
+
+    assert all(e is not None and request_id(2) in e for e in errors), errors  # every rank, the same request
     if fault == "other_prompt":
         assert all("prompt digest" in e and "another prompt of 37 tokens" in e for e in errors), errors
     p0 = prefill[0]

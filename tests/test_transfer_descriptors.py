@@ -346,23 +346,19 @@ class TestCoalesce:
             split_batches(3, 0)
 
 
-class TestDeprecatedNames:
-    """The transfer vocabulary moved from "chunk" to "layer group"; the old names work for one release and warn."""
+class TestVocabulary:
+    """The transfer vocabulary is "layer group": 0.1's "chunk" names are gone (a token chunk is the only chunk)."""
 
-    def test_old_names_warn_and_agree(self):
+    def test_layer_groups_are_the_one_name(self):
         layouts = _layouts()
         pre = [
             KVShard.allocate(layouts, PageOwnership(2, 16), r, num_layers=NUM_LAYERS, staging_bytes=1 << 16)
             for r in range(2)
         ]
         dec = [KVShard.allocate(layouts, PageOwnership(1, 16), 0, num_layers=NUM_LAYERS, staging_bytes=1 << 16)]
-        with pytest.warns(
-            DeprecationWarning, match=r"PlanOptions\(layer_chunks=...\) is deprecated.*use layer_groups="
-        ):
-            opts = PlanOptions(layer_chunks=3, staging="full")
-        assert opts == PlanOptions(layer_groups=3, staging="full")
-        with pytest.warns(DeprecationWarning, match=r"PlanOptions.layer_chunks is deprecated"):
-            assert opts.layer_chunks == 3
+        opts = PlanOptions(layer_groups=3, staging="full")
+        with pytest.raises(TypeError, match="layer_chunks"):
+            PlanOptions(layer_chunks=3)
         plan = plan_request(
             np.arange(6),
             np.arange(6),
@@ -371,11 +367,7 @@ class TestDeprecatedNames:
             options=opts,
         )
         peer = plan.senders[0].peers[0]
-        with pytest.warns(DeprecationWarning, match=r"RequestPlan.num_chunks is deprecated"):
-            assert plan.num_chunks == plan.num_layer_groups == 3
-        with pytest.warns(DeprecationWarning, match=r"PeerEntries.chunk_indptr is deprecated"):
-            assert np.array_equal(peer.chunk_indptr, peer.group_indptr)
-        with pytest.warns(DeprecationWarning, match=r"PeerEntries.chunk\(\) is deprecated"):
-            assert peer.chunk(1) == peer.group(1)
-        with pytest.raises(TypeError, match=r"got both layer_chunks= and its new name layer_groups="):
-            PlanOptions(layer_chunks=2, layer_groups=2)
+        assert plan.num_layer_groups == 3 and peer.group_indptr.shape == (4,)
+        assert peer.group(1) == slice(int(peer.group_indptr[1]), int(peer.group_indptr[2]))
+        assert not hasattr(plan, "num_chunks")
+        assert not any(hasattr(peer, gone) for gone in ("chunk_indptr", "chunk"))

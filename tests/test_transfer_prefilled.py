@@ -90,7 +90,8 @@ def test_a_first_token_outside_the_vocabulary_is_a_transfer_error(adapter, first
         _hand_off(prefill, decode, PROMPTS)
     bad = decode.requests[1]
     assert bad.output == [] and bad.finished and bad.pages == []  # never made ready to decode; pages held
-    assert len(decode.transfer_held["req-1"]) == 1 and decode.allocator.refcount(decode.transfer_held["req-1"][0]) == 1
+    held = decode.transfer_held[runtime_pd.request_id(1)]
+    assert len(held) == 1 and decode.allocator.refcount(held[0]) == 1
 
 
 @pytest.mark.parametrize("adapter", list(_adapters()))
@@ -116,7 +117,7 @@ def test_a_prompt_that_is_not_the_prefilled_one_is_a_transfer_error(adapter, how
     bad = decode.requests[bad_rid]
     assert bad.output == [] and bad.finished and bad.pages == []  # never made ready; its pages held for reclaim
     assert [r.rid for r in decode.requests if not r.finished] == list(range(bad_rid))
-    assert sorted(decode.transfer_held) == [f"req-{bad_rid}"]
+    assert sorted(decode.transfer_held) == [runtime_pd.request_id(bad_rid)]
 
 
 def test_the_metadata_row_names_the_prompt_and_is_checked_field_by_field():
@@ -155,8 +156,9 @@ def test_an_unfinished_request_is_rejected_before_anything_is_sent(adapter):
 
 
 def test_request_bytes_fits_the_largest_prompt():
-    from dtkv.transfer.prefilled import request_bytes
-
-    per_page = sum(lay.page_bytes for lay in CFG.layouts.values())
-    assert request_bytes(CFG.layouts, 2, 4, [7, 2, 9]) == 2 * 3 * per_page
-    assert request_bytes(CFG.layouts, 2, 4, []) == 0
+    rt = _runtime("reference", False)
+    spec = rt.model_spec
+    per_page = spec.num_layers * sum(lay.page_bytes for lay in spec.layouts.values())
+    ps = spec.page_size
+    assert runtime_pd.request_bytes(rt, [2 * ps + 1, 2, ps]) == 3 * per_page
+    assert runtime_pd.request_bytes(rt, []) == 0

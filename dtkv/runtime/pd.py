@@ -8,8 +8,9 @@ the first byte, and it decodes on its shards (``decode_mode="sharded"``) or over
 process (``group=None``) is the non-CP decode.
 
 - :func:`send_prefilled` (every prefill rank, same order): after ``runtime.prefill(...)``, one
-  ``PrefillSender.send_request`` per request, with the metadata row ``(num_tokens, first_token, prompt digest)``
-  from one rank (:func:`dtkv.transfer.prefilled.meta_row`).
+  ``PrefillSender.send_request`` per request -- its prompt pages, and the metadata row ``(num_tokens, first_token,
+  prompt digest)`` (:mod:`dtkv.transfer.prefilled`: the row's format, checked on arrival) from one rank -- under
+  the request id :func:`request_id`.
 - :func:`receive_prefilled` (every decode rank, same order, each with its own :class:`dtkv.transfer.DecodeReceiver`
   over :func:`shard_for`): adds each prompt, allocates its pages (the SPMD allocator gives every rank the same
   pages), waits for this rank's share, then the decode ranks agree on the outcome -- every rank raises together when
@@ -19,6 +20,9 @@ process (``group=None``) is the non-CP decode.
 - :func:`reclaim` (every decode rank): free the pages of failed requests no rank quarantines any more.
 - :func:`shard_for`, :func:`request_bytes`, :func:`kv_digest`: the transfer view of a runtime's pool, a staging size,
   and a hash of stored KV bytes (what tests and the demo compare across the two sides).
+
+``dtkv.transfer`` moves pages and checks the metadata row; it knows nothing of a runtime's requests: this module
+is where the two meet.
 """
 
 from __future__ import annotations
@@ -31,10 +35,10 @@ import torch.distributed as dist
 from dtkv._agree import agree
 from dtkv._collectives import cpu_channel
 from dtkv._util import cdiv
+from dtkv.layouts import total_page_bytes
 from dtkv.runtime import _batch
 from dtkv.transfer import DecodeReceiver, KVShard, PrefillSender, ReceiveReport, SendReport, TransferError
-from dtkv.transfer import prefilled as _prefilled
-from dtkv.transfer.prefilled import META_ROW_BYTES, kv_digest
+from dtkv.transfer.prefilled import META_ROW_BYTES, kv_digest, meta_row, read_meta
 
 __all__ = [
     "META_ROW_BYTES",
@@ -56,13 +60,14 @@ def request_id(index: int, tag: str = "") -> str:
 
 def shard_for(runtime, *, staging_bytes: int = 0) -> KVShard:
     """This rank's :class:`dtkv.transfer.KVShard` over ``runtime.pool`` (zero copy) with one metadata row."""
-    return _prefilled.shard_for_runner(runtime, staging_bytes=staging_bytes)
+    return KVShard.from_pool(runtime.pool, staging_bytes=staging_bytes, meta_num_rows=1, meta_row_bytes=META_ROW_BYTES)
 
 
 def request_bytes(runtime, prompt_lens: Sequence[int]) -> int:
     """Bytes of the largest request's prompt pages over every layer and pool (a staging size that fits)."""
     spec = runtime.model_spec
-    return _prefilled.request_bytes(spec.layouts, spec.num_layers, spec.page_size, prompt_lens)
+    pages = max((cdiv(n, spec.page_size) for n in prompt_lens), default=0)
+    return pages * spec.num_layers * total_page_bytes(spec.layouts)
 
 
 def send_prefilled(
@@ -86,9 +91,17 @@ def send_prefilled(
     for r in reqs:
         if r.finished:
             raise ValueError(f"request {r.rid} must be live to be sent, got a finished one (its pages are released)")
-    return _prefilled.send_prefilled(
-        runtime, sender, page_size=runtime.page_size, tag=tag, timeout_s=timeout_s, requests=reqs
-    )
+        if r.num_computed < len(r.prompt) or not r.output:
+            raise ValueError(
+                f"request {r.rid} must finish prefill before it is sent, got num_computed={r.num_computed} "
+                f"of {len(r.prompt)} prompt tokens"
+            )
+    reports = []
+    for i, r in enumerate(reqs):
+        pages = r.pages[: cdiv(len(r.prompt), runtime.page_size)]
+        meta = meta_row(r.prompt, r.output[0])
+        reports.append(sender.send_request(request_id(i, tag), pages, meta=meta, timeout_s=timeout_s))
+    return reports
 
 
 def _channel(group):
@@ -169,7 +182,7 @@ def receive_prefilled(
             error = e
         try:
             agree(error, channel, what=f"the receive of {rid!r}", value=row.hex() if error is None else None)
-            first = _prefilled.read_meta(row, prompt=prompt, vocab_size=runtime.model_spec.vocab_size, request_id=rid)
+            first = read_meta(row, prompt=prompt, vocab_size=runtime.model_spec.vocab_size, request_id=rid)
         except Exception as e:
             runtime.transfer_held[rid] = list(req.pages)
             req.pages, req.finished = [], True

@@ -17,8 +17,9 @@ Entry points:
 What a plan is: :mod:`dtkv.transfer.descriptors`; how it is chosen: :mod:`dtkv.transfer.plan`; the store keys,
 deadlines and the protocol: :mod:`dtkv.transfer.protocol`; the byte format of stored values (no pickle, optional
 HMAC): :mod:`dtkv.transfer.wire`; why a signed value is not a live one, and decode's answers to prefill's claims:
-:mod:`dtkv.transfer.liveness`; handing a runner's prefilled requests across (with the checked metadata row):
-:mod:`dtkv.transfer.prefilled`. PD with the reference model (the ``demo --pd`` wiring) is :mod:`dtkv.model.pd`.
+:mod:`dtkv.transfer.liveness`; the metadata row a prefilled request travels with, checked on arrival:
+:mod:`dtkv.transfer.prefilled`. PD with a runtime (any model; a runtime's requests sent and received) is
+:mod:`dtkv.runtime.pd`, the ``demo --pd`` wiring :mod:`dtkv.demo._pd`.
 The page-table format is in :mod:`dtkv.page_table`.
 """
 

@@ -20,7 +20,7 @@ from dtkv.transfer.protocol import (
     HOT_POLL_S,
     AttemptKeys,
     Backoff,
-    Progress,
+    SendProgress,
     new_nonce,
     request_key,
     time_left,
@@ -264,7 +264,7 @@ class ClaimSteps:
 
 
 def check_not_aborted(keys: AttemptKeys, progress: list[int]) -> None:
-    if any(Progress(v).aborted for v in progress):
+    if any(SendProgress(v).aborted for v in progress):
         raise TransferError(
             "decode gave the request up (it failed or timed out)", request_id=keys.request_id, peer="decode"
         )

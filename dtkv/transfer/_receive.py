@@ -15,7 +15,7 @@ import torch.distributed as dist
 from dtkv.transfer.bootstrap import Bootstrap
 from dtkv.transfer.errors import TransferError, format_pages
 from dtkv.transfer.messages import SendOutcome, SendStart
-from dtkv.transfer.protocol import AttemptKeys, Backoff, Progress, time_left
+from dtkv.transfer.protocol import AttemptKeys, Backoff, SendProgress, time_left
 from dtkv.transfer.quarantine import PostedAttempt
 from dtkv.transfer.shard import KVShard
 
@@ -75,7 +75,7 @@ class ReceiveLoop:
                 if r in done:
                     out.append(None)
                     continue
-                p = Progress(s.add(keys.progress(r), 0))
+                p = SendProgress(s.add(keys.progress(r), 0))
                 start = s.get(keys.start(r)) if p.started and r not in starts else None
                 outcome = s.get(keys.done(r)) if p.done else None
                 out.append((p, start, outcome))

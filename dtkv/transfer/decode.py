@@ -26,7 +26,7 @@ from dtkv.transfer.protocol import (
     ABORT,
     AttemptKeys,
     Backoff,
-    Progress,
+    SendProgress,
     check_request_id,
     deadline_after,
     new_epoch,
@@ -438,10 +438,10 @@ class DecodeReceiver(ReceiveLoop, TransferSide):
             if role == "prefill" and s.check([slot]):
                 msg = self.bootstrap.decode(slot, raw, SlotOpen, Claim, Aborted)
                 if isinstance(msg, Claim):
-                    claimed[rank] = (msg, Progress(s.add(keys.progress(rank), ABORT)).drained)
+                    claimed[rank] = (msg, SendProgress(s.add(keys.progress(rank), ABORT)).drained)
         for r, claim in (answered or {}).items():
             if r not in claimed:
-                claimed[r] = (claim, Progress(s.add(keys.progress(r), ABORT)).drained)
+                claimed[r] = (claim, SendProgress(s.add(keys.progress(r), ABORT)).drained)
         when = time.monotonic()
         if self.posts and 0 in parties:
             self._drop_request_key(s, keys)

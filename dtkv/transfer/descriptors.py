@@ -36,9 +36,8 @@ from typing import Literal
 
 import numpy as np
 
-from dtkv._util import as_int_array, warn_deprecated
+from dtkv._util import as_int_array
 from dtkv.ownership import PageOwnership
-from dtkv.transfer._compat import renamed_kwargs
 
 __all__ = [
     "BufferSpec",
@@ -151,17 +150,6 @@ class PeerEntries:
         return slice(int(self.group_indptr[g]), int(self.group_indptr[g + 1]))
 
     @property
-    def chunk_indptr(self) -> np.ndarray | None:
-        """Deprecated name of :attr:`group_indptr`."""
-        warn_deprecated("PeerEntries.chunk_indptr", "PeerEntries.group_indptr")
-        return self.group_indptr
-
-    def chunk(self, c: int | None) -> slice:
-        """Deprecated name of :meth:`group`."""
-        warn_deprecated("PeerEntries.chunk()", "PeerEntries.group()")
-        return self.group(c)
-
-    @property
     def num_bytes(self) -> int:
         return int(self.length.sum())
 
@@ -206,12 +194,6 @@ class RequestPlan:
         return int(self.layer_bounds.shape[0]) - 1
 
     @property
-    def num_chunks(self) -> int:
-        """Deprecated name of :attr:`num_layer_groups`."""
-        warn_deprecated("RequestPlan.num_chunks", "RequestPlan.num_layer_groups")
-        return self.num_layer_groups
-
-    @property
     def num_entries(self) -> int:
         return sum(s.num_entries for s in self.senders)
 
@@ -230,9 +212,6 @@ class RequestPlan:
             "bytes": self.num_bytes,
             "staged_bytes": self.staged_bytes,
         }
-
-
-renamed_kwargs(PeerEntries, "PeerEntries", chunk_indptr="group_indptr")
 
 
 def as_pages(name: str, pages: object) -> np.ndarray:

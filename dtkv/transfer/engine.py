@@ -36,7 +36,6 @@ import numpy as np
 import torch
 
 from dtkv._env import transfer_timeout_s
-from dtkv._util import warn_deprecated
 from dtkv.transfer._mooncake_log import START_LOG_HINT, quiet_start
 from dtkv.transfer.coalesce import split_batches
 from dtkv.transfer.descriptors import PeerEntries
@@ -402,7 +401,6 @@ def send_entries(
     group: int | None = None,
     overlap: Callable[[], object] | None = None,
     track: list[Future] | None = None,
-    chunk: int | None = None,
 ) -> int:
     """Send every peer's entries (blocking), one call in flight per peer session; returns the number of calls.
 
@@ -415,15 +413,11 @@ def send_entries(
         group: send only layer group ``group`` of each peer (:meth:`PeerEntries.group`); ``None``: everything.
         overlap: called in this thread once the calls are submitted, while they run (e.g. the next pack).
         track: receives the submitted calls (futures), so that the caller learns when abandoned ones end.
-        chunk: deprecated name of ``group``.
 
     Raises:
         TransferError: an engine call failed, or the deadline passed (naming the peer and its pages). Calls that
             did not start are cancelled; a running one is abandoned and ends by the engine's own timeout.
     """
-    if chunk is not None:
-        warn_deprecated("send_entries(chunk=...)", "group=")
-        group = chunk
     if not 1 <= max_entries_per_call <= 65535:
         raise ValueError(f"max_entries_per_call must be in [1, 65535], got max_entries_per_call={max_entries_per_call}")
     by_session: dict[str, list[PeerEntries]] = {}

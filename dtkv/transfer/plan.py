@@ -17,9 +17,8 @@ from typing import Literal
 import numpy as np
 import torch
 
-from dtkv._util import cdiv, warn_deprecated
+from dtkv._util import cdiv
 from dtkv.ownership import PageOwnership
-from dtkv.transfer._compat import renamed_kwargs
 from dtkv.transfer.coalesce import coalesce_entries, expand_layers, page_runs
 from dtkv.transfer.descriptors import (
     BufferSpec,
@@ -66,15 +65,6 @@ class PlanOptions:
             raise ValueError(f"entry_cost_s must be >= 0, got entry_cost_s={self.entry_cost_s}")
         if not self.copy_bytes_per_s > 0:
             raise ValueError(f"copy_bytes_per_s must be > 0, got copy_bytes_per_s={self.copy_bytes_per_s}")
-
-    @property
-    def layer_chunks(self) -> int:
-        """Deprecated name of :attr:`layer_groups`."""
-        warn_deprecated("PlanOptions.layer_chunks", "PlanOptions.layer_groups")
-        return self.layer_groups
-
-
-renamed_kwargs(PlanOptions, "PlanOptions", layer_chunks="layer_groups")
 
 
 def layer_bounds(num_layers: int, num_groups: int) -> np.ndarray:

@@ -30,7 +30,7 @@ from dtkv.transfer.protocol import (
     DRAINED,
     STARTED,
     AttemptKeys,
-    Progress,
+    SendProgress,
     check_request_id,
     deadline_after,
     time_left,
@@ -379,7 +379,7 @@ class PrefillSender(ClaimSteps, TransferSide):
             if not isinstance(msg, Claim) or msg.incarnation == self.incarnation:
                 continue
             mine.append(r)
-            progress = Progress(s.add(keys.progress(r), 0))
+            progress = SendProgress(s.add(keys.progress(r), 0))
             if not progress.done:
                 raw = self.bootstrap.encode(keys.done(r), SendOutcome(rank=r, ok=False, error="prefill rank restarted"))
                 s.set(keys.done(r), raw)

@@ -20,7 +20,7 @@ key                            value                                         wri
                                r's nonce
 ``E/start/{r}``                :class:`SendStart`                            prefill rank r
 ``E/done/{r}``                 :class:`SendOutcome`                          prefill rank r
-``E/progress/{r}``             counter (:class:`Progress`)                   prefill rank r; decode adds ABORT
+``E/progress/{r}``             counter (:class:`SendProgress`)               prefill rank r; decode adds ABORT
 ``E/finished``                 counter of the parties done with ``E``        every rank; the one reaching
                                                                              ``P + D`` deletes ``E/*``
 =============================  ============================================  ======================================
@@ -100,7 +100,7 @@ __all__ = [
     "STARTED",
     "AttemptKeys",
     "Backoff",
-    "Progress",
+    "SendProgress",
     "check_request_id",
     "deadline_after",
     "endpoint_key",
@@ -206,7 +206,7 @@ class Backoff:
 
 
 @dataclass(frozen=True, slots=True)
-class Progress:
+class SendProgress:
     """A prefill rank's progress counter, decoded (see the module docstring)."""
 
     value: int

@@ -19,7 +19,7 @@ import numpy as np
 
 from dtkv.transfer.errors import format_pages
 from dtkv.transfer.messages import Claim
-from dtkv.transfer.protocol import GRACE_MARGIN_S, AttemptKeys, Progress
+from dtkv.transfer.protocol import GRACE_MARGIN_S, AttemptKeys, SendProgress
 
 __all__ = ["PostedAttempt", "Quarantine", "check_not_pending"]
 
@@ -141,7 +141,7 @@ class Quarantine:
         values = iter(progress)
         for att, ranks in waiting.items():
             for r in ranks:
-                if Progress(next(values)).drained:
+                if SendProgress(next(values)).drained:
                     att.drained.add(r)
         return [att for att, ranks in waiting.items() if all(r in att.drained for r in ranks)]
 
