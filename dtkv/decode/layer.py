@@ -114,6 +114,7 @@ def _attend(kv_local, layout: KVLayout, plan: DecodePlan, q: DecodeQueries, posi
     if kv_local.shape[0] == 0:  # this rank stores no page of the pool: every row is masked
         kv_local = kv_local.new_zeros((1, *kv_local.shape[1:]))
     sel = read_rows(kv_local, layout, q.q_nope.dtype, slots=rows_NK)  # [N, K, R + E]
+    assert isinstance(layout, (MLALatentLayout, MLAFp8Layout)), f"_check admits MLA layouts only, got {layout}"
     r = layout.kv_lora_rank
     out, lse = partial_attention(q.q_nope, q.q_rope, sel[..., :r], sel[..., r:], mine, softmax_scale=scale)
     out, lse = merge_partials(out, lse, group)

@@ -180,7 +180,7 @@ class ShardedDecodeAttention:
                 out_isz = lse_isz = q.q_nope.element_size()
         comm = sharded_decode_comm_bytes(
             num_queries=plan.num_queries, topk=plan.topk if select else 0, num_heads=heads,
-            kv_lora_rank=kv_lay.kv_lora_rank, cp_size=plan.cp_size, partial_itemsize=out_isz, lse_itemsize=lse_isz,
+            kv_lora_rank=q.q_nope.shape[-1], cp_size=plan.cp_size, partial_itemsize=out_isz, lse_itemsize=lse_isz,
         )  # fmt: skip
         self.stats["decode_comm_bytes"] += comm.sent
         if select and _env.debug_enabled():
