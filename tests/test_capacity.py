@@ -3,6 +3,8 @@ answers in GiB per rank for a model (a preset or a config.json), cp and context,
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -56,16 +58,16 @@ def test_the_0_1_spellings_are_usage_errors(old):
     """0.2 removed ``--cp-size`` (``--cp``) and the preset aliases ``dsv32`` / ``dsv32-bf16`` (``deepseek-v32``,
     ``deepseek-v32-bf16``): each is a usage error now (exit 2, one ``error:`` line)."""
     flag, *value = old.split()
-    cmd = [sys.executable, "-m", "dtkv.capacity", flag, *(value or ["4"]), "--tokens", "32768", "--json"]
-    run = subprocess.run(cmd, capture_output=True, text=True)
+    run = _capacity(flag, *(value or ["4"]), "--tokens", "32768", "--json")
     assert run.returncode == 2 and run.stdout == "" and "error:" in run.stderr, run.stderr
     with pytest.raises(ValueError, match="preset must be one of"):
         capacity("dsv32", cp_size=4, tokens=1 << 15)
 
 
 def test_cli_help_gives_every_default_and_what_context_and_tokens_mean():
-    cmd = [sys.executable, "-m", "dtkv.capacity", "--help"]
-    text = " ".join(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.split())
+    run = _capacity("--help")
+    assert run.returncode == 0, run.stderr
+    text = " ".join(run.stdout.split())
     valued = [a for a in _cli_parser()._actions if a.option_strings and a.nargs is None and a.dest != "help"]
     assert all("(default: " in a.help for a in valued if a.dest != "json"), [a.dest for a in valued]
     for default in ("(default: glm5)", "(default: 8)", "(default: 1048576)", "(default: the context, or --tokens)",
@@ -81,7 +83,17 @@ def _cli_parser():
 
 
 def _capacity(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dtkv.capacity", *args], capture_output=True, text=True, timeout=120)
+    """``dtkv capacity ARGS`` in this process (its ``main``: exit code, stdout, stderr), as the command runs it;
+    ``test_cli_prints_one_json_object`` runs ``python -m dtkv.capacity`` itself, in a process of its own."""
+    from dtkv._capacity_cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as e:  # argparse's own usage errors
+            code = e.code
+    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
 
 
 def test_glm5_cp8_one_million_token_context_in_bytes_per_rank():
@@ -192,10 +204,22 @@ def test_a_budget_the_scratch_fills_says_so_instead_of_printing_a_zero_multiplie
     assert "takes the whole budget" not in _capacity("--tokens", "1048576").stdout
 
 
+def _dtkv(*args: str) -> str:
+    """``dtkv ARGS`` (the console script's ``main``) in this process: its stdout."""
+    from dtkv.__main__ import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            assert main(list(args)) in (0, None)
+        except SystemExit as e:
+            assert e.code in (0, None), e.code
+    return out.getvalue()
+
+
 def test_dtkv_capacity_names_itself_in_its_help():
-    run = subprocess.run([sys.executable, "-m", "dtkv", "capacity", "--help"], capture_output=True, text=True)
-    assert run.returncode == 0 and run.stdout.startswith("usage: dtkv capacity ")
-    assert "python -m dtkv.capacity" not in run.stdout
+    text = _dtkv("capacity", "--help")
+    assert text.startswith("usage: dtkv capacity ") and "python -m dtkv.capacity" not in text
 
 
 def test_capacity_imports_no_kernels_triton_or_materializer():
@@ -231,6 +255,4 @@ def test_the_usage_page_shows_what_the_command_prints():
     doc = (Path(__file__).resolve().parent.parent / "docs" / "usage.md").read_text()
     shown = re.search(r"```text\n\$ dtkv capacity (.*?)\n(.*?)```", doc, re.S)
     assert shown, "docs/usage.md shows no dtkv capacity run"
-    run = subprocess.run([sys.executable, "-m", "dtkv", "capacity", *shown.group(1).split()], capture_output=True,
-                         text=True, check=True)  # fmt: skip
-    assert run.stdout == shown.group(2)
+    assert _dtkv("capacity", *shown.group(1).split()) == shown.group(2)

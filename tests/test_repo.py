@@ -71,7 +71,7 @@ def test_changelog_names_the_tested_torch_version():
 def test_changelog_keeps_an_unreleased_section_above_the_first_release():
     text = (ROOT / "CHANGELOG.md").read_text()
     heads = re.findall(r"^## \[(.+?)\]", text, re.M)
-    assert heads[0] == "Unreleased" and heads[1] == "0.1.0", heads
+    assert heads[0] == "Unreleased" and heads[-1] == "0.1.0" and heads[1] == __import__("dtkv").__version__, heads
     first = text[text.index("## [0.1.0]") :]
     assert "### Deprecated" not in first  # 0.1.0 is the first release: nothing released before it to deprecate
 
