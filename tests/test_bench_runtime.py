@@ -320,3 +320,13 @@ def test_paired_overhead_cancels_a_drift_the_ratio_of_medians_does_not():
 def test_verdict_needs_the_whole_interval_on_one_side(ci, want):
     assert _load("_dist_bench").verdict(ci, 0.01) == want
 
+
+def test_every_listed_benchmark_has_its_script_and_runtime_is_one(capsys):
+    """``dtkv bench`` names only scripts that exist (a retired one would fail with a misleading "ships in the source
+    checkout"), and ``dtkv bench runtime --help`` reaches this benchmark's options."""
+    from dtkv.__main__ import BENCHMARKS, main
+
+    assert [n for n in BENCHMARKS if not (BENCH / f"bench_{n}.py").exists()] == []
+    assert "runtime" in BENCHMARKS
+    assert main(["bench", "runtime", "--help"]) == 0
+    assert "--smoke" in capsys.readouterr().out
