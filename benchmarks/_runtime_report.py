@@ -154,7 +154,7 @@ def markdown(rows: list[dict], env: dict, *, title: str, command: str, seconds: 
     """The summary page: hardware and versions, the command, one table per phase, where the time went (kernel ms
     by category of the profiled runs), the targets, notes."""
     lines = [f"# {title}", "", f"- **Hardware / versions**: {env.get('device')}; " + ", ".join(
-        f"{k} {env[k]}" for k in ("torch", "cuda", "triton", "transformers", "flash_mla") if env.get(k)),
+        f"{k} {env[k]}" for k in ("driver", "torch", "cuda", "triton", "transformers", "flash_mla") if env.get(k)),
         f"- **Date / commit**: {env.get('date')}, {env.get('commit')}",
         f"- **Command**: `{command}` ({seconds:.0f} s, cp={env.get('cp')})", ""]  # fmt: skip
     lines += [f"- {n}" for n in notes] + [""]

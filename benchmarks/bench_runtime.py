@@ -79,6 +79,8 @@ from _runtime_profile import profiled  # noqa: E402
 
 from dtkv.runtime import Runtime, num_pages_for  # noqa: E402
 
+PHASES = ("indexer", "prefill", "decode")
+ADAPTERS = ("transformers", "reference")
 GRAPH_SWITCHES = ("cuda_graphs", "cuda_graph", "graphs")
 """Keyword names of a CUDA-graph switch of ``Runtime`` this benchmark passes ``--graph`` to (the first it finds)."""
 
@@ -146,6 +148,15 @@ def environment(dev: torch.device, world: int, commit: str | None = None) -> dic
     env = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "cp": world,
            "date": db.today(), "python": sys.version.split()[0], **db.versions()}  # fmt: skip
     env["cuda"] = torch.version.cuda
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        env["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
+        try:
+            smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=20, check=False)  # fmt: skip
+            env["driver"] = smi.stdout.strip().splitlines()[0] if smi.stdout.strip() else None
+        except (OSError, subprocess.SubprocessError):
+            env["driver"] = None
     for mod in ("transformers", "flash_mla"):
         try:
             m = __import__(mod)
@@ -408,12 +419,12 @@ class Bench:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="CPU, tiny dims, torch attention (CI's gloo smoke)")
-    p.add_argument("--phases", default="indexer,prefill,decode", help="any of indexer, prefill, decode")
-    p.add_argument("--adapters", default="transformers,reference")
+    p.add_argument("--phases", default="indexer,prefill,decode", help="any of indexer, prefill, decode (default all)")
+    p.add_argument("--adapters", default="transformers,reference", help="any of transformers, reference")
     p.add_argument("--prefill", help="PROMPTxCHUNK,... (default 8192x4096,32768x8192,131072x8192)")
     p.add_argument("--decode-contexts", help="tokens per request (default 32768,131072)")
     p.add_argument("--batches", help="decode requests (default 1,16)")
-    p.add_argument("--decode-modes", default="full,sharded")
+    p.add_argument("--decode-modes", default="full,sharded", help="Runtime(decode_mode=) list (default both)")
     p.add_argument("--reference-prefill", help="the reference model's PROMPTxCHUNK (default 32768x8192)")
     p.add_argument("--reference-decode-contexts", help="the reference model's decode contexts (default 32768)")
     p.add_argument("--layers", type=int, help="model layers (default 4; --smoke 2)")
@@ -433,10 +444,10 @@ def _parser() -> argparse.ArgumentParser:
                    "360)")  # fmt: skip
     p.add_argument("--case-budget-s", type=float, help="per case after its warm-up: the decode steps are sized to it, "
                    "profiling and kernels are skipped past it (default 75)")  # fmt: skip
-    p.add_argument("--no-profile", action="store_true")
-    p.add_argument("--no-kernels", action="store_true")
+    p.add_argument("--no-profile", action="store_true", help="no profiled run (no busy share, no dtkv ms)")
+    p.add_argument("--no-kernels", action="store_true", help="no kernels-alone timing (no kernel ms)")
     p.add_argument("--init", default="skip", choices=("skip", "default"), help="transformers' weight init")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="of the weights, prompts and random KV")
     p.add_argument("--trace-dir", help="keep each profiled run's chrome trace here")
     p.add_argument("--out-dir", help="where results go (default $OUT, else benchmarks/results)")
     p.add_argument("--commit", help="the commit to record (a copy of the checkout without its git metadata)")
@@ -444,7 +455,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _defaults(ns) -> None:
+def _defaults(ns, parser: argparse.ArgumentParser) -> None:
     s = ns.smoke
     for name, gpu, smoke in (
         ("prefill", "8192x4096,32768x8192,131072x8192", "96x32,200x64"),
@@ -463,6 +474,25 @@ def _defaults(ns) -> None:
         if getattr(ns, name) is None:
             setattr(ns, name, smoke if s else gpu)
     ns.phases = _names(ns.phases)
+    from dtkv.runtime import DECODE_MODES, KV_MODES
+
+    for flag, given, allowed in (("--phases", ns.phases, PHASES), ("--adapters", _names(ns.adapters), ADAPTERS),
+                                 ("--decode-modes", _names(ns.decode_modes), DECODE_MODES),
+                                 ("--kv-modes", _names(ns.kv_modes), KV_MODES)):  # fmt: skip
+        bad = [x for x in given if x not in allowed]
+        if bad:
+            parser.error(f"{flag} takes names from {list(allowed)}, got {bad}")
+    for flag, text in (("--prefill", ns.prefill), ("--reference-prefill", ns.reference_prefill),
+                       ("--indexer-cases", ns.indexer_cases)):  # fmt: skip
+        try:
+            pairs = _pairs(text)
+        except ValueError:
+            parser.error(f"{flag} takes AxB pairs of positive ints separated by commas, got {text!r}")
+        if any(a < 1 or b < 1 for a, b in pairs):
+            parser.error(f"{flag} takes positive ints, got {text!r}")
+    if ns.layers < 1 or ns.long_layers < 0 or ns.decode_steps < 1:
+        parser.error(f"--layers >= 1, --long-layers >= 0 and --decode-steps >= 1, got {ns.layers}, "
+                     f"{ns.long_layers}, {ns.decode_steps}")  # fmt: skip
 
 
 def _init(smoke: bool) -> tuple[Group, torch.device]:
@@ -485,11 +515,12 @@ def _indexer_rows(ns, dev: torch.device, log) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = _parser().parse_args(argv)
+    parser = _parser()
+    ns = parser.parse_args(argv)
     if ns.targets:
         print("\n".join(report.target_lines(db.read_jsonl(Path(ns.targets)))))
         return 0
-    _defaults(ns)
+    _defaults(ns, parser)
     group, dev = _init(ns.smoke)
     t_start, lead = time.perf_counter(), group.rank == 0
     env = environment(dev, group.world, ns.commit)

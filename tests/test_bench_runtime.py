@@ -104,6 +104,24 @@ def test_one_process_keeps_the_other_cases_when_one_fails(tmp_path, monkeypatch)
     assert "| reference | 2 | torch |  | 40 | 16 | False |" in next(tmp_path.glob("runtime_cpux1_*.md")).read_text()
 
 
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--phases", "prefill,warmup"], "--phases takes names from ['indexer', 'prefill', 'decode'], got ['warmup']"),
+        (["--decode-modes", "paged"], "--decode-modes takes names from ['full', 'sharded'], got ['paged']"),
+        (["--kv-modes", "dense"], "--kv-modes takes names from"),
+        (["--adapters", "glm5"], "--adapters takes names from ['transformers', 'reference'], got ['glm5']"),
+        (["--prefill", "8192:4096"], "--prefill takes AxB pairs of positive ints separated by commas, got '8192:4096'"),
+        (["--prefill", "0x16"], "--prefill takes positive ints, got '0x16'"),
+        (["--layers", "0"], "--layers >= 1, --long-layers >= 0 and --decode-steps >= 1, got 0, 3, 2"),
+    ],
+)
+def test_rejects_bad_options_naming_the_flag_and_the_value(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        _load("bench_runtime").main(["--smoke", *argv])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_the_time_budget_skips_the_cases_it_cannot_run(tmp_path):
     bench = _load("bench_runtime")
     argv = [*SMOKE, "--phases", "prefill", "--adapters", "reference", "--budget-s", "0", "--out-dir", str(tmp_path)]
@@ -126,8 +144,9 @@ def test_graph_reaches_a_runtime_switch_when_the_runtime_has_one(monkeypatch):
 
     monkeypatch.setattr(bench, "Runtime", WithGraphs)
     assert bench.graph_switch() == "cuda_graphs"
-    ns = bench._parser().parse_args([*SMOKE, "--graph"])
-    bench._defaults(ns)
+    parser = bench._parser()
+    ns = parser.parse_args([*SMOKE, "--graph"])
+    bench._defaults(ns, parser)
     import torch
 
     b = bench.Bench(ns, bench.Group(None, torch.device("cpu")), torch.device("cpu"))
@@ -257,6 +276,35 @@ def test_target_lines_read_the_rows():
     assert lines[6].endswith("**not met** (no CUDA graphs in the runtime)")
     assert lines[7] == ("- TARGET 61 layers decode a step at 32K / batch 1 (full, graph false): 16.0 ms (<= 15.0): "
                         "**not met**")  # fmt: skip
+
+
+def test_markdown_and_plot_of_gpu_rows(tmp_path):
+    """Rows as a GPU run writes them (busy shares, kernel categories, kernel pieces): the page shows the hardware,
+    where the device time went and the targets; the plot is drawn."""
+    report = _load("_runtime_report")
+    cats = {"indexer": 12.5, "attention": 4.0, "gemm": 3.0}
+    rows = [
+        _row("prefill", context=32768, chunk=8192, categories_ms=cats, kernel_parts_ms={"write": 0.1, "indexer": 9.0}),
+        _row("decode", context=32768, decode_mode="sharded", categories_ms={"other": 1.0}),
+        _row("decode", context=131072, decode_mode="sharded", kernel_ms_per_layer=0.2),
+    ]
+    env = {
+        "device": "NVIDIA H200",
+        "driver": "580.1",
+        "torch": "2.11.0+cu130",
+        "commit": "abc1234",
+        "date": "d",
+        "cp": 1,
+    }
+    text = report.markdown(rows, env, title="t", command="python benchmarks/bench_runtime.py", seconds=5, notes=["n"])
+    assert "- **Hardware / versions**: NVIDIA H200; driver 580.1, torch 2.11.0+cu130" in text
+    assert (
+        "- prefill transformers 4L 32768 chunk 8192: indexer 12.50, attention 4.00, gemm 3.00; kernels alone per "
+        'layer: {"write": 0.1, "indexer": 9.0}' in text
+    )
+    assert "- decode transformers 4L 32768 x1 sharded: other 1.00" in text and "## Targets" in text
+    pytest.importorskip("matplotlib")
+    assert report.figure(rows, tmp_path / "p.png") and (tmp_path / "p.png").stat().st_size > 0
 
 
 def test_targets_flag_prints_a_results_file(tmp_path, capsys):
