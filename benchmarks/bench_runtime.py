@@ -43,9 +43,10 @@ same shapes through the kernels alone, same run: :mod:`_runtime_kernels`), and f
 ``cp``, ``kv_mode``, ``busy_ms``, ``profiled_wall_ms``, ``attribution``, ``categories_ms``, ``kernel_parts_ms``.
 Indexer rows are ``bench_indexer_logits``'s (``tokens``, ``context``, ``ms``, ``tflops``, per ``mode``).
 
-The run prints the environment first, a JSON line per row as it finishes (the JSONL file grows with them, so a run
-cut short keeps what ran), then the targets (:mod:`_runtime_report`); ``--targets FILE`` prints a results file's
-target lines without running. Also written: ``.md`` (hardware, versions, date, commit, tables, targets) and ``.png``.
+The run prints the environment first, a JSON line per row as it finishes (the JSONL file and the ``.md`` page --
+hardware, versions, date, commit, tables, targets -- grow with them, so a run cut short keeps what ran), then the
+targets (:mod:`_runtime_report`) and the plot (``.png``); ``--targets FILE`` prints a results file's target lines
+without running.
 """
 
 from __future__ import annotations
@@ -537,12 +538,24 @@ def main(argv: list[str] | None = None) -> int:
         if lead:
             print(f"[bench_runtime {time.perf_counter() - t_start:6.1f} s] {text}", file=sys.stderr, flush=True)
 
+    def summary(final: bool) -> str:
+        notes = [f"model builds (s): {json.dumps(bench.builds)} (--init {ns.init})",
+                 f"CUDA-graph switch of Runtime: {env['graph_switch'] or 'none yet (rows say graph: false)'}",
+                 f"environment: {json.dumps(env)}"]  # fmt: skip
+        if not final:
+            notes.insert(0, f"**partial**: {len(rows)} rows so far (the run had not finished when this was written)")
+        seconds = time.perf_counter() - t_start
+        text = report.markdown(rows, env, title=stem.name, command=command, seconds=seconds, notes=notes)
+        stem.with_suffix(".md").write_text(text)
+        return text
+
     def emit(row: dict) -> None:
         rows.append(row)
-        if lead:
+        if lead:  # the files grow with the rows: a run cut short keeps what ran
             print(json.dumps(row), flush=True)
             with partial.open("a") as f:
                 f.write(json.dumps(row) + "\n")
+            summary(final=False)
 
     if lead:
         print("env " + json.dumps(env), flush=True)
@@ -565,14 +578,9 @@ def main(argv: list[str] | None = None) -> int:
             f"batch {case.batch}, {case.decode_mode or ''} {case.kv_mode or ''}"
         )
         emit(bench.row(case))
-    seconds = time.perf_counter() - t_start
     if lead:
-        notes = [f"model builds (s): {json.dumps(bench.builds)} (--init {ns.init})",
-                 f"CUDA-graph switch of Runtime: {env['graph_switch'] or 'none yet (rows say graph: false)'}",
-                 f"environment: {json.dumps(env)}"]  # fmt: skip
         db.write_jsonl(partial, rows)
-        text = report.markdown(rows, env, title=stem.name, command=command, seconds=seconds, notes=notes)
-        stem.with_suffix(".md").write_text(text)
+        summary(final=True)
         drew = report.figure([r for r in rows if r.get("phase") != "indexer"], stem.with_suffix(".png"))
         print("\n".join(["", "summary"] + report.target_lines(rows)))
         print(f"wrote {partial}, {stem.with_suffix('.md')}" + (f", {stem.with_suffix('.png')}" if drew else ""))

@@ -130,6 +130,27 @@ def test_the_time_budget_skips_the_cases_it_cannot_run(tmp_path):
     assert ISSUE_KEYS <= set(row) and not row["ok"] and row["error"].startswith("skipped: the run's time budget")
 
 
+def test_a_run_cut_short_keeps_the_rows_that_ran(tmp_path, monkeypatch):
+    """The JSONL file and the summary page grow row by row: a run killed at its second case (an outer timeout)
+    leaves the first row and a page marked partial."""
+    bench = _load("bench_runtime")
+    real, calls = bench.Bench.row, []
+
+    def row(self, case):
+        calls.append(case)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # what a timeout's signal does to the process
+        return real(self, case)
+
+    monkeypatch.setattr(bench.Bench, "row", row)
+    argv = [*SMOKE, "--phases", "decode", "--adapters", "reference", "--no-profile", "--no-kernels"]
+    with pytest.raises(KeyboardInterrupt):
+        bench.main([*argv, "--out-dir", str(tmp_path)])
+    (r,) = _rows(tmp_path, "cpux1")
+    assert r["ok"] and r["decode_mode"] == "full" and r["step_ms"] > 0
+    assert "**partial**: 1 rows so far" in next(tmp_path.glob("runtime_cpux1_*.md")).read_text()
+
+
 def test_graph_reaches_a_runtime_switch_when_the_runtime_has_one(monkeypatch):
     """Today ``Runtime`` has no CUDA-graph switch: rows say ``graph: false``. A runtime with ``cuda_graphs=`` gets
     ``--graph``'s value."""
