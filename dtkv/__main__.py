@@ -21,7 +21,8 @@ __all__ = ["BENCHMARKS", "main"]
 
 BENCHMARKS: dict[str, str] = {
     "materialize": "full views vs the raw all-gather of the same bytes, both backends, overlap (torchrun, N GPUs)",
-    "prefill": "CP prefill of DSA layers at DeepSeek-V3.2 dimensions: replicated vs sharded KV (torchrun, N GPUs)",
+    "runtime": "the shipped Runtime, both adapters: chunked prefill tok/s and decode ms/step, GPU busy share, dtkv's "
+    "part against the kernels alone, the roofline (one GPU; torchrun for N ranks; --smoke on CPU)",
     "decode": "replicated / full-view / sharded decode steps, eager and CUDA graphs: step time, bytes per step, the "
     "fp8 indexer's GB/s (torchrun, N GPUs; --quick; --smoke on CPU)",
     "hf_parity": "the transformers parity grid as one job (torchrun, NCCL or gloo)",
