@@ -28,7 +28,7 @@ import torch
 from dtkv._agree import register_error
 from dtkv._checks import check_int
 from dtkv._util import as_int_list
-from dtkv.ownership import PageOwnership
+from dtkv.ownership import PageOwnership, check_ownership
 
 if TYPE_CHECKING:
     from dtkv._journal import Journal
@@ -53,8 +53,7 @@ class PageAllocator:
     """
 
     def __init__(self, ownership: PageOwnership, *, reserved: Sequence[int] = ()) -> None:
-        if not isinstance(ownership, PageOwnership):
-            raise TypeError(f"ownership must be a PageOwnership, got {type(ownership).__name__}")
+        check_ownership(ownership)
         self.ownership = ownership
         cp = ownership.cp_size
         reserved_set = set(as_int_list("reserved", reserved))

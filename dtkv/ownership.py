@@ -39,6 +39,7 @@ __all__ = [
     "OwnershipScheme",
     "OwnershipSpec",
     "PageOwnership",
+    "check_ownership",
     "owner_and_local",
     "ownership_spec",
     "pages_per_rank",
@@ -301,6 +302,22 @@ class OwnershipSpec(NamedTuple):
     def global_page(self, rank, local_index):
         """As :meth:`PageOwnership.global_page`."""
         return _global_page(rank, local_index, self.cp_size, self.num_pages, self.scheme)
+
+
+def check_ownership(ownership: object, rank: int | None = None) -> PageOwnership:
+    """``ownership`` itself once it is a :class:`PageOwnership` (and ``rank``, when given, one of its ranks).
+
+    Raises:
+        TypeError: ``ownership`` is not a :class:`PageOwnership`; ``rank`` is not an int.
+        ValueError: ``rank`` is negative or ``>= ownership.cp_size``.
+    """
+    if not isinstance(ownership, PageOwnership):
+        raise TypeError(f"ownership must be a PageOwnership, got {type(ownership).__name__}")
+    if rank is not None:
+        check_int("rank", rank, min_value=0)
+        if rank >= ownership.cp_size:
+            raise ValueError(f"rank must be < ownership.cp_size={ownership.cp_size}, got rank={rank}")
+    return ownership
 
 
 def ownership_spec(ownership: PageOwnership | OwnershipSpec) -> OwnershipSpec:

@@ -18,7 +18,7 @@ from dtkv._agree import agreement
 from dtkv._checks import check_tensor
 from dtkv._collectives import all_gather_rows, group_rank, group_size
 from dtkv.layouts import KVLayout, total_page_bytes
-from dtkv.ownership import PageOwnership
+from dtkv.ownership import PageOwnership, check_ownership
 
 __all__ = ["ShardedKVPool"]
 
@@ -71,8 +71,7 @@ class ShardedKVPool:
         self.group, self._mesh = _resolve_group(group)  # the group must be known to fail together
         with agreement(self.group, what="ShardedKVPool") as agreed:
             # Local checks: any rank's error is raised on every rank, after the one agreement collective.
-            if not isinstance(ownership, PageOwnership):
-                raise TypeError(f"ownership must be a PageOwnership, got {type(ownership).__name__}")
+            check_ownership(ownership)
             if not layouts:
                 raise ValueError("layouts must name at least one KVLayout, got an empty mapping")
             for name, lay in layouts.items():

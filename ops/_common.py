@@ -21,6 +21,7 @@ torch references compare entries in the width they were given.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -55,9 +56,11 @@ __all__ = [
     "index_arg",
     "locate",
     "locate_args",
+    "num_sms",
     "owner_and_local",
     "ownership_args",
     "ownership_spec",
+    "pow2_at_least",
     "resolve_backend",
     "should_validate",
     "tl",
@@ -363,6 +366,21 @@ def check_pages_contiguous(name: str, pool: torch.Tensor) -> None:
         want[d] = want[d + 1] * inner[d + 1]
     if any(s != w and n > 1 for s, w, n in zip(pool.stride()[1:], want, inner)):
         raise ValueError(f"{name} pages must be contiguous (any page stride), got {name}.stride()={pool.stride()}")
+
+
+# ------------------------------------------------------------------------------------------- grid sizes
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device``: a CUDA device's own count; 132 (an H200's) elsewhere, so the
+    interpreter's grids match a GPU's."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132
+
+
+def pow2_at_least(x: int, floor: int) -> int:
+    """The smallest power of two ``>= x`` and ``>= floor`` (a Triton block's extent)."""
+    return max(floor, 1 << max(0, x - 1).bit_length())
 
 
 # ------------------------------------------------------------------------------------------- word views

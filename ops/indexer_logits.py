@@ -49,8 +49,6 @@ columns, ``P`` pages, ``S`` page size, ``k`` keys kept per query.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from dtkv._checks import check_int, check_tensor
@@ -58,7 +56,8 @@ from dtkv._util import cdiv
 from dtkv.layouts import IndexerFp8Layout
 
 from . import _tuned
-from ._common import device_ctx, e4m3_blocks_torch, index_arg, resolve_backend, tl, triton
+from ._common import device_ctx, e4m3_blocks_torch, index_arg, pow2_at_least, resolve_backend, tl, triton
+from ._common import num_sms as _num_sms  # a module attribute: tests size the grid through it
 from .selection_keys import INVALID_KEY, MAX_POSITION, pack_selection_key, selection_keys
 
 __all__ = [
@@ -262,17 +261,6 @@ def _indexer_logits_kernel(
 _VARIANTS = ("keys", "queries")
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # the interpreter: an H200's count, so the grids match a GPU's
-
-
-def _pow2_at_least(x: int, floor: int) -> int:
-    return max(floor, 1 << max(0, x - 1).bit_length())
-
-
 def launch_grid(num_queries: int, num_keys: int, cfg: dict, device: torch.device) -> tuple[int, int, int]:
     """``(query blocks, key splits, tiles per program)`` of a call (the key split only where the query blocks
     alone do not reach ``ctas_per_sm`` programs per SM; at most 65535 splits)."""
@@ -308,7 +296,7 @@ def _launch(out, q, w, pages, slots, start, end, page_size: int, packed: bool) -
             out, q, w, pages, slots, start, end,
             n, slots.shape[0], pages.shape[0] * page_size, pages.stride(0), q.stride(0), q.stride(1), w.stride(0),
             out.stride(0), per,
-            S=page_size, NH=heads, NHP=_pow2_at_least(heads, 16), J=hd, JP=_pow2_at_least(hd, 32),
+            S=page_size, NH=heads, NHP=pow2_at_least(heads, 16), J=hd, JP=pow2_at_least(hd, 32),
             BQ=int(cfg["block_q"]), BK=int(cfg["block_k"]), KEYS_M=cfg["variant"] == "keys", PACKED=packed,
             NUM_STAGES=int(cfg["num_stages"]), num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
             maxnreg=int(cfg["maxnreg"]) or None,

@@ -51,7 +51,6 @@ read per query.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -61,7 +60,8 @@ from dtkv._checks import check_tensor
 from dtkv._util import cdiv
 from dtkv.layouts import IndexerFp8Layout
 
-from ._common import INTERPRET, device_ctx, e4m3_blocks_torch, index_arg, resolve_backend
+from ._common import INTERPRET, device_ctx, e4m3_blocks_torch, index_arg, pow2_at_least, resolve_backend
+from ._common import num_sms as _num_sms  # a module attribute: tests size the grid through it
 from ._indexer_kernels import indexer_cols_kernel, indexer_pages_kernel
 from .selection_keys import selection_keys
 
@@ -240,17 +240,6 @@ def use_launch(cfg: IndexerLaunch) -> Iterator[None]:
         _FORCED.pop()
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # the interpreter: an H200's count, so the grids match a GPU's
-
-
-def _pow2_at_least(x: int, floor: int) -> int:
-    return max(floor, 1 << max(0, x - 1).bit_length())
-
-
 def _triton_takes(q: torch.Tensor, pool: torch.Tensor, page_size: int, q_fp8: bool) -> str:
     """Why the kernels cannot take these arguments ('' when they can)."""
     hd = q.shape[2]
@@ -293,7 +282,7 @@ def _launch(keys, q, w, pool, page_ids, page_slots, query_pos, page_size: int, q
     target = _num_sms(q.device) * cfg.ctas_per_sm
     q = q if q.stride(2) == 1 else q.contiguous()
     w = w if w.stride(1) == 1 else w.contiguous()
-    nhp, jp, sp = _pow2_at_least(heads, 16), _pow2_at_least(hd, 32), _pow2_at_least(page_size, 16)
+    nhp, jp, sp = pow2_at_least(heads, 16), pow2_at_least(hd, 32), pow2_at_least(page_size, 16)
     common = dict(NH=heads, NHP=nhp, J=hd, JP=jp, Q_FP8=q_fp8, PREROUND=INTERPRET, IMPRECISE_ACC=cfg.imprecise,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg or None)  # fmt: skip
     with device_ctx(q.device):

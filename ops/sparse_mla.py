@@ -168,7 +168,8 @@ def _sparse_mla_kernel(
 
 
 KERNEL_CONFIG: dict[str, int] = {"BH": 32, "BK": 32, "num_warps": 8, "num_stages": 2}
-"""Heads and rows per program step, warps, stages (``benchmarks/_dsa_kernels.py``'s configuration on an H200)."""
+"""Heads and rows per program step, warps, stages on an H200 (the configuration the retired prefill benchmark
+harness ran with; ``benchmarks/bench_runtime.py --attention triton`` times it inside the runtime)."""
 KERNEL_CONFIG_F32: dict[str, int] = {"BH": 16, "BK": 16, "num_warps": 4, "num_stages": 1}
 """float32 queries on the GPU: float32 tiles take twice the registers and shared memory of bf16 ones."""
 _INTERPRET_CONFIG: dict[str, int] = {"BH": 16, "BK": 16, "num_warps": 4, "num_stages": 1}

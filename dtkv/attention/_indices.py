@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from dtkv._checks import check_int, check_tensor
-from dtkv.ownership import PageOwnership
+from dtkv.ownership import PageOwnership, check_ownership
 
 __all__ = ["dense_page_table", "owned_page_map", "positions_to_locs"]
 
@@ -85,11 +85,7 @@ def owned_page_map(ownership: PageOwnership, rank: int, *, device: torch.device 
     this rank's own pages, every row another rank owns set to ``-1``: what sharded decode passes to
     :meth:`~dtkv.attention.AttentionBackend.decode` before merging the ranks' partials.
     """
-    if not isinstance(ownership, PageOwnership):
-        raise TypeError(f"ownership must be a PageOwnership, got {type(ownership).__name__}")
-    check_int("rank", rank, min_value=0)
-    if rank >= ownership.cp_size:
-        raise ValueError(f"rank must be < ownership.cp_size={ownership.cp_size}, got rank={rank}")
+    check_ownership(ownership, rank)
     pages = torch.arange(ownership.num_pages, dtype=torch.int64)
     mine = ownership.owner(pages) == rank
     local = torch.where(mine, ownership.local_index(pages), torch.full_like(pages, -1))

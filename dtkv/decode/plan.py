@@ -20,7 +20,7 @@ from dtkv._checks import check_int
 from dtkv._util import cdiv
 from dtkv.allocator import AllocationError, PageAllocator
 from dtkv.decode.topk import MAX_POSITION
-from dtkv.ownership import PageOwnership
+from dtkv.ownership import PageOwnership, check_ownership
 
 __all__ = ["DecodePlan", "alloc_decode_pages", "plan_decode"]
 
@@ -106,11 +106,7 @@ def plan_decode(
         ValueError / TypeError: a length < 1 or too long for the keys, too few pages, pages outside the pool or
             repeated within a request, a bad rank or topk. Nothing is planned.
     """
-    if not isinstance(ownership, PageOwnership):
-        raise TypeError(f"ownership must be a PageOwnership, got {type(ownership).__name__}")
-    check_int("rank", rank, min_value=0)
-    if rank >= ownership.cp_size:
-        raise ValueError(f"rank must be < ownership.cp_size={ownership.cp_size}, got rank={rank}")
+    check_ownership(ownership, rank)
     check_int("page_size", page_size, min_value=1)
     check_int("topk", topk, min_value=1)
     table = _page_table(page_tables)

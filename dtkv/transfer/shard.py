@@ -10,7 +10,7 @@ import torch
 
 from dtkv._checks import check_int
 from dtkv.layouts import KVLayout
-from dtkv.ownership import PageOwnership
+from dtkv.ownership import PageOwnership, check_ownership
 from dtkv.pool import ShardedKVPool
 from dtkv.transfer.descriptors import BufferSpec, RankEndpoint, StageCopy
 from dtkv.transfer.errors import format_pages
@@ -51,11 +51,7 @@ class KVShard:
         meta_num_rows: int = 0,
         meta_row_bytes: int = 0,
     ) -> None:
-        if not isinstance(ownership, PageOwnership):
-            raise TypeError(f"ownership must be a PageOwnership, got {type(ownership).__name__}")
-        check_int("rank", rank, min_value=0)
-        if rank >= ownership.cp_size:
-            raise ValueError(f"rank must be < ownership.cp_size={ownership.cp_size}, got rank={rank}")
+        check_ownership(ownership, rank)
         check_int("staging_bytes", staging_bytes, min_value=0)
         check_int("meta_num_rows", meta_num_rows, min_value=0)
         check_int("meta_row_bytes", meta_row_bytes, min_value=0)
