@@ -91,9 +91,8 @@ def barrier(device: torch.device, group=None) -> None:
     sync(device)
 
 
-def time_once(fn: Callable[[], object], device: torch.device, group=None) -> float:
-    """Milliseconds of one call, every rank starting together (device events on CUDA, wall clock on CPU)."""
-    barrier(device, group)
+def elapsed_ms(fn: Callable[[], object], device: torch.device) -> float:
+    """Milliseconds of one call of ``fn`` as it runs now: device events on CUDA, the wall clock on a CPU."""
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -104,6 +103,12 @@ def time_once(fn: Callable[[], object], device: torch.device, group=None) -> flo
     t0 = time.perf_counter()
     fn()
     return (time.perf_counter() - t0) * 1e3
+
+
+def time_once(fn: Callable[[], object], device: torch.device, group=None) -> float:
+    """Milliseconds of one call, every rank starting together (:func:`elapsed_ms` after a barrier)."""
+    barrier(device, group)
+    return elapsed_ms(fn, device)
 
 
 def median_ms(fn: Callable[[], object], device: torch.device, reps: int, group=None) -> float:

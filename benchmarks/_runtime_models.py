@@ -23,8 +23,8 @@ import time
 
 import torch
 
-from dtkv import IndexerFp8Layout, MLAFp8Layout, MLALatentLayout
 from dtkv._util import cdiv
+from dtkv.kvio import random_pages
 
 __all__ = [
     "BF16_TFLOPS",
@@ -172,26 +172,11 @@ def roofline_s(flops: dict[str, float], cp: int = 1) -> float:
 
 @torch.no_grad()
 def fill_pages(pool, seed: int) -> None:
-    """Random bytes in the stored formats in every page of ``pool`` (this rank's): fp8 codes without NaN, positive
-    scales, normal bf16 rope and latent rows."""
+    """Random bytes in the stored formats in every page of ``pool`` (this rank's): :func:`dtkv.kvio.random_pages`."""
     g = torch.Generator(device=pool.device).manual_seed(seed)
     for name, lay in pool.layouts.items():
         for layer in range(pool.num_layers):
-            buf = pool.local(name, layer)
-            if isinstance(lay, MLALatentLayout):
-                buf.view(lay.dtype).normal_(0.0, 0.5, generator=g)
-                continue
-            buf.random_(0, 256, generator=g)
-            if isinstance(lay, MLAFp8Layout):
-                codes, rope = buf[..., : lay.kv_lora_rank], buf[..., lay.rope_offset :]
-                buf[..., lay.scale_offset : lay.rope_offset].view(torch.float32).uniform_(2e-3, 4e-3, generator=g)
-                rope.view(torch.bfloat16).normal_(generator=g)
-            elif isinstance(lay, IndexerFp8Layout):
-                codes = buf[:, : lay.scale_offset]
-                buf[:, lay.scale_offset :].view(torch.float32).uniform_(2e-3, 4e-3, generator=g)
-            else:
-                raise TypeError(f"no random fill for layout {type(lay).__name__} of pool {name!r}")
-            codes.masked_fill_((codes & 0x7F) == 0x7F, 0x7E)  # 0x7F / 0xFF are NaN in e4m3fn
+            random_pages(pool.local(name, layer), lay, g)
 
 
 def synthetic_requests(runtime, *, batch: int, context: int, seed: int) -> list:

@@ -63,12 +63,13 @@ if importlib.util.find_spec("dtkv") is None:  # a checkout that is not installed
 
 import _decode_report as report  # noqa: E402
 import bench_indexer_scores as isweep  # noqa: E402
-from _dist_bench import barrier, hardware_tag, sync, today  # noqa: E402
+from _dist_bench import barrier, elapsed_ms, hardware_tag, sync, today  # noqa: E402
 
 from dtkv import IndexerFp8Layout, MLAFp8Layout, PageAllocator, PageOwnership, ShardedKVPool  # noqa: E402
 from dtkv._util import cdiv  # noqa: E402
 from dtkv.decode import MODES, DecodeStep, DecodeStepConfig  # noqa: E402
 from dtkv.decode import _step_layer as layer_ops  # noqa: E402
+from dtkv.kvio import random_pages  # noqa: E402
 from dtkv.ops import indexer_scores  # noqa: E402
 from dtkv.ops.indexer_scores import indexer_scores_bytes  # noqa: E402
 
@@ -111,20 +112,10 @@ SMOKE = Geometry(num_heads=4, kv_lora_rank=64, rope_dim=16, quant_block=32, inde
 
 
 def fill_random(pool: ShardedKVPool, gen: torch.Generator) -> None:
-    """Random bytes in the stored formats: e4m3 codes without NaN, positive fp32 scales, bf16 rope."""
-    kv, index = pool.layouts["kv"], pool.layouts["index"]
+    """Random bytes in the stored formats (:func:`dtkv.kvio.random_pages`) in every page of both pools."""
     for layer in range(pool.num_layers):
-        buf = pool.local("kv", layer)
-        buf.random_(0, 256, generator=gen)
-        codes = buf[..., : kv.kv_lora_rank]
-        codes.masked_fill_((codes & 0x7F) == 0x7F, 0x7E)  # 0x7F/0xFF are NaN in e4m3fn
-        buf[..., kv.scale_offset : kv.rope_offset].view(torch.float32).uniform_(2e-3, 4e-3, generator=gen)
-        buf[..., kv.rope_offset :].view(torch.bfloat16).normal_(generator=gen)
-        ib = pool.local("index", layer)
-        ib.random_(0, 256, generator=gen)
-        icodes = ib[:, : index.scale_offset]
-        icodes.masked_fill_((icodes & 0x7F) == 0x7F, 0x7E)
-        ib[:, index.scale_offset :].view(torch.float32).uniform_(2e-3, 4e-3, generator=gen)
+        for name in ("kv", "index"):
+            random_pages(pool.local(name, layer), pool.layouts[name], gen)
 
 
 def fill_inputs(step: DecodeStep, seed: int) -> None:
@@ -146,19 +137,7 @@ def timed(fn, reps: int, warmup: int, device: torch.device, group) -> list[float
             sync(device)
         else:
             barrier(device, group)
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            out.append(start.elapsed_time(end))
-        else:
-            import time
-
-            t0 = time.perf_counter()
-            fn()
-            out.append((time.perf_counter() - t0) * 1e3)
+        out.append(elapsed_ms(fn, device))
     return out
 
 

@@ -37,7 +37,6 @@ import re
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +51,8 @@ if _SPEC is None or Path(_SPEC.origin).resolve().parent != (ROOT / "ops").resolv
     # a checkout without its editable install (pyproject's package-dir maps dtkv.ops to ops/): link it
     (ROOT / "dtkv" / "ops").symlink_to("../ops")
     importlib.invalidate_caches()
+
+from _dist_bench import elapsed_ms  # noqa: E402
 
 from dtkv import IndexerFp8Layout, MLAFp8Layout, PageOwnership  # noqa: E402
 from dtkv.ops import HAS_TRITON, plan_pack  # noqa: E402
@@ -201,17 +202,7 @@ def time_replays(
             if before is not None:
                 before(i)
             try:
-                if device.type == "cuda":
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    replay()
-                    end.record()
-                    end.synchronize()
-                    times[i].append(start.elapsed_time(end) * 1e3 / count)
-                else:
-                    t0 = time.perf_counter()
-                    replay()
-                    times[i].append((time.perf_counter() - t0) * 1e6 / count)
+                times[i].append(elapsed_ms(replay, device) * 1e3 / count)
             except Exception as e:  # noqa: BLE001 - named and re-raised
                 raise ReplayError(i, e) from e
     return [statistics.median(t) for t in times]

@@ -423,13 +423,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=32768, help="tokens of the request (default 32768)")
     p.add_argument("--layers", type=int, default=8, help="layers of the KV (default 8)")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per scenario (default 5)")
-    p.add_argument(
-        "--layer-groups",
-        "--layer-chunks",
-        type=int,
-        default=4,
-        help="pipeline layer groups of the auto rows (default 4; --layer-chunks is a deprecated alias)",
-    )
+    p.add_argument("--layer-groups", type=int, default=4, help="pipeline layer groups of the auto rows (default 4)")
     p.add_argument("--json", default=None, help="write the rows here, a JSON file (default: none)")
     p.add_argument(
         "--only", default=None, help="run the scenarios whose name and staging contain this text (default: all)"

@@ -20,12 +20,8 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
   python -c "import flash_mla; print('flash_mla', getattr(flash_mla, '__version__', '?'))" || echo "flash_mla missing";
   git log -1 --format='commit %H %s' 2>/dev/null; } > "$R/env.txt" 2>&1
 : > "$R/steps.txt"
-step() {  # step NAME SECONDS CMD...: run with a deadline, log to $R/NAME.log, record the exit status
-  local name=$1 secs=$2; shift 2
-  local t0=$(date +%s)
-  timeout "$secs" "$@" > "$R/$name.log" 2>&1
-  echo "$name rc=$? ${secs}s-limit took=$(( $(date +%s) - t0 ))s" | tee -a "$R/steps.txt"
-}
+STEP_DIR=$R
+. benchmarks/_steps.sh  # step NAME SECONDS CMD...: a deadline, $R/NAME.log, the exit status in steps.txt
 TR="torchrun --nproc-per-node $NP"
 COMM=nccl
 [ "$NP" -gt 1 ] && COMM=nccl,symm_mem

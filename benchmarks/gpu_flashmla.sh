@@ -29,12 +29,8 @@ fi
   python -c "from dtkv.attention import available_backends; print(available_backends('cuda'))";
   git log -1 --format='commit %H %s' 2>/dev/null; } > "$OUT/env.txt" 2>&1
 : > "$OUT/steps.txt"
-step() {  # step NAME SECONDS CMD...: run with a deadline, log to $OUT/NAME.log, record the exit status
-  local name=$1 secs=$2; shift 2
-  local t0=$(date +%s)
-  timeout "$secs" "$@" > "$OUT/$name.log" 2>&1
-  echo "$name rc=$? ${secs}s-limit took=$(( $(date +%s) - t0 ))s" | tee -a "$OUT/steps.txt"
-}
+STEP_DIR=$OUT
+. benchmarks/_steps.sh  # step NAME SECONDS CMD...: a deadline, $OUT/NAME.log, the exit status in steps.txt
 phase=${1:-all}
 case $phase in all|tests|bench|runtime|demo) ;; *) echo "usage: gpu_flashmla.sh [all|tests|bench|runtime|demo]"; exit 2;; esac
 run() { [ "$phase" = all ] || [ "$phase" = "$1" ]; }

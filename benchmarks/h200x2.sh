@@ -15,12 +15,8 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISA
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvidia-smi topo -m;
   python -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)";
   git log -1 --format='commit %H %s' 2>/dev/null; } > "$R/env.txt" 2>&1
-step() {  # step NAME SECONDS CMD...: run with a deadline, log to $R/NAME.log, record the exit status
-  local name=$1 secs=$2; shift 2
-  local t0=$(date +%s)
-  timeout "$secs" "$@" > "$R/$name.log" 2>&1
-  echo "$name rc=$? ${secs}s-limit took=$(( $(date +%s) - t0 ))s" | tee -a "$R/steps.txt"
-}
+STEP_DIR=$R
+. benchmarks/_steps.sh  # step NAME SECONDS CMD...: a deadline, $R/NAME.log, the exit status in steps.txt
 TR="torchrun --nproc-per-node 2"
 cuda_tests() {  # cuda_tests GPU SECONDS: the suite's CUDA cases (expecttest comes as a wheel in .whl/: no network there)
   [ -d /tmp/whl ] || python -m zipfile -e .whl/expecttest-0.3.0-py3-none-any.whl /tmp/whl

@@ -62,6 +62,17 @@ def _grid(**axes) -> list[dict]:
     return [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
 
 
+_PACK_PAGES = [
+    {"rows": 1, "parts": 2, "chunk_w": 4096, "num_warps": 8},
+    {"rows": 1, "parts": 2, "chunk_w": 4096, "num_warps": 4},
+    {"rows": 1, "parts": 1, "chunk_w": 4096, "num_warps": 8},
+    {"rows": 1, "parts": 4, "chunk_w": 4096, "num_warps": 4},
+    {"rows": 1, "parts": 4, "chunk_w": 4096, "num_warps": 8},
+    {"rows": 2, "parts": 2, "chunk_w": 4096, "num_warps": 8},
+]
+"""The page-pack candidates: pages (rows) and parts of a page per program, words per chunk, warps."""
+
+
 # Candidates per op (each completed from DEFAULTS, so every one is a full configuration). The first H200 sweep
 # (benchmarks/results/tune_ops_h200_2026-12-01.md) showed, for the row copies: fewer words per thread is faster at
 # the same bytes per program (direct fp8: 2.6 words/thread 86%, 5 words 82%, 10 words 81%, 20 words 78%, 41
@@ -109,23 +120,9 @@ CANDIDATES: dict[str, list[dict]] = {
     "quantize_write_indexer_fp8": _grid(block_r=[8, 16, 32, 64], num_warps=[2, 4, 8]),
     # 41 984-byte pages (5248 words), never timed (none compiled on Triton 3.6 before the fix): halves of a page
     # per program (the default; main's kernel, two 4096-word blocks per page, reached 90-93%), whole pages, quarters
-    "pack_owned_pages": [
-        {"rows": 1, "parts": 2, "chunk_w": 4096, "num_warps": 8},
-        {"rows": 1, "parts": 2, "chunk_w": 4096, "num_warps": 4},
-        {"rows": 1, "parts": 1, "chunk_w": 4096, "num_warps": 8},
-        {"rows": 1, "parts": 4, "chunk_w": 4096, "num_warps": 4},
-        {"rows": 1, "parts": 4, "chunk_w": 4096, "num_warps": 8},
-        {"rows": 2, "parts": 2, "chunk_w": 4096, "num_warps": 8},
-    ],
+    "pack_owned_pages": _PACK_PAGES,
     # the same for a layer's two layouts (5248 and 1056 words per page) in one launch
-    "pack_layer_pages": [
-        {"rows": 1, "parts": 2, "chunk_w": 4096, "num_warps": 8},
-        {"rows": 1, "parts": 2, "chunk_w": 4096, "num_warps": 4},
-        {"rows": 1, "parts": 1, "chunk_w": 4096, "num_warps": 8},
-        {"rows": 1, "parts": 4, "chunk_w": 4096, "num_warps": 4},
-        {"rows": 1, "parts": 4, "chunk_w": 4096, "num_warps": 8},
-        {"rows": 2, "parts": 2, "chunk_w": 4096, "num_warps": 8},
-    ],
+    "pack_layer_pages": _PACK_PAGES,
     # int32 top-k at 1M tokens (64M indices, a 256 KiB int32 map: the 2-byte copy is what keeps it in L1): 8
     # indices per thread won at every block size (1024/4 warps 89.9%, 2048/8 89%, 4096/8 at 16 per thread 63%)
     "remap": [

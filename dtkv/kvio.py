@@ -11,6 +11,8 @@ Every stored byte goes through :mod:`dtkv.ops`; every read of stored rows goes t
   read through remapped indices.
 - :func:`round_trip`: rows as a pool of a layout gives them back (stored, then read), without a pool: what a
   reference computes with.
+- :func:`random_pages`: fill pages with random bytes that decode to finite rows (benchmarks and tests that need
+  stored KV without computing it).
 
 ``C`` is ``kv_lora_rank + rope_dim`` for MLA layouts (an indexer stored as bf16/fp32 rows is an
 ``MLALatentLayout`` with ``rope_dim=0``) and ``head_dim`` for :class:`dtkv.IndexerFp8Layout`. A token slot ``t`` is
@@ -25,7 +27,7 @@ from dtkv import ops
 from dtkv.layouts import IndexerFp8Layout, KVLayout, MLAFp8Layout, MLALatentLayout
 from dtkv.ownership import OwnershipSpec, PageOwnership
 
-__all__ = ["read_rows", "round_trip", "write_rows"]
+__all__ = ["random_pages", "read_rows", "round_trip", "write_rows"]
 
 
 def _bad_layout(layout: object) -> TypeError:
@@ -112,3 +114,33 @@ def round_trip(rows: torch.Tensor, layout: KVLayout) -> torch.Tensor:
     else:
         raise _bad_layout(layout)
     return out.to(rows.dtype).reshape(rows.shape)
+
+
+def random_pages(
+    pages: torch.Tensor,
+    layout: KVLayout,
+    generator: torch.Generator,
+    *,
+    scales: tuple[float, float] = (2e-3, 4e-3),
+) -> None:
+    """Fill ``pages`` ``[P, *layout.page_shape]`` (in place) with random stored bytes that decode to finite rows.
+
+    fp8 layouts: e4m3 codes drawn uniformly from every byte but the two NaN patterns (``0x7F``, ``0xFF``), fp32
+    scales uniform in ``scales``, bf16 rope ``N(0, 1)``; a latent (row) layout: rows ``N(0, 0.5)``. ``generator``
+    lives on ``pages``' device.
+    """
+    if isinstance(layout, MLALatentLayout):
+        pages.view(layout.dtype).normal_(0.0, 0.5, generator=generator)
+        return
+    if not isinstance(layout, (MLAFp8Layout, IndexerFp8Layout)):
+        raise _bad_layout(layout)
+    lo, hi = scales
+    pages.random_(0, 256, generator=generator)
+    if isinstance(layout, MLAFp8Layout):
+        codes = pages[..., : layout.kv_lora_rank]
+        pages[..., layout.scale_offset : layout.rope_offset].view(torch.float32).uniform_(lo, hi, generator=generator)
+        pages[..., layout.rope_offset :].view(torch.bfloat16).normal_(generator=generator)
+    else:
+        codes = pages[:, : layout.scale_offset]
+        pages[:, layout.scale_offset :].view(torch.float32).uniform_(lo, hi, generator=generator)
+    codes.masked_fill_((codes & 0x7F) == 0x7F, 0x7E)  # 0x7F / 0xFF are NaN in e4m3fn

@@ -24,6 +24,7 @@ import torch
 
 from dtkv import IndexerFp8Layout, MLAFp8Layout, PageAllocator, PageOwnership, ShardedKVPool
 from dtkv.decode import DecodeStep, DecodeStepConfig, unpack_keys
+from dtkv.kvio import random_pages
 from dtkv.ops import indexer_scores
 from dtkv.ops.indexer_scores import DEFAULT_LAUNCH, LAUNCH_TABLE, IndexerLaunch, use_launch
 
@@ -45,19 +46,9 @@ needs_flashmla = pytest.mark.skipif(not _flashmla(), reason="needs flash_mla (sg
 
 def _fill(pool, seed):
     g = torch.Generator(device=pool.device).manual_seed(seed)
-    kv, ix = pool.layouts["kv"], pool.layouts["index"]
     for layer in range(pool.num_layers):
-        b = pool.local("kv", layer)
-        b.random_(0, 256, generator=g)
-        c = b[..., : kv.kv_lora_rank]
-        c.masked_fill_((c & 0x7F) == 0x7F, 0x7E)
-        b[..., kv.scale_offset : kv.rope_offset].view(torch.float32).uniform_(2e-3, 4e-3, generator=g)
-        b[..., kv.rope_offset :].view(torch.bfloat16).normal_(generator=g)
-        ib = pool.local("index", layer)
-        ib.random_(0, 256, generator=g)
-        ic = ib[:, : ix.scale_offset]
-        ic.masked_fill_((ic & 0x7F) == 0x7F, 0x7E)
-        ib[:, ix.scale_offset :].view(torch.float32).uniform_(2e-3, 4e-3, generator=g)
+        for name in ("kv", "index"):
+            random_pages(pool.local(name, layer), pool.layouts[name], g)
 
 
 def _setup(lens, *, num_pages=None, layers=2):

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from dtkv import IndexerFp8Layout, MLAFp8Layout, PageOwnership
+from dtkv.kvio import random_pages
 
 PS = 4
 TOPK = 8
@@ -43,21 +44,11 @@ def _layouts():
 
 
 def fill_random(pool, seed: int) -> None:
-    """Random stored bytes: e4m3 codes without NaN, positive scales, normal bf16 rope."""
+    """Random stored bytes (:func:`dtkv.kvio.random_pages`): MLA scales in [0.01, 0.02], index scales in [0.5, 1]."""
     g = torch.Generator().manual_seed(seed)
-    kv, ix = pool.layouts["kv"], pool.layouts["index"]
     for layer in range(pool.num_layers):
-        b = pool.local("kv", layer)
-        b.random_(0, 256, generator=g)
-        codes = b[..., : kv.kv_lora_rank]
-        codes.masked_fill_((codes & 0x7F) == 0x7F, 0x7E)
-        b[..., kv.scale_offset : kv.rope_offset].view(torch.float32).uniform_(0.01, 0.02, generator=g)
-        b[..., kv.rope_offset :].view(torch.bfloat16).normal_(generator=g)
-        ib = pool.local("index", layer)
-        ib.random_(0, 256, generator=g)
-        ic = ib[:, : ix.scale_offset]
-        ic.masked_fill_((ic & 0x7F) == 0x7F, 0x7E)
-        ib[:, ix.scale_offset :].view(torch.float32).uniform_(0.5, 1.0, generator=g)
+        random_pages(pool.local("kv", layer), pool.layouts["kv"], g, scales=(0.01, 0.02))
+        random_pages(pool.local("index", layer), pool.layouts["index"], g, scales=(0.5, 1.0))
 
 
 def step_inputs(step, seed: int, dtype) -> None:
