@@ -42,8 +42,8 @@ def test_a_dtype_asked_for_wins_over_the_stored_one(tmp_path):
 
 
 def test_the_runtime_on_a_loaded_checkpoint_matches_its_own_forward(tmp_path):
-    from dtkv.integrations.transformers import TransformersAdapter, num_pages_for
-    from dtkv.runtime import Runtime
+    from dtkv.integrations.transformers import TransformersAdapter
+    from dtkv.runtime import Runtime, num_pages_for
 
     tiny_model("deepseek-v32", seed=1).save_pretrained(tmp_path)
     lm = load_model(tmp_path)

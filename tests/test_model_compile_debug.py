@@ -1,4 +1,4 @@
-"""The engine's run phase compiles with fullgraph (zero graph breaks); DTKV_DEBUG catches injected faults."""
+"""The runtime's run phase compiles with fullgraph (zero graph breaks); DTKV_DEBUG catches injected faults."""
 
 from __future__ import annotations
 
@@ -11,34 +11,41 @@ from dtkv.model import ModelConfig
 from tests._runtime import reference_runtime
 
 
-def _engine(mode, group, kv_dtype="fp8"):
+def _runtime(mode, group, kv_dtype="fp8"):
     cfg = ModelConfig(page_size=4, num_layers=2, kv_dtype=kv_dtype)
-    eng = reference_runtime(cfg, mode=mode, group=group, num_pages=64)
-    eng.add_request(list(range(50)))
-    eng.add_request(list(range(30, 61)))
-    eng.step(eng.requests, [21, 20])  # a first chunk eagerly, so the compiled chunk reads history pages
-    return eng
+    rt = reference_runtime(cfg, mode=mode, group=group, num_pages=64)
+    rt.add_request(list(range(50)))
+    rt.add_request(list(range(30, 61)))
+    rt.step(rt.requests, [21, 20])  # a first chunk eagerly, so the compiled chunk reads history pages
+    return rt
+
+
+def _eager_then_compiled(rt, counter):
+    """The second chunk's step eagerly, then (pools restored) compiled with fullgraph through ``counter``:
+    ``(counter, compiled logits, eager logits, the pools after the eager step)``."""
+    torch._dynamo.reset()
+    plan = rt.plan_step(rt.requests, [29, 11])
+    names = rt.adapter.cfg.layouts
+    before = {n: rt.pool.buffer(n).clone() for n in names}
+    eager = rt.forward(plan)
+    eager_pool = {n: rt.pool.buffer(n).clone() for n in names}
+    for n in names:
+        rt.pool.buffer(n).copy_(before[n])
+    compiled = torch.compile(rt.forward, backend=counter, fullgraph=True)(plan)
+    return counter, compiled, eager, eager_pool
 
 
 def _compiled_vs_eager(rank, world, mode, backend):
     import torch.distributed as dist
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    torch._dynamo.reset()
-    eng = _engine(mode, dist.group.WORLD)
-    plan = eng.plan_step(eng.requests, [29, 11])
-    before = {n: eng.pool.buffer(n).clone() for n in eng.adapter.cfg.layouts}
-    eager = eng.forward(plan)
-    eager_pool = {n: eng.pool.buffer(n).clone() for n in eng.adapter.cfg.layouts}
-    for n in eng.adapter.cfg.layouts:
-        eng.pool.buffer(n).copy_(before[n])
-    counter = CompileCounterWithBackend(backend)
-    compiled = torch.compile(eng.forward, backend=counter, fullgraph=True)(plan)
+    rt = _runtime(mode, dist.group.WORLD)
+    counter, compiled, eager, eager_pool = _eager_then_compiled(rt, CompileCounterWithBackend(backend))
     return {
         "frames": counter.frame_count,
         "logits_equal": torch.equal(compiled, eager),
         "logits_close": torch.allclose(compiled, eager, rtol=1e-9, atol=1e-9),
-        "pool_equal": all(torch.equal(eng.pool.buffer(n), eager_pool[n]) for n in eng.adapter.cfg.layouts),
+        "pool_equal": all(torch.equal(rt.pool.buffer(n), eager_pool[n]) for n in rt.adapter.cfg.layouts),
     }
 
 
@@ -58,19 +65,11 @@ def test_forward_compiles_with_inductor_single_process():
     (KV rows are rounded to bf16/fp8 from identical float64 projections)."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    torch._dynamo.reset()
-    eng = _engine("single", None)
-    plan = eng.plan_step(eng.requests, [29, 11])
-    before = {n: eng.pool.buffer(n).clone() for n in eng.adapter.cfg.layouts}
-    eager = eng.forward(plan)
-    eager_pool = {n: eng.pool.buffer(n).clone() for n in eng.adapter.cfg.layouts}
-    for n in eng.adapter.cfg.layouts:
-        eng.pool.buffer(n).copy_(before[n])
-    counter = CompileCounterWithBackend("inductor")
-    compiled = torch.compile(eng.forward, backend=counter, fullgraph=True)(plan)
+    rt = _runtime("single", None)
+    counter, compiled, eager, eager_pool = _eager_then_compiled(rt, CompileCounterWithBackend("inductor"))
     assert counter.frame_count == 1
     torch.testing.assert_close(compiled, eager, rtol=1e-9, atol=1e-9)
-    assert all(torch.equal(eng.pool.buffer(n), eager_pool[n]) for n in eng.adapter.cfg.layouts)
+    assert all(torch.equal(rt.pool.buffer(n), eager_pool[n]) for n in rt.adapter.cfg.layouts)
 
 
 def _inject_wrong_owner_write(rank, world):
@@ -79,21 +78,21 @@ def _inject_wrong_owner_write(rank, world):
     import dtkv
     from dtkv.debug import OwnershipError
 
-    eng = _engine("sharded_direct", dist.group.WORLD, kv_dtype="bf16")
-    plan = eng.plan_step(eng.requests, [29, 11])
+    rt = _runtime("sharded_direct", dist.group.WORLD, kv_dtype="bf16")
+    plan = rt.plan_step(rt.requests, [29, 11])
     # The bug: treat every local row as directly writable, including rows whose page another rank stores.
-    all_rows = torch.arange(plan.locs_local.numel())
+    all_rows = torch.arange(plan.locs.numel())
     bad = dataclasses.replace(plan, direct_rows=all_rows, handoff_rows=all_rows[:0])
-    foreign = bool((eng.ownership.owner(plan.locs_local // eng.adapter.cfg.page_size) != rank).any())
-    snapshot = {n: eng.pool.buffer(n).clone() for n in eng.adapter.cfg.layouts}
+    foreign = bool((rt.ownership.owner(plan.locs // rt.adapter.cfg.page_size) != rank).any())
+    snapshot = {n: rt.pool.buffer(n).clone() for n in rt.adapter.cfg.layouts}
     with dtkv.debug_mode():
         try:
-            eng.forward(bad)
+            rt.forward(bad)
         except OwnershipError as e:
             message = str(e)
         else:
             message = None
-    untouched = all(torch.equal(eng.pool.buffer(n)[0], snapshot[n][0]) for n in eng.adapter.cfg.layouts)
+    untouched = all(torch.equal(rt.pool.buffer(n)[0], snapshot[n][0]) for n in rt.adapter.cfg.layouts)
     return {"foreign": foreign, "message": message, "layer0_untouched": untouched}
 
 
@@ -115,8 +114,8 @@ def _inject_bad_view(rank, world):
     import dtkv
     from dtkv.materialize import MaterializeError
 
-    eng = _engine("sharded", dist.group.WORLD)
-    plan = eng.plan_step(eng.requests, [29, 11])
+    rt = _runtime("sharded", dist.group.WORLD)
+    plan = rt.plan_step(rt.requests, [29, 11])
     mp = plan.mat_plan
     # The bug: a page table that swaps the view rows of two pages.
     pages = mp.pages.to(torch.int64)
@@ -125,7 +124,7 @@ def _inject_bad_view(rank, world):
     bad = dataclasses.replace(plan, mat_plan=dataclasses.replace(mp, page_map=page_map))
     with dtkv.debug_mode():
         try:
-            eng.forward(bad)
+            rt.forward(bad)
         except MaterializeError as e:
             return str(e)
     return None

@@ -144,8 +144,7 @@ def _write_owned_call(a, backend):
 
 def _direct_write_call(a, backend):
     rows = torch.randn(a["locs"].shape[0], a["pool"].shape[2])
-    extra = {} if a["page_aligned"] else {"page_aligned": a["page_aligned"]}
-    direct_write(a["pool"], rows, a["locs"], a["own"], 0, backend=backend, **extra)
+    direct_write(a["pool"], rows, a["locs"], a["own"], 0, backend=backend)
 
 
 def _mla_call(a, backend):
@@ -289,16 +288,10 @@ CASES = [
             be,
         ),  # fmt: skip
         # page size 2: rank 0 owns pages 0 2 4 6 8 (locs 0-1, 4-5, ...)
-        base=lambda: dict(own=PageOwnership(2, 10, "interleave"), pool=torch.randn(5, 2, 6), page_aligned=True),
+        base=lambda: dict(own=PageOwnership(2, 10, "interleave"), pool=torch.randn(5, 2, 6)),
         call=_direct_write_call,
         with_index=_index_direct_write,
         bad=[
-            (
-                "unaligned split",
-                dict(locs=torch.tensor([0, 1]), page_aligned=False),
-                ValueError,
-                "direct_write needs a page-aligned CP split",
-            ),
             (
                 "foreign page",
                 dict(locs=torch.tensor([0, 1, 2, 3, 4])),
@@ -567,3 +560,23 @@ def test_wide_locations_are_skipped_unvalidated_and_refused_validated(case, back
     with pytest.raises(ValueError, match=re.escape(f"got locs[4]={WIDE[0]}")):
         case.write_at(pool, locs, backend, True, wide)
     assert_same_bytes(pool, case.new_pool(wide), "pool changed")
+
+
+@pytest.mark.parametrize(
+    ("op", "layout", "width", "neg_zero_col"),
+    [(quantize_write_mla_fp8, MLA, MLA.row_dim, 1), (quantize_write_indexer_fp8, IDX, IDX.head_dim, 2)],
+    ids=["quantize_write_mla_fp8", "quantize_write_indexer_fp8"],
+)
+def test_direct_is_the_owner_filter_of_own_rows_and_require_owned_is_gone(op, layout, width, neg_zero_col):
+    """``direct=True`` with rows that all sit on this rank's pages stores what the owner filter stores; the 0.1
+    spelling ``require_owned=`` was removed in 0.2."""
+    own = PageOwnership(2, 4, "interleave")
+    rows, locs = spread_rows(3, width, torch.float32, neg_zero_col=neg_zero_col), torch.tensor([0, 33, 1])
+    expect = torch.zeros(2, *layout.page_shape, dtype=torch.uint8)  # pages 0 and 2 (locs 0, 1 and 33): rank 0's
+    op(expect, rows, locs, own, 0, layout=layout)
+    pool = torch.zeros_like(expect)
+    op(pool, rows, locs, own, 0, layout=layout, direct=True)
+    assert_same_bytes(pool, expect)
+    assert pool.any()
+    with pytest.raises(TypeError, match="require_owned"):
+        op(pool, rows, locs, own, 0, layout=layout, require_owned=True)
