@@ -5,6 +5,8 @@
 - ``SlowLink`` is one party's link to the store made slow on demand (the other parties' links stay fast).
 - ``StorePeer`` is a store peer without the secret: it records every value the parties write and can write any of
   them back later (a replay).
+- ``NEEDS_MOONCAKE``: the marks of a test of the Mooncake engine (``mooncake``, and a skip saying why where the
+  engine does not load).
 """
 
 from __future__ import annotations
@@ -18,10 +20,18 @@ import threading
 import time
 
 import numpy as np
+import pytest
 import torch
 
 from dtkv import IndexerFp8Layout, MLAFp8Layout, PageOwnership
-from dtkv.transfer import KVShard
+from dtkv.transfer import KVShard, mooncake_available
+
+_MOONCAKE_OK, _MOONCAKE_WHY = mooncake_available()
+NEEDS_MOONCAKE = [
+    pytest.mark.mooncake,
+    pytest.mark.skipif(not _MOONCAKE_OK, reason=f"Mooncake transfer engine unavailable: {_MOONCAKE_WHY}"),
+]
+"""Marks of a test (or a module's ``pytestmark``) that runs the Mooncake engine."""
 
 LAYERS = 2
 LAYOUTS = {

@@ -36,6 +36,7 @@ from dtkv.integrations.transformers import _indexer as X  # noqa: E402
 from dtkv.integrations.transformers import attention as A  # noqa: E402
 from dtkv.kvio import read_rows  # noqa: E402
 from dtkv.runtime import Runtime, batch_invariant  # noqa: E402
+from tests._tensors import NewTensors  # noqa: E402
 from tests.ops_reference import backend_ok  # noqa: E402
 
 needs_interpreter = pytest.mark.skipif(not backend_ok("triton", "cpu"), reason="needs Triton in interpreter mode")
@@ -85,21 +86,6 @@ def _layer_inputs(name, kv_dtype, *, attention="torch", index_topk=16, first=(40
     return rt, ctx, attn.indexer, iq, iw, view
 
 
-class _Shapes(TorchFunctionMode):
-    """Records the element count of every new tensor (not a view) a torch function returns inside the block."""
-
-    def __init__(self):
-        super().__init__()
-        self.numels: list[int] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, tuple) else (out,):
-            if isinstance(t, torch.Tensor) and t._base is None:
-                self.numels.append(t.numel())
-        return out
-
-
 @pytest.mark.parametrize("blocks", ["one", "many"])
 @pytest.mark.parametrize(("name", "kv_dtype"), [("deepseek-v32", "bf16"), ("glm5", "fp8"), ("deepseek-v32", "fp32")])
 def test_torch_select_is_bitwise_the_dense_stable_sort(monkeypatch, name, kv_dtype, blocks):
@@ -127,7 +113,7 @@ def test_torch_select_never_allocates_n_by_k(monkeypatch):
     keys = ctx.plan.key_slots.shape[0]
     assert n * keys > dims * keys, "the check needs N > J"
     monkeypatch.setattr(X, "TORCH_BLOCK_BYTES", 3 * (4 * heads + 48) * keys)
-    shapes, dense = _Shapes(), _Shapes()
+    shapes, dense = NewTensors(), NewTensors()
     keys_KJ = read_rows(view, ctx.layouts["index"], iq.dtype)[ctx.plan.key_slots]
     with torch.no_grad():
         with shapes:

@@ -10,16 +10,11 @@ import pytest
 
 pytest.importorskip("transformers", reason="the hf extra (transformers==5.17.0)")
 
-from dtkv.transfer import mooncake_available  # noqa: E402
 from tests._multirank import RankGroup  # noqa: E402
+from tests._transfer import NEEDS_MOONCAKE  # noqa: E402
 from tests.test_integration_transformers import model, prompts, reference  # noqa: E402
 
-_OK, _WHY = mooncake_available()
-pytestmark = [
-    pytest.mark.mooncake,
-    pytest.mark.multirank,
-    pytest.mark.skipif(not _OK, reason=f"Mooncake transfer engine unavailable: {_WHY}"),
-]
+pytestmark = [*NEEDS_MOONCAKE, pytest.mark.multirank]
 
 STEPS = 3
 

@@ -222,19 +222,28 @@ CASES = {
 }  # fmt: skip
 
 
+def case_setup(case: str, rank: int, world: int, seed: int):
+    """Case ``case`` of :data:`CASES` on ``rank``: its ownership, an empty pool, the page lists drawn from ``seed``
+    and their plan (collective): ``(own, pool, plan, history, current)``."""
+    import torch.distributed as dist
+
+    scheme, num_pages, hist_fn, cur_fn, write_current = CASES[case]
+    own = PageOwnership(world, num_pages(world), scheme)
+    pool = ShardedKVPool(LAYOUTS, own, num_layers=NUM_LAYERS, group=dist.group.WORLD)
+    g = torch.Generator().manual_seed(seed)
+    history, current = hist_fn(world, g), cur_fn(world, g)
+    plan = plan_materialize(history, current, own, rank, group=dist.group.WORLD, write_current=write_current)
+    return own, pool, plan, history, current
+
+
 def _views(rank, world, case, seed, pack):
     import torch.distributed as dist
 
     import dtkv
     from dtkv.materialize import Materializer, gather_view
 
-    scheme, num_pages, hist_fn, cur_fn, write_current = CASES[case]
-    own = PageOwnership(world, num_pages(world), scheme)
-    pool = ShardedKVPool(LAYOUTS, own, num_layers=NUM_LAYERS, group=dist.group.WORLD)
+    own, pool, plan, history, current = case_setup(case, rank, world, seed + 1)
     ref = _fill(pool, own, rank, seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    history, current = hist_fn(world, g), cur_fn(world, g)
-    plan = plan_materialize(history, current, own, rank, group=dist.group.WORLD, write_current=write_current)
     pages = plan.pages
     rows = plan.page_map[pages].long()
     out = {"ok": [], "num_local": own.num_local_pages(rank), "view_pages": plan.num_view_pages}
@@ -278,16 +287,10 @@ def test_views_with_the_triton_pack(ranks2, case):
 
 
 def _count_launches(rank, world, case):
-    import torch.distributed as dist
 
     from dtkv.materialize import Materializer, _gather
 
-    scheme, num_pages, hist_fn, cur_fn, write_current = CASES[case]
-    own = PageOwnership(world, num_pages(world), scheme)
-    pool = ShardedKVPool(LAYOUTS, own, num_layers=NUM_LAYERS, group=dist.group.WORLD)
-    g = torch.Generator().manual_seed(5)
-    plan = plan_materialize(hist_fn(world, g), cur_fn(world, g), own, rank, group=dist.group.WORLD,
-                            write_current=write_current)  # fmt: skip
+    own, pool, plan, _, _ = case_setup(case, rank, world, 5)
     calls = {"pack": 0, "collective": 0}
     real_packer, real_gather = _gather.make_packer, _gather._all_gather_many
 

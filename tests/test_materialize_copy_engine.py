@@ -16,7 +16,7 @@ import torch
 
 from dtkv import PageOwnership, ShardedKVPool
 from dtkv.materialize import MaterializeError, plan_materialize
-from tests.test_materialize import CASES, LAYOUTS, NUM_LAYERS, _fill
+from tests.test_materialize import CASES, LAYOUTS, NUM_LAYERS, _fill, case_setup
 
 
 @pytest.fixture(params=[2, 3, 4], ids=["world2", "world3", "world4"])
@@ -120,18 +120,12 @@ def _check(mat, ref, plan, layers, prefetch: bool) -> list[bool]:
 
 # ------------------------------------------------------------------------------------------- every plan shape
 def _views(rank, world, root, case, pack):
-    import torch.distributed as dist
 
     import dtkv
     from dtkv.materialize import Materializer
 
     with _patched(root, rank):
-        scheme, num_pages, hist_fn, cur_fn, write_current = CASES[case]
-        own = PageOwnership(world, num_pages(world), scheme)
-        pool = ShardedKVPool(LAYOUTS, own, num_layers=NUM_LAYERS, group=dist.group.WORLD)
-        g = torch.Generator().manual_seed(3)
-        plan = plan_materialize(hist_fn(world, g), cur_fn(world, g), own, rank, group=dist.group.WORLD,
-                                write_current=write_current)  # fmt: skip
+        own, pool, plan, _, _ = case_setup(case, rank, world, 3)
         view_bytes = 2 * plan.num_view_pages * sum(lay.page_bytes for lay in LAYOUTS.values())
         out = {"ok": [], "scratch": [], "view_bytes": view_bytes}
         for prefetch in (False, True):

@@ -8,11 +8,11 @@ depend on its row count, so blocks of queries are compared with the stable sort 
 from __future__ import annotations
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 import dtkv.model.model as model_mod
 from dtkv.model import ModelConfig
 from dtkv.model.model import TinyDSA
+from tests._tensors import NewTensors
 
 
 def _stable_select(model: TinyDSA, q, pos_N, index_keys_SJ):
@@ -39,19 +39,6 @@ def _inputs(seed: int, n: int, s: int):
     return model, q, pos, index_keys
 
 
-class _Sizes(TorchFunctionMode):
-    def __init__(self):
-        super().__init__()
-        self.numels: list[int] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, tuple) else (out,):
-            if isinstance(t, torch.Tensor) and t._base is None:
-                self.numels.append(t.numel())
-        return out
-
-
 def test_select_is_the_stable_sort_in_any_blocks(monkeypatch):
     """Queries at the end of a request (with ``n = s`` the first ones see fewer than ``index_topk`` keys; five
     keys: fewer than ``index_topk`` in all): one block, and blocks of 3 queries, give the stable sort's positions
@@ -75,7 +62,7 @@ def test_select_never_allocates_n_by_s(monkeypatch):
     model, q, pos, keys = _inputs(3, 64, 70)
     n, s, heads = 64, 70, q["iq"].shape[1]
     monkeypatch.setattr(model_mod, "SELECT_BLOCK_BYTES", 3 * (8 * heads + 48) * s)
-    got, old = _Sizes(), _Sizes()
+    got, old = NewTensors(), NewTensors()
     with got:
         model.select(q, pos, keys)
     with old:

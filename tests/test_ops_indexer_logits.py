@@ -26,6 +26,7 @@ from dtkv.decode import INVALID_KEY, selection_keys
 from dtkv.ops import _tuned, indexer_logits, indexer_topk, quantize_indexer_fp8, quantize_indexer_queries
 from dtkv.ops.indexer_logits import indexer_logits_flops, indexer_logits_torch, launch_grid
 from tests.ops_reference import BACKENDS, address_check, benchmark, skip_unless
+from tests.test_ops_indexer_scores import index_pages
 
 _mod = sys.modules["dtkv.ops.indexer_logits"]  # the package's attribute of that name is the function
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,22 +44,12 @@ GEOMS = [(1, 2, 32, 4, 5, 1), (5, 3, 48, 5, 7, 29), (7, 16, 64, 16, 9, 130), (3,
 several tiles and query blocks; DeepSeek-V3.2's geometry."""
 
 
-def _pages(num_pages: int, lay: IndexerFp8Layout, gen: torch.Generator) -> torch.Tensor:
-    ps, hd = lay.page_size, lay.head_dim
-    k = torch.randn(max(num_pages, 1) * ps, hd, generator=gen) * torch.rand(max(num_pages, 1) * ps, 1, generator=gen)
-    codes, scales = quantize_indexer_fp8(k)
-    pages = torch.empty(max(num_pages, 1), ps * (hd + 4), dtype=torch.uint8)
-    pages[:, : ps * hd] = codes.view(-1, ps * hd)
-    pages[:, ps * hd :] = scales.view(torch.uint8).view(-1, ps * 4)
-    return pages[:num_pages]
-
-
 def _case(n, heads, hd, ps, num_pages, cols, seed, idx=torch.int64):
     """Random pages, slots with every kind of invalid one (-1, other negatives, one past the pages), visibility
     ranges that are empty, start before 0, end past ``cols``, or cover everything."""
     g = torch.Generator().manual_seed(seed)
     lay = IndexerFp8Layout(page_size=ps, head_dim=hd)
-    pages = _pages(num_pages, lay, g)
+    pages = index_pages(num_pages, lay, g)
     slots = torch.randint(0, num_pages * ps, (cols,), generator=g)
     slots[3::11] = -1
     slots[5::13] = -9

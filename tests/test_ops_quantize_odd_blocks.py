@@ -87,6 +87,25 @@ def _pool(num_local: int, page_shape: tuple[int, ...], seed: int, device: str) -
     return big.to(device)[::2]
 
 
+def _both_backends(monkeypatch, op, args, layout, start, want, module, kernel: str, torch_paths: tuple[str, ...]):
+    """``op(pool, *args, layout=layout, backend=...)`` on a copy of ``start`` gives ``want``'s bytes with the torch
+    backend, and with the Triton one, whose kernel must launch and whose module's torch paths must not run
+    (``args[-1]`` is the rank)."""
+    rank = args[-1]
+    by_torch = start.clone()
+    op(by_torch, *args, layout=layout, backend="torch")
+    assert_same_bytes(by_torch, want, f"torch, rank {rank}")
+    spy = _LaunchSpy(getattr(module, kernel))
+    with monkeypatch.context() as m:
+        m.setattr(module, kernel, spy)
+        for name in torch_paths:
+            m.setattr(module, name, _forbidden)
+        pool = start.clone()
+        op(pool, *args, layout=layout, backend="triton")
+    assert spy.grids, "the Triton kernel did not launch"
+    assert_same_bytes(pool, want, f"triton, rank {rank}")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", MLA_LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -100,19 +119,9 @@ def test_triton_mla_quantize_write_odd_blocks_vs_reference(device, layout, dtype
     for rank in range(2):
         start = _pool(own.num_local_pages(rank), layout.page_shape, seed=rank, device=device)
         want = ref_write_rows(start.cpu(), ref_rows, locs, own, rank)
-        by_torch = start.clone()
-        quantize_write_mla_fp8(by_torch, kv.to(device), locs.to(device), own, rank, layout=layout, backend="torch")
-        assert_same_bytes(by_torch, want, f"torch, rank {rank}")
-
-        spy = _LaunchSpy(_MLA._quantize_write_mla_fp8_kernel)
-        with monkeypatch.context() as m:
-            m.setattr(_MLA, "_quantize_write_mla_fp8_kernel", spy)
-            m.setattr(_MLA, "quantize_write_mla_fp8_torch", _forbidden)
-            m.setattr(_MLA, "quantize_mla_fp8_torch", _forbidden)
-            pool = start.clone()
-            quantize_write_mla_fp8(pool, kv.to(device), locs.to(device), own, rank, layout=layout, backend="triton")
-        assert spy.grids, "the Triton kernel did not launch"
-        assert_same_bytes(pool, want, f"triton, rank {rank}")
+        args = (kv.to(device), locs.to(device), own, rank)
+        _both_backends(monkeypatch, quantize_write_mla_fp8, args, layout, start, want, _MLA,
+                       "_quantize_write_mla_fp8_kernel", ("quantize_write_mla_fp8_torch", "quantize_mla_fp8_torch"))  # fmt: skip
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -127,16 +136,6 @@ def test_triton_indexer_quantize_write_odd_head_dims_vs_reference(device, layout
     for rank in range(3):
         start = _pool(own.num_local_pages(rank), layout.page_shape, seed=rank, device=device)
         want = ref_indexer_write(start.cpu(), k, locs, own, rank, layout)
-        by_torch = start.clone()
-        quantize_write_indexer_fp8(by_torch, k.to(device), locs.to(device), own, rank, layout=layout, backend="torch")
-        assert_same_bytes(by_torch, want, f"torch, rank {rank}")
-
-        spy = _LaunchSpy(_INDEXER._quantize_write_indexer_fp8_kernel)
-        with monkeypatch.context() as m:
-            m.setattr(_INDEXER, "_quantize_write_indexer_fp8_kernel", spy)
-            m.setattr(_INDEXER, "quantize_write_indexer_fp8_torch", _forbidden)
-            m.setattr(_INDEXER, "quantize_indexer_fp8", _forbidden)
-            pool = start.clone()
-            quantize_write_indexer_fp8(pool, k.to(device), locs.to(device), own, rank, layout=layout, backend="triton")
-        assert spy.grids, "the Triton kernel did not launch"
-        assert_same_bytes(pool, want, f"triton, rank {rank}")
+        args = (k.to(device), locs.to(device), own, rank)
+        _both_backends(monkeypatch, quantize_write_indexer_fp8, args, layout, start, want, _INDEXER,
+                       "_quantize_write_indexer_fp8_kernel", ("quantize_write_indexer_fp8_torch", "quantize_indexer_fp8"))  # fmt: skip

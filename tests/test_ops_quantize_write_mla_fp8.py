@@ -89,18 +89,3 @@ def test_unaligned_geometry_falls_back_to_torch():
     if backend_ok("triton", "cpu"):
         with pytest.raises(NotImplementedError, match="divisible by 4"):
             quantize_write_mla_fp8(pool, kv, locs, own, 0, layout=lay, backend="triton")
-
-
-def test_direct_is_the_owner_filter_of_own_rows_and_require_owned_is_gone():
-    """``direct=True`` with rows that all sit on this rank's pages stores what the owner filter stores; the 0.1
-    spelling ``require_owned=`` was removed in 0.2."""
-    own = PageOwnership(2, 4, "interleave")
-    kv, locs = spread_rows(3, SMALL.row_dim, torch.float32), torch.tensor([0, 33, 1])  # pages 0 and 2: rank 0
-    expect = torch.zeros(2, 16, SMALL.row_bytes, dtype=torch.uint8)
-    quantize_write_mla_fp8(expect, kv, locs, own, 0, layout=SMALL)
-    pool = torch.zeros_like(expect)
-    quantize_write_mla_fp8(pool, kv, locs, own, 0, layout=SMALL, direct=True)
-    assert_same_bytes(pool, expect)
-    assert pool.any()
-    with pytest.raises(TypeError, match="require_owned"):
-        quantize_write_mla_fp8(pool, kv, locs, own, 0, layout=SMALL, require_owned=True)

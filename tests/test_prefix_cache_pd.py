@@ -11,14 +11,9 @@ import pytest
 
 from dtkv.model import ModelConfig, ReferenceAdapter
 from dtkv.runtime import Runtime
-from dtkv.transfer import mooncake_available
+from tests._transfer import NEEDS_MOONCAKE
 
-_OK, _WHY = mooncake_available()
-pytestmark = [
-    pytest.mark.mooncake,
-    pytest.mark.multirank,
-    pytest.mark.skipif(not _OK, reason=f"Mooncake transfer engine unavailable: {_WHY}"),
-]
+pytestmark = [*NEEDS_MOONCAKE, pytest.mark.multirank]
 
 SYSTEM = [(7 * i + 3) % 97 for i in range(26)]  # six full pages and two tokens
 QUESTION, OTHER = [5, 1, 4, 1, 5, 9, 2], [2, 7, 1, 8]

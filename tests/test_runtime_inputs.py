@@ -93,8 +93,8 @@ def test_rejects_an_extend_past_the_known_tokens_before_taking_a_page(adapter):
 
 @both
 def test_refuses_a_prompt_that_can_never_fit_the_pool_and_serves_the_others(adapter):
-    """Finding 7: ``DSAModelRunner`` half-prefilled a prompt longer than the pool, kept every page and made every
-    later ``prefill()`` fail, even for new requests."""
+    """Finding 7: a prompt longer than the pool was half-prefilled, kept every page and made every later
+    ``prefill()`` fail, even for new requests."""
     with make_runtime(adapter, num_pages=4) as rt:
         with pytest.raises(ValueError, match="prompt must fit the pool: its 17 tokens need 5 pages of 4 tokens, the "
                                              "pool can hand out 4"):  # fmt: skip

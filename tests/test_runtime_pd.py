@@ -29,15 +29,10 @@ import uuid
 import pytest
 import torch
 
-from dtkv.transfer import mooncake_available
 from tests._multirank import RankGroup
+from tests._transfer import NEEDS_MOONCAKE
 
-_OK, _WHY = mooncake_available()
-pytestmark = [
-    pytest.mark.mooncake,
-    pytest.mark.multirank,
-    pytest.mark.skipif(not _OK, reason=f"Mooncake transfer engine unavailable: {_WHY}"),
-]
+pytestmark = [*NEEDS_MOONCAKE, pytest.mark.multirank]
 
 PROMPT_LENS = (6, 3, 37)  # the long request last: every prefill rank sends a share of it
 STEPS = 4

@@ -17,7 +17,7 @@ from dtkv.split import (
     take_local,
 )
 from dtkv.split._index import expand_blocks, expand_blocks_torch, invert_gather_torch
-from tests.test_split_reference import ref_split
+from tests.test_split_reference import assert_split_matches, ref_split
 
 # awkward batches: sizes 1, primes, prefixes ending mid-page, partial last pages, empty extends, cp > tokens
 CASES = [
@@ -138,25 +138,10 @@ def test_plan_vs_reference(case, mode, page_aligned, page_size, cp):
     prefix, extend = CASES[case]
     split = plan_cp_split(prefix, extend, cp_size=cp, page_size=page_size, mode=mode, page_aligned=page_aligned)
     ref = ref_split(prefix, extend, cp, page_size, mode, page_aligned)
-    assert split.page_aligned.tolist() == ref.aligned
-    assert split.all_page_aligned == all(ref.aligned)
-    if mode == "zigzag":
-        assert split.boundaries.tolist() == ref.boundaries
-    else:
-        assert split.boundaries is None
-    assert split.max_local_tokens == ref.max_local
-    assert split.num_local_tokens == tuple(len(t) for t in ref.local_tokens)
-    assert split.restore_index.tolist() == ref.restore
-    assert split.gather_index.tolist() == ref.gather
+    assert (split.boundaries is None) == (mode != "zigzag")
+    assert_split_matches(split, ref, cp)
     for r in range(cp):
         loc = split.local(r)
-        assert loc.token_index.tolist() == ref.local_tokens[r]
-        assert loc.positions.tolist() == ref.positions[r]
-        assert loc.req_idx.tolist() == ref.req_of[r]
-        assert list(loc.actual_seq_q_prev) == ref.q_prev[r]
-        assert list(loc.actual_seq_q_next) == ref.q_next[r]
-        assert list(loc.kv_len_prev) == ref.kv_prev[r]
-        assert list(loc.kv_len_next) == ref.kv_next[r]
         counts = [a + b for a, b in zip(ref.q_prev[r], ref.q_next[r])]
         assert loc.cu_seqlens_q.tolist() == np.concatenate([[0], np.cumsum(counts)]).tolist()
         assert loc.cu_seqlens_q.dtype == torch.int32

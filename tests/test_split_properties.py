@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dtkv.split import MULTIPLE_COMPUTE_OWNERS, NO_COMPUTE_OWNER, compute_owners, plan_cp_split
-from tests.test_split_reference import ref_slot_ranks, ref_split
+from tests.test_split_reference import assert_split_matches, ref_slot_ranks, ref_split
 
 SETTINGS = settings(max_examples=60, deadline=None)
 
@@ -30,22 +30,20 @@ def _touched(prefix: int, n: int, ps: int) -> int:
     return len({(prefix + o) // ps for o in range(n)})
 
 
+def _split(batch, kind: str):
+    """The split of ``batch`` of a kind ("aligned", "balanced": zigzag with and without page alignment;
+    "round_robin"), and its mode."""
+    prefix, extend, cp, ps = batch
+    mode = "round_robin" if kind == "round_robin" else "zigzag"
+    return plan_cp_split(prefix, extend, cp_size=cp, page_size=ps, mode=mode, page_aligned=kind == "aligned"), mode
+
+
 @SETTINGS
 @given(batches(), st.sampled_from(["aligned", "balanced", "round_robin"]))
 def test_plan_vs_reference(batch, kind):
     prefix, extend, cp, ps = batch
-    mode = "round_robin" if kind == "round_robin" else "zigzag"
-    split = plan_cp_split(prefix, extend, cp_size=cp, page_size=ps, mode=mode, page_aligned=kind == "aligned")
-    ref = ref_split(prefix, extend, cp, ps, mode, kind == "aligned")
-    assert split.page_aligned.tolist() == ref.aligned
-    assert (split.boundaries.tolist() if split.boundaries is not None else None) == ref.boundaries
-    assert split.restore_index.tolist() == ref.restore
-    assert split.gather_index.tolist() == ref.gather
-    for r in range(cp):
-        loc = split.local(r)
-        assert loc.token_index.tolist() == ref.local_tokens[r]
-        assert loc.positions.tolist() == ref.positions[r]
-        assert (list(loc.kv_len_prev), list(loc.kv_len_next)) == (ref.kv_prev[r], ref.kv_next[r])
+    split, mode = _split(batch, kind)
+    assert_split_matches(split, ref_split(prefix, extend, cp, ps, mode, kind == "aligned"), cp)
 
 
 @SETTINGS
@@ -139,8 +137,7 @@ def test_aligned_boundaries_stay_near_balanced(batch):
 def test_compute_owners_vs_reference(batch, kind):
     """Every touched page has exactly one compute owner when aligned; in general owners match per-token truth."""
     prefix, extend, cp, ps = batch
-    mode = "round_robin" if kind == "round_robin" else "zigzag"
-    split = plan_cp_split(prefix, extend, cp_size=cp, page_size=ps, mode=mode, page_aligned=kind == "aligned")
+    split, _ = _split(batch, kind)
     owners = compute_owners(split)
     for i, (p, n) in enumerate(zip(prefix, extend)):
         bounds = split.boundaries[i].tolist() if split.boundaries is not None else None

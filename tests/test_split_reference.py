@@ -111,6 +111,27 @@ def ref_split(
     )
 
 
+def assert_split_matches(split, ref: RefSplit, cp: int) -> None:
+    """A :class:`dtkv.split.CPSplit` agrees with :func:`ref_split`: alignment, boundaries, the gather and restore
+    maps, and every rank's rows (tokens, positions, requests, segment lengths, KV lengths)."""
+    assert split.page_aligned.tolist() == ref.aligned
+    assert split.all_page_aligned == (bool(ref.aligned) and all(ref.aligned))
+    assert (None if split.boundaries is None else split.boundaries.tolist()) == ref.boundaries
+    assert split.max_local_tokens == ref.max_local
+    assert split.num_local_tokens == tuple(len(t) for t in ref.local_tokens)
+    assert split.restore_index.tolist() == ref.restore
+    assert split.gather_index.tolist() == ref.gather
+    for r in range(cp):
+        loc = split.local(r)
+        assert loc.token_index.tolist() == ref.local_tokens[r]
+        assert loc.positions.tolist() == ref.positions[r]
+        assert loc.req_idx.tolist() == ref.req_of[r]
+        assert list(loc.actual_seq_q_prev) == ref.q_prev[r]
+        assert list(loc.actual_seq_q_next) == ref.q_next[r]
+        assert list(loc.kv_len_prev) == ref.kv_prev[r]
+        assert list(loc.kv_len_next) == ref.kv_next[r]
+
+
 def ref_slot_ranks(
     prefix: int, n: int, cp: int, ps: int, bounds: list[int] | None, start: int = 0
 ) -> dict[int, set[int]]:

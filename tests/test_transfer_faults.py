@@ -31,16 +31,9 @@ from dtkv.transfer import (
     PlanOptions,
     PrefillSender,
     TransferError,
-    mooncake_available,
 )
 from dtkv.transfer.messages import Aborted, Ready, SlotOpen
-from tests._transfer import SlowLink, StoreHost, fill, pages, run_bounded, same_pages, shards
-
-_MC, _MC_WHY = mooncake_available()
-needs_mooncake = [
-    pytest.mark.mooncake,
-    pytest.mark.skipif(not _MC, reason=f"Mooncake transfer engine unavailable: {_MC_WHY}"),
-]
+from tests._transfer import NEEDS_MOONCAKE, SlowLink, StoreHost, fill, pages, run_bounded, same_pages, shards
 
 
 def _post_all(receivers, rid, dst, **kw):
@@ -99,7 +92,7 @@ class _SlowMooncake:
 
 @pytest.mark.parametrize("_", [0], ids=["mooncake"])
 class TestAbandonedCalls:
-    pytestmark = needs_mooncake
+    pytestmark = NEEDS_MOONCAKE
 
     def test_late_bytes_never_land_in_pages_of_another_request(self, _):
         """Prefill rank 0's call for A outlives its timeout and writes 2 s later. A fails; its pages must not be
@@ -364,7 +357,7 @@ class TestStoreStalls:
 
 @pytest.mark.parametrize("_", [0], ids=["mooncake"])
 class TestConstruction:
-    pytestmark = needs_mooncake
+    pytestmark = NEEDS_MOONCAKE
 
     def test_failed_construction_unwinds_its_registration(self, _):
         from dtkv.transfer import MooncakeEngine

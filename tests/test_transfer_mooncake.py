@@ -18,14 +18,9 @@ import pytest
 import torch
 
 from dtkv import IndexerFp8Layout, MLAFp8Layout, PageOwnership
-from dtkv.transfer import mooncake_available
+from tests._transfer import NEEDS_MOONCAKE
 
-_OK, _WHY = mooncake_available()
-pytestmark = [
-    pytest.mark.mooncake,
-    pytest.mark.multirank,
-    pytest.mark.skipif(not _OK, reason=f"Mooncake transfer engine unavailable: {_WHY}"),
-]
+pytestmark = [*NEEDS_MOONCAKE, pytest.mark.multirank]
 
 LAYERS = 4
 PAGE_SIZE = 16

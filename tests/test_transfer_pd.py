@@ -9,14 +9,9 @@ import torch
 
 from dtkv.model import ModelConfig, ReferenceAdapter
 from dtkv.runtime import Runtime
-from dtkv.transfer import mooncake_available
+from tests._transfer import NEEDS_MOONCAKE
 
-_OK, _WHY = mooncake_available()
-pytestmark = [
-    pytest.mark.mooncake,
-    pytest.mark.multirank,
-    pytest.mark.skipif(not _OK, reason=f"Mooncake transfer engine unavailable: {_WHY}"),
-]
+pytestmark = [*NEEDS_MOONCAKE, pytest.mark.multirank]
 
 PROMPT_LENS = (101, 47, 6)  # three chunks, one and a partial page, a short request
 CHUNK = 40

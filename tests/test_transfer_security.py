@@ -56,6 +56,17 @@ def _sides(store, *, secret=None, timeout_s=1.0, namespace="ns"):
     return sender, receiver, pre, dec
 
 
+def _posted():
+    """A decode side (connected, over a fresh store) that posted request ``"r"`` into pages 3 and 4: ``(store,
+    receiver, decode shards, the attempt's keys for 2 prefill and 1 decode ranks)``."""
+    store = dist.HashStore()
+    _, receiver, _, dec = _sides(store)
+    receiver.connect(1.0)
+    receiver.post_request("r", [3, 4])
+    req = receiver.bootstrap.try_get("req/r", DstRequest, deadline=float("inf"))
+    return store, receiver, dec, AttemptKeys("r", req.epoch, 2, 1)
+
+
 class TestNoCodeFromTheStore:
     def test_planted_pickle_never_runs_and_names_the_key(self, tmp_path):
         """A pickled object planted under every key a sender reads is refused as malformed, never unpickled."""
@@ -84,12 +95,7 @@ class TestNoCodeFromTheStore:
 
     def test_planted_start_is_refused_by_decode(self, tmp_path):
         marker = tmp_path / "marker"
-        store = dist.HashStore()
-        sender, receiver, _, _ = _sides(store)
-        receiver.connect(1.0)
-        receiver.post_request("r", [3, 4])
-        req = receiver.bootstrap.try_get("req/r", DstRequest, deadline=float("inf"))
-        keys = AttemptKeys("r", req.epoch, 2, 1)
+        store, receiver, _, keys = _posted()
         store.set(f"ns/{keys.start(0)}", pickle.dumps(_Plant(marker)))
         store.add(f"ns/{keys.progress(0)}", STARTED)
         with pytest.raises(TransferError, match=rf"malformed value under key ns/{keys.start(0)}"):
@@ -98,12 +104,7 @@ class TestNoCodeFromTheStore:
 
     def test_rejects_out_of_range_values_from_a_sender(self):
         """A well-formed start whose copies leave decode's staging buffer is refused before any copy runs."""
-        store = dist.HashStore()
-        sender, receiver, _, dec = _sides(store)
-        receiver.connect(1.0)
-        receiver.post_request("r", [3, 4])
-        req = receiver.bootstrap.try_get("req/r", DstRequest, deadline=float("inf"))
-        keys = AttemptKeys("r", req.epoch, 2, 1)
+        store, receiver, dec, keys = _posted()
         from dtkv.transfer import StageCopy
 
         bad = SendStart(

@@ -28,14 +28,9 @@ import pytest
 import torch
 
 from dtkv import PageOwnership
-from dtkv.transfer import mooncake_available
+from tests._transfer import NEEDS_MOONCAKE
 
-_OK, _WHY = mooncake_available()
-pytestmark = [
-    pytest.mark.mooncake,
-    pytest.mark.slow,
-    pytest.mark.skipif(not _OK, reason=f"Mooncake transfer engine unavailable: {_WHY}"),
-]
+pytestmark = [*NEEDS_MOONCAKE, pytest.mark.slow]
 
 NUM_REQUESTS = 500 if os.environ.get("DTKV_TEST_LONG", "0") == "1" else 100
 """Requests of the soak: 100 in CI (about 40 s on 2 cores), 500 with ``DTKV_TEST_LONG=1``."""
