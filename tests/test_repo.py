@@ -227,3 +227,51 @@ def test_the_structure_check_finds_a_back_arrow_a_circle_and_a_room_on_no_floor(
     r = _structure().read(tmp_path, floors)
     assert r["back_arrows"] == ["low (floor 0) -> high (floor 1): dtkv.low line 1 imports dtkv.high"]
     assert r["circles"] == [["dtkv.pkg.a", "dtkv.pkg.b"]] and r["unplaced"] == ["extra"]
+
+
+def _ranges():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ci_ranges", ROOT / ".ci" / "ranges.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ci_tests_every_declared_range_at_both_ends():
+    """``.ci/ranges.py check`` holds (every pinned end inside its range, the oldest at each floor), ``.ci/run``
+    runs both ends, and each end runs the files that touch what differs there: the newest end (transformers,
+    Triton) a transformers test and a Triton op test but no file that touches neither, the oldest (torch) all."""
+    pytest.importorskip("tomllib")  # Python >= 3.11
+    r = _ranges()
+    assert r.check() == 0
+    run = (ROOT / ".ci" / "run").read_text()
+    assert "ranged newest" in run and "ranged oldest" in run and "python .ci/ranges.py check" in run
+    newest, oldest = r.tests("newest"), r.tests("oldest")
+    assert {"tests/test_integration_transformers.py", "tests/test_ops_write_owned.py"} <= set(newest)
+    assert "tests/test_split.py" not in newest and "tests/test_transfer_wire.py" not in newest
+    assert oldest == sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").glob("test_*.py"))
+    oldest_pins = r.pins(ROOT / ".ci" / "constraints-oldest.txt")
+    assert oldest_pins["torch"][0] == "2.11.0" and oldest_pins["triton"][0] == "3.6.0"
+
+
+def test_a_range_end_outside_its_range_is_refused(tmp_path, monkeypatch, capsys):
+    """An oldest pin below a floor (or not at it) and a newest pin past a range's top fail ``check``, naming it."""
+    pytest.importorskip("tomllib")
+    r = _ranges()
+    ci = tmp_path / ".ci"
+    ci.mkdir()
+    (tmp_path / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text())
+    (ci / "constraints.txt").write_text((ROOT / ".ci" / "constraints.txt").read_text())
+    newest = (ROOT / ".ci" / "constraints-newest.txt").read_text()
+    oldest = (ROOT / ".ci" / "constraints-oldest.txt").read_text()
+    monkeypatch.setattr(r, "ROOT", tmp_path)
+    for new, old, want in (
+        (newest.replace("transformers==5.24.0", "transformers==6.0.0"), oldest, "transformers==6.0.0 in"),
+        (newest, oldest.replace("torch==2.11.0", "torch==2.12.0"), "not its floor 2.11"),
+        (newest, oldest.replace("numpy==1.24.4", "numpy==1.23.5"), "numpy==1.23.5 in"),
+    ):
+        (ci / "constraints-newest.txt").write_text(new)
+        (ci / "constraints-oldest.txt").write_text(old)
+        assert r.check() == 1
+        assert want in capsys.readouterr().out
