@@ -18,6 +18,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from tests._long_tail import mark as _mark_long_tail
 from tests._multirank import RankGroup
 
 _MOONCAKE_FIX = (
@@ -46,6 +47,10 @@ def pytest_configure(config):
     config._dtkv_mooncake = (state, detail)
     if state == "broken" and "not mooncake" not in (config.getoption("markexpr", "") or ""):
         raise pytest.UsageError(_MOONCAKE_FIX.format(why=detail))
+
+
+def pytest_collection_modifyitems(config, items):
+    _mark_long_tail(items, list(config.args))  # the quick subset's long tail (tests/_long_tail.py): slow
 
 
 def pytest_report_header(config):

@@ -2,7 +2,8 @@
 :class:`dtkv.PageOwnership`'s own map and on a table-driven e4m3 rounding (no code shared with ``ops/``).
 
 Also the parametrization helpers: ``BACKENDS`` (torch, and Triton where it can run: CUDA, or CPU under
-``TRITON_INTERPRET=1``) and ``DEVICES`` (cpu, and cuda when present); :func:`benchmark` (a script of
+``TRITON_INTERPRET=1``), ``DEVICES`` (cpu, and cuda when present), :func:`covering` (a product of axes whose
+quick subset is a covering cut); :func:`benchmark` (a script of
 ``benchmarks/`` as a module) and :func:`address_check` (its interpreter out-of-bounds check).
 """
 
@@ -49,6 +50,26 @@ def skip_unless(backend: str, device: str) -> None:
 
 
 BACKENDS = ["torch", "triton"]
+
+
+def covering(**axes: dict[str, object]) -> list:
+    """Every combination of ``axes`` (name -> {id: value}) as ``pytest.param``, in the order of ``axes``; those
+    outside a covering subset are marked ``slow``. The quick subset keeps the combinations whose axis indices sum
+    to a multiple of the last axis's length (a Latin-square cut): every value of every axis still occurs, and, for
+    the axes below, every pair of values of any two axes; the full suite runs the whole product."""
+    names = list(axes)
+    cut = len(axes[names[-1]])
+    out = [()]
+    for name in names:
+        out = [(*c, (i, k, v)) for c in out for i, (k, v) in enumerate(axes[name].items())]
+    return [
+        pytest.param(
+            *(v for _, _, v in c),
+            id="-".join(k for _, k, _ in c),
+            marks=() if sum(i for i, _, _ in c) % cut == 0 else pytest.mark.slow,
+        )  # fmt: skip
+        for c in out
+    ]
 
 
 @functools.cache

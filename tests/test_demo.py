@@ -3,6 +3,8 @@ models."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -83,21 +85,13 @@ def test_torchrun_demo_runs_one_job_on_torchruns_group_and_prints_one_json_objec
 
 def test_demo_rejects_arguments_that_do_not_fit_the_run():
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}  # as torchrun sets them
-    out = subprocess.run(
-        [sys.executable, "-m", "dtkv.demo", "--cp", "3"], capture_output=True, text=True, timeout=60, env=env
-    )
+    out = _usage("--cp", "3", env=env)
     assert out.returncode == 2 and "--cp must equal torchrun's WORLD_SIZE=2 (or be left out), got --cp 3" in out.stderr
-    out = subprocess.run(
-        [sys.executable, "-m", "dtkv.demo", "--kv-dtype", "fp32"], capture_output=True, text=True, timeout=60
-    )
+    out = _usage("--kv-dtype", "fp32")
     assert out.returncode == 2 and "--kv-dtype fp32 and --dtype are for transformers models" in out.stderr
-    out = subprocess.run(
-        [sys.executable, "-m", "dtkv.demo", "--decode-cp", "3"], capture_output=True, text=True, timeout=60
-    )
+    out = _usage("--decode-cp", "3")
     assert out.returncode == 2 and "--decode-cp is the size of --pd's decode group: add --pd" in out.stderr
-    out = subprocess.run(
-        [sys.executable, "-m", "dtkv.demo", "--model", "no/such/dir"], capture_output=True, text=True, timeout=60
-    )
+    out = _usage("--model", "no/such/dir")
     assert (
         out.returncode == 2
         and "--model must be one of ['reference', 'deepseek-v32', 'glm5'] or a checkpoint" in out.stderr
@@ -197,7 +191,7 @@ def test_demo_help_names_every_default_and_unit():
     assert len(valued) == 19
     for a in valued:
         assert "(default: " in a.help, a.option_strings
-    out = subprocess.run([sys.executable, "-m", "dtkv.demo", "--help"], capture_output=True, text=True, timeout=60)
+    out = _usage("--help")
     text = " ".join(out.stdout.split())
     assert out.returncode == 0 and "tokens per KV page (default: 16)" in text and "(default: 300 s)" in text
 
@@ -306,6 +300,33 @@ def _demo(*args: str, env: dict | None = None, cwd=None, timeout: int = 120) -> 
                           timeout=timeout, env=env, cwd=cwd, check=False)  # fmt: skip
 
 
+def _usage(*args: str, env: dict | None = None, cwd=None, main=None) -> subprocess.CompletedProcess:
+    """``python -m dtkv.demo ARGS`` (or ``main(ARGS)``) in this process, for runs its argument rules stop before
+    anything starts (a usage error, ``--help``): exit code, stdout and stderr, with ``env`` as the environment and
+    ``cwd`` as the directory meanwhile. ``test_demo_rejects_bad_arguments`` runs the command in a process of its own."""
+    from dtkv.demo import main as demo_main
+
+    main = main or demo_main
+    out, err = io.StringIO(), io.StringIO()
+    saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    try:
+        if env is not None:
+            os.environ.clear()
+            os.environ.update(env)
+        if cwd is not None:
+            os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as e:  # argparse's own errors and --help
+                code = e.code
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        os.chdir(saved_cwd)
+    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
+
+
 def _one_usage_line(out: subprocess.CompletedProcess) -> str:
     """A usage error: exit code 2, nothing on stdout, one ``error:`` line on stderr and no traceback."""
     assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
@@ -318,7 +339,7 @@ def _one_usage_line(out: subprocess.CompletedProcess) -> str:
 @pytest.mark.parametrize("value", ["-1", "0", "nan", "inf"])
 def test_demo_refuses_a_timeout_that_is_not_positive_and_finite(value):
     """``--timeout -1`` / ``nan`` started the ranks, killed them at once and exited 1 (the mismatch code)."""
-    line = _one_usage_line(_demo("--timeout", value))
+    line = _one_usage_line(_usage("--timeout", value))
     assert "--timeout must be a positive, finite number of seconds" in line and value in line
 
 
@@ -339,7 +360,7 @@ def test_demo_refuses_a_directory_that_is_not_a_dsa_checkpoint(tmp_path, pd):
     naming config.json; with ``--pd`` it died with an uncaught FileNotFoundError / KeyError, without it each
     rank printed a traceback and the run exited 1."""
     for name, d in _checkpoint_dirs(tmp_path).items():
-        line = _one_usage_line(_demo("--model", str(d), *(["--pd"] if pd else [])))
+        line = _one_usage_line(_usage("--model", str(d), *(["--pd"] if pd else [])))
         assert "config.json" in line, (name, line)
         want = {"no_config": "without config.json", "no_vocab": "vocab_size", "a_list": "JSON object, got a list",
                 "not_json": "not a readable JSON file", "llama": "model_type='llama'"}[name]  # fmt: skip
@@ -387,7 +408,7 @@ def test_a_rule_every_rank_meets_is_one_usage_error_not_a_failure_per_rank(capsy
 def test_a_usage_error_under_torchrun_prints_on_rank_0_only():
     for rank, printed in (("0", True), ("1", False)):
         env = {**os.environ, "RANK": rank, "WORLD_SIZE": "2", "LOCAL_RANK": rank}
-        out = _demo("--cp", "3", env=env)
+        out = _usage("--cp", "3", env=env)
         assert out.returncode == 2 and ("error: --cp must equal" in out.stderr) == printed, out.stderr
 
 
@@ -410,7 +431,7 @@ def test_model_names_as_people_type_them_and_a_checkpoint_directory_of_that_name
     assert "loading the checkpoint directory" in args["model_note"] and "not the built-in glm5" in args["model_note"]
     (tmp_path / "glm5" / "config.json").write_text('{"model_type": "llama", "vocab_size": 256}')
     assert "model_type='llama'" in parse(["--model", "glm5"])[1]
-    out = _demo("--model", "glm5", "--tokens", "x", cwd=tmp_path)  # argparse's own errors keep exit code 2
+    out = _usage("--model", "glm5", "--tokens", "x", cwd=tmp_path)  # argparse's own errors keep exit code 2
     assert out.returncode == 2
 
 
@@ -423,9 +444,11 @@ def test_the_demo_knows_every_checkpoint_model_type_the_integration_loads():
 
 
 def test_dtkv_demo_names_itself_in_help_and_usage_errors():
-    out = subprocess.run([sys.executable, "-m", "dtkv", "demo", "--help"], capture_output=True, text=True, timeout=60)
+    from dtkv.__main__ import main
+
+    out = _usage("demo", "--help", main=main)
     assert out.returncode == 0 and out.stdout.startswith("usage: dtkv demo ")
-    out = subprocess.run([sys.executable, "-m", "dtkv", "demo", "--nope"], capture_output=True, text=True, timeout=60)
+    out = _usage("demo", "--nope", main=main)
     assert out.returncode == 2 and "usage: dtkv demo " in out.stderr
 
 

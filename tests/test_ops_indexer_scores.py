@@ -34,7 +34,7 @@ from dtkv.ops.indexer_scores import (
     launch_config,
     use_launch,
 )
-from tests.ops_reference import BACKENDS, skip_unless
+from tests.ops_reference import BACKENDS, covering, skip_unless
 
 _mod = sys.modules["dtkv.ops.indexer_scores"]  # the package's attribute of that name is the function
 
@@ -136,10 +136,18 @@ def assert_same_selection(want: torch.Tensor, got: torch.Tensor) -> None:
         assert rel < 1e-5, rel
 
 
-@pytest.mark.parametrize("sms", [132, 1], ids=["one_page_per_program", "pages_per_program"])
-@pytest.mark.parametrize("q_fp8", [False, True], ids=["bf16_q", "fp8_q"])
-@pytest.mark.parametrize("geom", GEOMS, ids=lambda g: "n{}_i{}_j{}_s{}_p{}_l{}".format(*g))
-@pytest.mark.parametrize("launch", list(LAUNCHES), ids=str)
+_GEOM_IDS = {"n{}_i{}_j{}_s{}_p{}_l{}".format(*g): g for g in GEOMS}
+
+
+@pytest.mark.parametrize(
+    ("launch", "geom", "q_fp8", "sms"),
+    covering(
+        launch={k: k for k in LAUNCHES},
+        geom=_GEOM_IDS,
+        q_fp8={"bf16_q": False, "fp8_q": True},
+        sms={"one_page_per_program": 132, "pages_per_program": 1},
+    ),
+)
 def test_triton_vs_reference(monkeypatch, launch, geom, q_fp8, sms):
     """Every launch, one page per program (the grid's target over 132 SMs exceeds the pages) and many (one SM: the
     pipelined loop, the second page of a pair past a program's end). Pools of 144, 260, 1088 and 1056-byte pages:
@@ -361,10 +369,15 @@ def _height_ordered_matmul(a, b, dtype=None, **kwargs):
     return acc
 
 
-@pytest.mark.parametrize("matmul", ["numpy", "height_ordered"])
-@pytest.mark.parametrize("q_fp8", [False, True], ids=["bf16_q", "fp8_q"])
-@pytest.mark.parametrize("sms", [1, 3, 132])
-@pytest.mark.parametrize("launch", list(LAUNCHES), ids=str)
+@pytest.mark.parametrize(
+    ("launch", "q_fp8", "matmul", "sms"),
+    covering(
+        launch={k: k for k in LAUNCHES},
+        q_fp8={"bf16_q": False, "fp8_q": True},
+        matmul={"numpy": "numpy", "height_ordered": "height_ordered"},
+        sms={"1": 1, "3": 3, "132": 132},
+    ),
+)
 def test_triton_any_launch_gives_the_same_keys(monkeypatch, launch, sms, q_fp8, matmul):
     """Every launch and grid gives the default launch's bits (here, under the interpreter): a key is scored in one
     order of operations wherever it lands (tiles of 16 to 64 rows here). The interpreter's dot does not go through

@@ -35,6 +35,7 @@ from tests.ops_reference import (
     address_check,
     assert_same_bytes,
     backend_ok,
+    covering,
     ref_indexer_write,
     ref_mla_row,
     ref_remap,
@@ -141,9 +142,15 @@ def _chunk_locs(own: PageOwnership, ps: int, order: str, seed: int) -> torch.Ten
     return locs
 
 
-@pytest.mark.parametrize("cfg", _ids("write_owned"))
-@pytest.mark.parametrize("geometry,kind", FILTER_CASES)
-def test_owner_filter_variants_vs_reference(cfg, geometry, kind):
+@pytest.mark.parametrize(
+    ("cfg", "case"),
+    covering(
+        cfg={p.id: p.values[0] for p in _ids("write_owned")},
+        case={p.id: p.values for p in FILTER_CASES},
+    ),
+)
+def test_owner_filter_variants_vs_reference(cfg, case):
+    geometry, kind = case
     (cp, num_pages, scheme, ps, order), (dtype, dim) = GEOMETRIES[geometry], ROW_KINDS[kind]
     own = PageOwnership(cp, num_pages, scheme)
     locs = _chunk_locs(own, ps, order, seed=num_pages)
