@@ -22,6 +22,11 @@ Per scenario, one verified warm-up and ``--reps`` timed repetitions, each timing
 The warm-up of every scenario is verified: decode hashes its pages in position order and compares with
 the prefill side's hash of the same logical pages.
 
+``--device cuda`` (or ``cpu``) measures the hand-off of pools on a device instead (``HandoffSender`` /
+``HandoffReceiver``: CUDA pools through pinned host memory on Mooncake's non-cuda wheel) against a device-to-device
+copy of the same bytes, into ``<out>/transfer_<hw>_<date>.jsonl`` (``benchmarks/_transfer_device.py``; ``--smoke``
+for a small CPU check, ``--stage always`` to force the host window where the engine could register the pools).
+
 ``--protocol`` measures the protocol's own cost instead: one-page requests on the in-process
 :class:`dtkv.transfer.LocalEngine`, one thread doing post -> send -> wait, over an in-process ``HashStore`` and over
 a loopback ``TCPStore`` (one client per side and rank, as deployed). Per request it reports the fastest, median and
@@ -429,9 +434,39 @@ def main() -> None:
         "--only", default=None, help="run the scenarios whose name and staging contain this text (default: all)"
     )
     p.add_argument("--protocol", action="store_true", help="measure the protocol's per-request cost instead")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default=None,
+        help="measure the hand-off of pools on this device against a device-to-device copy (default: the host "
+        "scenarios above)",
+    )
+    p.add_argument(
+        "--stage",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help="--device: the host window where the engine cannot register the pools (auto), always, or never",
+    )
+    p.add_argument("--small-rounds", type=int, default=64, help="--device: round_pages of the many-rounds row (64)")
+    p.add_argument("--smoke", action="store_true", help="--device: two small scenarios, no probe (a quick check)")
+    p.add_argument("--out-dir", default=None, help="--device: where the results go (default $OUT or results/)")
     p.add_argument("--protocol-requests", type=int, default=100, help="timed requests per --protocol row (default 100)")
     args = p.parse_args()
     setup_cli_logging()
+    if args.device is not None:
+        from _transfer_device import run_device
+
+        if args.smoke:
+            args.tokens, args.layers, args.reps = min(args.tokens, 4096), min(args.layers, 2), min(args.reps, 2)
+            args.small_rounds = min(args.small_rounds, 16)  # several rounds through the two slots
+        with phase(f"hand-off of {args.device} pools, {args.tokens} tokens x {args.layers} layers, {args.reps} reps"):
+            rows = run_device(args, LAYOUTS, PAGE_SIZE)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        if not all(r.get("verified", True) for r in rows):
+            raise SystemExit("a hand-off arrived with other bytes (see the rows)")
+        return
     if args.protocol:
         print(f"# {datetime.date.today()} | {platform.node()} | {os.cpu_count()} cores | torch {torch.__version__}")
         print(PROTOCOL_HEADER)

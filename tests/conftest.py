@@ -1,5 +1,10 @@
 """Shared fixtures: long-lived gloo rank groups of sizes 2, 3 and 4 (one per test session).
 
+Also the ``gpu`` marker: every test that needs a CUDA device carries it (``pytest.mark.gpu``; a device
+parametrization marks its ``cuda`` case, as ``tests/ops_reference.DEVICES`` does), and without CUDA each such test
+is skipped here with one reason. ``python -m pytest -m gpu`` on a GPU machine runs exactly the GPU cases;
+``tests/test_gpu_marker.py`` keeps the suite from saying "needs CUDA" any other way.
+
 Also the Mooncake check: when the ``mooncake`` extra is installed but its engine cannot load (Debian's
 ``libibverbs1`` missing, typically), the run stops at once saying how to fix it, instead of skipping the PD
 tests among the CUDA skips. To accept that on purpose: ``DTKV_TEST_NO_MOONCAKE=1`` (the Mooncake tests then skip,
@@ -49,8 +54,17 @@ def pytest_configure(config):
         raise pytest.UsageError(_MOONCAKE_FIX.format(why=detail))
 
 
+GPU_SKIP_REASON = "needs a CUDA device (the gpu marker: python -m pytest -m gpu on a GPU machine)"
+
+
 def pytest_collection_modifyitems(config, items):
     _mark_long_tail(items, list(config.args))  # the quick subset's long tail (tests/_long_tail.py): slow
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason=GPU_SKIP_REASON)
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
 
 
 def pytest_report_header(config):

@@ -30,11 +30,10 @@ except ImportError:  # pragma: no cover
     _HAS_TRITON = False
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-_CUDA = torch.cuda.is_available()
 
 DEVICES = [
     pytest.param("cpu", id="cpu"),
-    pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(not _CUDA, reason="no CUDA device")),
+    pytest.param("cuda", id="cuda", marks=pytest.mark.gpu),
 ]
 
 

@@ -31,9 +31,8 @@ from dtkv import MLAFp8Layout, MLALatentLayout, PageOwnership
 from dtkv.attention import AttentionSpec, availability, owned_page_map, resolve_attention
 from tests._runtime import reference_runtime
 
-CUDA = torch.cuda.is_available()
-WHY = "no CUDA device" if not CUDA else availability("flashmla", "cuda")
-pytestmark = pytest.mark.skipif(bool(WHY), reason=f"needs CUDA and FlashMLA: {WHY}")
+WHY = availability("flashmla", "cuda") if torch.cuda.is_available() else ""  # without CUDA: the gpu marker skips
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(bool(WHY), reason=f"needs FlashMLA: {WHY}")]
 
 H, TOPK = 128, 256
 SCALE = 576**-0.5

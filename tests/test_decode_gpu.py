@@ -28,7 +28,7 @@ from dtkv.kvio import random_pages
 from dtkv.ops import indexer_scores
 from dtkv.ops.indexer_scores import DEFAULT_LAUNCH, LAUNCH_TABLE, IndexerLaunch, use_launch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.gpu
 
 PS, TOPK, HEADS, IHEADS = 64, 2048, 128, 64
 

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._torchrun import loopback_env, torchrun
+
 
 @pytest.mark.multirank
 def test_default_demo_json_reports_parity_and_one_cpth_bytes():
@@ -66,8 +68,7 @@ def _json_objects(stdout: str) -> list[dict]:
 
 
 def _torchrun(nproc: int, *demo_args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-            "-m", "dtkv.demo", *demo_args]  # fmt: skip
+    return torchrun(nproc, *demo_args, module="dtkv.demo")  # the rendezvous on loopback: tests/_torchrun.py
 
 
 @pytest.mark.multirank
@@ -75,7 +76,9 @@ def test_torchrun_demo_runs_one_job_on_torchruns_group_and_prints_one_json_objec
     """``torchrun --nproc-per-node 2 -m dtkv.demo --json``: one 2-rank job, exactly one JSON object, from rank 0.
 
     (Before, every torchrun process started its own 2-rank demo and printed its own object.)"""
-    out = subprocess.run(_torchrun(2, "--json"), capture_output=True, text=True, timeout=600, check=False)
+    out = subprocess.run(
+        _torchrun(2, "--json"), capture_output=True, text=True, timeout=600, check=False, env=loopback_env()
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     objs = _json_objects(out.stdout)
     assert len(objs) == 1 and len(out.stdout.strip().splitlines()) == 1, out.stdout
@@ -124,7 +127,9 @@ def test_torchrun_demo_of_a_transformers_model_hands_off_to_decode_over_mooncake
     pytest.importorskip("mooncake.engine", reason="the Mooncake transfer engine (non-cuda wheel + libibverbs1)")
     args = ("--model", "deepseek-v32", "--tokens", "200", "--chunk", "64", "--pd", "--decode-cp", "3", "--decode",
             "sharded", "--json")  # fmt: skip
-    out = subprocess.run(_torchrun(2, *args), capture_output=True, text=True, timeout=600, check=False)
+    out = subprocess.run(
+        _torchrun(2, *args), capture_output=True, text=True, timeout=600, check=False, env=loopback_env()
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     objs = _json_objects(out.stdout)
     assert len(objs) == 1, out.stdout
@@ -139,7 +144,9 @@ def test_torchrun_demo_of_a_transformers_model_with_the_prefix_cache_and_sharded
     pytest.importorskip("transformers", reason="the hf extra (transformers==5.17.0)")
     args = ("--model", "glm5", "--multi-turn", "--decode", "sharded", "--turns", "2", "--shared-requests", "2",
             "--tokens", "96", "--chunk", "32", "--page-size", "4", "--json")  # fmt: skip
-    out = subprocess.run(_torchrun(3, *args), capture_output=True, text=True, timeout=900, check=False)
+    out = subprocess.run(
+        _torchrun(3, *args), capture_output=True, text=True, timeout=900, check=False, env=loopback_env()
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     objs = _json_objects(out.stdout)
     assert len(objs) == 1, out.stdout

@@ -114,7 +114,7 @@ def test_single_mode_is_deterministic_and_rejects_bad_prompts():
         reference_runtime(cfg, mode="sharded_direct", split="round_robin", num_pages=8)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
 def test_cuda_engine_matches_cpu(kv_dtype):
     """On CUDA the ops run their Triton kernels; float64 math on another device may differ in the last bits, so

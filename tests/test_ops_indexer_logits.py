@@ -379,7 +379,7 @@ def test_kernel_builds_for_sm90_with_wgmma_and_no_spills(tmp_path):
     assert first["registers"] <= 168 and first["smem"] <= 64 * 1024, first
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 @pytest.mark.parametrize("launch", ["default", "keys_q1_k16", "queries_q1_k64"])
 def test_cuda_kernel_vs_reference(launch):
     """On a GPU, DeepSeek-V3.2's geometry (64 heads x 128 dims, pages of 64) with a causal chunk: masks equal, logits

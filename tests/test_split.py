@@ -211,7 +211,7 @@ def test_device_paths_match_host_paths():
     assert invert_gather_torch(split.gather_index, *args).equal(split.restore_index)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("mode,page_aligned", [("zigzag", True), ("zigzag", False), ("round_robin", True)])
 def test_cuda_split_matches_cpu(mode, page_aligned):
     prefix, extend = CASES[3]

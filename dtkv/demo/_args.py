@@ -99,6 +99,14 @@ def parser(description: str = "", prog: str = "python -m dtkv.demo") -> argparse
         help="with --pd: ranks of the decode group, which decodes on its own shards (default: 1, one process)",
     )
     a(
+        "--decode-device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="with --pd: where the decode group runs; cuda puts decode rank d on GPU d mod the GPU count (one GPU "
+        "may serve prefill and decode; NCCL among decode ranks needs --decode-cp distinct GPUs); auto: cuda when "
+        "--device is cuda and there are --decode-cp GPUs, else cpu (default: auto)",
+    )
+    a(
         "--multi-turn",
         action="store_true",
         help="a conversation and requests sharing its system prompt, with and without the prefix cache",
@@ -196,6 +204,11 @@ def parse(argv: list[str] | None, description: str = "", prog: str = "python -m 
                 return args, f"--{name.replace('_', '-')} must be >= 1, got {value}"
         if args["pd"]:
             return args, "--multi-turn and --pd are separate runs (the cached conversation stays in one group)"
+    if args["decode_device"] != "auto" and not args["pd"]:
+        return (
+            args,
+            f"--decode-device is where --pd's decode group runs: add --pd, got --decode-device {args['decode_device']}",
+        )
     if args["decode_cp"] != 1 and not args["pd"]:
         return args, f"--decode-cp is the size of --pd's decode group: add --pd, got --decode-cp {args['decode_cp']}"
     reference = args["model"] == "reference"

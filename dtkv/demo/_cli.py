@@ -33,9 +33,20 @@ def _usage_error(msg: str, *, printing: bool = True) -> int:
     return 2
 
 
+def _decode_device(args: dict) -> str:
+    """Where ``--pd``'s decode group runs: ``--decode-device``, with ``auto`` resolved (``cuda`` when the prefill
+    runs on CUDA and there is a GPU per decode rank, else ``cpu``)."""
+    import torch
+
+    if args["decode_device"] != "auto":
+        return args["decode_device"]
+    cuda = args["device"] == "cuda" and torch.cuda.is_available()
+    return "cuda" if cuda and torch.cuda.device_count() >= int(args["decode_cp"] or 1) else "cpu"
+
+
 def _device_error(args: dict, want: int) -> str | None:
-    """Why this machine cannot run ``args`` (``--device cuda`` without the GPUs, an ``--attention`` backend
-    unavailable on the device or, with ``--pd``, on the decode group's CPU processes), or ``None``."""
+    """Why this machine cannot run ``args`` (``--device cuda`` or ``--decode-device cuda`` without the GPUs, an
+    ``--attention`` backend unavailable on the device or, with ``--pd``, on the decode group's), or ``None``."""
     import torch
 
     from dtkv.attention import availability
@@ -49,8 +60,19 @@ def _device_error(args: dict, want: int) -> str | None:
     why = availability(name, args["device"])
     if why:
         return f"--attention {name} is not available on {args['device']}: {why}"
-    if args["pd"] and availability(name, "cpu"):
-        return f"--pd decodes in CPU processes, where --attention {name} is not available: {availability(name, 'cpu')}"
+    if not args["pd"]:
+        return None
+    where = args.get("decode_device", "cpu")
+    if where == "cuda":
+        m = int(args["decode_cp"] or 1)
+        if not torch.cuda.is_available():
+            return f"--decode-device cuda needs a CUDA device, and torch {torch.__version__} sees none"
+        if torch.cuda.device_count() < m:
+            return (f"--decode-device cuda puts each decode rank on a GPU of its own (NCCL): --decode-cp {m} needs "
+                    f"{m} visible GPU(s), got {torch.cuda.device_count()}")  # fmt: skip
+    why = availability(name, where)
+    if why:
+        return f"--pd decodes in {where.upper()} processes, where --attention {name} is not available: {why}"
     return None
 
 
@@ -77,6 +99,8 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m dtkv.demo") ->
     want = env[2] + 1 if env is not None else args["cp"]
     if args["device"] == "auto":
         args["device"] = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= want else "cpu"
+    if args["pd"]:
+        args["decode_device"] = _decode_device(args)
     error = _device_error(args, want)
     if error:
         return _usage_error(error, printing=first)
@@ -90,7 +114,7 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m dtkv.demo") ->
         if pd is not None:
             args.update(pd.rank_args)
         t0 = time.perf_counter()
-        results = spawn(args)
+        results = spawn(args, watch=pd.failure if pd is not None else None)
         wall = time.perf_counter() - t0
     return _report(args, results, wall, pd, printing=rank == 0)  # one job, one report: rank 0 prints
 
@@ -107,13 +131,16 @@ def _report(args: dict, results: list[dict], wall: float, pd, *, printing: bool)
     errors = [r for r in results if "error" in r]
     if errors:
         usage = [e for e in errors if e.get("usage")]
+        decode_errors = []
         if pd is not None:
-            pd.result(timeout_s=5.0)
+            decode_errors = [g for g in pd.result(timeout_s=5.0) if "error" in g and g["rank"] >= 0]
         if usage:  # every rank stopped at the same rule: one line, as a parse-time usage error
             return _usage_error(usage[0]["error"].splitlines()[0], printing=printing)
         if printing:
             for e in errors:
                 print(f"rank {e['rank']} failed: {e['error']}", file=sys.stderr)
+            for g in decode_errors:  # the decode group's own failure, which the prefill ranks may only have waited on
+                print(f"decode rank {g['rank']} failed: {g['error']}", file=sys.stderr)
             if args["json"]:
                 print(json.dumps({"parity": False, "cp": args["cp"], "error": errors[0]["error"].splitlines()[0]}))
         return 1

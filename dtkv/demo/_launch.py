@@ -66,11 +66,18 @@ def _worker(rank: int, world: int, args: dict, init_file: str, out) -> None:
         out.put(rank_error(rank, e))
 
 
-def spawn(args: dict) -> list[dict]:
-    """Run ``args["cp"]`` ranks as spawned processes; every rank's result (or error), in rank order."""
+def spawn(args: dict, watch=None) -> list[dict]:
+    """Run ``args["cp"]`` ranks as spawned processes; every rank's result (or error), in rank order.
+
+    The ranks are given up on after ``--timeout`` seconds; they learn that deadline (``args["deadline_unix"]``) so
+    that their own bounded waits end, and report, before it. ``watch()`` (``--pd``: the decode group's
+    :meth:`dtkv.demo._pd.DecodeGroup.failure`) is polled meanwhile: once it names a failure the ranks, which could
+    only wait for a decode group that is gone, are stopped at once and the failure is their result.
+    """
     import multiprocessing as mp
 
     world = args["cp"]
+    args = {**args, "deadline_unix": time.time() + args["timeout"]}
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     fd, init_file = tempfile.mkstemp(prefix="dtkv_demo_")
@@ -82,18 +89,23 @@ def spawn(args: dict) -> list[dict]:
         for p in procs:
             p.start()
     got: list[dict] = []
-    deadline = time.time() + args["timeout"]
+    deadline = args["deadline_unix"]
     while len(got) < world and time.time() < deadline:
         try:
             got.append(results.get(timeout=1.0))
         except queue_mod.Empty:
             if any(p.exitcode not in (None, 0) for p in procs):
                 break
+        failed = watch() if watch is not None else None
+        if failed and len(got) < world:
+            got.append({"rank": -1, "error": f"the decode group failed, so the prefill ranks were stopped: {failed}"})
+            break
     for p in procs:
-        p.join(timeout=10)
+        p.join(timeout=0 if any(g["rank"] == -1 for g in got) else 10)
         if p.is_alive():
             p.kill()
-    if len(got) < world:
+            p.join(timeout=10)
+    if len(got) < world and not any(g["rank"] == -1 for g in got):
         got.append({"rank": -1, "error": f"only {len(got)} of {world} ranks reported within {args['timeout']} s"})
     return sorted(got, key=lambda r: r["rank"])
 

@@ -1,14 +1,21 @@
-"""``--pd``: the decode group (``--decode-cp M`` processes, gloo among themselves) and the prefill ranks' send.
+"""``--pd``: the decode group (``--decode-cp M`` processes) and the prefill ranks' send.
 
 :func:`start_decode_group` hosts the rendezvous store on 127.0.0.1 and spawns the decode ranks: each loads the same
-model (same seed, or the same checkpoint), builds a runtime over ``PageOwnership(M, ...)`` (one process: a whole
-pool), receives every request into its own pages over Mooncake (:func:`dtkv.runtime.pd.receive_prefilled`) and
-decodes (``--decode``). :func:`send_from_rank` runs in each prefill rank after prefill. :meth:`DecodeGroup.finish`
-collects the decode ranks' answers and checks them against the prefill ranks' (``pd`` check).
+model (same seed, or the same checkpoint) on ``--decode-device`` (CPU, gloo among the ranks; or decode rank ``d`` on
+GPU ``d`` mod the GPU count, NCCL among them: one GPU may serve prefill and decode), builds a runtime over
+``PageOwnership(M, ...)`` (one process: a whole pool), receives every request into its own pages over Mooncake
+(:func:`dtkv.runtime.pd.receive_prefilled`) and decodes (``--decode``). :func:`send_from_rank` runs in each prefill
+rank after prefill. Both sides hand over through :class:`dtkv.transfer.HandoffSender` /
+:class:`dtkv.transfer.HandoffReceiver`: a pool in GPU memory that the engine cannot register (Mooncake's non-cuda
+wheel) goes through a bounded pinned host window, in rounds both sides size alike (:func:`handoff_shard`).
+:meth:`DecodeGroup.finish` collects the decode ranks' answers and checks them against the prefill ranks' (``pd``
+check); a decode rank that fails logs it at once and :meth:`DecodeGroup.failure` lets the parent stop the prefill
+ranks waiting on it.
 """
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import queue as queue_mod
@@ -21,7 +28,37 @@ from typing import Any
 from dtkv._log import progress, setup_cli_logging
 from dtkv.demo import _verdict as verdict
 
-__all__ = ["DecodeGroup", "send_from_rank", "start_decode_group"]
+__all__ = ["DecodeGroup", "handoff_shard", "send_from_rank", "start_decode_group", "transfer_timeout"]
+
+logger = logging.getLogger("dtkv.demo")
+
+_REPORT_MARGIN_S = 5.0
+"""Seconds a rank keeps, before the parent's deadline, to report its own error."""
+
+
+def transfer_timeout(args: dict) -> float:
+    """The bound of a rank's hand-off waits: ``--timeout``, cut to end before the parent gives the ranks up
+    (``args["deadline_unix"]``, set by :func:`dtkv.demo._launch.spawn`) so that the rank's own error is reported."""
+    timeout = float(args.get("timeout", 300.0))
+    deadline = args.get("deadline_unix")
+    if deadline is not None:
+        timeout = min(timeout, max(1.0, deadline - time.time() - _REPORT_MARGIN_S))
+    return timeout
+
+
+def handoff_shard(runtime, prompts: list[list[int]]):
+    """``(this rank's KVShard over runtime.pool, round_pages)`` for the hand-off of ``prompts``: no staging buffer
+    where the pool goes through the host window (a GPU pool on a host-only engine), and rounds of
+    ``min(default_round_pages, the largest prompt's pages)``, which both sides compute alike."""
+    from dtkv._util import cdiv
+    from dtkv.runtime.pd import request_bytes, shard_for
+    from dtkv.transfer import default_round_pages, needs_host_staging
+
+    lens = [len(p) for p in prompts]
+    staged = needs_host_staging(runtime.pool.buffer(name) for name in runtime.pool.layouts)
+    shard = shard_for(runtime, staging_bytes=0 if staged else request_bytes(runtime, lens))
+    most = max((cdiv(n, runtime.page_size) for n in lens), default=1)
+    return shard, max(1, min(default_round_pages(shard.layouts, shard.num_layers), most))
 
 
 def send_from_rank(runtime, args: dict, requests=None) -> dict:
@@ -31,24 +68,28 @@ def send_from_rank(runtime, args: dict, requests=None) -> dict:
     Returns ``pd_entries``, ``pd_min_entries``, ``pd_calls``, ``pd_bytes`` (this rank's) and ``pd_kv_digest`` (the
     requests' stored prompt KV, what the decode group must hold).
     """
-    from dtkv.runtime.pd import kv_digest, request_bytes, send_prefilled, shard_for
-    from dtkv.transfer import Bootstrap, PrefillSender, create_store
+    from dtkv.runtime.pd import kv_digest, send_prefilled
+    from dtkv.transfer import Bootstrap, HandoffSender, create_store
 
     reqs = [r for r in runtime.requests if not r.finished] if requests is None else list(requests)
     prompts = [r.prompt for r in reqs]
     digest = kv_digest([runtime.kv_bytes(r.rid) for r in reqs], [len(p) for p in prompts])
-    store = create_store(port=args["pd_port"], is_master=False, timeout_s=args.get("timeout", 300.0))
-    shard = shard_for(runtime, staging_bytes=request_bytes(runtime, [len(p) for p in prompts]))
-    sender = PrefillSender(shard, Bootstrap(store, namespace=args["pd_namespace"]), timeout_s=args.get("timeout"))
+    timeout = transfer_timeout(args)
+    store = create_store(port=args["pd_port"], is_master=False, timeout_s=timeout)
+    shard, round_pages = handoff_shard(runtime, prompts)
+    sender = HandoffSender(shard, Bootstrap(store, namespace=args["pd_namespace"]), timeout_s=timeout,
+                           round_pages=round_pages)  # fmt: skip
+    progress("transfer: %d requests to the decode group, %s, every wait bounded by %.0f s", len(reqs),
+             "through pinned host memory" if sender.staged else "in place", timeout, all_ranks=True)  # fmt: skip
     t0 = time.perf_counter()
     try:
         sender.connect()
-        reports = send_prefilled(runtime, sender, requests=reqs)
+        reports = send_prefilled(runtime, sender, requests=reqs)  # type: ignore[arg-type]  # same surface
     finally:
         sender.close()
-    sent = sum(r.num_bytes for r in reports)
-    progress("transfer: %d requests, %.1f KiB sent by this rank in %.2f s", len(reports), sent / 1024,
-             time.perf_counter() - t0, all_ranks=True)  # fmt: skip
+    sent, dt = sum(r.num_bytes for r in reports), time.perf_counter() - t0
+    progress("transfer: %d requests, %.1f KiB sent by this rank in %.2f s (%.3f GB/s)", len(reports), sent / 1024,
+             dt, sent / max(dt, 1e-9) / 1e9, all_ranks=True)  # fmt: skip
     return {
         "pd_entries": sum(r.num_entries for r in reports),
         "pd_min_entries": sum(r.min_entries for r in reports),
@@ -64,12 +105,13 @@ def _decode_rank(rank: int, world: int, args: dict, prompts: list[list[int]], po
 
     from dtkv.demo._models import load
     from dtkv.runtime import Runtime, num_pages_for
-    from dtkv.runtime.pd import kv_digest, receive_prefilled, request_bytes, shard_for
-    from dtkv.transfer import Bootstrap, DecodeReceiver, create_store
+    from dtkv.runtime.pd import kv_digest, receive_prefilled
+    from dtkv.transfer import Bootstrap, HandoffReceiver, create_store
 
     torch.set_num_threads(1)
     group = dist.group.WORLD if world > 1 else None
-    model = load({**args, "device": "cpu"}, torch.device("cpu"))
+    device = decode_device(args, rank)
+    model = load({**args, "device": device.type}, device)
     pages = num_pages_for([len(p) for p in prompts], page_size=args["page_size"], decode_steps=args["decode_steps"],
                           cp_size=world)  # fmt: skip
     rt = Runtime(
@@ -78,14 +120,21 @@ def _decode_rank(rank: int, world: int, args: dict, prompts: list[list[int]], po
     )  # fmt: skip
     try:
         store = create_store(port=port, is_master=False, timeout_s=args.get("timeout", 300.0))
-        shard = shard_for(rt, staging_bytes=request_bytes(rt, [len(p) for p in prompts]))
-        receiver = DecodeReceiver(shard, Bootstrap(store, namespace=namespace), timeout_s=args.get("timeout"))
+        shard, round_pages = handoff_shard(rt, prompts)
+        receiver = HandoffReceiver(shard, Bootstrap(store, namespace=namespace), timeout_s=args.get("timeout"),
+                                   round_pages=round_pages)  # fmt: skip
+        progress("transfer: waiting for %d requests on %s, %s, each wait bounded by %.0f s", len(prompts), device,
+                 "through pinned host memory" if receiver.staged else "in place", receiver.timeout_s,
+                 all_ranks=True)  # fmt: skip
+        t0 = time.perf_counter()
         try:
             receiver.connect()
-            reports = receive_prefilled(rt, receiver, prompts)
+            reports = receive_prefilled(rt, receiver, prompts)  # type: ignore[arg-type]  # same surface
         finally:
             receiver.close()
-        progress("transfer: %d requests received into this rank's pages", len(reports), all_ranks=True)
+        got, dt = sum(r.num_bytes for r in reports), time.perf_counter() - t0
+        progress("transfer: %d requests received into this rank's pages (%.1f KiB sent by the prefill ranks, %.2f s)",
+                 len(reports), got / 1024, dt, all_ranks=True)  # fmt: skip
         digest = kv_digest([rt.kv_bytes(r.rid) for r in rt.requests], [len(p) for p in prompts])
         outputs = rt.decode(args["decode_steps"])
         return {
@@ -97,18 +146,33 @@ def _decode_rank(rank: int, world: int, args: dict, prompts: list[list[int]], po
         rt.close()
 
 
+def decode_device(args: dict, rank: int):
+    """Where decode rank ``rank`` runs: ``cuda:(rank mod GPUs)`` with ``--decode-device cuda``, else the CPU."""
+    import torch
+
+    if args.get("decode_device") == "cuda":
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
 def _worker(rank: int, world: int, args: dict, prompts, port: int, namespace: str, init_file: str, out) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     setup_cli_logging(rank=rank, side="decode")
     try:
+        device = decode_device(args, rank)
+        if device.type == "cuda":
+            import torch
+
+            torch.cuda.set_device(device)
         if world > 1:
             import datetime
 
             import torch.distributed as dist
 
             dist.init_process_group(
-                "gloo", store=dist.FileStore(init_file, world), rank=rank, world_size=world,
-                timeout=datetime.timedelta(seconds=args.get("timeout", 300.0)),
+                "nccl" if device.type == "cuda" else "gloo", store=dist.FileStore(init_file, world), rank=rank,
+                world_size=world, timeout=datetime.timedelta(seconds=args.get("timeout", 300.0)),
+                device_id=device if device.type == "cuda" else None,
             )  # fmt: skip
         try:
             out.put(_decode_rank(rank, world, args, prompts, port, namespace))
@@ -117,7 +181,8 @@ def _worker(rank: int, world: int, args: dict, prompts, port: int, namespace: st
                 import torch.distributed as dist
 
                 dist.destroy_process_group()
-    except BaseException as e:  # report, never hang the parent
+    except BaseException as e:  # report, never hang the parent; and say so now: prefill may be waiting on this rank
+        logger.error("decode rank %d failed: %s: %s", rank, type(e).__name__, e)
         out.put({"rank": rank, "error": f"{type(e).__name__}: {e}"})
 
 
@@ -132,6 +197,20 @@ class DecodeGroup:
     """Extra demo arguments for the prefill ranks (``pd_port``, ``pd_namespace``)."""
     size: int = 1
     answers: list = field(default_factory=list)
+
+    def failure(self) -> str | None:
+        """What failed in the decode group so far (non-blocking: the answers in, the processes' exit codes), or
+        ``None``: a rank's error, or a rank that died without answering."""
+        while len(self.answers) < self.size:
+            try:
+                self.answers.append(self.results.get_nowait())
+            except queue_mod.Empty:
+                break
+        errors = [f"decode rank {g['rank']}: {g['error']}" for g in self.answers if "error" in g]
+        answered = {g["rank"] for g in self.answers}
+        died = [f"decode rank {r} exited with code {p.exitcode}" for r, p in enumerate(self.processes)
+                if p.exitcode not in (None, 0) and r not in answered]  # fmt: skip
+        return "; ".join(errors + died) or None
 
     def result(self, timeout_s: float = 300.0) -> list[dict]:
         """Every decode rank's answer (``outputs``, ``kv_digest``, ...) or ``error``, in rank order (bounded)."""

@@ -11,6 +11,10 @@ Entry points:
   :class:`Bootstrap` store, on a :class:`MooncakeEngine` (TCP, P2PHANDSHAKE) or the in-process
   :class:`LocalEngine`; a failed request's decode pages stay quarantined until :meth:`DecodeReceiver.reclaim`
   returns them.
+- :class:`HandoffSender` / :class:`HandoffReceiver` -- the same, for pools in host or device memory: through a
+  bounded pinned host window where the engine cannot register the pool's memory (a CUDA pool under Mooncake's
+  non-cuda wheel), in rounds (:mod:`dtkv.transfer.handoff`; which engine builds register device memory:
+  :mod:`dtkv.transfer.memory`).
 - :class:`TransferError` -- every failure or timeout, naming the peer, the request and the pages;
   :class:`StoreTimeout` is its case of a store call that ran into the caller's deadline.
 
@@ -47,6 +51,8 @@ from dtkv.transfer.engine import (
     send_entries,
 )
 from dtkv.transfer.errors import StoreTimeout, TransferError
+from dtkv.transfer.handoff import HandoffReceiver, HandoffSender, default_round_pages
+from dtkv.transfer.memory import needs_host_staging
 from dtkv.transfer.messages import DstRequest, SendOutcome, SendStart
 from dtkv.transfer.plan import PlanOptions, disable_staging, layer_bounds, plan_request
 from dtkv.transfer.prefill import PrefillSender, SendReport
@@ -58,6 +64,8 @@ __all__ = [
     "BufferSpec",
     "DecodeReceiver",
     "DstRequest",
+    "HandoffReceiver",
+    "HandoffSender",
     "KVShard",
     "LocalEngine",
     "MooncakeEngine",
@@ -79,10 +87,12 @@ __all__ = [
     "check_compatible",
     "coalesce_entries",
     "create_store",
+    "default_round_pages",
     "disable_staging",
     "expand_layers",
     "layer_bounds",
     "mooncake_available",
+    "needs_host_staging",
     "page_runs",
     "plan_request",
     "send_entries",

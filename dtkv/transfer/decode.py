@@ -341,6 +341,16 @@ class DecodeReceiver(ReceiveLoop, TransferSide):
             self._fail(att)
             raise
         self._succeed(att)
+        got, dt = sum(o.num_bytes for o in outcomes), time.perf_counter() - t0
+        logger.info(
+            "received %r (decode ranks %s): the request's %d bytes from %d prefill ranks in %.3f s (%.3f GB/s)",
+            request_id,
+            sorted(self.shards),
+            got,
+            len(outcomes),
+            dt,
+            got / max(dt, 1e-9) / 1e9,
+        )
         return ReceiveReport(
             request_id=request_id,
             num_positions=int(att.dst.shape[0]),

@@ -1,7 +1,8 @@
 """Transfer engines: Mooncake's ``TransferEngine`` over TCP (P2PHANDSHAKE), and an in-process memcpy twin.
 
-Both expose the same small surface -- ``session``, ``register(tensors)``, ``write(peer, src, dst, length)`` and
-``close()`` -- and :func:`send_entries` drives either with the rules Mooncake 0.3.13's TCP transport needs:
+Both expose the same small surface -- ``session``, ``can_register(tensor)``, ``register(tensors)``,
+``write(peer, src, dst, length)`` and ``close()`` -- and :func:`send_entries` drives either with the rules Mooncake
+0.3.13's TCP transport needs:
 
 - at most ``max_entries_per_call`` (default 1024) entries per call;
 - one call in flight per peer session (each peer has one worker thread; peers proceed in parallel);
@@ -40,6 +41,7 @@ from dtkv.transfer._mooncake_log import START_LOG_HINT, quiet_start
 from dtkv.transfer.coalesce import split_batches
 from dtkv.transfer.descriptors import PeerEntries
 from dtkv.transfer.errors import TransferError
+from dtkv.transfer.memory import mooncake_build, mooncake_registers_device_memory
 from dtkv.transfer.protocol import time_left
 
 __all__ = [
@@ -143,6 +145,25 @@ class _EngineBase(ABC):
     def call_timeout_s(self) -> float:
         """The longest one engine call can run before the engine itself ends it."""
 
+    def can_register(self, tensor: torch.Tensor) -> bool:
+        """Whether :meth:`register` accepts ``tensor``'s memory (host memory here; see :mod:`dtkv.transfer.memory`)."""
+        return tensor.device.type == "cpu"
+
+    def _refusal(self, tensor: torch.Tensor) -> str:
+        return "this engine registers host memory only"
+
+    def _check_registrable(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Raise :class:`TransferError` for the first tensor :meth:`can_register` refuses (nothing is registered)."""
+        for t in tensors:
+            if not self.can_register(t):
+                raise TransferError(
+                    f"{type(self).__name__} cannot register {t.device} memory ({self._refusal(t)}): hand the pool "
+                    "over through pinned host memory (dtkv.transfer.HandoffSender / HandoffReceiver do where needed) "
+                    "or use an engine build that registers device memory",
+                    request_id="-",
+                    peer=self.session,
+                )
+
     @abstractmethod
     def write(self, peer: str, src: list[int], dst: list[int], length: list[int]) -> int:
         """Write ``length[i]`` bytes from local ``src[i]`` to ``peer``'s ``dst[i]``; 0 on success, else negative."""
@@ -209,15 +230,21 @@ class MooncakeEngine(_EngineBase):
     Args:
         hostname: the address peers reach this process at; its session is ``f"{hostname}:{rpc_port}"``.
         timeout_s: sets the ``MC_TRANSFER_TIMEOUT`` default (default ``DTKV_TRANSFER_TIMEOUT_S``).
+        device_memory: whether :meth:`register` accepts CUDA memory (default: whether the installed build does,
+            :func:`dtkv.transfer.memory.mooncake_registers_device_memory`; the non-cuda wheel does not).
 
     Raises:
         ImportError: the non-cuda wheel or ``libibverbs1`` is missing (the message says which to install).
         TransferError: ``initialize`` failed.
     """
 
-    def __init__(self, hostname: str = "127.0.0.1", *, timeout_s: float | None = None) -> None:
+    def __init__(
+        self, hostname: str = "127.0.0.1", *, timeout_s: float | None = None, device_memory: bool | None = None
+    ) -> None:
         super().__init__()
         self.session = hostname
+        self.device_memory = mooncake_registers_device_memory() if device_memory is None else bool(device_memory)
+        """Whether :meth:`register` accepts CUDA memory."""
         env = apply_mooncake_env(timeout_s)
         self._transfer_timeout_s = float(env["MC_TRANSFER_TIMEOUT"])
         try:
@@ -248,9 +275,25 @@ class MooncakeEngine(_EngineBase):
         nbytes = sum(t.numel() * t.element_size() for t in self._regions.values())
         return self._transfer_timeout_s + nbytes * 1e-9 + 1.0
 
+    def can_register(self, tensor: torch.Tensor) -> bool:
+        """Host memory; CUDA memory too where :attr:`device_memory` (a CUDA build)."""
+        return tensor.device.type == "cpu" or (self.device_memory and tensor.device.type == "cuda")
+
+    def _refusal(self, tensor: torch.Tensor) -> str:
+        build = mooncake_build() or "a build from source"
+        return f"the installed Mooncake, {build}, moves host memory only"
+
     def register(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Register each tensor's storage (contiguous, host memory) for transfers in both directions."""
+        """Register each tensor's storage (contiguous; host memory, or CUDA memory on a CUDA build) for transfers
+        in both directions.
+
+        Raises:
+            TransferError: a tensor lies in memory this build cannot move (:meth:`can_register`; the non-cuda
+                build would accept the registration and fail the first write with "Bad address"), or the engine
+                refused the registration (e.g. a region overlapping a registered one).
+        """
         tensors = [t for t in tensors if t.numel()]
+        self._check_registrable(tensors)
         ptrs = [t.data_ptr() for t in tensors]
         lens = [t.numel() * t.element_size() for t in tensors]
         rc = self._engine.batch_register_memory(ptrs, lens)
@@ -298,12 +341,16 @@ class LocalEngine(_EngineBase):
 
     Args:
         call_timeout_s: what :meth:`call_timeout_s` reports (a subclass whose ``write`` is slow raises it).
+        accepts: which tensors :meth:`register` accepts (default: host memory, what ``memmove`` can copy); a test
+            passes a stricter predicate to emulate an engine that cannot register some memory (a pool in device
+            memory under a non-cuda build), so that the host-staged hand-off runs on CPU.
     """
 
-    def __init__(self, *, call_timeout_s: float = 1.0) -> None:
+    def __init__(self, *, call_timeout_s: float = 1.0, accepts: Callable[[torch.Tensor], bool] | None = None) -> None:
         super().__init__()
         self.session = f"local:{next(_LOCAL_IDS)}"
         self._call_timeout_s = float(call_timeout_s)
+        self._accepts = accepts
         self._regions = np.zeros((0, 2), dtype=np.int64)
         self._keep: list[torch.Tensor] = []
         _LOCAL_ENGINES[self.session] = self
@@ -316,7 +363,22 @@ class LocalEngine(_EngineBase):
     def call_timeout_s(self) -> float:
         return self._call_timeout_s
 
+    def can_register(self, tensor: torch.Tensor) -> bool:
+        """Host memory that ``accepts`` (when given) lets through."""
+        return tensor.device.type == "cpu" and (self._accepts is None or bool(self._accepts(tensor)))
+
+    def _refusal(self, tensor: torch.Tensor) -> str:
+        if tensor.device.type != "cpu":
+            return "LocalEngine copies with memmove: host memory only"
+        return "refused by its accepts predicate"
+
     def register(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Register host tensors (see ``accepts``).
+
+        Raises:
+            TransferError: a tensor :meth:`can_register` refuses (nothing is registered then).
+        """
+        self._check_registrable([t for t in tensors if t.numel()])
         new = [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors if t.numel()]
         self._keep += list(tensors)
         regions = np.concatenate([self._regions, np.array(new, dtype=np.int64).reshape(-1, 2)])
@@ -376,8 +438,22 @@ def _send_session(engine, session, peers, group, max_entries, request_id, cancel
     for sl in split_batches(int(length.shape[0]), max_entries):
         if cancel.is_set() or time.monotonic() >= deadline:
             return calls
+        t0 = time.perf_counter()
         rc = engine.write(session, src[sl].tolist(), dst[sl].tolist(), length[sl].tolist())
         calls += 1
+        if logger.isEnabledFor(logging.DEBUG):
+            nbytes, dt = int(length[sl].sum()), time.perf_counter() - t0
+            logger.debug(
+                "%s: call %d to %s: %d entries, %d bytes in %.2f ms (%.2f GB/s), rc %d",
+                request_id,
+                calls,
+                _peer_name(session, peers),
+                sl.stop - sl.start,
+                nbytes,
+                dt * 1e3,
+                nbytes / max(dt, 1e-9) / 1e9,
+                rc,
+            )
         if rc != 0:
             unconfirmed = np.unique(owner[sl.start :])
             pages = np.concatenate([peers[i].dst_pages for i in unconfirmed])

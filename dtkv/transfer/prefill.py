@@ -233,6 +233,17 @@ class PrefillSender(ClaimSteps, TransferSide):
         }
         self._conclude(att, outcomes=outcomes, deadline=deadline)
         t_end = time.perf_counter()
+        sent = sum(sp.num_bytes for sp in senders)
+        logger.info(
+            "sent %r (prefill ranks %s): %d bytes in %.3f s (%.3f GB/s), %d entries in %d calls",
+            request_id,
+            list(ranks),
+            sent,
+            t_end - t0,
+            sent / max(t_end - t0, 1e-9) / 1e9,
+            plan.num_entries,
+            calls,
+        )
         return SendReport(
             request_id=request_id,
             ranks=ranks,
