@@ -116,7 +116,7 @@ def test_the_window_copies_follow_the_pools_writes_on_the_current_stream():
         sender.close(), receiver.close()
 
 
-@pytest.mark.parametrize("_", [0], ids=["mooncake"], marks=needs_mooncake)
+@pytest.mark.parametrize("_", [pytest.param(0, id="mooncake", marks=needs_mooncake)])
 def test_mooncake_hands_cuda_pools_over_and_refuses_to_register_them_raw(_):
     from dtkv.transfer import MooncakeEngine
     from dtkv.transfer.memory import mooncake_registers_device_memory
@@ -143,7 +143,7 @@ def test_mooncake_hands_cuda_pools_over_and_refuses_to_register_them_raw(_):
         eng_p.close(), eng_d.close()
 
 
-@pytest.mark.parametrize("_", [0], ids=["demo"], marks=needs_mooncake)
+@pytest.mark.parametrize("_", [pytest.param(0, id="demo", marks=needs_mooncake)])
 def test_the_demo_hands_cuda_pools_to_a_decode_group_on_the_same_gpu(_):
     pytest.importorskip("transformers", reason="the hf extra (transformers==5.17.0)")
     from dtkv.attention import availability
