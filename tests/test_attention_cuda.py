@@ -273,7 +273,7 @@ def test_reference_model_tokens_across_backends(attention):
 @pytest.mark.parametrize("name", ["deepseek-v32", "glm5"])
 def test_transformers_tokens_across_backends(name, attention):
     pytest.importorskip("transformers", reason="the hf extra (transformers==5.17.0)")
-    from dtkv.integrations.transformers import TransformersAdapter, tiny_model
+    from dtkv.integrations.transformers import TransformersAdapter, indexer_precision, tiny_model
     from dtkv.runtime import Runtime, num_pages_for
 
     lm = tiny_model(name, device="cuda", num_attention_heads=64, num_key_value_heads=64, kv_lora_rank=512,
@@ -284,7 +284,9 @@ def test_transformers_tokens_across_backends(name, attention):
     runs = {}
     for backend in ("torch", attention):
         adapter = TransformersAdapter(lm, kv_dtype="fp8", page_size=64)
-        with Runtime(adapter, num_pages=pages, attention=backend) as rt:
+        # the fast backends score with the fp8 indexer on fp8 index pages: the torch run takes the same formula, so
+        # that both select from the same scores (with the exact one, near-tie selections part the runs' logits)
+        with indexer_precision("fp8"), Runtime(adapter, num_pages=pages, attention=backend) as rt:
             assert rt.attention.name == backend
             for p in prompts:
                 rt.add_request(p)
