@@ -10,6 +10,7 @@ key                            value                                         wri
 =============================  ============================================  ======================================
 ``{role}/{rank}``              :class:`RankEndpoint` (with an incarnation)   the rank (a restart replaces it)
 ``{role}/{rank}/open``         the attempts the rank holds open              the rank (adopted by its restart)
+``agent/{name}``               :class:`AgentRecord` (NIXL engines only)      the engine, before its endpoints
 ``req/{request_id}``           :class:`DstRequest`: the current attempt      decode rank 0
 ``E/prefill/{r}``              slot: OPEN -> CLAIM (r, fresh nonce) or       decode rank 0 / prefill rank r / a
                                ABORTED                                       failing decode
@@ -101,6 +102,7 @@ __all__ = [
     "AttemptKeys",
     "Backoff",
     "Progress",
+    "agent_key",
     "check_request_id",
     "deadline_after",
     "endpoint_key",
@@ -266,6 +268,11 @@ def check_nonce(nonce: str) -> bool:
 
 def endpoint_key(role: str, rank: int) -> str:
     return f"{role}/{rank}"
+
+
+def agent_key(name: str) -> str:
+    """Where a NIXL engine announces its agent (:class:`dtkv.transfer.messages.AgentRecord`)."""
+    return f"agent/{name}"
 
 
 def open_key(role: str, rank: int) -> str:
