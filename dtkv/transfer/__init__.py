@@ -8,9 +8,10 @@ Entry points:
   (:class:`PlanOptions`).
 - :class:`KVShard` -- one rank's registered buffers (``KVShard.from_pool(pool)``), staging and metadata rows.
 - :class:`PrefillSender` / :class:`DecodeReceiver` -- ``send_request`` / ``receive_request`` over a
-  :class:`Bootstrap` store, on a :class:`MooncakeEngine` (TCP, P2PHANDSHAKE) or the in-process
-  :class:`LocalEngine`; a failed request's decode pages stay quarantined until :meth:`DecodeReceiver.reclaim`
-  returns them.
+  :class:`Bootstrap` store, on a :class:`MooncakeEngine` (TCP, P2PHANDSHAKE; sglang's transport), a
+  :class:`NixlEngine` (UCX; vLLM's) or the in-process :class:`LocalEngine` (``engine="mooncake" | "nixl" |
+  "local"``, :func:`create_engine`); a failed request's decode pages stay quarantined until
+  :meth:`DecodeReceiver.reclaim` returns them.
 - :class:`TransferError` -- every failure or timeout, naming the peer, the request and the pages;
   :class:`StoreTimeout` is its case of a store call that ran into the caller's deadline.
 
@@ -24,6 +25,7 @@ The page-table format is in :mod:`dtkv.page_table`.
 
 from __future__ import annotations
 
+from dtkv.transfer._nixl import NixlEngine, apply_nixl_env, nixl_available
 from dtkv.transfer._side import TransferSide
 from dtkv.transfer.bootstrap import Bootstrap, create_store
 from dtkv.transfer.coalesce import coalesce_entries, expand_layers, page_runs, split_batches
@@ -38,10 +40,12 @@ from dtkv.transfer.descriptors import (
     check_compatible,
 )
 from dtkv.transfer.engine import (
+    ENGINES,
     MAX_ENTRIES_PER_CALL,
     LocalEngine,
     MooncakeEngine,
     apply_mooncake_env,
+    create_engine,
     mooncake_available,
     send_entries,
 )
@@ -52,6 +56,7 @@ from dtkv.transfer.prefill import PrefillSender, SendReport
 from dtkv.transfer.shard import KVShard
 
 __all__ = [
+    "ENGINES",
     "MAX_ENTRIES_PER_CALL",
     "Bootstrap",
     "BufferSpec",
@@ -60,6 +65,7 @@ __all__ = [
     "KVShard",
     "LocalEngine",
     "MooncakeEngine",
+    "NixlEngine",
     "PeerEntries",
     "PlanOptions",
     "PrefillSender",
@@ -75,13 +81,16 @@ __all__ = [
     "TransferError",
     "TransferSide",
     "apply_mooncake_env",
+    "apply_nixl_env",
     "check_compatible",
     "coalesce_entries",
+    "create_engine",
     "create_store",
     "disable_staging",
     "expand_layers",
     "layer_bounds",
     "mooncake_available",
+    "nixl_available",
     "page_runs",
     "plan_request",
     "send_entries",

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from dtkv._env import transfer_timeout_s
 from dtkv.transfer.bootstrap import Bootstrap
 from dtkv.transfer.descriptors import RankEndpoint, check_compatible
-from dtkv.transfer.engine import MooncakeEngine
+from dtkv.transfer.engine import create_engine
 from dtkv.transfer.errors import TransferError
 from dtkv.transfer.messages import OpenList
 from dtkv.transfer.protocol import AttemptKeys, deadline_after, open_key, time_left
@@ -36,7 +36,8 @@ class TransferSide:
         shards: the ranks this process hosts.
         bootstrap: the rendezvous store shared by both sides.
         role: ``"prefill"`` or ``"decode"``.
-        engine: a :class:`MooncakeEngine` (default: a new one on 127.0.0.1) or :class:`LocalEngine`.
+        engine: an engine (:class:`MooncakeEngine`, :class:`NixlEngine`, :class:`LocalEngine`), or the name of
+            one to create and own (``"mooncake"``, the default, ``"nixl"``, ``"local"``: :func:`create_engine`).
         timeout_s: bound on every wait (default ``DTKV_TRANSFER_TIMEOUT_S``).
     """
 
@@ -66,16 +67,18 @@ class TransferSide:
         self._open: dict[tuple[str, str], AttemptKeys] = {}
         self._open_lock = threading.Lock()
         self._closed = False
-        self._own_engine = engine is None
+        self._own_engine = engine is None or isinstance(engine, str)
         self.engine = None
         registered: list[KVShard] = []
         try:
-            self.engine = MooncakeEngine(timeout_s=self.timeout_s) if engine is None else engine
+            made = create_engine(engine or "mooncake", timeout_s=self.timeout_s) if self._own_engine else engine
+            self.engine = made
             for s in shard_list:
                 self.engine.register(s.registered_tensors())
                 registered.append(s)
             deadline = deadline_after(self.timeout_s)
             self._adopt(deadline)
+            self.engine.announce(bootstrap, deadline=deadline)
             for s in shard_list:
                 bootstrap.publish(self.endpoint(s.rank), deadline=deadline)
         except BaseException:
@@ -104,6 +107,8 @@ class TransferSide:
         self.prefill = self.bootstrap.endpoints("prefill", deadline=deadline)
         self.decode = self.bootstrap.endpoints("decode", deadline=deadline)
         check_compatible(self.prefill, self.decode)
+        if self.role == "prefill":  # prefill writes into decode's memory: its engine needs decode's agents
+            self.engine.load_peers(self.bootstrap, [ep.session for ep in self.decode], deadline=deadline)
 
     def _check_party_counts(self, keys: AttemptKeys, deadline: float) -> None:
         """Re-read the endpoints when the attempt names other party counts than ours (a side was resized)."""

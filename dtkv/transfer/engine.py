@@ -1,7 +1,9 @@
-"""Transfer engines: Mooncake's ``TransferEngine`` over TCP (P2PHANDSHAKE), and an in-process memcpy twin.
+"""Transfer engines: Mooncake's ``TransferEngine`` over TCP (P2PHANDSHAKE), NIXL's agent over UCX
+(:mod:`dtkv.transfer._nixl`), and an in-process memcpy twin; :func:`create_engine` makes one by name.
 
-Both expose the same small surface -- ``session``, ``register(tensors)``, ``write(peer, src, dst, length)`` and
-``close()`` -- and :func:`send_entries` drives either with the rules Mooncake 0.3.13's TCP transport needs:
+All expose the same small surface -- ``session``, ``register(tensors)``, ``write(peer, src, dst, length)`` and
+``close()``, plus ``announce`` / ``load_peers`` (the agent metadata NIXL needs, through dtkv's store; nothing for
+the others) -- and :func:`send_entries` drives any of them with the rules Mooncake 0.3.13's TCP transport needs:
 
 - at most ``max_entries_per_call`` (default 1024) entries per call;
 - one call in flight per peer session (each peer has one worker thread; peers proceed in parallel);
@@ -28,7 +30,7 @@ import threading
 import time
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
@@ -44,10 +46,12 @@ from dtkv.transfer.errors import TransferError
 from dtkv.transfer.protocol import time_left
 
 __all__ = [
+    "ENGINES",
     "LocalEngine",
     "MAX_ENTRIES_PER_CALL",
     "MooncakeEngine",
     "apply_mooncake_env",
+    "create_engine",
     "mooncake_available",
     "send_entries",
 ]
@@ -56,6 +60,10 @@ logger = logging.getLogger(__name__)
 
 MAX_ENTRIES_PER_CALL = 1024
 """Entries per engine call: Mooncake 0.3.13's TCP transport rejects much more than this per peer."""
+
+ENGINES = ("mooncake", "nixl", "local")
+"""The engines :func:`create_engine` makes (``engine=`` of :class:`dtkv.transfer.PrefillSender` and
+:class:`dtkv.transfer.DecodeReceiver`)."""
 
 
 def apply_mooncake_env(timeout_s: float | None = None) -> dict[str, str]:
@@ -143,6 +151,32 @@ class _EngineBase(ABC):
     @abstractmethod
     def call_timeout_s(self) -> float:
         """The longest one engine call can run before the engine itself ends it."""
+
+    def _accepts(self, session: str) -> bool:
+        """Whether ``session`` names a peer of this kind of engine."""
+        return not session.startswith(("nixl:", "local:"))
+
+    def announce(self, bootstrap, *, deadline: float) -> None:  # noqa: B027 - a hook: nothing for most engines
+        """Publish what peers need to write to this engine, beyond its session (NIXL: its agent metadata)."""
+
+    def load_peers(self, bootstrap, sessions: Iterable[str], *, deadline: float) -> None:
+        """Learn what writing to each of ``sessions`` needs (NIXL: their agent metadata).
+
+        Raises:
+            TransferError: a session belongs to another kind of engine (the two sides must use the same one).
+        """
+        for session in sessions:
+            if not self._accepts(session):
+                raise TransferError(
+                    f"session {session[:80]!r} is not a {type(self).__name__} peer's: both sides must use the same "
+                    "transfer engine",
+                    request_id="-",
+                    peer=session,
+                )
+
+    def last_error(self, peer: str) -> str:
+        """Why the last failed call to ``peer`` failed, where the engine says ("" otherwise)."""
+        return ""
 
     @abstractmethod
     def write(self, peer: str, src: list[int], dst: list[int], length: list[int]) -> int:
@@ -314,6 +348,9 @@ class LocalEngine(_EngineBase):
         """Number of registered regions."""
         return int(self._regions.shape[0])
 
+    def _accepts(self, session: str) -> bool:
+        return session.startswith("local:")
+
     def call_timeout_s(self) -> float:
         return self._call_timeout_s
 
@@ -359,6 +396,28 @@ class LocalEngine(_EngineBase):
         self._keep = []
 
 
+def create_engine(kind: str, *, timeout_s: float | None = None) -> _EngineBase:
+    """A new engine of ``kind`` (one of :data:`ENGINES`), its own timeouts set from ``timeout_s``.
+
+    - ``"mooncake"``: :class:`MooncakeEngine` on 127.0.0.1 (what sglang's PD disaggregation uses);
+    - ``"nixl"``: :class:`dtkv.transfer.NixlEngine` (UCX; what vLLM's ``NixlConnector`` uses);
+    - ``"local"``: :class:`LocalEngine` (in-process peers only).
+
+    Raises:
+        ValueError: ``kind`` is not one of :data:`ENGINES`.
+        ImportError: the engine's package is missing (the message says which extra to install).
+    """
+    if kind == "mooncake":
+        return MooncakeEngine(timeout_s=timeout_s)
+    if kind == "nixl":
+        from dtkv.transfer._nixl import NixlEngine
+
+        return NixlEngine(timeout_s=timeout_s)
+    if kind == "local":
+        return LocalEngine()
+    raise ValueError(f"engine must be one of {list(ENGINES)}, got engine={kind!r}")
+
+
 def _peer_name(session: str, peers: Sequence[PeerEntries]) -> str:
     ranks = sorted({p.decode_rank for p in peers})
     which = f"decode rank {ranks[0]}" if len(ranks) == 1 else f"decode ranks {ranks}"
@@ -382,9 +441,10 @@ def _send_session(engine, session, peers, group, max_entries, request_id, cancel
         if rc != 0:
             unconfirmed = np.unique(owner[sl.start :])
             pages = np.concatenate([peers[i].dst_pages for i in unconfirmed])
+            why = engine.last_error(session)
             raise TransferError(
                 f"engine write returned {rc} on call {calls} ({sl.stop - sl.start} entries, "
-                f"{int(length[sl].sum())} bytes)",
+                f"{int(length[sl].sum())} bytes){': ' + why if why else ''}",
                 request_id=request_id,
                 peer=_peer_name(session, peers),
                 pages=pages,
@@ -407,7 +467,7 @@ def send_entries(
     """Send every peer's entries (blocking), one call in flight per peer session; returns the number of calls.
 
     Args:
-        engine: a :class:`MooncakeEngine` or :class:`LocalEngine`.
+        engine: a :class:`MooncakeEngine`, :class:`dtkv.transfer.NixlEngine` or :class:`LocalEngine`.
         peers: the entries of one sender (:attr:`dtkv.transfer.SenderPlan.peers`).
         request_id: named in errors.
         deadline: ``time.monotonic()`` value by which everything must be done; no engine call starts after it.
