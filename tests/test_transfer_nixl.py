@@ -120,8 +120,8 @@ class TestWrites:
 class TestMetadata:
     @pytest.mark.parametrize("secret", [None, "s3cret"], ids=["unsigned", "signed"])
     def test_the_agent_record_travels_through_the_store_and_a_newer_one_replaces_it(self, secret):
-        """announce -> load_peers (the store is the only channel); the peer then moves its memory and announces
-        again: the writer reloads, writes to the new region land, writes to the old one are refused."""
+        """publish_agent -> agent -> add_peer (the store is the only channel); the peer then moves its memory and
+        publishes again: the writer reloads, writes to the new region land, writes to the old one are refused."""
         store = dist.HashStore()
         boot_a, boot_b = (
             Bootstrap(store, namespace="md", secret=secret),
@@ -133,80 +133,105 @@ class TestMetadata:
             old, new = torch.zeros(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
             a.register([src])
             b.register([old])
-            b.announce(boot_b, deadline=_deadline())
-            raw = store.get(f"md/{agent_key(b.name)}")
-            assert raw[:4] == b"DTKV" and (len(raw) > 32) and b.name.encode() in raw
-            a.load_peers(boot_a, [b.session], deadline=_deadline())
+            first = b.agent_record()
+            boot_b.publish_agent("decode", 0, first, deadline=_deadline())
+            raw = store.get(f"md/{agent_key('decode', 0)}")
+            assert raw[:4] == b"DTKV" and b.name.encode() in raw and (raw[6] & 1) == bool(secret)  # flags: signed
+            a.add_peer(boot_a.agent("decode", 0, deadline=_deadline()), deadline=_deadline())
             assert a.write(b.session, [src.data_ptr()], [old.data_ptr()], [64]) == 0 and int(old.sum()) == 3 * 64
-            a.load_peers(boot_a, [b.session], deadline=_deadline())  # the same generation: nothing reloads
+            a.add_peer(boot_a.agent("decode", 0, deadline=_deadline()), deadline=_deadline())  # same generation
             b.unregister([old])
             b.register([new])
-            b.announce(boot_b, deadline=_deadline())
-            a.load_peers(boot_a, [b.session], deadline=_deadline())
+            boot_b.publish_agent("decode", 0, b.agent_record(), deadline=_deadline())
+            a.add_peer(boot_a.agent("decode", 0, deadline=_deadline()), deadline=_deadline())
             assert a.write(b.session, [src.data_ptr()], [new.data_ptr()], [64]) == 0 and int(new.sum()) == 3 * 64
             assert a.write(b.session, [src.data_ptr()], [old.data_ptr()], [64]) == -1
+            boot_b.unpublish_agent("decode", 0, first).result(5)  # a later generation is published: kept
+            assert store.check([f"md/{agent_key('decode', 0)}"])
+            boot_b.unpublish_agent("decode", 0, boot_a.agent("decode", 0, deadline=_deadline())).result(5)
+            assert not store.check([f"md/{agent_key('decode', 0)}"])
         finally:
             a.close()
             b.close()
 
     def test_forged_moved_and_malformed_records_are_refused(self):
-        store = dist.HashStore()
-        secret = "s3cret"
         from dtkv.transfer import NixlEngine
 
-        a, b, c = (NixlEngine(timeout_s=5) for _ in range(3))
+        store = dist.HashStore()
+        a, b = _pair()
+        key = agent_key("decode", 0)
         try:
             b.register([torch.zeros(64, dtype=torch.uint8)])
-            c.register([torch.zeros(64, dtype=torch.uint8)])
-            boot = Bootstrap(store, namespace="f", secret=secret)
+            signed = Bootstrap(store, namespace="f", secret="s3cret")
             peer = Bootstrap(store, namespace="f", secret=None)  # a store peer without the secret
-            peer.set(agent_key(b.name), b.agent_record(), deadline=_deadline())  # unsigned
+            peer.publish_agent("decode", 0, b.agent_record(), deadline=_deadline())  # unsigned
             with pytest.raises(TransferError, match="must be signed"):
-                a.load_peers(boot, [b.session], deadline=_deadline())
-            c.announce(boot, deadline=_deadline())  # a genuine record, moved under b's key
-            store.set(f"f/{agent_key(b.name)}", store.get(f"f/{agent_key(c.name)}"))
+                signed.agent("decode", 0, deadline=_deadline())
+            signed.publish_agent("decode", 1, b.agent_record(), deadline=_deadline())  # genuine, moved to rank 0
+            store.set(f"f/{key}", store.get(f"f/{agent_key('decode', 1)}"))
             with pytest.raises(TransferError, match="HMAC does not verify"):
-                a.load_peers(boot, [b.session], deadline=_deadline())
-            unsigned = Bootstrap(store, namespace="u", secret=None)
-            unsigned.set(agent_key(b.name), c.agent_record(), deadline=_deadline())
-            with pytest.raises(TransferError, match="describes agent"):  # without a secret: the name still checks
-                a.load_peers(unsigned, [b.session], deadline=_deadline())
+                signed.agent("decode", 0, deadline=_deadline())
             rec = b.agent_record()
             garbage = AgentRecord(name=b.name, generation=rec.generation, metadata=b"not NIXL metadata",
                                   region_addr=rec.region_addr, region_bytes=rec.region_bytes,
                                   region_device=rec.region_device)  # fmt: skip
-            unsigned.set(agent_key(b.name), garbage, deadline=_deadline())
             with pytest.raises(TransferError, match="NIXL refused"):
-                a.load_peers(unsigned, [b.session], deadline=_deadline())
+                a.add_peer(garbage, deadline=_deadline())
+            c = NixlEngine(timeout_s=5)
+            try:  # a record whose metadata is another agent's
+                moved = AgentRecord(name=b.name, generation=rec.generation, metadata=c.agent_record().metadata,
+                                    region_addr=rec.region_addr, region_bytes=rec.region_bytes,
+                                    region_device=rec.region_device)  # fmt: skip
+                with pytest.raises(TransferError, match="carries the metadata of agent"):
+                    a.add_peer(moved, deadline=_deadline())
+            finally:
+                c.close()
             for fields, what in [
                 ([b.name, 1, b"x", [8, 4], [8, 8], [-1, -1]], "ascending and disjoint"),
                 ([b.name, 1, b"x", [8], [0], [-1]], "region_bytes"),
                 ([b.name, 1, b"", [8], [8], [-1]], "metadata"),
                 (["bad name!", 1, b"x", [8], [8], [-1]], "agent name"),
             ]:
-                store.set(f"u/{agent_key(b.name)}", pack(Kind.AGENT, fields, key=agent_key(b.name), secret=None))
+                store.set(f"f/{key}", pack(Kind.AGENT, fields, key=key, secret=None))
                 with pytest.raises(TransferError, match=what):
-                    a.load_peers(unsigned, [b.session], deadline=_deadline())
+                    peer.agent("decode", 0, deadline=_deadline())
             assert a.write(b.session, [0], [0], [1]) == -1, "a refused record must leave the peer unknown"
         finally:
-            for e in (a, b, c):
-                e.close()
+            a.close()
+            b.close()
 
     def test_sessions_of_another_engine_are_refused(self):
         a, _ = _pair()
-        boot = Bootstrap(dist.HashStore(), namespace="x")
         try:
             for session in ("127.0.0.1:15001", "local:3", "nixl:bad name"):
                 with pytest.raises(TransferError, match="both sides must use the same transfer engine"):
-                    a.load_peers(boot, [session], deadline=_deadline())
+                    a.check_sessions([session])
+            a.check_sessions([_.session])
             local = LocalEngine()
             for session in ("nixl:dtkv-1-ab", "127.0.0.1:15001"):
                 with pytest.raises(TransferError, match="not a LocalEngine peer's"):
-                    local.load_peers(boot, [session], deadline=_deadline())
-            local.load_peers(boot, ["local:0"], deadline=_deadline())
+                    local.check_sessions([session])
+            local.check_sessions(["local:0"])
+            with pytest.raises(TypeError, match="LocalEngine takes no agent records"):
+                local.add_peer(a.agent_record(), deadline=_deadline())
         finally:
             a.close()
             _.close()
+
+    def test_sides_on_different_engines_refuse_each_other_at_connect(self):
+        from dtkv import PageOwnership
+        from dtkv.transfer import DecodeReceiver, PrefillSender
+        from tests._transfer import shards
+
+        boot = Bootstrap(dist.HashStore(), namespace="mix")
+        sender = PrefillSender(shards(PageOwnership(1, 8)), boot, engine="nixl", timeout_s=5)
+        receiver = DecodeReceiver(shards(PageOwnership(1, 8)), boot, engine="local", timeout_s=5)
+        try:
+            with pytest.raises(TransferError, match="both sides must use the same transfer engine"):
+                sender.connect()
+        finally:
+            sender.close()
+            receiver.close()
 
 
 _PEER = """
@@ -216,7 +241,8 @@ from dtkv.transfer.protocol import deadline_after
 engine = NixlEngine(timeout_s=5)
 buf = torch.zeros({nbytes}, dtype=torch.uint8)
 engine.register([buf])
-engine.announce(Bootstrap(create_store(port={port}, is_master=False), namespace="peer"), deadline=deadline_after(30))
+boot = Bootstrap(create_store(port={port}, is_master=False), namespace="peer")
+boot.publish_agent("decode", 0, engine.agent_record(), deadline=deadline_after(30))
 print(engine.session, buf.data_ptr(), os.getpid(), flush=True)
 for line in sys.stdin:
     print(int(buf.to(torch.int64).sum()), flush=True)
@@ -224,7 +250,7 @@ for line in sys.stdin:
 
 
 class _Peer:
-    """A NixlEngine in a child process, announced in ``store``; ``checksum()`` sums its buffer."""
+    """A NixlEngine in a child process, its record published in ``store``; ``checksum()`` sums its buffer."""
 
     def __init__(self, store, nbytes: int, env: dict | None = None) -> None:
         code = textwrap.dedent(_PEER.format(nbytes=nbytes, port=store.port))
@@ -255,7 +281,9 @@ class TestPeerFaults:
         try:
             src = torch.ones(nbytes, dtype=torch.uint8)
             engine.register([src])
-            engine.load_peers(Bootstrap(store, namespace="peer"), [peer.session], deadline=_deadline())
+            engine.add_peer(
+                Bootstrap(store, namespace="peer").agent("decode", 0, deadline=_deadline()), deadline=_deadline()
+            )
             assert engine.write(peer.session, [src.data_ptr()], [peer.addr], [nbytes]) == 0
             assert peer.checksum() == nbytes
             peer.proc.kill()
@@ -282,7 +310,9 @@ class TestPeerFaults:
         try:
             src = torch.ones(nbytes, dtype=torch.uint8)
             engine.register([src])
-            engine.load_peers(Bootstrap(store, namespace="peer"), [peer.session], deadline=_deadline())
+            engine.add_peer(
+                Bootstrap(store, namespace="peer").agent("decode", 0, deadline=_deadline()), deadline=_deadline()
+            )
             os.kill(peer.pid, signal.SIGSTOP)
             t0 = time.monotonic()
             rc = engine.write(peer.session, [src.data_ptr()], [peer.addr], [nbytes])
@@ -315,6 +345,23 @@ def _run_quiet(level: str | None) -> subprocess.CompletedProcess:
     if level is not None:
         env["NIXL_LOG_LEVEL"] = level
     return subprocess.run([sys.executable, "-c", _QUIET], capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_idle_engines_do_not_spin():
+    """NIXL's wrapper starts each agent's UCX progress thread polling with a 0 timeout (a core per agent, which
+    doubled the PD suite's time on 2 cores); the engine's agents wait for UCX events instead."""
+    import resource
+
+    a, b = _pair()
+    try:
+        r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
+        time.sleep(1.0)
+        r1, t1 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
+        busy = (r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime) / (t1 - t0)
+        assert busy < 0.25, f"two idle engines used {busy:.2f} of a core"
+    finally:
+        a.close()
+        b.close()
 
 
 @pytest.mark.parametrize("level", [None, "WARN"], ids=["default", "WARN"])

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from dtkv import PageOwnership
 from dtkv.transfer import StageCopy
 from dtkv.transfer.messages import (
-    AgentRecord,
     Aborted,
+    AgentRecord,
     Answer,
     Claim,
     DstRequest,
@@ -218,8 +218,22 @@ class TestRejects:
             (_agent(name="a/b"), r"agent name must match"),
             (_agent(metadata=b""), r"agent metadata must hold 1\.\."),
         ],
-        ids=["epoch", "page", "request-id", "rank", "count", "claim-nonce", "answer-nonce", "bounds", "parties",
-             "agent-order", "agent-overlap", "agent-device", "agent-name", "agent-metadata"],  # fmt: skip
+        ids=[
+            "epoch",
+            "page",
+            "request-id",
+            "rank",
+            "count",
+            "claim-nonce",
+            "answer-nonce",
+            "bounds",
+            "parties",
+            "agent-order",
+            "agent-overlap",
+            "agent-device",
+            "agent-name",
+            "agent-metadata",
+        ],  # fmt: skip
     )
     def test_rejects_out_of_range_records(self, record, match):
         _, fields = unpack(

@@ -4,14 +4,16 @@ The surface and its rules are :class:`dtkv.transfer.MooncakeEngine`'s (``session
 dst, length)``, ``close``; one call in flight per peer; every call tracked until it ends; a deadline on every wait).
 What is NIXL's own:
 
-- **No NIXL listener.** The agent runs its progress thread and no listener thread (no metadata port, no etcd):
+- **No NIXL listener.** The agent runs its progress thread (woken by UCX events, with a :data:`PROGRESS_POLL_US`
+  poll timeout instead of the wrapper's busy 0) and no listener thread (no metadata port, no etcd):
   the only sockets are the ones UCX opens for its data path (``docs/security.md``). Agent metadata travels through
-  dtkv's store: :meth:`NixlEngine.announce` writes an :class:`dtkv.transfer.messages.AgentRecord` (signed with
-  ``DTKV_TRANSFER_SECRET``) under ``agent/{name}``; :meth:`NixlEngine.load_peers` reads the records of the peers a
-  side writes to and hands their metadata to ``add_remote_agent``. Nothing is pickled; the session a rank publishes
-  is ``nixl:{agent name}``.
+  dtkv's store: each side publishes its engine's :meth:`NixlEngine.agent_record` (an
+  :class:`dtkv.transfer.messages.AgentRecord`, signed with ``DTKV_TRANSFER_SECRET``) under ``{role}/{rank}/agent``
+  next to each rank's endpoint, and the prefill side hands the decode ranks' records to :meth:`NixlEngine.add_peer`
+  when it connects (:class:`dtkv.transfer.TransferSide`). Nothing is pickled; the session a rank publishes is
+  ``nixl:{agent name}``.
 - **Writes.** A call's entries are checked against this engine's registered regions (sources) and the peer's
-  announced regions (destinations), like Mooncake's TCP server and :class:`dtkv.transfer.LocalEngine` do: any
+  recorded regions (destinations), like Mooncake's TCP server and :class:`dtkv.transfer.LocalEngine` do: any
   entry outside them returns ``-1`` and nothing is posted. The entries then become NIXL ``WRITE`` transfer requests
   of at most :data:`BATCH_ENTRIES` descriptors each (descriptor lists ``(addr, len, device)`` built from the
   entries, one list per memory-kind pair), at most :data:`INFLIGHT_PER_PEER` posted at once, polled until all
@@ -19,7 +21,7 @@ What is NIXL's own:
 - **Bounded.** A call that has not finished ``timeout_s`` (>= 5 s) + 1 ns per byte after it started, or whose
   request fails (a dead peer fails at once: ``NIXL_ERR_REMOTE_DISCONNECT``), releases its requests and drops the
   connection to the peer (``remove_remote_agent``), so no request of it stays queued in UCX; it returns ``-2``
-  (timed out) or ``-1``. The next call to that peer reconnects from the announced record.
+  (timed out) or ``-1``. The next call to that peer reconnects from the peer's record.
 - **Memory.** Host tensors register as ``DRAM_SEG``, CUDA tensors as ``VRAM_SEG`` with their device index (UCX's
   ``cuda_copy`` / ``cuda_ipc`` / RDMA transports move them; the NIXL wheel's UCX is built with CUDA support).
 - **Environment.** ``NIXL_LOG_LEVEL`` defaults to ``WARN`` (``os.environ.setdefault`` before NIXL is imported):
@@ -46,7 +48,7 @@ from dtkv._env import transfer_timeout_s
 from dtkv.transfer.engine import _EngineBase
 from dtkv.transfer.errors import TransferError
 from dtkv.transfer.messages import AGENT_NAME, AgentRecord
-from dtkv.transfer.protocol import agent_key, time_left
+from dtkv.transfer.protocol import time_left
 
 __all__ = [
     "BATCH_ENTRIES",
@@ -68,6 +70,10 @@ RC_FAILED = -1
 RC_TIMEOUT = -2
 """``write``: the call outlived the engine's own timeout; its requests were released, the connection dropped."""
 _POLL_MAX_S = 0.001
+PROGRESS_POLL_US = 1000
+"""The UCX progress thread's poll timeout (µs). NIXL's Python wrapper starts it at 0, a thread spinning on one core
+per agent (measured: 0.83 core for two idle agents, 0.04 at 1 ms); it wakes on UCX events either way."""
+_CONSTRUCT = threading.Lock()
 
 
 def apply_nixl_env() -> dict[str, str]:
@@ -91,6 +97,33 @@ def nixl_available() -> tuple[bool, str]:
     if "UCX" not in plugins:
         return False, f"nixl has no UCX plugin (plugins found: {sorted(plugins)})"
     return True, ""
+
+
+def _polled_agent(nixl_agent, name: str, config):
+    """``nixl_agent(name, config)`` whose progress thread polls with a :data:`PROGRESS_POLL_US` timeout.
+
+    The wrapper sets its C++ config's ``pthrDelay`` to 0 itself; for the duration of the call (under a lock) its
+    config class is one that keeps the delay at :data:`PROGRESS_POLL_US` at least. Where the wrapper no longer
+    builds its config that way, the agent is made as it is (the delay is then NIXL's own)."""
+    import sys
+
+    bind = getattr(sys.modules.get(nixl_agent.__module__), "nixlBind", None)
+    real = getattr(bind, "nixlAgentConfig", None)
+    if bind is None or real is None:
+        return nixl_agent(name, config)
+
+    class Polled(real):  # type: ignore[misc, valid-type]
+        def __setattr__(self, key: str, value) -> None:
+            if key == "pthrDelay":
+                value = max(int(value), PROGRESS_POLL_US)
+            super().__setattr__(key, value)
+
+    with _CONSTRUCT:
+        bind.nixlAgentConfig = Polled
+        try:
+            return nixl_agent(name, config)
+        finally:
+            bind.nixlAgentConfig = real
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,10 +181,9 @@ class _CallTimedOut(_CallFailed):
 class NixlEngine(_EngineBase):
     """A NIXL agent (UCX backend) behind dtkv's engine surface; its session is ``nixl:{name}`` (module docstring).
 
-    A side writes to a peer once it has loaded the peer's :class:`~dtkv.transfer.messages.AgentRecord`
-    (:meth:`load_peers`, which :meth:`dtkv.transfer.TransferSide.connect` calls for the ranks it sends to), and
-    a peer reads this engine's record once :meth:`announce` wrote it (the side does, before it publishes its
-    endpoints).
+    It writes to a peer once it has loaded the peer's :class:`~dtkv.transfer.messages.AgentRecord`
+    (:meth:`add_peer`; :meth:`dtkv.transfer.TransferSide.connect` does it for the ranks a side sends to, with the
+    records their sides published next to their endpoints).
 
     Args:
         timeout_s: the engine's own bound on one call (default ``DTKV_TRANSFER_TIMEOUT_S``; at least 5 s, like
@@ -202,7 +234,7 @@ class NixlEngine(_EngineBase):
             sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,  # peers' worker threads call the agent at once
         )
         try:
-            agent = nixl_agent(name, config)
+            agent = _polled_agent(nixl_agent, name, config)
         except Exception as e:  # noqa: BLE001 - NIXL raises its own error types
             raise TransferError(f"starting NIXL agent {name!r} failed: {type(e).__name__}: {e}", request_id="-",
                                 peer=self.session) from e  # fmt: skip
@@ -230,7 +262,7 @@ class NixlEngine(_EngineBase):
 
     @property
     def generation(self) -> int:
-        """Registrations and unregistrations so far (the announced record's ``generation``)."""
+        """Registrations and unregistrations so far (the record's ``generation``)."""
         return self._generation
 
     def call_timeout_s(self) -> float:
@@ -300,7 +332,7 @@ class NixlEngine(_EngineBase):
 
     # ------------------------------------------------------------------------------------------ metadata
     def agent_record(self) -> AgentRecord:
-        """This engine's agent metadata and registered regions, as :meth:`announce` publishes them."""
+        """This engine's agent metadata and the regions registered now (what a peer needs to write to it)."""
         with self._reg_lock:
             table, generation = self._table, self._generation
             metadata = self._agent.get_agent_metadata()
@@ -313,35 +345,15 @@ class NixlEngine(_EngineBase):
             region_device=table.device,
         )
 
-    def announce(self, bootstrap, *, deadline: float) -> None:
-        """Write :meth:`agent_record` under ``agent/{name}`` of ``bootstrap`` (signed when it has a secret)."""
-        bootstrap.set(agent_key(self.name), self.agent_record(), deadline=deadline, peer=self.session)
-
-    def load_peers(self, bootstrap, sessions: Iterable[str], *, deadline: float) -> None:
-        """Load the agent record of every session in ``sessions`` from ``bootstrap`` (waiting for it until
-        ``deadline``); a record of the generation already loaded is not loaded again.
-
-        Raises:
-            TransferError: a session is not a NIXL agent's (the other side runs another engine), a record is
-                malformed, does not name its key's agent, or NIXL refused its metadata; or the deadline passed.
-        """
-        for session in dict.fromkeys(sessions):
-            name = self._agent_name(session)
-            if name is None:
+    def check_sessions(self, sessions: Iterable[str]) -> None:
+        for session in sessions:
+            if self._agent_name(session) is None:
                 raise TransferError(
                     f"session {session[:80]!r} is not a NIXL agent's ({SESSION_PREFIX}NAME): both sides must use "
                     "the same transfer engine",
                     request_id="-",
                     peer=session,
                 )
-            record = bootstrap.get(agent_key(name), AgentRecord, deadline=deadline, peer=session)
-            if record.name != name:
-                raise TransferError(
-                    f"malformed value under key {agent_key(name)!r}: it describes agent {record.name!r}",
-                    request_id="-",
-                    peer=session,
-                )
-            self.add_peer(record, deadline=deadline)
 
     def add_peer(self, record: AgentRecord, *, deadline: float) -> None:
         """Load ``record`` (another engine's :meth:`agent_record`), on the peer's worker: after the calls queued for
@@ -424,7 +436,7 @@ class NixlEngine(_EngineBase):
         with self._peer_lock:
             state = self._peers.get(name) if name is not None else None
         if name is None or state is None:
-            return self._fail(peer, "the peer's agent record is not loaded (load_peers: the side's connect())")
+            return self._fail(peer, "the peer's agent record is not loaded (add_peer: the side's connect())")
         s, d, n = (np.asarray(x, dtype=np.int64).reshape(-1) for x in (src, dst, length))
         if not s.shape == d.shape == n.shape:
             return self._fail(

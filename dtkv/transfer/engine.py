@@ -2,8 +2,9 @@
 (:mod:`dtkv.transfer._nixl`), and an in-process memcpy twin; :func:`create_engine` makes one by name.
 
 All expose the same small surface -- ``session``, ``register(tensors)``, ``write(peer, src, dst, length)`` and
-``close()``, plus ``announce`` / ``load_peers`` (the agent metadata NIXL needs, through dtkv's store; nothing for
-the others) -- and :func:`send_entries` drives any of them with the rules Mooncake 0.3.13's TCP transport needs:
+``close()``, plus ``agent_record`` / ``add_peer`` (the agent metadata NIXL needs, which the sides pass through
+dtkv's store; nothing for the others) -- and :func:`send_entries` drives any of them with the rules Mooncake
+0.3.13's TCP transport needs:
 
 - at most ``max_entries_per_call`` (default 1024) entries per call;
 - one call in flight per peer session (each peer has one worker thread; peers proceed in parallel);
@@ -43,6 +44,7 @@ from dtkv.transfer._mooncake_log import START_LOG_HINT, quiet_start
 from dtkv.transfer.coalesce import split_batches
 from dtkv.transfer.descriptors import PeerEntries
 from dtkv.transfer.errors import TransferError
+from dtkv.transfer.messages import AgentRecord
 from dtkv.transfer.protocol import time_left
 
 __all__ = [
@@ -156,15 +158,16 @@ class _EngineBase(ABC):
         """Whether ``session`` names a peer of this kind of engine."""
         return not session.startswith(("nixl:", "local:"))
 
-    def announce(self, bootstrap, *, deadline: float) -> None:  # noqa: B027 - a hook: nothing for most engines
-        """Publish what peers need to write to this engine, beyond its session (NIXL: its agent metadata)."""
+    def agent_record(self) -> AgentRecord | None:
+        """What a peer needs, beyond the session, to write to this engine (NIXL: its agent metadata); ``None``."""
+        return None
 
-    def load_peers(self, bootstrap, sessions: Iterable[str], *, deadline: float) -> None:
-        """Learn what writing to each of ``sessions`` needs (NIXL: their agent metadata).
+    def add_peer(self, record: AgentRecord, *, deadline: float) -> None:
+        """Load a peer's :meth:`agent_record` (only engines that publish one take one)."""
+        raise TypeError(f"{type(self).__name__} takes no agent records, got one of agent {record.name!r}")
 
-        Raises:
-            TransferError: a session belongs to another kind of engine (the two sides must use the same one).
-        """
+    def check_sessions(self, sessions: Iterable[str]) -> None:
+        """Raise :class:`TransferError` if a session belongs to another kind of engine (both sides must use one)."""
         for session in sessions:
             if not self._accepts(session):
                 raise TransferError(

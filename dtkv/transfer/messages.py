@@ -458,7 +458,7 @@ class OpenList:
 # ---------------------------------------------------------------------------------------------------- agents
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
 class AgentRecord:
-    """A NIXL agent's metadata as the engine announces it under ``agent/{name}`` (:class:`dtkv.transfer.NixlEngine`).
+    """A NIXL agent's metadata, as a rank publishes it under ``{role}/{rank}/agent`` (NIXL engines only).
 
     ``metadata`` is NIXL's own serialization of the agent (``nixl_agent.get_agent_metadata()``: its UCX worker
     address and the remote keys of its registered memory); dtkv hands it to ``add_remote_agent`` only after the

@@ -10,7 +10,8 @@ key                            value                                         wri
 =============================  ============================================  ======================================
 ``{role}/{rank}``              :class:`RankEndpoint` (with an incarnation)   the rank (a restart replaces it)
 ``{role}/{rank}/open``         the attempts the rank holds open              the rank (adopted by its restart)
-``agent/{name}``               :class:`AgentRecord` (NIXL engines only)      the engine, before its endpoints
+``{role}/{rank}/agent``        :class:`AgentRecord`: the rank's NIXL agent   the rank, before its endpoint (NIXL
+                                                                             only; a restart replaces it)
 ``req/{request_id}``           :class:`DstRequest`: the current attempt      decode rank 0
 ``E/prefill/{r}``              slot: OPEN -> CLAIM (r, fresh nonce) or       decode rank 0 / prefill rank r / a
                                ABORTED                                       failing decode
@@ -270,9 +271,9 @@ def endpoint_key(role: str, rank: int) -> str:
     return f"{role}/{rank}"
 
 
-def agent_key(name: str) -> str:
-    """Where a NIXL engine announces its agent (:class:`dtkv.transfer.messages.AgentRecord`)."""
-    return f"agent/{name}"
+def agent_key(role: str, rank: int) -> str:
+    """Where a rank publishes its NIXL agent's record (:class:`dtkv.transfer.messages.AgentRecord`)."""
+    return f"{role}/{rank}/agent"
 
 
 def open_key(role: str, rank: int) -> str:
