@@ -2,7 +2,8 @@
 
 :func:`start_decode_group` hosts the rendezvous store on 127.0.0.1 and spawns the decode ranks: each loads the same
 model (same seed, or the same checkpoint), builds a runtime over ``PageOwnership(M, ...)`` (one process: a whole
-pool), receives every request into its own pages over Mooncake (:func:`dtkv.runtime.pd.receive_prefilled`) and
+pool), receives every request into its own pages over ``--transfer-engine`` (Mooncake or NIXL;
+:func:`dtkv.runtime.pd.receive_prefilled`) and
 decodes (``--decode``). :func:`send_from_rank` runs in each prefill rank after prefill. :meth:`DecodeGroup.finish`
 collects the decode ranks' answers and checks them against the prefill ranks' (``pd`` check).
 """
@@ -28,8 +29,8 @@ def send_from_rank(runtime, args: dict, requests=None) -> dict:
     """Prefill-rank side: send ``requests`` of ``runtime`` (default: every live one) to the decode group (after
     prefill; collective).
 
-    Returns ``pd_entries``, ``pd_min_entries``, ``pd_calls``, ``pd_bytes`` (this rank's) and ``pd_kv_digest`` (the
-    requests' stored prompt KV, what the decode group must hold).
+    Returns ``pd_entries``, ``pd_min_entries``, ``pd_calls``, ``pd_bytes`` (this rank's), ``pd_engine`` and
+    ``pd_kv_digest`` (the requests' stored prompt KV, what the decode group must hold).
     """
     from dtkv.runtime.pd import kv_digest, request_bytes, send_prefilled, shard_for
     from dtkv.transfer import Bootstrap, PrefillSender, create_store
@@ -39,7 +40,10 @@ def send_from_rank(runtime, args: dict, requests=None) -> dict:
     digest = kv_digest([runtime.kv_bytes(r.rid) for r in reqs], [len(p) for p in prompts])
     store = create_store(port=args["pd_port"], is_master=False, timeout_s=args.get("timeout", 300.0))
     shard = shard_for(runtime, staging_bytes=request_bytes(runtime, [len(p) for p in prompts]))
-    sender = PrefillSender(shard, Bootstrap(store, namespace=args["pd_namespace"]), timeout_s=args.get("timeout"))
+    engine = args.get("transfer_engine") or "mooncake"
+    sender = PrefillSender(
+        shard, Bootstrap(store, namespace=args["pd_namespace"]), engine=engine, timeout_s=args.get("timeout")
+    )
     t0 = time.perf_counter()
     try:
         sender.connect()
@@ -55,6 +59,7 @@ def send_from_rank(runtime, args: dict, requests=None) -> dict:
         "pd_calls": sum(r.num_calls for r in reports),
         "pd_bytes": sent,
         "pd_kv_digest": digest,
+        "pd_engine": engine,
     }
 
 
@@ -77,7 +82,10 @@ def _decode_rank(rank: int, world: int, args: dict, prompts: list[list[int]], po
     try:
         store = create_store(port=port, is_master=False, timeout_s=args.get("timeout", 300.0))
         shard = shard_for(rt, staging_bytes=request_bytes(rt, [len(p) for p in prompts]))
-        receiver = DecodeReceiver(shard, Bootstrap(store, namespace=namespace), timeout_s=args.get("timeout"))
+        receiver = DecodeReceiver(
+            shard, Bootstrap(store, namespace=namespace), engine=args.get("transfer_engine") or "mooncake",
+            timeout_s=args.get("timeout"),
+        )  # fmt: skip
         try:
             receiver.connect()
             reports = receive_prefilled(rt, receiver, prompts)
@@ -177,6 +185,7 @@ class DecodeGroup:
             "pd_calls": sum(r["pd_calls"] for r in rank_results),
             "pd_bytes": sum(r["pd_bytes"] for r in rank_results),
             "pd_decode_mode": d0["mode"],
+            "pd_engine": r0.get("pd_engine", "mooncake"),
             "pd_kv_bytes_per_decode_rank": max(g["bytes_per_rank"] for g in got),
             "pd_kv_bytes_replicated": d0["replicated_bytes"],
             "pd_check": verdict.check(ok, _RULE, 0.0, "", "; ".join(why) or "equal on every decode rank"),
