@@ -84,18 +84,31 @@ def pytest_report_header(config):
     return lines
 
 
-def pytest_terminal_summary(terminalreporter):
-    """One line: the tests that ran on each transfer engine, by outcome (CI's log shows the two counts)."""
-    counts = {name: {} for name in ("mooncake", "nixl")}
+def pytest_collection_modifyitems(config, items):
+    config._dtkv_per_engine = {
+        item.nodeid for item in items if "transfer_engine" in getattr(getattr(item, "callspec", None), "params", {})
+    }
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """Two lines: the PD tests run once per engine (``transfer_engine``) and the engine-specific ones, by engine and
+    outcome (CI's log shows both counts)."""
+    per_engine = getattr(config, "_dtkv_per_engine", set())
+    counts: dict[str, dict[str, dict[str, int]]] = {"the PD suite": {}, "engine-specific tests": {}}
     for outcome in ("passed", "failed", "skipped", "error"):
         for rep in terminalreporter.stats.get(outcome, []):
             keywords = getattr(rep, "keywords", {})
-            for name, c in counts.items():
-                if name in keywords and (rep.when == "call" or outcome in ("skipped", "error")):
+            if not (rep.when == "call" or outcome in ("skipped", "error")):
+                continue
+            group = counts["the PD suite" if rep.nodeid in per_engine else "engine-specific tests"]
+            for name in ("mooncake", "nixl"):
+                if name in keywords:
+                    c = group.setdefault(name, {})
                     c[outcome] = c.get(outcome, 0) + 1
-    if any(counts.values()):
-        parts = [f"{name}: " + ", ".join(f"{n} {o}" for o, n in c.items()) for name, c in counts.items() if c]
-        terminalreporter.write_line("transfer engines: " + "; ".join(parts))
+    for title, group in counts.items():
+        if group:
+            parts = [f"{name} " + ", ".join(f"{n} {o}" for o, n in c.items()) for name, c in sorted(group.items())]
+            terminalreporter.write_line(f"transfer engines, {title}: " + "; ".join(parts))
 
 
 @pytest.fixture(params=_engines.ENGINES)
