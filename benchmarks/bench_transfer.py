@@ -1,7 +1,8 @@
-"""PD transfer of a 32K-token request over Mooncake TCP loopback, against one contiguous transfer of its bytes.
+"""PD transfer of a 32K-token request over loopback (Mooncake TCP or NIXL/UCX), against one contiguous transfer of
+its bytes; and the engines side by side on raw entry shapes.
 
-Run ``python benchmarks/bench_transfer.py`` (``--layers``, ``--tokens``, ``--reps``; ``--json PATH`` writes the
-rows). The prefill side runs in this process: ``cp_p`` prefill ranks (one :class:`dtkv.transfer.KVShard` each,
+Run ``python benchmarks/bench_transfer.py`` (``--engine mooncake|nixl``, ``--layers``, ``--tokens``, ``--reps``;
+``--json PATH`` writes the rows). The prefill side runs in this process: ``cp_p`` prefill ranks (one :class:`dtkv.transfer.KVShard` each,
 sharing one engine, sending one after the other) hold the request's pages, interleaved, in the real
 DeepSeek-V3.2 geometry (page 64: fp8 MLA 41 984 B + fp8 indexer 8 448 B per page and layer). A spawned decode
 process hosts ``cp_d`` ranks, a decode pool of pages allocated contiguously or fragmented (shuffled runs of 1-8
@@ -21,6 +22,22 @@ Per scenario, one verified warm-up and ``--reps`` timed repetitions, each timing
 
 The warm-up of every scenario is verified: decode hashes its pages in position order and compares with
 the prefill side's hash of the same logical pages.
+
+``--engines mooncake,nixl`` compares the engines on the same bytes instead, in one run (module
+:func:`run_engines`): for each request size (``--sizes`` tokens, fragmented decode pages) three entry shapes, each
+sent with :func:`dtkv.transfer.send_entries` exactly as a prefill rank sends (calls of at most 1024 entries, one in
+flight per peer) from this process to a spawned decode process of the same engine:
+
+- ``per_page``: one entry per page, layer and buffer (no coalescing);
+- ``coalesced``: the entries dtkv's planner emits for it (``plan_request``, staging off, one layer group);
+- ``contiguous``: one entry of the same bytes between two registered regions.
+
+Rows (``--jsonl PATH``): ``engine``, ``shape``, ``bytes``, ``entries``, ``gb_s`` (1e9 bytes/s, the median of
+``--reps`` timed repetitions, engines and shapes interleaved), ``vs_contiguous`` (this row's ``gb_s`` over the same
+engine's contiguous ``gb_s`` of the same bytes), plus ``tokens``, ``layers``, ``calls``, ``gb_s_best`` and
+``verified`` (decode's bytes equal the sources', checked on the warm-up of every shape). ``--nixl-sweep`` measures
+NIXL's requests per call instead (descriptors per request x requests in flight x entries per call) on the
+per-page shape: the measurement behind :data:`dtkv.transfer._nixl.BATCH_ENTRIES` and ``INFLIGHT_PER_PEER``.
 
 ``--protocol`` measures the protocol's own cost instead: one-page requests on the in-process
 :class:`dtkv.transfer.LocalEngine`, one thread doing post -> send -> wait, over an in-process ``HashStore`` and over
@@ -52,11 +69,15 @@ from dtkv.transfer import (
     DecodeReceiver,
     KVShard,
     LocalEngine,
-    MooncakeEngine,
+    PeerEntries,
     PlanOptions,
     PrefillSender,
     apply_mooncake_env,
+    create_engine,
     create_store,
+    expand_layers,
+    plan_request,
+    send_entries,
 )
 
 PAGE_SIZE = 64
@@ -133,9 +154,9 @@ def _digest(shards: list[KVShard], ownership: PageOwnership, pages: np.ndarray) 
 
 
 # ---------------------------------------------------------------------------------------------------- decode
-def _decode_main(conn, port: int, layers: int, pool_pages: int) -> None:
+def _decode_main(conn, port: int, layers: int, pool_pages: int, kind: str = "mooncake") -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    engine = MooncakeEngine()
+    engine = create_engine(kind)
     boot_store = create_store(port=port, is_master=False)
     receiver = None
     ceiling = None
@@ -164,7 +185,7 @@ def _decode_main(conn, port: int, layers: int, pool_pages: int) -> None:
         elif cmd == "ceiling":
             ceiling = torch.empty(args[0], dtype=torch.uint8)
             engine.register([ceiling])
-            conn.send((engine.session, ceiling.data_ptr()))
+            conn.send((engine.session, ceiling.data_ptr(), engine.agent_record()))
         elif cmd == "teardown":
             receiver.close()
             if ceiling is not None:
@@ -192,9 +213,9 @@ def run(args: argparse.Namespace) -> list[Result]:
     store = create_store(port=0, is_master=True)
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
-    proc = ctx.Process(target=_decode_main, args=(child, store.port, args.layers, pool_pages), daemon=True)
+    proc = ctx.Process(target=_decode_main, args=(child, store.port, args.layers, pool_pages, args.engine), daemon=True)
     proc.start()
-    engine = MooncakeEngine()
+    engine = create_engine(args.engine)
     g = torch.Generator().manual_seed(0)
     base = [
         Scenario(cp_p=1, cp_d=1, layout_d="interleave", alloc="contiguous", staging="auto"),
@@ -231,9 +252,11 @@ def run(args: argparse.Namespace) -> list[Result]:
         src = np.arange(16, 16 + n_req)
         dst = _pages(n_req, pool_pages, sc.alloc, seed=1)
         want = _digest(shards, own_p, src)
-        session, ceil_dst = _ask(conn, "ceiling", nbytes)
+        session, ceil_dst, record = _ask(conn, "ceiling", nbytes)
         ceil_src = torch.empty(nbytes, dtype=torch.uint8)
         engine.register([ceil_src])
+        if record is not None:  # NIXL: the decode engine registered the ceiling region after the sender connected
+            engine.add_peer(record, deadline=time.monotonic() + 30)
         rows = []
         verified = True
         for rep in range(args.reps + 1):  # rep 0 warms every buffer (first-touch page faults) and is verified
@@ -418,6 +441,247 @@ PROTOCOL_HEADER = (
 )
 
 
+# ---------------------------------------------------------------------------------------------------- engines
+SHAPES = ("per_page", "coalesced", "contiguous")
+
+
+def _engine_target(conn, kind: str, port: int, namespace: str, layers: int, pool_pages: int, nbytes: int) -> None:
+    """Decode side of :func:`run_engines`: one engine of ``kind``, a decode shard and a contiguous region."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    engine = create_engine(kind)
+    shard = KVShard.allocate(LAYOUTS, PageOwnership(1, pool_pages), 0, num_layers=layers)
+    region = torch.zeros(nbytes, dtype=torch.uint8)
+    engine.register(shard.registered_tensors() + [region])
+    record = engine.agent_record()
+    if record is not None:  # NIXL: the record travels through the store, as between PD sides
+        Bootstrap(create_store(port=port, is_master=False), namespace=namespace).publish_agent(
+            "decode", 0, record, deadline=time.monotonic() + 60
+        )
+    conn.send((shard.endpoint("decode", engine.session), region.data_ptr()))
+    while True:
+        cmd, *args = conn.recv()
+        if cmd == "clear":
+            for b in shard.buffers.values():
+                b.zero_()
+            region.zero_()
+            conn.send(("ok",))
+        elif cmd == "digest":
+            dst, contiguous_bytes = args
+            if contiguous_bytes:
+                conn.send(hashlib.blake2b(region[:contiguous_bytes].numpy().tobytes(), digest_size=16).hexdigest())
+            else:
+                conn.send(_digest([shard], shard.ownership, dst))
+        elif cmd == "exit":
+            engine.close()
+            return
+
+
+def _shape_entries(shape: str, plan_peers, shard_p: KVShard, ep_d, src, dst, contig) -> list[PeerEntries]:
+    """The entries of one shape (``contig``: ``(src_addr, dst_addr, nbytes)`` of the contiguous regions)."""
+    (peer,) = plan_peers
+    if shape == "coalesced":
+        return [peer]
+    if shape == "contiguous":
+        s, d, n = (np.array([x], dtype=np.int64) for x in contig)
+    else:  # one entry per page, layer and buffer: unit runs expanded over the layers
+        ones = np.ones(src.shape[0], dtype=np.int64)
+        parts = []
+        for spec in ep_d.buffers:
+            buf = shard_p.buffers[spec.name]
+            so, do, ln = expand_layers((src, dst, ones), num_layers=shard_p.num_layers, page_bytes=spec.page_bytes,
+                                       src_rows=int(buf.shape[1]), dst_rows=spec.num_local_pages)  # fmt: skip
+            parts.append((buf.data_ptr() + so, spec.addr + do, ln))
+        s, d, n = (np.concatenate(x) for x in zip(*parts))
+    return [PeerEntries(decode_rank=0, session=peer.session, src=s, dst=d, length=n, positions=peer.positions,
+                        dst_pages=peer.dst_pages)]  # fmt: skip
+
+
+def _time_send(engine, entries, *, max_entries: int = 1024) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    calls = send_entries(engine, entries, request_id="bench", deadline=time.monotonic() + 600,
+                         max_entries_per_call=max_entries)  # fmt: skip
+    return time.perf_counter() - t0, calls
+
+
+@dataclass
+class _Side:
+    """One engine's pair for :func:`run_engines`: this process's engine and shard, the decode process."""
+
+    kind: str
+    engine: object
+    shard: KVShard
+    region: torch.Tensor
+    proc: object
+    conn: object
+    ep_d: object
+    dst_region: int
+    record: object = None
+    """The decode engine's agent record (NIXL)."""
+
+
+def _start_sides(kinds, store, *, layers: int, pool_pages: int, nbytes: int, g) -> list[_Side]:
+    ctx = mp.get_context("spawn")
+    sides = []
+    for kind in kinds:
+        namespace = uuid.uuid4().hex
+        conn, child = ctx.Pipe()
+        proc = ctx.Process(target=_engine_target, args=(child, kind, store.port, namespace, layers, pool_pages, nbytes),
+                           daemon=True)  # fmt: skip
+        proc.start()
+        engine = create_engine(kind)
+        shard = KVShard.allocate(LAYOUTS, PageOwnership(1, pool_pages), 0, num_layers=layers)
+        for b in shard.buffers.values():
+            b.view(torch.uint8).copy_(torch.randint(0, 256, b.view(torch.uint8).shape, generator=g, dtype=torch.uint8))
+        region = torch.randint(0, 256, (nbytes,), generator=g, dtype=torch.uint8)
+        engine.register(shard.registered_tensors() + [region])
+        if not conn.poll(300):
+            raise TimeoutError(f"the {kind} decode process did not start")
+        ep_d, dst_region = conn.recv()
+        record = None
+        if kind == "nixl":
+            record = Bootstrap(store, namespace=namespace).agent("decode", 0, deadline=time.monotonic() + 60)
+            engine.add_peer(record, deadline=time.monotonic() + 60)
+        sides.append(_Side(kind, engine, shard, region, proc, conn, ep_d, dst_region, record))
+    return sides
+
+
+def _stop_sides(sides: list[_Side]) -> None:
+    for side in sides:
+        side.conn.send(("exit",))
+        side.proc.join(30)
+        side.engine.close()
+
+
+def run_engines(args: argparse.Namespace) -> list[dict]:
+    """Every engine of ``--engines`` on the three shapes of every ``--sizes`` request (module docstring)."""
+    torch.set_num_threads(1)
+    kinds = [k.strip() for k in args.engines.split(",") if k.strip()]
+    sizes = [int(x) for x in args.sizes.split(",")]
+    max_pages = -(-max(sizes) // PAGE_SIZE)
+    pool_pages = 2 * max_pages + 64
+    page_bytes = sum(lay.page_bytes for lay in LAYOUTS.values())
+    store = create_store(port=0, is_master=True)
+    g = torch.Generator().manual_seed(0)
+    sides = _start_sides(kinds, store, layers=args.layers, pool_pages=pool_pages,
+                         nbytes=max_pages * args.layers * page_bytes, g=g)  # fmt: skip
+    rows = []
+    try:
+        for tokens in sizes:
+            n_req = -(-tokens // PAGE_SIZE)
+            nbytes = n_req * args.layers * page_bytes
+            src = np.arange(16, 16 + n_req)
+            dst = _pages(n_req, pool_pages, "fragmented", seed=1)
+            work = {}
+            for side in sides:
+                ep_p = side.shard.endpoint("prefill", side.engine.session)
+                plan = plan_request(src, dst, prefill=[ep_p], decode=[side.ep_d],
+                                    options=PlanOptions(staging="off", layer_groups=1))  # fmt: skip
+                contig = (side.region.data_ptr(), side.dst_region, nbytes)
+                for shape in SHAPES:
+                    entries = _shape_entries(shape, plan.senders[0].peers, side.shard, side.ep_d, src, dst, contig)
+                    _ask(side.conn, "clear")
+                    _time_send(side.engine, entries)  # warm-up, verified
+                    contiguous = nbytes if shape == "contiguous" else 0
+                    got = _ask(side.conn, "digest", dst, contiguous)
+                    if contiguous:
+                        want = hashlib.blake2b(side.region[:nbytes].numpy().tobytes(), digest_size=16).hexdigest()
+                    else:
+                        want = _digest([side.shard], side.shard.ownership, src)
+                    work[(side.kind, shape)] = (side, entries, got == want, [], 0)
+            for _ in range(args.reps):  # engines and shapes interleaved: a slow spell of the machine hits all alike
+                for key, (side, entries, ok, times, _calls) in work.items():
+                    dt, calls = _time_send(side.engine, entries)
+                    times.append(dt)
+                    work[key] = (side, entries, ok, times, calls)
+            for (kind, shape), (_side, entries, ok, times, calls) in work.items():
+                med = float(np.median(times))
+                rows.append({"engine": kind, "shape": shape, "tokens": tokens, "layers": args.layers,
+                             "bytes": nbytes, "entries": sum(p.num_entries for p in entries), "calls": calls,
+                             "gb_s": nbytes / med / 1e9, "gb_s_best": nbytes / min(times) / 1e9,
+                             "verified": bool(ok)})  # fmt: skip
+            for r in rows[-len(work) :]:
+                base = next(x for x in rows[-len(work) :] if x["engine"] == r["engine"] and x["shape"] == "contiguous")
+                r["vs_contiguous"] = r["gb_s"] / base["gb_s"]
+                print(_engine_row(r), flush=True)
+    finally:
+        _stop_sides(sides)
+    return rows
+
+
+ENGINE_HEADER = (
+    "| engine | shape | tokens | MB | entries | calls | GB/s (median) | GB/s (best) | vs contiguous | bitwise |\n"
+    "|---|---|--:|--:|--:|--:|--:|--:|--:|---|"
+)
+
+
+def _engine_row(r: dict) -> str:
+    return (
+        f"| {r['engine']} | {r['shape']} | {r['tokens']} | {r['bytes'] / 1e6:.1f} | {r['entries']} | {r['calls']} | "
+        f"{r['gb_s']:.2f} | {r['gb_s_best']:.2f} | {r['vs_contiguous']:.2f} | {'yes' if r['verified'] else 'NO'} |"
+    )
+
+
+def run_nixl_sweep(args: argparse.Namespace) -> list[dict]:
+    """NIXL's descriptors per request x requests in flight x entries per call, on the per-page shape of the largest
+    ``--sizes`` request (medians of ``--reps``)."""
+    from dtkv.transfer import NixlEngine
+
+    torch.set_num_threads(1)
+    tokens = max(int(x) for x in args.sizes.split(","))
+    n_req = -(-tokens // PAGE_SIZE)
+    pool_pages = 2 * n_req + 64
+    nbytes = n_req * args.layers * sum(lay.page_bytes for lay in LAYOUTS.values())
+    store = create_store(port=0, is_master=True)
+    (side,) = _start_sides(["nixl"], store, layers=args.layers, pool_pages=pool_pages, nbytes=nbytes,
+                           g=torch.Generator().manual_seed(0))  # fmt: skip
+    src, dst = np.arange(16, 16 + n_req), _pages(n_req, pool_pages, "fragmented", seed=1)
+    plan = plan_request(src, dst, prefill=[side.shard.endpoint("prefill", side.engine.session)], decode=[side.ep_d],
+                        options=PlanOptions(staging="off", layer_groups=1))  # fmt: skip
+    rows = []
+    try:
+        configs = [(c, b, k) for c in (1024, 8192) for b in (64, 256, 1024, 4096) for k in (1, 2, 4) if b <= c]
+        engines = {}
+        for c, b, k in configs:  # one engine per configuration, each registering the same source memory
+            eng = NixlEngine(batch_entries=b, inflight=k)
+            eng.register(side.shard.registered_tensors())
+            eng.add_peer(side.record, deadline=time.monotonic() + 60)
+            engines[(c, b, k)] = eng
+        entries = {key: _shape_entries("per_page", plan.senders[0].peers, side.shard, side.ep_d, src, dst, None)
+                   for key in engines}  # fmt: skip
+        for key, eng in engines.items():
+            _time_send(eng, entries[key], max_entries=key[0])  # warm-up
+        times: dict = {key: [] for key in engines}
+        for _ in range(args.reps):
+            for key, eng in engines.items():
+                times[key].append(_time_send(eng, entries[key], max_entries=key[0])[0])
+        for (c, b, k), ts in times.items():
+            rows.append({"engine": "nixl", "shape": "per_page", "tokens": tokens, "bytes": nbytes,
+                         "entries": entries[(c, b, k)][0].num_entries, "entries_per_call": c, "batch_entries": b,
+                         "inflight": k, "ucx_tls": os.environ.get("UCX_TLS", "default"),
+                         "gb_s": nbytes / float(np.median(ts)) / 1e9,
+                         "gb_s_best": nbytes / min(ts) / 1e9})  # fmt: skip
+            r = rows[-1]
+            print(f"| {c} | {b} | {k} | {r['gb_s']:.2f} | {r['gb_s_best']:.2f} |", flush=True)
+        for eng in engines.values():
+            eng.close()
+    finally:
+        _stop_sides([side])
+    return rows
+
+
+def _versions() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = [f"torch {torch.__version__}"]
+    for name in ("mooncake-transfer-engine-non-cuda", "nixl", "nixl-cu12", "nixl-cu13"):
+        try:
+            out.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            pass
+    return ", ".join(out)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=32768, help="tokens of the request (default 32768)")
@@ -434,6 +698,13 @@ def main() -> None:
     p.add_argument(
         "--only", default=None, help="run the scenarios whose name and staging contain this text (default: all)"
     )
+    p.add_argument("--engine", default="mooncake", choices=("mooncake", "nixl"), help="scenario rows: the engine")
+    p.add_argument(
+        "--engines", default=None, help="compare these engines on raw entry shapes instead, e.g. mooncake,nixl"
+    )
+    p.add_argument("--sizes", default="4096,32768", help="--engines: request sizes in tokens (default 4096,32768)")
+    p.add_argument("--jsonl", default=None, help="--engines / --nixl-sweep: write the rows here, one JSON per line")
+    p.add_argument("--nixl-sweep", action="store_true", help="measure NIXL's batch size and requests in flight")
     p.add_argument("--protocol", action="store_true", help="measure the protocol's per-request cost instead")
     p.add_argument("--protocol-requests", type=int, default=100, help="timed requests per --protocol row (default 100)")
     args = p.parse_args()
@@ -446,12 +717,23 @@ def main() -> None:
             with open(args.json, "w") as f:
                 json.dump([asdict(r) for r in results], f, indent=1)
         return
-    import mooncake
-
+    if args.engines or args.nixl_sweep:
+        print(f"# {datetime.date.today()} | {platform.node()} | {os.cpu_count()} cores | {_versions()} | "
+              f"sizes={args.sizes} layers={args.layers} reps={args.reps}")  # fmt: skip
+        if args.nixl_sweep:
+            print("| entries per call | descriptors per request | in flight | GB/s (median) | GB/s (best) |\n"
+                  "|--:|--:|--:|--:|--:|")  # fmt: skip
+            rows = run_nixl_sweep(args)
+        else:
+            print(ENGINE_HEADER)
+            rows = run_engines(args)
+        if args.jsonl:
+            with open(args.jsonl, "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
+        return
     print(
-        f"# {datetime.date.today()} | {platform.node()} | {os.cpu_count()} cores | torch {torch.__version__} | "
-        f"mooncake {getattr(mooncake, '__version__', '0.3.13.post1')} | tokens={args.tokens} layers={args.layers} "
-        f"reps={args.reps}"
+        f"# {datetime.date.today()} | {platform.node()} | {os.cpu_count()} cores | {_versions()} | "
+        f"engine={args.engine} tokens={args.tokens} layers={args.layers} reps={args.reps}"
     )
     print(HEADER)
     with phase(f"transfer scenarios, {args.tokens} tokens x {args.layers} layers, {args.reps} reps"):
