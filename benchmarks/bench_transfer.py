@@ -35,7 +35,10 @@ flight per peer) from this process to a spawned decode process of the same engin
 Rows (``--jsonl PATH``): ``engine``, ``shape``, ``bytes``, ``entries``, ``gb_s`` (1e9 bytes/s, the median of
 ``--reps`` timed repetitions, engines and shapes interleaved), ``vs_contiguous`` (this row's ``gb_s`` over the same
 engine's contiguous ``gb_s`` of the same bytes), plus ``tokens``, ``layers``, ``calls``, ``gb_s_best`` and
-``verified`` (decode's bytes equal the sources', checked on the warm-up of every shape). ``--nixl-sweep`` measures
+``verified`` (decode's bytes equal the sources', checked on the warm-up of every shape). With ``--planned``, also
+the rows ``planned <scenario>``: dtkv's own send of the largest request through the protocol, default policy
+(coalescing, staging ``auto``, 4 layer groups; the scenario rows above), ``gb_s`` from its median e2e time and
+``vs_contiguous`` the median of its ratios to the contiguous ceiling timed back to back. ``--nixl-sweep`` measures
 NIXL's requests per call instead (descriptors per request x requests in flight x entries per call) on the
 per-page shape: the measurement behind :data:`dtkv.transfer._nixl.BATCH_ENTRIES` and ``INFLIGHT_PER_PEER``.
 
@@ -127,6 +130,7 @@ class Result:
     ratio_median: float
     """Median over repetitions of (ceiling time / e2e time), each pair timed back to back."""
     verified: bool
+    e2e_ms_median: float = 0.0
 
 
 def _pages(num_pages_req: int, pool_pages: int, alloc: str, seed: int) -> np.ndarray:
@@ -300,6 +304,7 @@ def run(args: argparse.Namespace) -> list[Result]:
                 ratio_best=ceiling / e2e,
                 ratio_median=ratios[len(ratios) // 2],
                 verified=verified,
+                e2e_ms_median=float(np.median([r[1] for r in rows])) * 1e3,
             )
         )
         print(_row(results[-1]), flush=True)
@@ -606,6 +611,17 @@ def run_engines(args: argparse.Namespace) -> list[dict]:
                 print(_engine_row(r), flush=True)
     finally:
         _stop_sides(sides)
+    if args.planned:  # dtkv's own send of the largest request, default policy, through the protocol
+        print(HEADER, flush=True)
+        for kind in kinds:
+            sub = argparse.Namespace(**{**vars(args), "engine": kind, "tokens": max(sizes), "only": "auto/4",
+                                        "layer_groups": 4})  # fmt: skip
+            for r in run(sub):
+                nbytes = int(round(r.mib * 2**20))
+                rows.append({"engine": kind, "shape": f"planned {r.scenario}", "tokens": max(sizes),
+                             "layers": args.layers, "bytes": nbytes, "entries": r.entries, "calls": r.calls,
+                             "gb_s": nbytes / (r.e2e_ms_median * 1e-3) / 1e9, "gb_s_best": nbytes / (r.e2e_ms * 1e-3) / 1e9,
+                             "vs_contiguous": r.ratio_median, "verified": r.verified})  # fmt: skip
     return rows
 
 
@@ -705,6 +721,11 @@ def main() -> None:
     p.add_argument("--sizes", default="4096,32768", help="--engines: request sizes in tokens (default 4096,32768)")
     p.add_argument("--jsonl", default=None, help="--engines / --nixl-sweep: write the rows here, one JSON per line")
     p.add_argument("--nixl-sweep", action="store_true", help="measure NIXL's batch size and requests in flight")
+    p.add_argument(
+        "--planned",
+        action="store_true",
+        help="--engines: also dtkv's own send (the scenarios' default policy, auto/4) of the largest size per engine",
+    )
     p.add_argument("--protocol", action="store_true", help="measure the protocol's per-request cost instead")
     p.add_argument("--protocol-requests", type=int, default=100, help="timed requests per --protocol row (default 100)")
     args = p.parse_args()
