@@ -218,6 +218,29 @@ class TestMetadata:
             a.close()
             _.close()
 
+    def test_a_record_of_another_agent_than_the_endpoints_is_refused_at_connect(self):
+        """A decode rank's record must name the agent its endpoint's session names (else: a restart in between, or a
+        forged record): prefill refuses to load it and writes nothing."""
+        from dtkv import PageOwnership
+        from dtkv.transfer import DecodeReceiver, NixlEngine, PrefillSender
+        from tests._transfer import shards
+
+        boot = Bootstrap(dist.HashStore(), namespace="other")
+        sender = PrefillSender(shards(PageOwnership(1, 8)), boot, engine="nixl", timeout_s=5)
+        receiver = DecodeReceiver(shards(PageOwnership(1, 8)), boot, engine="nixl", timeout_s=5)
+        stranger = NixlEngine(timeout_s=5)
+        try:
+            stranger.register([torch.zeros(64, dtype=torch.uint8)])
+            boot.publish_agent("decode", 0, stranger.agent_record(), deadline=_deadline())
+            with pytest.raises(TransferError, match="decode rank 0's agent record names agent"):
+                sender.connect()
+            boot.publish_agent("decode", 0, receiver.agent, deadline=_deadline())
+            sender.connect()  # the genuine record again: it loads
+        finally:
+            sender.close()
+            receiver.close()
+            stranger.close()
+
     def test_sides_on_different_engines_refuse_each_other_at_connect(self):
         from dtkv import PageOwnership
         from dtkv.transfer import DecodeReceiver, PrefillSender

@@ -23,7 +23,10 @@ What is NIXL's own:
   connection to the peer (``remove_remote_agent``), so no request of it stays queued in UCX; it returns ``-2``
   (timed out) or ``-1``. The next call to that peer reconnects from the peer's record.
 - **Memory.** Host tensors register as ``DRAM_SEG``, CUDA tensors as ``VRAM_SEG`` with their device index (UCX's
-  ``cuda_copy`` / ``cuda_ipc`` / RDMA transports move them; the NIXL wheel's UCX is built with CUDA support).
+  ``cuda_copy`` / ``cuda_ipc`` / RDMA transports move them; the NIXL wheel's UCX is built with CUDA support); a
+  peer's worker thread makes the source device current before it posts (UCX works in the calling thread's CUDA
+  context). This path is written to NIXL's documented API but has not run: the CI machines have no GPU and the GPU
+  image does not carry the wheel (``tests/test_transfer_nixl.py`` has the CUDA test, skipped without a device).
 - **Environment.** ``NIXL_LOG_LEVEL`` defaults to ``WARN`` (``os.environ.setdefault`` before NIXL is imported):
   at ``INFO`` NIXL prints a line to *stdout* for every agent it starts. UCX's own variables (``UCX_TLS``,
   ``UCX_NET_DEVICES``, ``UCX_TCP_PORT_RANGE``, ...) are left to the deployment.
@@ -124,6 +127,17 @@ def _polled_agent(nixl_agent, name: str, config):
             return nixl_agent(name, config)
         finally:
             bind.nixlAgentConfig = real
+
+
+_THREAD = threading.local()
+
+
+def _bind_cuda(device: int) -> None:
+    """Make ``device``'s context current on this thread (a peer's worker) before UCX reads its memory: UCX's CUDA
+    transports work in the calling thread's current context."""
+    if getattr(_THREAD, "cuda_device", None) != device:
+        torch.cuda.set_device(device)
+        _THREAD.cuda_device = device
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,7 +299,7 @@ class NixlEngine(_EngineBase):
                 raise ValueError(f"tensors must be contiguous to register, got one of stride {t.stride()}")
             if t.device.type not in ("cpu", "cuda"):
                 raise ValueError(f"tensors must be host or CUDA memory, got device {t.device}")
-            rows.append((t, t.data_ptr(), t.numel() * t.element_size(), (t.device.index or 0) if t.is_cuda else -1))
+            rows.append((t, t.data_ptr(), t.numel() * t.element_size(), t.get_device() if t.is_cuda else -1))
         with self._reg_lock:
             table = self._table
             spans = sorted((addr, nbytes) for _, addr, nbytes, _ in rows)
@@ -317,7 +331,7 @@ class NixlEngine(_EngineBase):
             logger.warning("NIXL deregister_memory of %#x failed: %s", addr, e)
 
     def _rebuild_table(self) -> None:
-        rows = [(a, t.numel() * t.element_size(), (t.device.index or 0) if t.is_cuda else -1)
+        rows = [(a, t.numel() * t.element_size(), t.get_device() if t.is_cuda else -1)
                 for a, (t, _) in self._tensors.items()]  # fmt: skip
         self._table = _Regions.of(rows)
         self._generation += 1
@@ -469,6 +483,8 @@ class NixlEngine(_EngineBase):
         out = []
         pairs = np.stack([src_dev, dst_dev], 1)
         for sd, dd in np.unique(pairs, axis=0).tolist():
+            if sd >= 0:
+                _bind_cuda(sd)
             idx = np.flatnonzero((src_dev == sd) & (dst_dev == dd))
             for lo in range(0, idx.shape[0], self.batch_entries):
                 sel = idx[lo : lo + self.batch_entries]

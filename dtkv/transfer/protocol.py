@@ -57,8 +57,9 @@ Prefill checks the value it gets back for :data:`ABORT` between layer groups and
 **Quarantine.** When an attempt fails on decode, its decode pages, metadata slot and staging region stay out of
 use until every claimed prefill rank is DRAINED, or until a grace period has passed since the abort: the
 prefill rank's send window (it issues no engine call after its own deadline, announced in its claim) plus its
-engine's longest call (``MC_TRANSFER_TIMEOUT`` + 1 ns per byte) plus :data:`GRACE_MARGIN_S`. Late bytes of an
-abandoned call can therefore never land in pages handed to another request.
+engine's longest call (Mooncake's ``MC_TRANSFER_TIMEOUT`` or NIXL's own timeout, + 1 ns per byte) plus
+:data:`GRACE_MARGIN_S`. Late bytes of an abandoned call can therefore never land in pages handed to another
+request.
 
 **Late binds.** A decode rank other than 0 takes part with a compare-and-set (OPEN -> READY) on the store worker;
 when the store is slow past the caller's deadline, the call keeps running and may still land. The failing
