@@ -116,6 +116,69 @@ class TestWrites:
             _.close()
         assert a.registered == 0 and _engines.released(a)
 
+    def test_descriptor_lists_group_entries_by_device_pair_and_keep_their_order(self, monkeypatch):
+        """Entries of mixed (source, destination) devices become one run of requests per pair, each in entry
+        order and cut at ``batch_entries``; one pair for all entries (host to host) is one run. Checked against
+        the descriptors an independent loop expects, without CUDA (the lists are only built, never posted)."""
+        import dtkv.transfer._nixl as nixl_mod
+
+        monkeypatch.setattr(nixl_mod, "_bind_cuda", lambda device: None)
+        a, _ = _pair(batch_entries=2)
+        try:
+            n = 7
+            s = np.arange(n, dtype=np.int64) * 100 + 1000
+            d = np.arange(n, dtype=np.int64) * 10 + 5000
+            ln = np.arange(1, n + 1, dtype=np.int64)
+            for src_dev, dst_dev in [
+                ([-1] * n, [-1] * n),
+                ([-1, 0, -1, 0, 3, -1, 0], [-1, -1, -1, 1, 1, 2, -1]),
+                ([5] * n, [1023] * n),
+            ]:
+                sd, dd = np.array(src_dev, dtype=np.int64), np.array(dst_dev, dtype=np.int64)
+                want = []
+                for pair in sorted(set(zip(src_dev, dst_dev))):
+                    idx = [i for i in range(n) if (src_dev[i], dst_dev[i]) == pair]
+                    want += [(pair, idx[k : k + 2]) for k in range(0, len(idx), 2)]
+                got = a._batches(s, d, ln, sd, dd)
+                assert len(got) == len(want)
+                for (local, remote), ((s_dev, d_dev), idx) in zip(got, want):
+                    for dl, dev, addr in ((local, s_dev, s), (remote, d_dev, d)):
+                        assert dl.descCount() == len(idx)
+                        assert dl.getType().name == ("DRAM_SEG" if dev < 0 else "VRAM_SEG")
+                        for k, i in enumerate(idx):
+                            assert dl.index((int(addr[i]), int(ln[i]), max(dev, 0))) == k
+        finally:
+            a.close()
+            _.close()
+
+    def test_send_entries_hands_nixl_its_entries_as_arrays(self, monkeypatch):
+        """NIXL takes int64 arrays as they are (no list round trip per call); Mooncake's binding gets lists."""
+        from dtkv.transfer import NixlEngine, PeerEntries, send_entries
+
+        a, b = _pair()
+        try:
+            src, dst = torch.arange(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
+            a.register([src])
+            b.register([dst])
+            a.add_peer(b.agent_record(), deadline=_deadline())
+            seen = []
+            real = NixlEngine.write
+
+            def spy(self, peer, s, d, n):
+                seen.append(type(s))
+                return real(self, peer, s, d, n)
+
+            monkeypatch.setattr(NixlEngine, "write", spy)
+            entries = PeerEntries(decode_rank=0, session=b.session, src=np.array([src.data_ptr(), src.data_ptr() + 40]),
+                                  dst=np.array([dst.data_ptr() + 1, dst.data_ptr() + 50]), length=np.array([30, 9]),
+                                  positions=np.zeros(0, dtype=np.int64), dst_pages=np.zeros(0, dtype=np.int64))  # fmt: skip
+            assert send_entries(a, [entries], request_id="r", deadline=_deadline()) == 1
+            assert seen == [np.ndarray]
+            assert torch.equal(dst[1:31], src[:30]) and torch.equal(dst[50:59], src[40:49])
+        finally:
+            a.close()
+            b.close()
+
 
 class TestMetadata:
     @pytest.mark.parametrize("secret", [None, "s3cret"], ids=["unsigned", "signed"])

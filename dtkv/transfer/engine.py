@@ -111,6 +111,9 @@ class _EngineBase(ABC):
     """
 
     session: str
+    takes_arrays: bool = False
+    """Whether :meth:`write` takes int64 numpy arrays as they are; :func:`send_entries` hands other engines
+    lists (Mooncake's binding takes nothing else)."""
 
     def __init__(self) -> None:
         self._executors: dict[str, ThreadPoolExecutor] = {}
@@ -439,7 +442,10 @@ def _send_session(engine, session, peers, group, max_entries, request_id, cancel
     for sl in split_batches(int(length.shape[0]), max_entries):
         if cancel.is_set() or time.monotonic() >= deadline:
             return calls
-        rc = engine.write(session, src[sl].tolist(), dst[sl].tolist(), length[sl].tolist())
+        if engine.takes_arrays:
+            rc = engine.write(session, src[sl], dst[sl], length[sl])
+        else:
+            rc = engine.write(session, src[sl].tolist(), dst[sl].tolist(), length[sl].tolist())
         calls += 1
         if rc != 0:
             unconfirmed = np.unique(owner[sl.start :])
