@@ -33,8 +33,10 @@ flight per peer) from this process to a spawned decode process of the same engin
 - ``contiguous``: one entry of the same bytes between two registered regions.
 
 Rows (``--jsonl PATH``): ``engine``, ``shape``, ``bytes``, ``entries``, ``gb_s`` (1e9 bytes/s, the median of
-``--reps`` timed repetitions, engines and shapes interleaved), ``vs_contiguous`` (this row's ``gb_s`` over the same
-engine's contiguous ``gb_s`` of the same bytes), plus ``tokens``, ``layers``, ``calls``, ``gb_s_best`` and
+``--reps`` timed repetitions, engines and shapes interleaved), ``vs_contiguous`` (this shape's GB/s over the same
+engine's contiguous GB/s of the same bytes: the median over repetitions of the ratio of the two, timed back to back
+in each repetition, so that the machine's load changes both alike; ``vs_contiguous_of_medians`` is the ratio of the
+medians), plus ``tokens``, ``layers``, ``calls``, ``gb_s_best`` and
 ``verified`` (decode's bytes equal the sources', checked on the warm-up of every shape). With ``--planned``, also
 the rows ``planned <scenario>``: dtkv's own send of the largest request through the protocol, default policy
 (coalescing, staging ``auto``, 4 layer groups; the scenario rows above), ``gb_s`` from its median e2e time and
@@ -593,22 +595,23 @@ def run_engines(args: argparse.Namespace) -> list[dict]:
                         want = hashlib.blake2b(side.region[:nbytes].numpy().tobytes(), digest_size=16).hexdigest()
                     else:
                         want = _digest([side.shard], side.shard.ownership, src)
-                    work[(side.kind, shape)] = (side, entries, got == want, [], 0)
-            for _ in range(args.reps):  # engines and shapes interleaved: a slow spell of the machine hits all alike
-                for key, (side, entries, ok, times, _calls) in work.items():
-                    dt, calls = _time_send(side.engine, entries)
-                    times.append(dt)
-                    work[key] = (side, entries, ok, times, calls)
+                    work[(side.kind, shape)] = [side, entries, got == want, [], 0]
+            for rep in range(args.reps):  # engines and shapes interleaved: a slow spell of the machine hits all alike
+                for side in sides:  # one engine's shapes back to back, their order reversed every other repetition
+                    for shape in SHAPES if rep % 2 == 0 else SHAPES[::-1]:
+                        w = work[(side.kind, shape)]
+                        dt, w[4] = _time_send(side.engine, w[1])
+                        w[3].append(dt)
             for (kind, shape), (_side, entries, ok, times, calls) in work.items():
+                base = work[(kind, "contiguous")][3]
                 med = float(np.median(times))
                 rows.append({"engine": kind, "shape": shape, "tokens": tokens, "layers": args.layers,
                              "bytes": nbytes, "entries": sum(p.num_entries for p in entries), "calls": calls,
                              "gb_s": nbytes / med / 1e9, "gb_s_best": nbytes / min(times) / 1e9,
+                             "vs_contiguous": float(np.median(np.array(base) / np.array(times))),
+                             "vs_contiguous_of_medians": float(np.median(base)) / med, "reps": len(times),
                              "verified": bool(ok)})  # fmt: skip
-            for r in rows[-len(work) :]:
-                base = next(x for x in rows[-len(work) :] if x["engine"] == r["engine"] and x["shape"] == "contiguous")
-                r["vs_contiguous"] = r["gb_s"] / base["gb_s"]
-                print(_engine_row(r), flush=True)
+                print(_engine_row(rows[-1]), flush=True)
     finally:
         _stop_sides(sides)
     if args.planned:  # dtkv's own send of the largest request, default policy, through the protocol
@@ -686,6 +689,11 @@ def run_nixl_sweep(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def _load() -> str:
+    """The load averages (1, 5, 15 min): the machine may be shared."""
+    return " / ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def _versions() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -740,7 +748,7 @@ def main() -> None:
         return
     if args.engines or args.nixl_sweep:
         print(f"# {datetime.date.today()} | {platform.node()} | {os.cpu_count()} cores | {_versions()} | "
-              f"sizes={args.sizes} layers={args.layers} reps={args.reps}")  # fmt: skip
+              f"sizes={args.sizes} layers={args.layers} reps={args.reps} | load {_load()}")  # fmt: skip
         if args.nixl_sweep:
             print("| entries per call | descriptors per request | in flight | GB/s (median) | GB/s (best) |\n"
                   "|--:|--:|--:|--:|--:|")  # fmt: skip
@@ -748,6 +756,7 @@ def main() -> None:
         else:
             print(ENGINE_HEADER)
             rows = run_engines(args)
+        print(f"# load {_load()}")
         if args.jsonl:
             with open(args.jsonl, "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in rows)
