@@ -194,7 +194,7 @@ def test_demo_help_names_every_default_and_unit():
 
     valued = [a for a in parser()._actions if a.option_strings and not isinstance(a, argparse._StoreTrueAction)]
     valued = [a for a in valued if not isinstance(a, argparse._HelpAction)]
-    assert len(valued) == 19
+    assert len(valued) == 20
     for a in valued:
         assert "(default: " in a.help, a.option_strings
     out = subprocess.run([sys.executable, "-m", "dtkv.demo", "--help"], capture_output=True, text=True, timeout=60)
