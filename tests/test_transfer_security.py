@@ -397,7 +397,7 @@ class TestListening:
             peer.close()
 
 
-_LISTENERS = """
+_LISTENING = """
 import json, os, socket, sys, torch
 
 def listening():
@@ -421,7 +421,11 @@ def listening():
                 raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))  # /proc's host-order words
                 out.append([socket.inet_ntop(family, raw), int(hexport, 16)])
     return sorted(out)
+"""
 
+_LISTENERS = (
+    _LISTENING
+    + """
 from dtkv.transfer import NixlEngine
 from dtkv.transfer.protocol import deadline_after
 before = listening()
@@ -435,11 +439,36 @@ rc = peer.write(victim.session, [src.data_ptr()], [pool.data_ptr() + 128], [64])
 print(json.dumps({"opened": opened, "rc": rc, "landed": int(pool[128:192].sum()), "outside": int(pool[:128].sum())}))
 victim.close(); peer.close()
 """
+)
+
+_PD_LISTENERS = (
+    _LISTENING
+    + """
+import numpy as np
+from dtkv import PageOwnership
+from dtkv.transfer import Bootstrap, DecodeReceiver, PrefillSender, create_store
+from tests._transfer import same_pages, shards
+before = listening()
+store = create_store("127.0.0.1", port=0, is_master=True, timeout_s=30)
+pre, dec = shards(PageOwnership(2, 16), seed=1), shards(PageOwnership(1, 16))
+sender = PrefillSender(pre, Bootstrap(store, namespace="pd"), engine="nixl", timeout_s=10)
+receiver = DecodeReceiver(dec, Bootstrap(store, namespace="pd"), engine="nixl", timeout_s=10)
+receiver.connect(30)
+sender.connect(30)
+src, dst = np.arange(2, 13), np.arange(15, 4, -1)
+receiver.post_request("r", dst)
+sender.send_request("r", src)
+receiver.wait_request("r")
+opened = [x for x in listening() if x not in before]
+print(json.dumps({"opened": opened, "store": store.port, "ok": bool(same_pages(pre, src, dec, dst))}))
+sender.close(); receiver.close()
+"""
+)
 
 
-def _nixl_listeners(**env) -> dict:
-    out = subprocess.run([sys.executable, "-c", _LISTENERS], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, **env})  # fmt: skip
+def _nixl_listeners(script: str = _LISTENERS, **env) -> dict:
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, **env}, cwd=pathlib.Path(__file__).parents[1])  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.splitlines()[-1])
 
@@ -464,3 +493,21 @@ def test_nixl_exposure_is_as_documented():
     assert narrowed["opened"] and all(a == "127.0.0.1" and 47300 <= p <= 47399 for a, p in narrowed["opened"]), (
         narrowed["opened"]
     )
+    assert len(narrowed["opened"]) == 2, f"one per engine (its UCX worker) on lo: {narrowed['opened']}"
+
+
+@pytest.mark.nixl
+@pytest.mark.skipif(not _engines.NIXL_OK, reason=f"NIXL transfer engine unavailable: {_engines.NIXL_WHY}")
+def test_a_pd_handoff_on_nixl_listens_on_the_store_and_ucx_workers_only():
+    """A whole hand-off (two prefill ranks to a decode rank, both sides on ``engine="nixl"`` in one process, the
+    records through a loopback store) opens the store's listener and, per engine, the one TCP listener of its UCX
+    worker on each device of ``UCX_NET_DEVICES``: nothing else, no NIXL port (the listing in
+    ``docs/security.md``)."""
+    from nixl._api import DEFAULT_COMM_PORT
+
+    res = _nixl_listeners(_PD_LISTENERS, UCX_NET_DEVICES="lo", UCX_TCP_PORT_RANGE="47400-47499")
+    assert res["ok"], "decode's pages differ from prefill's"
+    ucx = [x for x in res["opened"] if x != ["127.0.0.1", res["store"]]]
+    assert len(ucx) == len(res["opened"]) - 1, f"the store does not listen on 127.0.0.1: {res['opened']}"
+    assert len(ucx) == 2 and all(a == "127.0.0.1" and 47400 <= p <= 47499 for a, p in ucx), ucx
+    assert DEFAULT_COMM_PORT not in {p for _, p in res["opened"]}, "NIXL's own listener is open"
