@@ -36,13 +36,17 @@ Rows (``--jsonl PATH``): ``engine``, ``shape``, ``bytes``, ``entries``, ``gb_s``
 ``--reps`` timed repetitions, engines and shapes interleaved), ``vs_contiguous`` (this shape's GB/s over the same
 engine's contiguous GB/s of the same bytes: the median over repetitions of the ratio of the two, timed back to back
 in each repetition, so that the machine's load changes both alike; ``vs_contiguous_of_medians`` is the ratio of the
-medians), plus ``tokens``, ``layers``, ``calls``, ``gb_s_best`` and
+medians), ``cpu_ms`` (this process's CPU time per send, every thread: with NIXL within a host, the copies
+themselves) and ``vs_contiguous_cpu`` (the same ratio in CPU time: the work, whatever else runs on the machine),
+plus ``tokens``, ``layers``, ``calls``, ``gb_s_best`` and
 ``verified`` (decode's bytes equal the sources', checked on the warm-up of every shape). With ``--planned``, also
 the rows ``planned <scenario>``: dtkv's own send of the largest request through the protocol, default policy
 (coalescing, staging ``auto``, 4 layer groups; the scenario rows above), ``gb_s`` from its median e2e time and
 ``vs_contiguous`` the median of its ratios to the contiguous ceiling timed back to back. ``--nixl-sweep`` measures
-NIXL's requests per call instead (descriptors per request x requests in flight x entries per call) on the
-per-page shape: the measurement behind :data:`dtkv.transfer._nixl.BATCH_ENTRIES` and ``INFLIGHT_PER_PEER``.
+NIXL's knobs instead, one at a time away from the defaults (:data:`SWEEP`: entries per call, descriptors per
+request, requests in flight) on the per-page, coalesced and contiguous shapes, each as the median of its
+per-repetition ratios to the defaults' time (``vs_default``; in CPU time ``vs_default_cpu``): the measurement
+behind ``BATCH_ENTRIES`` and ``INFLIGHT_PER_PEER`` in ``dtkv/transfer/_nixl.py``.
 
 ``--protocol`` measures the protocol's own cost instead: one-page requests on the in-process
 :class:`dtkv.transfer.LocalEngine`, one thread doing post -> send -> wait, over an in-process ``HashStore`` and over
@@ -504,11 +508,15 @@ def _shape_entries(shape: str, plan_peers, shard_p: KVShard, ep_d, src, dst, con
                         dst_pages=peer.dst_pages)]  # fmt: skip
 
 
-def _time_send(engine, entries, *, max_entries: int = 1024) -> tuple[float, int]:
-    t0 = time.perf_counter()
+def _time_send(engine, entries, *, max_entries: int = 1024, cpu: list | None = None) -> tuple[float, int]:
+    """Seconds and calls of one :func:`send_entries`; ``cpu`` gets this process's CPU seconds (every thread)."""
+    c0, t0 = time.process_time(), time.perf_counter()
     calls = send_entries(engine, entries, request_id="bench", deadline=time.monotonic() + 600,
                          max_entries_per_call=max_entries)  # fmt: skip
-    return time.perf_counter() - t0, calls
+    dt = time.perf_counter() - t0
+    if cpu is not None:
+        cpu.append(time.process_time() - c0)
+    return dt, calls
 
 
 @dataclass
@@ -595,21 +603,23 @@ def run_engines(args: argparse.Namespace) -> list[dict]:
                         want = hashlib.blake2b(side.region[:nbytes].numpy().tobytes(), digest_size=16).hexdigest()
                     else:
                         want = _digest([side.shard], side.shard.ownership, src)
-                    work[(side.kind, shape)] = [side, entries, got == want, [], 0]
+                    work[(side.kind, shape)] = [side, entries, got == want, [], 0, []]
             for rep in range(args.reps):  # engines and shapes interleaved: a slow spell of the machine hits all alike
                 for side in sides:  # one engine's shapes back to back, their order reversed every other repetition
                     for shape in SHAPES if rep % 2 == 0 else SHAPES[::-1]:
                         w = work[(side.kind, shape)]
-                        dt, w[4] = _time_send(side.engine, w[1])
+                        dt, w[4] = _time_send(side.engine, w[1], cpu=w[5])
                         w[3].append(dt)
-            for (kind, shape), (_side, entries, ok, times, calls) in work.items():
-                base = work[(kind, "contiguous")][3]
+            for (kind, shape), (_side, entries, ok, times, calls, cpu) in work.items():
+                base, base_cpu = work[(kind, "contiguous")][3], work[(kind, "contiguous")][5]
                 med = float(np.median(times))
                 rows.append({"engine": kind, "shape": shape, "tokens": tokens, "layers": args.layers,
                              "bytes": nbytes, "entries": sum(p.num_entries for p in entries), "calls": calls,
                              "gb_s": nbytes / med / 1e9, "gb_s_best": nbytes / min(times) / 1e9,
                              "vs_contiguous": float(np.median(np.array(base) / np.array(times))),
                              "vs_contiguous_of_medians": float(np.median(base)) / med, "reps": len(times),
+                             "cpu_ms": 1e3 * float(np.median(cpu)),
+                             "vs_contiguous_cpu": float(np.median(np.array(base_cpu) / np.array(cpu))),
                              "verified": bool(ok)})  # fmt: skip
                 print(_engine_row(rows[-1]), flush=True)
     finally:
@@ -629,21 +639,44 @@ def run_engines(args: argparse.Namespace) -> list[dict]:
 
 
 ENGINE_HEADER = (
-    "| engine | shape | tokens | MB | entries | calls | GB/s (median) | GB/s (best) | vs contiguous | bitwise |\n"
-    "|---|---|--:|--:|--:|--:|--:|--:|--:|---|"
+    "| engine | shape | tokens | MB | entries | calls | GB/s (median) | GB/s (best) | vs contiguous | CPU ms | "
+    "vs contiguous, CPU | bitwise |\n|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|"
 )
 
 
 def _engine_row(r: dict) -> str:
+    cpu = f"{r['cpu_ms']:.1f} | {r['vs_contiguous_cpu']:.2f}" if "cpu_ms" in r else "- | -"
     return (
         f"| {r['engine']} | {r['shape']} | {r['tokens']} | {r['bytes'] / 1e6:.1f} | {r['entries']} | {r['calls']} | "
-        f"{r['gb_s']:.2f} | {r['gb_s_best']:.2f} | {r['vs_contiguous']:.2f} | {'yes' if r['verified'] else 'NO'} |"
+        f"{r['gb_s']:.2f} | {r['gb_s_best']:.2f} | {r['vs_contiguous']:.2f} | {cpu} | "
+        f"{'yes' if r['verified'] else 'NO'} |"
     )
 
 
+SWEEP = (
+    {},
+    {"batch_entries": 64},
+    {"batch_entries": 256},
+    {"entries_per_call": 8192, "batch_entries": 4096},
+    {"entries_per_call": 8192},
+    {"inflight": 1},
+    {"inflight": 4},
+)
+"""``--nixl-sweep``: one knob at a time away from the defaults (the first row): entries per ``send_entries`` call,
+descriptors per request, requests in flight."""
+
+
+def _sweep_config(change: dict) -> dict:
+    from dtkv.transfer import _nixl
+
+    base = {"entries_per_call": 1024, "batch_entries": _nixl.BATCH_ENTRIES, "inflight": _nixl.INFLIGHT_PER_PEER}
+    return {**base, **change}
+
+
 def run_nixl_sweep(args: argparse.Namespace) -> list[dict]:
-    """NIXL's descriptors per request x requests in flight x entries per call, on the per-page shape of the largest
-    ``--sizes`` request (medians of ``--reps``)."""
+    """NIXL's knobs (:data:`SWEEP`) on the three shapes of the largest ``--sizes`` request: per
+    configuration the median GB/s of ``--reps`` and the median of its per-repetition ratios to the defaults' time
+    (configurations interleaved, their order reversed every other repetition)."""
     from dtkv.transfer import NixlEngine
 
     torch.set_num_threads(1)
@@ -657,36 +690,51 @@ def run_nixl_sweep(args: argparse.Namespace) -> list[dict]:
     src, dst = np.arange(16, 16 + n_req), _pages(n_req, pool_pages, "fragmented", seed=1)
     plan = plan_request(src, dst, prefill=[side.shard.endpoint("prefill", side.engine.session)], decode=[side.ep_d],
                         options=PlanOptions(staging="off", layer_groups=1))  # fmt: skip
+    configs = [_sweep_config(c) for c in SWEEP]
     rows = []
+    engines = []
     try:
-        configs = [(c, b, k) for c in (1024, 8192) for b in (64, 256, 1024, 4096) for k in (1, 2, 4) if b <= c]
-        engines = {}
-        for c, b, k in configs:  # one engine per configuration, each registering the same source memory
-            eng = NixlEngine(batch_entries=b, inflight=k)
-            eng.register(side.shard.registered_tensors())
+        for c in configs:  # one engine per configuration, each registering the same source memory
+            eng = NixlEngine(**{k: v for k, v in c.items() if k != "entries_per_call"})
+            eng.register(side.shard.registered_tensors() + [side.region])
             eng.add_peer(side.record, deadline=time.monotonic() + 60)
-            engines[(c, b, k)] = eng
-        entries = {key: _shape_entries("per_page", plan.senders[0].peers, side.shard, side.ep_d, src, dst, None)
-                   for key in engines}  # fmt: skip
-        for key, eng in engines.items():
-            _time_send(eng, entries[key], max_entries=key[0])  # warm-up
-        times: dict = {key: [] for key in engines}
-        for _ in range(args.reps):
-            for key, eng in engines.items():
-                times[key].append(_time_send(eng, entries[key], max_entries=key[0])[0])
-        for (c, b, k), ts in times.items():
-            rows.append({"engine": "nixl", "shape": "per_page", "tokens": tokens, "bytes": nbytes,
-                         "entries": entries[(c, b, k)][0].num_entries, "entries_per_call": c, "batch_entries": b,
-                         "inflight": k, "ucx_tls": os.environ.get("UCX_TLS", "default"),
-                         "gb_s": nbytes / float(np.median(ts)) / 1e9,
-                         "gb_s_best": nbytes / min(ts) / 1e9})  # fmt: skip
-            r = rows[-1]
-            print(f"| {c} | {b} | {k} | {r['gb_s']:.2f} | {r['gb_s_best']:.2f} |", flush=True)
-        for eng in engines.values():
-            eng.close()
+            engines.append(eng)
+        for shape in ("per_page", "coalesced", "contiguous"):
+            contig = (side.region.data_ptr(), side.dst_region, nbytes)
+            entries = _shape_entries(shape, plan.senders[0].peers, side.shard, side.ep_d, src, dst, contig)
+            for c, eng in zip(configs, engines):
+                _time_send(eng, entries, max_entries=c["entries_per_call"])  # warm-up
+            times: list[list[float]] = [[] for _ in configs]
+            cpus: list[list[float]] = [[] for _ in configs]
+            for rep in range(args.reps):
+                order = list(range(len(configs)))
+                for i in order if rep % 2 == 0 else order[::-1]:
+                    dt, _ = _time_send(engines[i], entries, max_entries=configs[i]["entries_per_call"], cpu=cpus[i])
+                    times[i].append(dt)
+            base, base_cpu = np.array(times[0]), np.array(cpus[0])
+            for c, ts, cpu in zip(configs, times, cpus):
+                rows.append({"engine": "nixl", "shape": shape, "tokens": tokens, "bytes": nbytes,
+                             "entries": sum(p.num_entries for p in entries), **c,
+                             "ucx_tls": os.environ.get("UCX_TLS", "default"),
+                             "gb_s": nbytes / float(np.median(ts)) / 1e9, "gb_s_best": nbytes / min(ts) / 1e9,
+                             "vs_default": float(np.median(base / np.array(ts))), "reps": len(ts),
+                             "cpu_ms": 1e3 * float(np.median(cpu)),
+                             "vs_default_cpu": float(np.median(base_cpu / np.array(cpu)))})  # fmt: skip
+                r = rows[-1]
+                print(f"| {shape} | {c['entries_per_call']} | {c['batch_entries']} | {c['inflight']} | {r['gb_s']:.2f} | "
+                      f"{r['gb_s_best']:.2f} | {r['vs_default']:.2f} | {r['cpu_ms']:.1f} | {r['vs_default_cpu']:.2f} |",
+                      flush=True)  # fmt: skip
     finally:
+        for eng in engines:
+            eng.close()
         _stop_sides([side])
     return rows
+
+
+SWEEP_HEADER = (
+    "| shape | entries per call | descriptors per request | in flight | GB/s (median) | GB/s (best) | vs defaults | "
+    "CPU ms | vs defaults, CPU |\n|---|--:|--:|--:|--:|--:|--:|--:|--:|"
+)
 
 
 def _load() -> str:
@@ -728,7 +776,7 @@ def main() -> None:
     )
     p.add_argument("--sizes", default="4096,32768", help="--engines: request sizes in tokens (default 4096,32768)")
     p.add_argument("--jsonl", default=None, help="--engines / --nixl-sweep: write the rows here, one JSON per line")
-    p.add_argument("--nixl-sweep", action="store_true", help="measure NIXL's batch size and requests in flight")
+    p.add_argument("--nixl-sweep", action="store_true", help="measure NIXL's knobs one at a time (SWEEP)")
     p.add_argument(
         "--planned",
         action="store_true",
@@ -750,8 +798,7 @@ def main() -> None:
         print(f"# {datetime.date.today()} | {platform.node()} | {os.cpu_count()} cores | {_versions()} | "
               f"sizes={args.sizes} layers={args.layers} reps={args.reps} | load {_load()}")  # fmt: skip
         if args.nixl_sweep:
-            print("| entries per call | descriptors per request | in flight | GB/s (median) | GB/s (best) |\n"
-                  "|--:|--:|--:|--:|--:|")  # fmt: skip
+            print(SWEEP_HEADER)
             rows = run_nixl_sweep(args)
         else:
             print(ENGINE_HEADER)
