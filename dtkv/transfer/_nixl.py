@@ -6,7 +6,8 @@ What is NIXL's own:
 
 - **No NIXL listener.** The agent runs its progress thread (woken by UCX events, with a :data:`PROGRESS_POLL_US`
   poll timeout instead of the wrapper's busy 0) and no listener thread (no metadata port, no etcd):
-  the only sockets are the ones UCX opens for its data path (``docs/security.md``). Agent metadata travels through
+  the only sockets are the ones UCX opens for its data path, one TCP listener of the agent's UCX worker per
+  network device (``docs/security.md``). Agent metadata travels through
   dtkv's store: each side publishes its engine's :meth:`NixlEngine.agent_record` (an
   :class:`dtkv.transfer.messages.AgentRecord`, signed with ``DTKV_TRANSFER_SECRET``) under ``{role}/{rank}/agent``
   next to each rank's endpoint, and the prefill side hands the decode ranks' records to :meth:`NixlEngine.add_peer`
@@ -17,7 +18,13 @@ What is NIXL's own:
   entry outside them returns ``-1`` and nothing is posted. The entries then become NIXL ``WRITE`` transfer requests
   of at most :data:`BATCH_ENTRIES` descriptors each (descriptor lists ``(addr, len, device)`` built from the
   entries, one list per memory-kind pair), at most :data:`INFLIGHT_PER_PEER` posted at once, polled until all
-  are done (both chosen by measurement: ``benchmarks/bench_transfer.py --nixl-sweep``).
+  are done (both chosen by measurement: ``benchmarks/bench_transfer.py --nixl-sweep``, ``docs/engines.md``).
+  Within a host UCX moves host memory by CMA, one ``process_vm_writev`` per descriptor made by the posting thread
+  inside NIXL's ``transfer``: a request is done when it is posted, so the cost of a call is its descriptors' (about
+  4 us each on CPU loopback, on top of the bytes) and requests in flight overlap nothing there. The UCX backend
+  runs without NIXL's thread pool (``num_threads``): it shared the descriptors between threads (1.6x the GB/s on
+  2 cores), but with NIXL 1.5.1 a pooled request to a dead peer left the agent aborting the process when
+  destroyed (``std::terminate``, 2 runs of 3).
 - **Bounded.** A call that has not finished ``timeout_s`` (>= 5 s) + 1 ns per byte after it started, or whose
   request fails (a dead peer fails at once: ``NIXL_ERR_REMOTE_DISCONNECT``), releases its requests and drops the
   connection to the peer (``remove_remote_agent``), so no request of it stays queued in UCX; it returns ``-2``
@@ -64,9 +71,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 BATCH_ENTRIES = 1024
-"""Descriptors per NIXL transfer request (measured on CPU loopback: 64 loses up to 40%, 256..4096 are level)."""
+"""Descriptors per NIXL transfer request (measured on CPU loopback: 64 loses 20-45%, 256 and 4096 are level)."""
 INFLIGHT_PER_PEER = 2
-"""Transfer requests of one call posted at once (measured: 2 beats 1 over UCX TCP, 4 adds nothing)."""
+"""Transfer requests of one call posted at once (measured on CPU loopback, CMA and ``UCX_TLS=tcp,self``: 1, 2 and
+4 are level within the noise; a CMA request is done when posted)."""
 SESSION_PREFIX = "nixl:"
 RC_FAILED = -1
 """``write``: refused (an entry outside the registered regions, a peer whose metadata is not loaded) or failed."""
