@@ -1,4 +1,4 @@
-"""Shared plumbing of the torchrun benchmarks (``bench_materialize.py``, ``bench_prefill.py``).
+"""Shared plumbing of the torchrun benchmarks (``bench_materialize.py``, ``bench_runtime.py``).
 
 Process-group setup (NCCL on GPUs, gloo on CPUs), event timing, where results go (``$OUT`` when the runner sets it,
 else ``benchmarks/results/``), and file names that state the hardware and the date.

@@ -1,10 +1,18 @@
-"""Reading ``torch.profiler`` chrome traces of one prefill step: where the device time goes, per stream.
+"""Reading ``torch.profiler`` chrome traces: where the device time goes, per stream, and which part is dtkv's.
 
 :func:`trace_summary` reduces a trace to a small dict (milliseconds): the compute stream (the busiest one), its busy
 and idle time inside the step's window and its largest gaps, the kernel time per category on it and on the other
 streams, each other stream's overlap with the compute stream, NCCL kernel time (an NCCL kernel on the compute
 stream also counts the time it waits for the slowest rank: ``nccl_on_compute_max_ms`` is the longest single one),
 copy-engine copies and stream waits. :func:`profile_table` lays several modes' summaries side by side.
+
+:func:`device_split` (``benchmarks/bench_runtime.py``): the device's busy time over every stream (overlapping
+intervals merged, so two streams busy at once count once) and the part of it that dtkv's own code launched: a
+kernel is dtkv's when the host call that launched it (matched by its ``correlation`` id) lies inside a host range
+named ``dtkv.*`` (ranges the benchmark opens around dtkv's calls) or ``dtkv::*`` (dtkv's registered ops); a kernel
+replayed from a CUDA graph (no host range) or with no matching launch is dtkv's when its name is one of dtkv's or
+FlashMLA's kernels (:data:`DTKV_KERNEL_KEYS`). Without device events (a CPU run) the dtkv part is the host time
+inside those ranges.
 """
 
 from __future__ import annotations
@@ -13,7 +21,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-__all__ = ["CATEGORIES", "category", "profile_table", "trace_summary"]
+__all__ = ["CATEGORIES", "DTKV_KERNEL_KEYS", "category", "device_split", "profile_table", "trace_summary"]
 
 CATEGORIES = (
     ("nccl", ("nccl",)),
@@ -21,8 +29,9 @@ CATEGORIES = (
     ("remap", ("_remap",)),
     ("pack", ("_pack_layer_pages",)),
     ("barrier", ("barrier_kernel",)),
-    ("indexer", ("_indexer_logits",)),
-    ("attention", ("_sparse_mla",)),
+    ("indexer", ("_indexer_logits", "indexer_pages", "indexer_cols")),
+    ("indices", ("_sparse_indices",)),
+    ("attention", ("_sparse_mla", "flash", "mla")),
     ("topk", ("topk", "radix", "sort")),
     ("gemm", ("nvjet", "gemm", "cutlass", "xmma", "sm90_", "sm80_")),
     ("cat_copy", ("catarraybatchedcopy", "direct_copy", "copy_kernel")),
@@ -149,3 +158,74 @@ def profile_table(summaries: dict[str, dict], reference: str | None = None) -> s
         ", ".join(f"{v['busy_ms']:.3f} / {v['overlap_with_compute_ms']:.3f}" for v in s["streams"].values()) or "-"
         for s in summaries.values()) + " |")  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+DTKV_KERNEL_KEYS = ("indexer", "quantize_write", "sparse_mla", "sparse_indices", "remap", "pack_layer_pages",
+                    "pack_owned", "write_owned", "map16", "flash", "mla")  # fmt: skip
+"""Lowercase substrings of the kernels of :mod:`dtkv.ops` (Triton: ``_<op>_kernel``) and FlashMLA's: how a kernel
+with no host range (replayed from a CUDA graph) is attributed. ``torch.topk``'s kernels are not in it (the model's
+MoE routing runs them too), so a graph-replayed step undercounts dtkv by its top-k."""
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+HOST_CATS = ("cpu_op", "user_annotation")
+NOT_LAUNCHES = (*GPU_CATS, *HOST_CATS, "gpu_user_annotation", "ac2g", "python_function")
+"""Categories of events that carry no launch (the rest with a ``correlation``: ``cuda_runtime``, ``cuda_driver``)."""
+RANGE_PREFIXES = ("dtkv.", "dtkv::")
+
+
+def _inside(iv: list[tuple[float, float]], t: float) -> bool:
+    """Whether ``t`` lies in one of the sorted, disjoint intervals ``iv``."""
+    lo, hi = 0, len(iv)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if iv[mid][1] < t:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo < len(iv) and iv[lo][0] <= t <= iv[lo][1]
+
+
+def device_split(events: list[dict], *, prefixes: tuple[str, ...] = RANGE_PREFIXES) -> dict:
+    """Device busy time and dtkv's part of it (ms; see the module docstring) from a chrome trace's events.
+
+    Returns:
+        ``busy_ms`` (every stream merged; ``None`` without device events), ``dtkv_ms`` (dtkv's kernels merged, or
+        without device events the host time inside dtkv's ranges), ``dtkv_host_ms``, ``kernels`` (device events),
+        ``by_range`` / ``by_name`` (how many of dtkv's were attributed each way) and ``attribution`` (``"ranges"``,
+        ``"ranges+names"``, ``"names"`` or ``"host"``).
+    """
+    xs = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    host: dict[object, list[tuple[float, float]]] = defaultdict(list)
+    for e in xs:
+        if e.get("cat") in HOST_CATS and e.get("name", "").startswith(prefixes):
+            host[e.get("tid")].append((e["ts"], e["ts"] + e["dur"]))
+    ranges = {tid: _union(iv) for tid, iv in host.items()}
+    host_ms = _ms(sum(_length(iv) for iv in ranges.values()))
+    launches = {}
+    for e in xs:
+        corr = e.get("args", {}).get("correlation")
+        if corr is not None and e.get("cat") not in NOT_LAUNCHES:
+            launches[corr] = e
+    gpu = [e for e in xs if e.get("cat") in GPU_CATS]
+    if not gpu:
+        return {"busy_ms": None, "dtkv_ms": host_ms, "dtkv_host_ms": host_ms, "kernels": 0, "by_range": 0,
+                "by_name": 0, "attribution": "host"}  # fmt: skip
+    mine, by_range, by_name = [], 0, 0
+    for e in gpu:
+        launch = launches.get(e.get("args", {}).get("correlation"))
+        if launch is not None and "graph" not in launch.get("name", "").lower():
+            if _inside(ranges.get(launch.get("tid"), []), launch["ts"]):
+                mine.append((e["ts"], e["ts"] + e["dur"]))
+                by_range += 1
+        elif any(k in e.get("name", "").lower() for k in DTKV_KERNEL_KEYS):
+            mine.append((e["ts"], e["ts"] + e["dur"]))
+            by_name += 1
+    how = "ranges+names" if by_range and by_name else "names" if by_name else "ranges"
+    return {
+        "busy_ms": _ms(_length(_union([(e["ts"], e["ts"] + e["dur"]) for e in gpu]))),
+        "dtkv_ms": _ms(_length(_union(mine))),
+        "dtkv_host_ms": host_ms,
+        "kernels": len(gpu),
+        "by_range": by_range,
+        "by_name": by_name,
+        "attribution": how,
+    }

@@ -13,6 +13,17 @@ CPU smoke (interpreter, tiny shapes; what ``tests/test_bench_indexer_scores.py``
 
     TRITON_INTERPRET=1 python benchmarks/bench_indexer_scores.py --smoke --out-dir /tmp/x
 
+The promise a tuned table keeps -- every launch gives the default launch's keys, so a table entry never changes
+which keys are selected -- checked on its own (GPU, one H200, ~2 minutes; ``--smoke`` for the interpreter)::
+
+    python benchmarks/bench_indexer_scores.py --check-launches
+
+runs every candidate and every ``LAUNCH_TABLE`` entry on awkward shapes (1, 3, 5 and 16 queries; ragged contexts
+with padding pages, partial last pages and masked keys; page sizes 64 and 16; bf16 and fp8 queries) and compares
+each launch's int64 keys bitwise with the default launch's and its top-2048 positions with the default's. It
+prints one line per launch and exits 1 when a table entry differs anywhere (candidates that differ are listed: the
+sweep never admits them).
+
 Scenario per shape ``N x T`` (``--shapes``; default 16 x 131072, 1 x 131072, 4 x 131072, 1 x 1048576): ``N``
 queries, each reading ``T / 64`` pages of its own (random pages of one pool of ``--pool-pages`` 8448-byte
 DeepSeek-V3.2 indexer pages, 277 MB by default), every key causal, ``q_fp8=True``. Where one call reads less than
@@ -282,6 +293,74 @@ def sweep(device: torch.device, *, shapes=SHAPES, candidates=None, pool_pages: i
     return sorted(rows, key=lambda r: order[r["shape"]])
 
 
+CHECK_SHAPES: tuple[tuple[int, int], ...] = ((1, 4096), (3, 20000), (5, 70000), (16, 8192))
+"""``(queries, longest context)`` of :func:`check_launches`; the other queries read shorter, ragged contexts."""
+
+
+def _check_inputs(n: int, ctx: int, heads: int, lay: IndexerFp8Layout, device: torch.device, seed: int):
+    """Random fp8 pages and a ragged batch: query ``i`` reads ``ctx - i * 37`` tokens' pages in a random order,
+    with about 5% padding columns (-1 or past the pool), its position mid-page, a few columns wholly past it."""
+    ps = lay.page_size
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    width = -(-ctx // ps) + 2
+    num_pages = n * width + 3
+    pool = make_pool(num_pages, lay, device, seed=seed)
+    ids = torch.randperm(num_pages, generator=g)[: n * width].view(n, width)
+    slots = torch.stack([torch.randperm(width, generator=g) for _ in range(n)])
+    pad = torch.rand(n, width, generator=g) < 0.05
+    ids = torch.where(pad, torch.where(torch.rand(n, width, generator=g) < 0.5, -1, num_pages + 1), ids)
+    qpos = torch.tensor([max(0, ctx - 1 - 37 * i) for i in range(n)])
+    q = torch.randn(n, heads, lay.head_dim, generator=g).to(torch.bfloat16)
+    w = torch.rand(n, heads, generator=g) - 0.2
+    return [t.to(device) for t in (q, w, pool, ids.to(torch.int32), slots.to(torch.int32), qpos.to(torch.int32))]
+
+
+def check_launches(device: torch.device, *, shapes=CHECK_SHAPES, layouts=None, heads: int = 64, candidates=None,
+                   log=print) -> list[dict]:  # fmt: skip
+    """Every launch (the candidates and the table's entries) against the default launch, bitwise, on every shape,
+    layout and query precision: one row per launch with ``bitwise`` (every call's keys equal), ``topk_equal``
+    (every call's top-2048 positions equal), ``in_table`` and the first differing case."""
+    from dtkv.decode import unpack_keys
+    from dtkv.ops.indexer_scores import LAUNCH_TABLE
+
+    layouts = layouts or (IndexerFp8Layout(), IndexerFp8Layout(page_size=16))
+    named = list(candidates or CANDIDATES)
+    table = {cfg for cfg in LAUNCH_TABLE.values()}
+    for cfg in table:
+        if all(cfg != c for _, c in named):
+            named.append((launch_name(cfg) + " (table)", cfg))
+    cases = []
+    for li, lay in enumerate(layouts):
+        for si, (n, ctx) in enumerate(shapes):
+            args = _check_inputs(n, ctx, heads, lay, device, seed=100 * li + si)
+            for q_fp8 in (True, False):
+                with use_launch(DEFAULT_LAUNCH):
+                    keys = indexer_scores(*args, layout=lay, q_fp8=q_fp8, backend="triton")
+                top = unpack_keys(torch.topk(keys, min(TOPK, keys.shape[1]), dim=1).values)[1]
+                cases.append((f"S={lay.page_size} {n}x{ctx} fp8={int(q_fp8)}", lay, args, q_fp8, keys, top))
+    rows = []
+    for name, cfg in named:
+        row = {"name": name, "config": dataclasses.asdict(cfg), "in_table": cfg in table, "bitwise": True,
+               "topk_equal": True, "first_difference": None, "cases": len(cases)}  # fmt: skip
+        try:
+            for label, lay, args, q_fp8, base, base_top in cases:
+                with use_launch(cfg):
+                    keys = indexer_scores(*args, layout=lay, q_fp8=q_fp8, backend="triton")
+                same = bool(torch.equal(keys, base))
+                top = unpack_keys(torch.topk(keys, base_top.shape[1], dim=1).values)[1]
+                same_top = bool(torch.equal(top, base_top))
+                if not same and row["first_difference"] is None:
+                    row["first_difference"] = f"{label}: {int((keys != base).sum())} of {keys.numel()} keys differ"
+                row["bitwise"] &= same
+                row["topk_equal"] &= same_top
+        except Exception as e:  # a launch that does not compile or run: report it, check the others
+            row.update(bitwise=False, topk_equal=False, error=f"{type(e).__name__}: {e}"[:300])
+        rows.append(row)
+        verdict = "same keys" if row["bitwise"] else (row.get("error") or row["first_difference"])
+        log(f"{name:<40} {'table' if row['in_table'] else '     '} {verdict}")
+    return rows
+
+
 def best_table(rows: list[dict]) -> dict[tuple[int, int], dict]:
     """Per bucket, the fastest fp8 launch that passed its checks with the default's bits: ``{bucket: row}``."""
     best: dict[tuple[int, int], dict] = {}
@@ -392,6 +471,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--apply-table", metavar="JSONL", help="write a sweep's winners into ops/indexer_scores.py")
     p.add_argument("--smoke", action="store_true", help="CPU interpreter: tiny geometry, four launches")
+    p.add_argument("--check-launches", action="store_true",
+                   help="check that every launch gives the default launch's keys bitwise (exit 1 if a table entry "
+                        "does not); no timing")  # fmt: skip
     return p
 
 
@@ -401,6 +483,8 @@ def main(argv: list[str] | None = None) -> int:
         print(apply_table(Path(ns.apply_table)))
         print(f"wrote the block above into {TABLE_SOURCE}")
         return 0
+    if ns.check_launches:
+        return _main_check(ns)
     args = " ".join(argv if argv is not None else sys.argv[1:])
     command = f"python benchmarks/bench_indexer_scores.py {args}".strip()
     if ns.smoke:
@@ -426,6 +510,26 @@ def main(argv: list[str] | None = None) -> int:
     print(table_source(best_table(rows)))
     print(summary(rows))
     return 0
+
+
+def _main_check(ns) -> int:
+    """``--check-launches``: the rows as JSON lines on stdout (after the per-launch lines), the verdict last."""
+    if ns.smoke:
+        device = torch.device("cpu")
+        rows = check_launches(device, shapes=((2, 100), (3, 37)), layouts=(IndexerFp8Layout(page_size=16, head_dim=32),),
+                              heads=4, candidates=SMOKE_CANDIDATES)  # fmt: skip
+    else:
+        if not torch.cuda.is_available():
+            print("error: --check-launches needs a CUDA GPU (or --smoke)", file=sys.stderr)
+            return 1
+        rows = check_launches(torch.device("cuda", torch.cuda.current_device()))
+    for r in rows:
+        print(json.dumps(r))
+    bad_table = [r["name"] for r in rows if r["in_table"] and not r["bitwise"]]
+    other = [r["name"] for r in rows if not r["in_table"] and not r["bitwise"]]
+    print(f"check-launches: {len(rows)} launches, {len(rows) - len(bad_table) - len(other)} give the default's keys; "
+          f"table entries that differ: {bad_table or 'none'}; other launches that differ: {other or 'none'}")  # fmt: skip
+    return 1 if bad_table else 0
 
 
 if __name__ == "__main__":

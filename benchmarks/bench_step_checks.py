@@ -1,10 +1,12 @@
-"""Host cost of a runner step's input rules (:mod:`dtkv._batch`) and of failing together across the CP group.
+"""Host cost of a runtime step's input rules (:mod:`dtkv.runtime._batch`) and of failing together across the CP group.
 
 Per batch size, p50/p90 in microseconds over ``--iters`` steps, on every rank (rank 0 prints):
 
-- ``check``: :func:`dtkv._batch.check_batch` + :func:`check_capacity` alone (local, what one process pays);
-- ``check+agree``: :func:`dtkv._batch.agreed_step`, the same checks plus the verdict and batch exchange (one
-  48-byte all-gather on the group's CPU channel: gloo, also for an NCCL group, so it never waits for the GPU).
+- ``check``: :func:`dtkv.runtime._batch.check_batch` + :func:`check_capacity` alone (local, what one process pays);
+- ``check+agree``: :func:`dtkv.runtime._batch.agreed_step`, the same checks plus the verdict and batch exchange (one
+  48-byte all-gather on the group's CPU channel: gloo, also for an NCCL group, so it never waits for the GPU);
+- ``vote``: the step's outcome vote after its run (:func:`dtkv.runtime._outcome.vote` of the committed state: one
+  more 48-byte all-gather per step).
 
 The reference point is the step it guards: a decode step of a real model is milliseconds, a prefill chunk more.
 
@@ -25,7 +27,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from dtkv import PageAllocator, PageOwnership, _batch
+from dtkv import PageAllocator, PageOwnership
+from dtkv.runtime import _batch
+from dtkv.runtime._outcome import vote
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _dist_bench as db  # noqa: E402
@@ -61,7 +65,7 @@ def main() -> None:
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args()
     rank, world, device = db.init()
-    from dtkv.materialize._exchange import cpu_channel
+    from dtkv._collectives import cpu_channel
 
     group = dist.group.WORLD
     channel = cpu_channel(group)
@@ -80,9 +84,12 @@ def main() -> None:
         agreed_step = functools.partial(
             _batch.agreed_step, group, what="bench", check=check, value=functools.partial(_batch.batch_value, requests)
         )
+        state = {"num_computed": [r.num_computed for r in requests], "num_pages": [len(r.pages) for r in requests],
+                 "free_pages": alloc.num_free()}  # fmt: skip
         local = _time_us(check, args.iters, channel)
         agreed = _time_us(agreed_step, args.iters, channel)
-        rows.append({"num_reqs": num_reqs, "check_us": local, "check_agree_us": agreed})
+        voted = _time_us(functools.partial(vote, group, None, what="bench", value=state), args.iters, channel)
+        rows.append({"num_reqs": num_reqs, "check_us": local, "check_agree_us": agreed, "vote_us": voted})
     tag = db.hardware_tag(device, world)
     if rank == 0:
         path = db.out_dir(args.out_dir) / f"step_checks_{tag}_{db.today()}.json"
@@ -90,7 +97,8 @@ def main() -> None:
         for r in rows:
             print(
                 f"num_reqs={r['num_reqs']:4d}  check p50/p90 {r['check_us'][0]:8.1f}/{r['check_us'][1]:8.1f} us  "
-                f"check+agree {r['check_agree_us'][0]:8.1f}/{r['check_agree_us'][1]:8.1f} us"
+                f"check+agree {r['check_agree_us'][0]:8.1f}/{r['check_agree_us'][1]:8.1f} us  "
+                f"vote {r['vote_us'][0]:8.1f}/{r['vote_us'][1]:8.1f} us"
             )
         print(f"step checks ({tag}): wrote {path}")
     db.finish()

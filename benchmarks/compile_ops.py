@@ -57,6 +57,9 @@ CANNOT = 2
 OPS = list(DEFAULTS)
 EXTRA_OPS = ["quantize_write_mla_indexer_fp8", "indexer_scores", "sparse_indices", "sparse_mla"]
 """Ops with launch choices of their own (not in ``ops/_tuned.py``): compiled at their own launches."""
+OWN_GEOMETRY_OPS = ["indexer_logits"]
+"""Ops of ``ops/_tuned.py`` without ``bench_ops`` scenarios: their geometries are :func:`_extra`'s, compiled under
+every configuration like the others (candidates: their own benchmark's ``CANDIDATES``)."""
 INT64_MODULES = ("write_owned", "quantize_write_mla_fp8", "quantize_write_indexer_fp8", "pack_layer_pages", "remap")
 """Modules whose launches choose int32 or int64 offsets with ``needs_int64`` (``--int64`` forces int64)."""
 
@@ -108,6 +111,8 @@ class OfflineCompiler:
                                       options=options.__dict__)  # fmt: skip
             rec["ok"] = True
             rec["fp8_converts"] = sorted(set(re.findall(r"cvt\.[a-z0-9.]*e4m3[a-z0-9.]*", compiled.asm.get("ptx", ""))))
+            rec["wgmma"] = compiled.asm.get("ptx", "").count("wgmma.mma_async")
+            rec["smem"] = compiled.metadata.shared
             rec.update(cubin_stats(compiled.asm.get("cubin"), sass=self.sass))
         except Exception as e:  # noqa: BLE001 - reported with its whole chain
             rec["error"] = B.error_text(e)
@@ -271,6 +276,28 @@ def _extra(op: str) -> list[tuple[str, Callable[[], object]]]:
                         )  # fmt: skip
 
                 out.append((f"{launch}, q_fp8={q_fp8}", call))
+    elif op == "indexer_logits":
+        from dtkv.ops import indexer_logits
+
+        f8, i64 = torch.float8_e4m3fn, torch.int64
+        geoms = [  # (queries, heads, dims, page size, pages, key columns, index dtype, page stride pad)
+            (3, 64, 128, 64, 4, 200, i64, 0),  # DeepSeek-V3.2 geometry
+            (2, 64, 128, 64, 4, 130, i32, 16),  # int32 indices, a page-strided view
+            (5, 3, 48, 5, 7, 29, i64, 0),  # padded heads and dims, an odd page size
+        ]
+        for n, heads, hd, ps, pages, cols, idx, pad in geoms:
+            for packed in (False, True):
+                lay = IndexerFp8Layout(page_size=ps, head_dim=hd)
+
+                def call(n=n, heads=heads, hd=hd, pages=pages, cols=cols, idx=idx, pad=pad, lay=lay, packed=packed):
+                    pool = z(pages, lay.page_shape[0] + pad, dtype=u8)[:, : lay.page_shape[0]]
+                    return indexer_logits(
+                        z(n, heads, hd).to(f8), z(n, heads), pool, torch.arange(cols, dtype=idx),
+                        z(n, dtype=idx), torch.full((n,), cols, dtype=idx), layout=lay, packed=packed,
+                        backend="triton",
+                    )  # fmt: skip
+
+                out.append((f"{n}x{heads}x{hd}, page {ps}, {cols} keys, {idx}, stride +{pad}, packed={packed}", call))
     elif op == "sparse_indices":
         locs = torch.arange(-1, 99).view(4, 25)
         out.append(("page map", lambda: sparse_indices(locs, num_slots=640, page_map=torch.arange(10), page_size=64,
@@ -302,6 +329,7 @@ PATHS: dict[str, list[dict]] = {
     "pack_owned_pages": [{"rows": 2, "parts": 1}, {"parts": 4, "chunk_w": 2048}],
     "pack_layer_pages": [{"rows": 2, "parts": 1}, {"parts": 4, "chunk_w": 2048}],
     "remap": [{"map16": "always", "idx_cg": 1}, {"map16": "never", "block": 4096, "num_warps": 16}],
+    "indexer_logits": [{"variant": "queries"}, {"block_q": 1, "block_k": 128}, {"block_q": 4, "num_warps": 8}],
 }
 """Configurations (over DEFAULTS) that reach every kernel and variant of each op (``--configs paths``)."""
 
@@ -333,8 +361,12 @@ def configs(op: str, which: list[str]) -> list[tuple[str, dict]]:
     if "paths" in which:
         out += [(f"paths[{i}]", {**DEFAULTS[op], **c}) for i, c in enumerate(PATHS[op])]
     if "candidates" in which:
-        T = importlib.import_module("tune_ops")
-        out += [(f"candidate {i}", T.full(op, c)) for i, c in enumerate(T.CANDIDATES[op])]
+        if op in OWN_GEOMETRY_OPS:
+            cands = importlib.import_module(f"bench_{op}").CANDIDATES
+            out += [(f"candidate {i}", {**DEFAULTS[op], **c}) for i, c in enumerate(cands)]
+        else:
+            T = importlib.import_module("tune_ops")
+            out += [(f"candidate {i}", T.full(op, c)) for i, c in enumerate(T.CANDIDATES[op])]
     seen: list[dict] = []
     unique = []
     for lab, cfg in out:
@@ -367,8 +399,9 @@ def _compile_ops(comp: OfflineCompiler, ops: list[str], which: list[str], modes:
             log(f"  {op} own launches: {len(new)} new kernels, {sum(not r['ok'] for r in new)} failed "
                 f"({time.perf_counter() - t0:.1f}s)")  # fmt: skip
             continue
-        cases = _bench(op) + _awkward(op)
-        for force64 in modes:
+        own = op in OWN_GEOMETRY_OPS
+        cases = _extra(op) if own else _bench(op) + _awkward(op)
+        for force64 in modes if not own else [False]:
             with contextlib.ExitStack() as stack:
                 if force64:
                     for name in INT64_MODULES:
@@ -376,7 +409,11 @@ def _compile_ops(comp: OfflineCompiler, ops: list[str], which: list[str], modes:
                         stack.enter_context(_setattr(mod, "needs_int64", lambda *extents: True))
                 for lab, cfg in configs(op, which):
                     n0, t0 = len(comp.records), time.perf_counter()
-                    with override(op, **cfg):
+                    module = importlib.import_module(f"dtkv.ops.{op}")
+                    on_cpu = (
+                        _setattr(module, "resolve_backend", lambda b, d: "triton") if own else contextlib.nullcontext()
+                    )
+                    with override(op, **cfg), on_cpu:
                         for case, call in cases:
                             comp.where = f"{op} {lab} {cfg} | {case}" + (" | int64 offsets" if force64 else "")
                             try:

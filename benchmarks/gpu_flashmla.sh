@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# FlashMLA behind dtkv.attention on ONE H200 (about 5 minutes): the seam's CUDA tests, bench_flashmla, and
-# bench_prefill with FlashMLA at 32K/64K on one GPU (cp=1), plus the demo with --attention flashmla.
+# FlashMLA behind dtkv.attention on ONE H200 (about 5 minutes): the seam's CUDA tests, bench_flashmla, the runtime
+# on FlashMLA (bench_runtime: prefill at 32K, decode at 32K, both adapters, cp=1), plus the demo with --attention
+# flashmla.
 #
 #   pip install -q --no-deps --target /tmp/site .whl/*.whl && PYTHONPATH=/tmp/site:$PWD bash benchmarks/gpu_flashmla.sh
 #
-# An optional phase runs one part: tests | bench | prefill | demo (default: all; the step deadlines add up to 9.8
+# An optional phase runs one part: tests | bench | runtime | demo (default: all; the step deadlines add up to 9.8
 # minutes, the expected total is about 5).
 # FlashMLA is the PyPI wheel sgl-flash-mla==1.0.0, installed with --no-deps: its metadata asks for torch>=2.14.1, which
 # would replace the image's torch; the wheel loads on torch 2.11 through the stable ABI. Without an importable
@@ -35,12 +36,12 @@ step() {  # step NAME SECONDS CMD...: run with a deadline, log to $OUT/NAME.log,
   echo "$name rc=$? ${secs}s-limit took=$(( $(date +%s) - t0 ))s" | tee -a "$OUT/steps.txt"
 }
 phase=${1:-all}
-case $phase in all|tests|bench|prefill|demo) ;; *) echo "usage: gpu_flashmla.sh [all|tests|bench|prefill|demo]"; exit 2;; esac
+case $phase in all|tests|bench|runtime|demo) ;; *) echo "usage: gpu_flashmla.sh [all|tests|bench|runtime|demo]"; exit 2;; esac
 run() { [ "$phase" = all ] || [ "$phase" = "$1" ]; }
 run tests && step cuda_tests 140 python -m pytest -q -rs -s -p no:cacheprovider tests/test_attention_cuda.py
 run bench && step bench_flashmla 150 python benchmarks/bench_flashmla.py --out-dir "$OUT"
-run prefill && step bench_prefill 160 torchrun --nproc-per-node 1 benchmarks/bench_prefill.py --attention flashmla \
-  --contexts 32768 65536 --samples 10 --timed-chunks 3 --json --out-dir "$OUT"
+run runtime && step bench_runtime 160 python benchmarks/bench_runtime.py --attention flashmla --phases prefill,decode \
+  --prefill 32768x8192 --decode-contexts 32768 --batches 1 --long-layers 0 --budget-s 140 --out-dir "$OUT"
 run demo && step demo_reference 70 python -m dtkv.demo --cp 1 --device cuda --attention flashmla --kv-dtype fp8 \
   --tokens 1024 --json
 run demo && step demo_deepseek 70 python -m dtkv.demo --cp 1 --device cuda --attention flashmla --model deepseek-v32 --json
@@ -49,6 +50,6 @@ echo; echo "== summary ($OUT)"
 cat "$OUT/steps.txt"
 grep -E "passed|failed|error" "$OUT/cuda_tests.log" 2>/dev/null | tail -n 2
 grep -hE "^(flashmla vs|reference model,|deepseek-v32,|glm5,|FlashMLA, a query)" "$OUT/cuda_tests.log" 2>/dev/null | head -n 30
-grep -h "TARGET" "$OUT"/flashmla_*.md "$OUT"/prefill_*.md 2>/dev/null
+grep -h "TARGET" "$OUT"/flashmla_*.md "$OUT"/runtime_*.md 2>/dev/null
 grep -hE "^\| (sparse_prefill|sparse_decode) " "$OUT"/flashmla_*.md 2>/dev/null
 grep -h '"parity"' "$OUT"/demo_*.log 2>/dev/null | cut -c1-300

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements of benchmarks/results/*_h200x2_*: run from the repository root on a host with 2 GPUs on NVLink.
-#   bash benchmarks/h200x2.sh views     # bench_materialize --check, its sweep, bench_prefill (--profile)
-#   bash benchmarks/h200x2.sh narrow    # bench_prefill at 32K-256K and the 128K overlap, with more samples
+#   bash benchmarks/h200x2.sh views     # bench_materialize --check, its sweep, the runtime's CP prefill (bench_runtime)
+#   bash benchmarks/h200x2.sh narrow    # the runtime's CP decode (bench_runtime) and the 128K overlap (more samples)
 #   bash benchmarks/h200x2.sh demo      # python -m dtkv.demo on NCCL (reference and transformers models)
 #   bash benchmarks/h200x2.sh rest      # bench_decode, the transformers parity grid on NCCL, the CUDA tests and bench_ops
 # Logs and results go to $OUT (default benchmarks/results/run-<date>) and, packed, to $OUT/h200x2_<phase>.tar.gz.
@@ -31,10 +31,13 @@ case $phase in
   views)
     step mat_check 120 $TR benchmarks/bench_materialize.py --check
     step mat 190 env OUT="$R" $TR benchmarks/bench_materialize.py --tokens 32768 131072 262144 1048576 --layers 1 8 --reps 5 --overlap-reps 5
-    step prefill 250 env OUT="$R" $TR benchmarks/bench_prefill.py --contexts 65536 131072 262144 --samples 20 --json --profile
+    # the runtime's CP prefill, replicated vs sharded KV with compute-owner writes (64K-256K, transformers model)
+    step runtime_prefill 250 env OUT="$R" $TR benchmarks/bench_runtime.py --phases prefill --adapters transformers \
+      --kv-modes replicated,sharded_direct --prefill 65536x8192,131072x8192,262144x8192 --budget-s 230
     ;;
-  narrow)  # more samples where the views phase left an interval across a target
-    step prefill 300 env OUT="$R" $TR benchmarks/bench_prefill.py --contexts 32768 65536 131072 262144 --samples 60 --json
+  narrow)  # the runtime's CP decode; the 128K overlap with more samples
+    # the runtime's CP decode, full view vs sharded, both adapters (32K / 128K x batch 1 / 16)
+    step runtime_decode 300 env OUT="$R" $TR benchmarks/bench_runtime.py --phases decode --long-layers 0 --budget-s 280
     step mat_overlap 200 env OUT="$R" $TR benchmarks/bench_materialize.py --tokens 131072 --layers 8 --reps 10 --overlap-reps 40
     ;;
   rest)

@@ -1,7 +1,7 @@
 """``python -m dtkv`` and the ``dtkv`` console script: one entry point for the demo, capacity planning and the
 benchmarks.
 
-    dtkv --version
+    dtkv --version                        # imports neither torch nor a kernel
     dtkv demo [demo options]              # = python -m dtkv.demo
     dtkv capacity [capacity options]      # = python -m dtkv.capacity
     dtkv bench                            # lists the benchmarks of a source checkout
@@ -21,7 +21,8 @@ __all__ = ["BENCHMARKS", "main"]
 
 BENCHMARKS: dict[str, str] = {
     "materialize": "full views vs the raw all-gather of the same bytes, both backends, overlap (torchrun, N GPUs)",
-    "prefill": "CP prefill of DSA layers at DeepSeek-V3.2 dimensions: replicated vs sharded KV (torchrun, N GPUs)",
+    "runtime": "the shipped Runtime, both adapters: chunked prefill tok/s and decode ms/step, GPU busy share, dtkv's "
+    "part against the kernels alone, the roofline (one GPU; torchrun for N ranks; --smoke on CPU)",
     "decode": "replicated / full-view / sharded decode steps, eager and CUDA graphs: step time, bytes per step, the "
     "fp8 indexer's GB/s (torchrun, N GPUs; --quick; --smoke on CPU)",
     "hf_parity": "the transformers parity grid as one job (torchrun, NCCL or gloo)",
@@ -38,8 +39,9 @@ dtkv: page-ownership-sharded KV caches for context-parallel prefill of sparse-at
 
 subcommands:
   demo       2 gloo ranks (or torchrun's group): chunked CP prefill on sharded KV against the replicated
-             baseline; --pd, --multi-turn, --model deepseek-v32|glm5 (python -m dtkv.demo --help)
-  capacity   per-rank bytes and capacity multiplier of sharded KV, no allocation (python -m dtkv.capacity --help)
+             baseline; --pd, --multi-turn, --model deepseek-v32|glm5 (dtkv demo --help)
+  capacity   GiB of KV per rank, replicated vs sharded, and the view's scratch, for a model, cp and
+             context; no allocation (dtkv capacity --help)
   bench      the benchmarks of a source checkout: `dtkv bench` lists them, `dtkv bench NAME --help` explains one
 
 options:
@@ -104,11 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "demo":
         from dtkv.demo import main as demo_main
 
-        return demo_main(rest)
+        return demo_main(rest, prog="dtkv demo")
     if cmd == "capacity":
-        from dtkv.capacity import main as capacity_main
+        from dtkv._capacity_cli import main as capacity_main
 
-        return capacity_main(rest)
+        return capacity_main(rest, prog="dtkv capacity")
     if cmd == "bench":
         return _bench(rest)
     print(_USAGE, end="", file=sys.stderr)

@@ -149,6 +149,7 @@ def agree(
     what: str,
     value: object = None,
     mismatch_error: type[Exception] = ConfigMismatchError,
+    keep_common: bool = False,
 ) -> None:
     """Return on every rank, or raise the same exception on every rank of ``group`` (see the module docstring).
 
@@ -161,6 +162,8 @@ def agree(
         value: what every rank must hold equally (JSON-able, e.g. a config dict, or ``bytes`` such as a plan
             digest); ``None`` compares nothing.
         mismatch_error: raised on every rank when the values differ.
+        keep_common: when every rank failed with the same type and message (an error that was raised on every rank
+            together already, e.g. by an agreement inside the step), each rank raises its own error unchanged.
 
     Raises:
         The first failing rank's exception type (see the module docstring), or ``mismatch_error``.
@@ -194,6 +197,8 @@ def agree(
     raw = [payloads[r][: lengths[r]] for r in range(world)]
     if failed:
         texts = [b.decode("utf-8", errors="replace").rstrip("\x00") for b in raw]
+        if keep_common and error is not None and len(failed) == world and len(set(texts)) == 1:
+            raise error
         raise _failure(what, failed, texts, world) from error
     raise _mismatch(what, raw, digests, isinstance(value, bytes), mismatch_error)
 

@@ -5,11 +5,14 @@
 | ``DTKV_DEBUG`` | 0/1 | 0 | synchronizing ownership checks in writes and materialization |
 | ``DTKV_BACKEND`` | auto/torch/triton | auto | default op backend (``auto``: Triton on CUDA, else torch) |
 | ``DTKV_LOGLEVEL`` | a ``logging`` level name or number | unset | level of the ``dtkv`` logger (see below) |
-| ``DTKV_TRANSFER_TIMEOUT_S`` | float seconds | 30 | bound on every wait of the Mooncake transfer path |
+| ``DTKV_TRANSFER_TIMEOUT_S`` | positive finite seconds | 30 | bound on every wait of the Mooncake transfer path |
 | ``DTKV_TRANSFER_SECRET`` | a string | unset | shared key: rendezvous-store values are HMAC-SHA256 signed and checked |
 
-Variables are read once, at import. Tests flip switches through the context managers below
-(:func:`debug_mode`, :func:`default_backend`), never by editing ``os.environ``.
+Variables are read once, at import. A value that breaks its rule raises ``ValueError`` naming the variable
+(``DTKV_TRANSFER_TIMEOUT_S=inf`` too: every wait stays bounded), except ``DTKV_LOGLEVEL``, which only tunes
+messages: an unknown level warns (``RuntimeWarning``) and counts as unset, so ``import dtkv`` never fails on it.
+Tests flip switches through the context managers below (:func:`debug_mode`, :func:`default_backend`), never by
+editing ``os.environ``.
 
 Logging: dtkv configures no logging of its own accord. Only an explicit ``DTKV_LOGLEVEL`` sets the level of
 the ``dtkv`` logger (at import; no handler is added: the program's handlers, or Python's default one for
@@ -21,7 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
+import warnings
 from collections.abc import Iterator
 from typing import Literal, TypedDict
 
@@ -63,9 +68,9 @@ def _read_float(name: str, default: float) -> float:
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"{name} must be a positive number of seconds, got {name}={raw!r}") from None
-    if not value > 0:
-        raise ValueError(f"{name} must be a positive number of seconds, got {name}={raw!r}")
+        raise ValueError(f"{name} must be a positive finite number of seconds, got {name}={raw!r}") from None
+    if not (value > 0 and math.isfinite(value)):  # inf would unbound every wait; nan compares false
+        raise ValueError(f"{name} must be a positive finite number of seconds, got {name}={raw!r}")
     return value
 
 
@@ -78,7 +83,12 @@ def _read_level(name: str) -> int | None:
     level = logging.getLevelName(raw.upper())  # the number of a level name, or "Level X" for an unknown one
     if not isinstance(level, int):
         names = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-        raise ValueError(f"{name} must be a logging level name {names} or a number, got {name}={raw!r}")
+        warnings.warn(
+            f"{name} must be a logging level name {names} or a number, got {name}={raw!r}; ignored (as if unset)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
     return level
 
 

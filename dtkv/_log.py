@@ -8,7 +8,11 @@ stderr, so that stdout keeps only the tool's own output (``--json`` objects stay
 
 Lines look like ``[dtkv r0 09:41:07.123 I] prefill chunk 3/8``: the rank (when one is known: the ``rank``
 given to :func:`setup_cli_logging`, else the default process group's rank, else torchrun's ``RANK``), the
-time, the level's initial.
+time, the level's initial. A process of one side of a prefill/decode run says which (``side=``):
+``[dtkv prefill r0 ...]``, ``[dtkv decode r1 ...]``, since both groups number their ranks from 0.
+
+Records that a tool's processes would repeat (:data:`ONCE_PER_PROCESS`: the attention backend each runtime
+resolves) reach the handler once per process: every runtime of a demo run resolves its backend again.
 
 Progress: :func:`progress` logs one line at ``INFO`` on the ``dtkv.progress`` logger, by default on rank 0
 only; :class:`Progress` counts the steps of a phase (``prefill chunk 3/8``) and :func:`phase` times one::
@@ -38,14 +42,27 @@ from collections.abc import Iterator
 
 from dtkv._env import log_level
 
-__all__ = ["LOGGER", "PROGRESS_LOGGER", "Progress", "current_rank", "phase", "progress", "setup_cli_logging"]
+__all__ = [
+    "LOGGER",
+    "ONCE_PER_PROCESS",
+    "PROGRESS_LOGGER",
+    "Progress",
+    "current_rank",
+    "phase",
+    "progress",
+    "setup_cli_logging",
+]
 
 LOGGER = "dtkv"
 """The logger every dtkv module logs under (``dtkv.<module>``)."""
 PROGRESS_LOGGER = "dtkv.progress"
 """The logger of :func:`progress` lines."""
 
+ONCE_PER_PROCESS: tuple[str, ...] = ("dtkv.attention",)
+"""Loggers whose records the CLI handler prints once per process and message (repeats are dropped)."""
+
 _fixed_rank: int | None = None
+_side: str | None = None
 
 
 def current_rank() -> int | None:
@@ -60,18 +77,41 @@ def current_rank() -> int | None:
     return int(raw) if raw.isdigit() else None
 
 
+def _label() -> str:
+    """What a line names its process by: ``dtkv``, ``dtkv r0`` or, with a side, ``dtkv prefill r0``."""
+    rank = current_rank()
+    parts = ["dtkv"] + ([_side] if _side else []) + ([f"r{rank}"] if rank is not None else [])
+    return " ".join(parts)
+
+
 class _Formatter(logging.Formatter):
     """``[dtkv r0 09:41:07.123 I] message`` (no rank part when the rank is unknown)."""
 
     def format(self, record: logging.LogRecord) -> str:
-        rank = current_rank()
         stamp = time.strftime("%H:%M:%S", time.localtime(record.created)) + f".{int(record.msecs):03d}"
-        where = f"dtkv r{rank}" if rank is not None else "dtkv"
+        where = _label()
         head = f"[{where} {stamp} {record.levelname[:1]}] "
         text = head + record.getMessage()
         if record.exc_info:
             text += "\n" + self.formatException(record.exc_info)
         return text
+
+
+class _OncePerProcess(logging.Filter):
+    """Drops a record of a :data:`ONCE_PER_PROCESS` logger whose message this process already printed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[tuple[str, str]] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not any(record.name == n or record.name.startswith(n + ".") for n in ONCE_PER_PROCESS):
+            return True
+        key = (record.name, record.getMessage())
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        return True
 
 
 class _StderrHandler(logging.StreamHandler):
@@ -82,18 +122,24 @@ class _StderrHandler(logging.StreamHandler):
         super().emit(record)
 
 
-def setup_cli_logging(*, rank: int | None = None, level: int | str | None = None) -> logging.Handler:
+def setup_cli_logging(
+    *, rank: int | None = None, side: str | None = None, level: int | str | None = None
+) -> logging.Handler:
     """Install dtkv's one stderr handler on the ``dtkv`` logger (idempotent); returns it.
 
     For command-line tools and their worker processes only: library code never calls it.
 
     Args:
         rank: this process's rank, shown in every line (default: :func:`current_rank` at each line).
+        side: the group this process belongs to when there are two (``"prefill"`` or ``"decode"``), shown before
+            the rank: ``[dtkv decode r1 ...]`` (default: none).
         level: the ``dtkv`` logger's level (default ``DTKV_LOGLEVEL``, else ``INFO``).
     """
-    global _fixed_rank
+    global _fixed_rank, _side
     if rank is not None:
         _fixed_rank = int(rank)
+    if side is not None:
+        _side = str(side)
     env = log_level()
     chosen = level if level is not None else (env if env is not None else logging.INFO)
     logger = logging.getLogger(LOGGER)
@@ -103,6 +149,7 @@ def setup_cli_logging(*, rank: int | None = None, level: int | str | None = None
             return h
     handler = _StderrHandler(sys.stderr)
     handler.setFormatter(_Formatter())
+    handler.addFilter(_OncePerProcess())
     logger.addHandler(handler)
     return handler
 

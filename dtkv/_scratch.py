@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from dtkv._util import cdiv
-from dtkv.layouts import KVLayout
+from dtkv.layouts import KVLayout, total_page_bytes
 
 __all__ = ["scratch_bytes"]
 
@@ -26,5 +26,5 @@ def scratch_bytes(
     """
     slack = cp if slack_pages is None else slack_pages
     m = cdiv(max_pages, cp) + slack
-    per_layer = sum((cp * m + m) * lay.page_bytes for lay in layouts.values())
+    per_layer = (cp * m + m) * total_page_bytes(layouts)
     return per_layer * (2 if prefetch else 1)

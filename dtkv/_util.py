@@ -5,15 +5,15 @@
   errors worded once (argument, value, rule); :func:`as_int_list` is the same as Python ints.
 - :func:`first_occurrence` / :func:`unique_in_order` -- distinct values of a 1-D tensor in order of first
   occurrence (page lists keep their order when duplicates are dropped).
-- :func:`warn_deprecated` -- the one wording of "old name -> new name" ``DeprecationWarning`` s;
-  :func:`deprecated_alias` -- a function under its old name, warning on every call.
+- :func:`warn_deprecated` -- the one wording of "old name -> new name" deprecations, as a
+  :class:`DtkvDeprecationWarning` (the suite turns that category into an error: a renamed name is kept for one
+  release for users, never used by dtkv itself).
 """
 
 from __future__ import annotations
 
-import functools
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TypeVar
 
 import numpy as np
@@ -22,15 +22,14 @@ import torch
 __all__ = [
     "as_int_array",
     "as_int_list",
+    "DtkvDeprecationWarning",
     "cdiv",
-    "deprecated_alias",
     "first_occurrence",
     "unique_in_order",
     "warn_deprecated",
 ]
 
 T = TypeVar("T", int, np.ndarray, torch.Tensor)
-T2 = TypeVar("T2")
 
 _INT64_MAX = np.iinfo(np.int64).max
 
@@ -159,22 +158,14 @@ def unique_in_order(values: torch.Tensor) -> torch.Tensor:
     return values[first_occurrence(values)]
 
 
+class DtkvDeprecationWarning(DeprecationWarning):
+    """A dtkv name renamed or removed in the next release (:func:`warn_deprecated`)."""
+
+
 def warn_deprecated(old: str, new: str, *, stacklevel: int = 3) -> None:
-    """Emit the ``DeprecationWarning`` of a renamed public name (kept for one release)."""
+    """Emit the :class:`DtkvDeprecationWarning` of a renamed public name (kept for one release)."""
     warnings.warn(
         f"{old} is deprecated and will be removed in the next release; use {new}",
-        DeprecationWarning,
+        DtkvDeprecationWarning,
         stacklevel=stacklevel,
     )
-
-
-def deprecated_alias(old: str, new: str, fn: Callable[..., T2]) -> Callable[..., T2]:
-    """``fn`` under its old name ``old``: the same call, with :func:`warn_deprecated` first (kept for one release)."""
-
-    @functools.wraps(fn)
-    def alias(*args, **kwargs):
-        warn_deprecated(old, new)
-        return fn(*args, **kwargs)
-
-    alias.__doc__ = f"Deprecated: :func:`{new}`."
-    return alias

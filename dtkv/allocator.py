@@ -10,6 +10,9 @@ Pages are reference counted, so a page can be shared (a prefix cache entry and t
 :class:`dtkv.PrefixCache`): ``alloc`` hands a page out with one reference, ``retain`` adds one, ``release`` (and
 its older name ``free``) drops one, and a page returns to its owner's free list only when its last reference
 goes. Every call validates all its pages before it changes anything (all or nothing).
+
+While a :class:`dtkv._journal.Journal` is attached (:attr:`PageAllocator.journal`), every change records its undo,
+so a failed step can put the allocator back exactly (free lists, reference counts, the cursor).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -25,6 +29,9 @@ from dtkv._agree import register_error
 from dtkv._checks import check_int
 from dtkv._util import as_int_list
 from dtkv.ownership import PageOwnership
+
+if TYPE_CHECKING:
+    from dtkv._journal import Journal
 
 __all__ = ["AllocationError", "PageAllocator"]
 
@@ -66,6 +73,8 @@ class PageAllocator:
                 self._is_free[p] = 1
         self._refs = np.zeros(ownership.num_pages, dtype=np.int64)  # 0: free or reserved
         self._cursor = 0
+        self.journal: Journal | None = None
+        """While set, every change records its undo here (:mod:`dtkv._journal`; the runtime's steps)."""
 
     # ------------------------------------------------------------------------------------------ queries
     def num_free(self, owner: int | None = None) -> int:
@@ -131,7 +140,17 @@ class PageAllocator:
         for p in out:
             self._is_free[p] = 0
             self._refs[p] = 1
+        if self.journal is not None:
+            self.journal.record(lambda: self._unalloc(out))
         return torch.tensor(out, dtype=torch.int64)
+
+    def _unalloc(self, pages: list[int]) -> None:
+        """Undo of :meth:`alloc`: the pages are free again (their one reference gone)."""
+        for p in pages:
+            assert self._refs[p] == 1, f"undo of alloc: page {p} holds {self._refs[p]} references, expected 1"
+            self._refs[p] = 0
+            self._is_free[p] = 1
+            heapq.heappush(self._free[self.ownership.owner(p)], p)
 
     def alloc_balanced(self, n: int) -> torch.Tensor:
         """``n`` free pages spread across owners round-robin from a rotating cursor (no owner preference).
@@ -160,6 +179,9 @@ class PageAllocator:
                 owners.append(r)
                 remaining[r] -= 1
             r = (r + 1) % cp
+        if self.journal is not None:
+            before = self._cursor
+            self.journal.record(lambda: setattr(self, "_cursor", before))
         self._cursor = r
         return self.alloc(owners)
 
@@ -173,6 +195,13 @@ class PageAllocator:
         plist = self._check_held("retain", pages, "retained")
         for p in plist:
             self._refs[p] += 1
+        if self.journal is not None and plist:
+            self.journal.record(lambda: self._unretain(plist))
+
+    def _unretain(self, pages: list[int]) -> None:
+        """Undo of :meth:`retain` (every page keeps at least the reference it had before)."""
+        for p in pages:
+            self._refs[p] -= 1
 
     def release(self, pages: Sequence[int] | torch.Tensor) -> None:
         """Drop one reference from each page; a page whose last reference goes returns to its owner's free list.
@@ -200,6 +229,21 @@ class PageAllocator:
             if self._refs[p] == 0:
                 heapq.heappush(self._free[self.ownership.owner(p)], p)
                 self._is_free[p] = 1
+        if self.journal is not None and plist:
+            self.journal.record(lambda: self._unrelease(plist))
+
+    def _unrelease(self, pages: list[int]) -> None:
+        """Undo of a release: each page gets its reference back; a page it had freed leaves the free list."""
+        taken: dict[int, set[int]] = {}
+        for p in pages:
+            if self._refs[p] == 0:
+                taken.setdefault(self.ownership.owner(p), set()).add(p)
+                self._is_free[p] = 0
+            self._refs[p] += 1
+        for owner, gone in taken.items():  # rare (a rollback): rebuild the owner's heap without them
+            heap = self._free[owner]
+            heap[:] = [p for p in heap if p not in gone]
+            heapq.heapify(heap)
 
     def _check_held(self, what: str, pages: Sequence[int] | torch.Tensor, done: str) -> list[int]:
         """Validate every page of a ``retain``/``release``/``free`` call before any changes (all or nothing)."""

@@ -1,45 +1,50 @@
-"""Capacity planning without allocation: per-rank bytes and the logical-capacity multiplier of sharded KV.
+"""Capacity planning without allocation: GiB per rank of replicated vs sharded KV, and the view's scratch.
 
-A replicated CP deployment gives every rank the bytes of the whole logical pool. With page-ownership sharding
-the same per-rank budget holds ``cp`` times as many pages, minus the scratch that full-view materialization
-needs (the per-layer view of the largest request, double-buffered for layer-ahead prefetch, plus the pack
-buffer). :func:`capacity` builds the pools and scratch on the ``meta`` device (no memory is touched) and
-reports the multiplier.
+The question most people ask -- *model M at cp N with a context of T tokens: how much KV does each rank hold,
+replicated or sharded?* -- is :func:`context_capacity` (``dtkv capacity --model glm5 --cp 8 --context 1048576``):
+the replicated pool holds every page on every rank, the sharded pools ``1 / cp`` of them, and full-view
+materialization adds its scratch (the per-layer view of the largest request, double-buffered for layer-ahead
+prefetch, plus the pack buffer). Models: the presets (:data:`PRESETS`; the names people type, ``glm-5`` or
+``deepseek-v3.2``, are accepted) or any DSA ``config.json`` (:func:`geometry_from_config`).
 
-Run ``python -m dtkv.capacity --preset glm5 --cp 8 --tokens 1048576 --json`` (``--cp-size`` is a deprecated
-alias of ``--cp``; presets ``glm5``, ``deepseek-v32``, ``deepseek-v32-bf16``, with ``dsv32`` / ``dsv32-bf16``
-deprecated aliases). Arithmetic only: this module imports no kernels, no Triton and no materializer.
+Two more questions, for a fixed per-rank budget: :func:`capacity` (``--tokens B``: each rank has the bytes of a
+replicated pool of ``B`` tokens; how many logical tokens do the sharded pools hold in the same bytes, after the
+scratch?) and the shared-prefix scenario (:func:`shared_prefix_capacity`, ``--shared-prefix-tokens P
+--suffix-tokens S``): many concurrent requests that start with the same prefix and each add their own suffix;
+with a prefix cache (:class:`dtkv.PrefixCache`) the prefix's full pages are stored once and counted once, each
+request storing only its suffix and the prefix's partial last page.
 
-Shared-prefix scenario (:func:`shared_prefix_capacity`): many concurrent requests that start with the same
-prefix (a system prompt, a document) and each add their own suffix. With a prefix cache
-(:class:`dtkv.PrefixCache`) the prefix's full pages are stored once and counted once; each request stores only
-its suffix and the prefix's partial last page (whose tokens it recomputes). ``--shared-prefix-tokens P
---suffix-tokens S`` reports how many such requests fit, replicated or sharded, with or without the cache.
+Everything is arithmetic on plain ints and meta tensors: this module imports no kernels, no Triton and no
+materializer. The command line is :mod:`dtkv._capacity_cli` (``dtkv capacity --help``).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import logging
+import math
+import os
 import sys
 from dataclasses import asdict, dataclass
 
 from dtkv._checks import check_int
+from dtkv._names import canonical_name
 from dtkv._scratch import scratch_bytes
-from dtkv._util import cdiv, warn_deprecated
-from dtkv.layouts import IndexerFp8Layout, KVLayout, MLAFp8Layout, MLALatentLayout
+from dtkv._util import cdiv
+from dtkv.layouts import IndexerFp8Layout, KVLayout, MLAFp8Layout, MLALatentLayout, total_page_bytes
 from dtkv.ownership import PageOwnership
 from dtkv.pool import ShardedKVPool
 
 __all__ = [
     "PRESETS",
-    "PRESET_ALIASES",
     "CapacityReport",
+    "ContextReport",
     "ModelGeometry",
     "SharedPrefixReport",
     "capacity",
+    "context_capacity",
+    "geometry_from_config",
     "main",
+    "preset_name",
     "shared_prefix_capacity",
 ]
 
@@ -49,7 +54,7 @@ class ModelGeometry:
     """The KV geometry of a model: layers and stored layouts."""
 
     name: str
-    """Preset name."""
+    """Preset name (or, for a ``config.json``, its path)."""
     num_layers: int
     """Layers holding KV."""
     layouts: tuple[tuple[str, KVLayout], ...]
@@ -63,7 +68,7 @@ class ModelGeometry:
     @property
     def page_bytes_per_layer(self) -> int:
         """Bytes of one page of one layer, every layout together."""
-        return sum(lay.page_bytes for _, lay in self.layouts)
+        return total_page_bytes(lay for _, lay in self.layouts)
 
 
 PRESETS: dict[str, ModelGeometry] = {
@@ -87,18 +92,137 @@ PRESETS: dict[str, ModelGeometry] = {
 DeepSeek-V3.2 (61 layers) with fp8 KV (656-byte MLA rows + the 8448-byte indexer page, page size 64), and
 DeepSeek-V3.2 with bf16 latent rows."""
 
-PRESET_ALIASES: dict[str, str] = {"dsv32": "deepseek-v32", "dsv32-bf16": "deepseek-v32-bf16"}
-"""Deprecated preset names -> their names in :data:`PRESETS` (accepted with a ``DeprecationWarning``)."""
+
+def preset_name(text: str) -> str | None:
+    """The :data:`PRESETS` key that ``text`` spells (``"GLM-5"``, ``"deepseek-v3.2"``), or ``None``."""
+    return canonical_name(text, PRESETS)
 
 
 def _geometry(preset: str | ModelGeometry) -> ModelGeometry:
-    if isinstance(preset, str) and preset in PRESET_ALIASES:
-        warn_deprecated(f"preset {preset!r}", f"preset {PRESET_ALIASES[preset]!r}", stacklevel=4)
-        preset = PRESET_ALIASES[preset]
+    if isinstance(preset, str):
+        preset = preset_name(preset) or preset
     geo = PRESETS[preset] if isinstance(preset, str) and preset in PRESETS else preset
     if not isinstance(geo, ModelGeometry):
         raise ValueError(f"preset must be one of {sorted(PRESETS)} or a ModelGeometry, got preset={preset!r}")
     return geo
+
+
+_CONFIG_KEYS = ("num_hidden_layers", "kv_lora_rank", "qk_rope_head_dim", "index_head_dim")
+
+
+def geometry_from_config(path: str | os.PathLike, *, kv_dtype: str = "fp8", page_size: int = 64) -> ModelGeometry:
+    """The KV geometry of a DSA model from its ``config.json`` (a file, or the directory holding it).
+
+    Reads ``num_hidden_layers`` (each layer holds KV), ``kv_lora_rank``, ``qk_rope_head_dim`` and
+    ``index_head_dim``. ``kv_dtype="fp8"``: :class:`MLAFp8Layout` rows (e4m3 latent, an fp32 scale per 128 dims,
+    bf16 rope) and the :class:`IndexerFp8Layout` page; ``"bf16"``: bf16 :class:`MLALatentLayout` rows and the same
+    fp8 indexer page (as the ``deepseek-v32-bf16`` preset).
+
+    Raises:
+        ValueError: the file is missing or unreadable, not a JSON object, or lacks one of the keys (a model
+            without MLA and an indexer is not a DSA model); ``kv_dtype`` or ``page_size`` is out of range.
+    """
+    if kv_dtype not in ("fp8", "bf16"):
+        raise ValueError(f"kv_dtype must be 'fp8' or 'bf16', got kv_dtype={kv_dtype!r}")
+    check_int("page_size", page_size, min_value=1)
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else os.fspath(path)
+    try:
+        with open(file, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"config must be a readable config.json (or a directory holding one), got {file}: {e}"
+        ) from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"config {file} must hold a JSON object, got a {type(cfg).__name__}")
+    bad = [k for k in _CONFIG_KEYS if isinstance(cfg.get(k), bool) or not isinstance(cfg.get(k), int) or cfg[k] < 1]
+    if bad:
+        raise ValueError(
+            f"config {file} must give {', '.join(_CONFIG_KEYS)} as positive ints (a DSA model: MLA latent KV and an "
+            f"indexer), got {', '.join(f'{k}={cfg.get(k)!r}' for k in bad)}"
+        )
+    rank, rope = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
+    index = IndexerFp8Layout(page_size=page_size, head_dim=cfg["index_head_dim"])
+    if kv_dtype == "fp8":
+        kv: KVLayout = MLAFp8Layout(
+            page_size=page_size, kv_lora_rank=rank, rope_dim=rope, quant_block=math.gcd(128, rank)
+        )
+    else:
+        kv = MLALatentLayout(page_size=page_size, kv_lora_rank=rank, rope_dim=rope)
+    return ModelGeometry(name=file, num_layers=cfg["num_hidden_layers"], layouts=(("kv", kv), ("index", index)))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ContextReport:
+    """What :func:`context_capacity` measured: bytes per rank for one context (sizes in bytes, counts in tokens)."""
+
+    model: str
+    """The preset's name, or the ``config.json`` path."""
+    num_layers: int
+    page_size: int
+    cp_size: int
+    """CP group size."""
+    context_tokens: int
+    """Tokens of KV the CP group holds (one request's context, or several requests' together)."""
+    max_request_tokens: int
+    """The longest request the view's scratch is sized for."""
+    replicated_bytes_per_rank: int
+    """Replicated KV: every page of the context on every rank."""
+    sharded_bytes_per_rank: int
+    """Sharded KV: the pages one rank owns (the most any rank owns)."""
+    scratch_bytes_per_rank: int
+    """The view's scratch: two layers of full view of the longest request (layer-ahead prefetch) plus the pack
+    buffer."""
+
+    @property
+    def sharded_total_bytes_per_rank(self) -> int:
+        """Sharded KV plus the view's scratch: what a rank needs instead of :attr:`replicated_bytes_per_rank`."""
+        return self.sharded_bytes_per_rank + self.scratch_bytes_per_rank
+
+    def to_json(self) -> dict[str, object]:
+        """The report as a JSON-able dict (``--json``): one key per quantity, sizes in bytes."""
+        out = asdict(self)
+        out["sharded_total_bytes_per_rank"] = self.sharded_total_bytes_per_rank
+        return out
+
+
+def context_capacity(
+    preset: str | ModelGeometry = "glm5", *, cp_size: int, context_tokens: int, max_request_tokens: int | None = None
+) -> ContextReport:
+    """Bytes per rank of ``context_tokens`` tokens of KV, replicated vs sharded over ``cp_size`` ranks, and the
+    view's scratch (pure arithmetic).
+
+    Args:
+        preset: a key of :data:`PRESETS` (as :func:`preset_name` reads it), or a :class:`ModelGeometry` (e.g.
+            from :func:`geometry_from_config`).
+        cp_size: CP group size (>= 1).
+        context_tokens: tokens of KV held (>= 1).
+        max_request_tokens: the longest request the scratch must materialize (default and at most
+            ``context_tokens``).
+    """
+    geo = _geometry(preset)
+    check_int("cp_size", cp_size, min_value=1)
+    check_int("context_tokens", context_tokens, min_value=1)
+    max_req = (
+        context_tokens
+        if max_request_tokens is None
+        else check_int("max_request_tokens", max_request_tokens, min_value=1)
+    )
+    max_req = min(max_req, context_tokens)
+    ps, per_page = geo.page_size, geo.num_layers * geo.page_bytes_per_layer
+    own = PageOwnership(cp_size, cdiv(context_tokens, ps))
+    most = max(own.num_local_pages(r) for r in range(cp_size))
+    return ContextReport(
+        model=geo.name,
+        num_layers=geo.num_layers,
+        page_size=ps,
+        cp_size=cp_size,
+        context_tokens=context_tokens,
+        max_request_tokens=max_req,
+        replicated_bytes_per_rank=own.num_pages * per_page,
+        sharded_bytes_per_rank=most * per_page,
+        scratch_bytes_per_rank=scratch_bytes(dict(geo.layouts), max_pages=cdiv(max_req, ps), cp=cp_size, prefetch=True),
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -127,45 +251,31 @@ class CapacityReport:
     """``sharded_tokens / tokens``."""
 
     @property
-    def cp(self) -> int:
-        """Deprecated name of :attr:`cp_size` (warns)."""
-        warn_deprecated("CapacityReport.cp", "CapacityReport.cp_size")
-        return self.cp_size
+    def scratch_takes_the_budget(self) -> bool:
+        """True when the view's scratch leaves no room for a single page (the multiplier is 0)."""
+        return self.sharded_pages == 0
 
     def to_json(self) -> dict[str, object]:
-        """The report as a JSON-able dict (what ``--json`` prints; ``"cp"`` repeats ``"cp_size"`` for one
-        release, for scripts reading the old key)."""
-        out = asdict(self)
-        out["cp"] = self.cp_size
-        return out
+        """The report as a JSON-able dict (what ``--tokens ... --json`` prints): one key per quantity."""
+        return asdict(self)
 
 
 def capacity(
     preset: str | ModelGeometry = "glm5",
     *,
-    cp_size: int | None = None,
+    cp_size: int,
     tokens: int,
     max_request_tokens: int | None = None,
-    cp: int | None = None,
 ) -> CapacityReport:
     """Per-rank bytes and capacity multiplier of sharded vs replicated KV, computed on meta tensors.
 
     Args:
-        preset: a key of :data:`PRESETS` (or a deprecated alias of :data:`PRESET_ALIASES`) or a
-            :class:`ModelGeometry`.
+        preset: a key of :data:`PRESETS` (as :func:`preset_name` reads it) or a :class:`ModelGeometry`.
         cp_size: CP group size (>= 1).
         tokens: the per-rank budget, in tokens: each rank has the bytes of a replicated pool of ``tokens``
             tokens (every rank holding every page), which the sharded pools then fill.
         max_request_tokens: the longest request the scratch must materialize (default ``tokens``).
-        cp: deprecated name of ``cp_size`` (warns).
     """
-    if cp is not None:
-        warn_deprecated("capacity(cp=...)", "capacity(cp_size=...)")
-        if cp_size is not None and cp_size != cp:
-            raise TypeError(f"capacity got cp_size={cp_size} and the deprecated cp={cp}; pass cp_size= only")
-        cp_size = cp
-    if cp_size is None:
-        raise TypeError("capacity() missing required keyword argument: 'cp_size'")
     geo = _geometry(preset)
     check_int("cp_size", cp_size, min_value=1)
     check_int("tokens", tokens, min_value=1)
@@ -282,103 +392,7 @@ def shared_prefix_capacity(
     )
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m dtkv.capacity",
-        description=__doc__.split("\n\n")[0],
-        epilog="Sizes are computed on meta tensors: nothing is allocated. Output: GiB per rank, or --json (bytes).",
-    )
-    names = sorted(PRESETS) + sorted(PRESET_ALIASES)
-    p.add_argument(
-        "--preset",
-        default="glm5",
-        choices=names,
-        metavar="MODEL",
-        help=f"model geometry: {', '.join(sorted(PRESETS))} (deprecated aliases: "
-        f"{', '.join(f'{k} = {v}' for k, v in sorted(PRESET_ALIASES.items()))}; default glm5)",
-    )
-    p.add_argument("--cp", type=int, default=8, metavar="N", help="CP group size, ranks (default 8)")
-    p.add_argument("--cp-size", type=int, default=None, metavar="N", help="deprecated alias of --cp")
-    p.add_argument(
-        "--tokens",
-        type=int,
-        default=1 << 20,
-        help="per-rank KV budget, in tokens: each rank gets the bytes a replicated pool of this many tokens needs "
-        "(not a context length; default 1048576)",
-    )
-    p.add_argument(
-        "--max-request-tokens",
-        type=int,
-        default=None,
-        help="longest request the materialization scratch is sized for, tokens (default: --tokens)",
-    )
-    p.add_argument("--json", action="store_true", help="print one JSON object on stdout (sizes in bytes)")
-    p.add_argument(
-        "--shared-prefix-tokens",
-        type=int,
-        default=None,
-        help="shared-prefix scenario: tokens every request shares (default: off)",
-    )
-    p.add_argument(
-        "--suffix-tokens",
-        type=int,
-        default=4096,
-        help="shared-prefix scenario: tokens each request adds (default 4096)",
-    )
-    return p
+if __name__ == "__main__":  # python -m dtkv.capacity: the command line (dtkv._capacity_cli) runs, not this module
+    from dtkv._capacity_cli import main
 
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m dtkv.capacity``: see ``--help``."""
-    from dtkv._log import setup_cli_logging
-
-    setup_cli_logging()
-    args = _parser().parse_args(argv)
-    log = logging.getLogger("dtkv.capacity")  # not __name__: that is "__main__" under python -m
-    if args.cp_size is not None:
-        log.warning("--cp-size is deprecated and will be removed in the next release; use --cp")
-        args.cp = args.cp_size
-    if args.preset in PRESET_ALIASES:
-        log.warning("--preset %s is deprecated; use --preset %s", args.preset, PRESET_ALIASES[args.preset])
-        args.preset = PRESET_ALIASES[args.preset]
-    if args.shared_prefix_tokens is not None:
-        return _shared_prefix_main(args)
-    rep = capacity(args.preset, cp_size=args.cp, tokens=args.tokens, max_request_tokens=args.max_request_tokens)
-    if args.json:
-        print(json.dumps(rep.to_json()))
-        return 0
-    gib = 1 << 30
-    print(f"preset {rep.preset}: {rep.num_layers} layers, page {rep.page_size}, cp {rep.cp_size}")
-    print(f"  per-rank budget (replicated pool of {rep.tokens} tokens): {rep.kv_bytes_replicated / gib:9.2f} GiB")
-    print(
-        f"  materialization scratch (<= {rep.max_request_tokens} tokens):  {rep.scratch_bytes_per_rank / gib:9.2f} GiB"
-    )
-    print(f"  sharded pool per rank:                        {rep.kv_bytes_per_rank / gib:9.2f} GiB")
-    print(f"  logical tokens held: {rep.sharded_tokens} -> capacity multiplier {rep.capacity_multiplier:.3f}x")
-    return 0
-
-
-def _shared_prefix_main(args: argparse.Namespace) -> int:
-    rep = shared_prefix_capacity(
-        args.preset,
-        cp_size=args.cp,
-        tokens=args.tokens,
-        prefix_tokens=args.shared_prefix_tokens,
-        suffix_tokens=args.suffix_tokens,
-    )
-    if args.json:
-        print(json.dumps(rep.to_json()))
-        return 0
-    p = rep.pools
-    print(f"preset {p.preset}: {p.num_layers} layers, page {p.page_size}, cp {p.cp_size}, budget {p.tokens} tokens")
-    print(f"  requests of {rep.prefix_tokens} shared + {rep.suffix_tokens} own tokens:")
-    print(f"  pages per request: {rep.pages_per_request} alone, {rep.private_pages} + {rep.shared_pages} shared once")
-    print(f"  {'':24}{'no prefix cache':>16}{'prefix cache':>14}")
-    print(f"  {'replicated pool':24}{rep.requests_replicated:>16}{rep.requests_replicated_shared:>14}")
-    print(f"  {'sharded pools':24}{rep.requests_sharded:>16}{rep.requests_sharded_shared:>14}")
-    print(f"  sharded + prefix cache vs replicated without: {rep.multiplier:.2f}x the concurrent requests")
-    return 0
-
-
-if __name__ == "__main__":
     sys.exit(main())

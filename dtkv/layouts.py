@@ -20,6 +20,7 @@ runs on CPU in seconds; the defaults are the DeepSeek-V3.2 / GLM-5 geometry. The
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -27,7 +28,7 @@ import torch
 
 from dtkv._checks import check_int
 
-__all__ = ["FP8_E4M3_MAX", "IndexerFp8Layout", "KVLayout", "MLAFp8Layout", "MLALatentLayout"]
+__all__ = ["FP8_E4M3_MAX", "IndexerFp8Layout", "KVLayout", "MLAFp8Layout", "MLALatentLayout", "total_page_bytes"]
 
 FP8_E4M3_MAX = 448.0
 
@@ -190,3 +191,10 @@ class IndexerFp8Layout(KVLayout):
     @property
     def dtype(self) -> torch.dtype:
         return torch.uint8
+
+
+def total_page_bytes(layouts: Mapping[str, KVLayout] | Iterable[KVLayout]) -> int:
+    """Bytes of one page of each of ``layouts`` together (a pool's pages of one layer): what a page costs in every
+    sizing rule (pools, scratch, transfer, capacity). A mapping's values count, any other iterable's items."""
+    lays = layouts.values() if isinstance(layouts, Mapping) else layouts
+    return sum(lay.page_bytes for lay in lays)

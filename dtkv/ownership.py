@@ -31,7 +31,7 @@ import torch
 from torch.distributed.tensor.placement_types import Placement
 
 from dtkv._checks import check_int
-from dtkv._util import cdiv, warn_deprecated
+from dtkv._util import cdiv
 
 __all__ = [
     "SCHEMES",
@@ -52,27 +52,10 @@ SCHEME_CODES: dict[str, int] = {"interleave": 0, "block": 1}
 IntOrTensor = TypeVar("IntOrTensor", int, torch.Tensor)
 
 
-def __getattr__(name: str):
-    if name == "Layout":  # the pre-0.1 name of OwnershipScheme
-        warn_deprecated("dtkv.ownership.Layout", "dtkv.ownership.OwnershipScheme")
-        return OwnershipScheme
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def _check_scheme(scheme: object) -> str:
     if scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {SCHEMES}, got scheme={scheme!r}")
     return scheme  # type: ignore[return-value]
-
-
-def _resolve_scheme(scheme: str, layout: str | None, where: str) -> str:
-    """``scheme`` unless the deprecated ``layout=`` keyword was given (then warn and use it)."""
-    if layout is None:
-        return scheme
-    warn_deprecated(f"{where}(layout=...)", f"{where}(scheme=...)", stacklevel=4)
-    if scheme != "interleave" and scheme != layout:
-        raise TypeError(f"{where} got scheme={scheme!r} and the deprecated layout={layout!r}; pass scheme= only")
-    return layout
 
 
 def pages_per_rank(cp_size: int, num_pages: int) -> int:
@@ -126,16 +109,12 @@ class PageOwnership(Placement):
         cp_size: number of ranks sharing the pool (>= 1).
         num_pages: logical pages in the pool (>= 1).
         scheme: the ownership scheme, ``"interleave"`` or ``"block"`` (see the module table).
-        layout: deprecated name of ``scheme`` (warns; removed in the next release).
     """
 
     __slots__ = ("_cp_size", "_num_pages", "_scheme", "_pages_per_rank")
 
-    def __init__(
-        self, cp_size: int, num_pages: int, scheme: OwnershipScheme = "interleave", *, layout: str | None = None
-    ) -> None:
+    def __init__(self, cp_size: int, num_pages: int, scheme: OwnershipScheme = "interleave") -> None:
         super().__init__()  # the pybind base must be initialised, or is_shard() segfaults
-        scheme = _resolve_scheme(scheme, layout, "PageOwnership")
         check_int("cp_size", cp_size, min_value=1)
         check_int("num_pages", num_pages, min_value=1)
         _check_scheme(scheme)
@@ -159,12 +138,6 @@ class PageOwnership(Placement):
     @property
     def scheme(self) -> OwnershipScheme:
         """The ownership scheme, ``"interleave"`` or ``"block"``."""
-        return self._scheme  # type: ignore[return-value]
-
-    @property
-    def layout(self) -> OwnershipScheme:
-        """Deprecated name of :attr:`scheme` (warns)."""
-        warn_deprecated("PageOwnership.layout", "PageOwnership.scheme")
         return self._scheme  # type: ignore[return-value]
 
     @property
@@ -316,18 +289,6 @@ class OwnershipSpec(NamedTuple):
     def pages_per_rank(self) -> int:
         """As :attr:`PageOwnership.pages_per_rank`."""
         return pages_per_rank(self.cp_size, self.num_pages)
-
-    @property
-    def layout(self) -> str:
-        """Deprecated name of :attr:`scheme` (warns)."""
-        warn_deprecated("OwnershipSpec.layout", "OwnershipSpec.scheme")
-        return self.scheme
-
-    @property
-    def chunk(self) -> int:
-        """Deprecated name of :attr:`pages_per_rank` (warns)."""
-        warn_deprecated("OwnershipSpec.chunk", "OwnershipSpec.pages_per_rank")
-        return self.pages_per_rank
 
     def owner(self, pages):
         """As :meth:`PageOwnership.owner`."""

@@ -26,7 +26,8 @@ ownership scheme            which CP rank *stores* each logical page: ``"interle
                             (``scheme=``), never called a layout.
 layout                      the byte format of a stored page: :class:`dtkv.KVLayout` and its subclasses
                             (bf16 MLA latent, 656-byte fp8 row, 8448-byte indexer page).
-storage owner               the rank that stores a page: ``ownership.owner(page)``.
+storage owner               the rank that stores a page: ``ownership.owner(page)``. *Ownership* always means
+                            this (who stores a page), never who computes it.
 compute owner               the rank whose CP split computes a page's extend tokens this step
                             (:func:`dtkv.split.compute_owners`); with a page-aligned split there is one.
 direct write                a rank writing the rows it computed straight into its own pool: allowed where it is
@@ -41,8 +42,8 @@ token chunk (``chunk``)     the tokens computed per request per step of chunked 
                             only thing called a chunk.
 layer group                 consecutive layers the transfer pipeline sends together (:mod:`dtkv.transfer`).
 rows per rank               rows each rank contributes to an owner-major all-gather of a page list (padded).
-model runner                what runs the reference model (prefill and decode) over dtkv pools:
-                            :class:`dtkv.model.ModelRunner`.
+runtime                     what runs a model (prefill, decode, PD) over dtkv pools:
+                            :class:`dtkv.runtime.Runtime`, one for every model; never called a runner.
 transfer engine             what moves bytes between processes: Mooncake's, or the in-process one
                             (:mod:`dtkv.transfer`).
 ``cp_size``, ``page_size``  ranks of the CP group, tokens per page: the names every public signature uses.

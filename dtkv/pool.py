@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from dtkv._agree import agreement
 from dtkv._checks import check_tensor
 from dtkv._collectives import all_gather_rows, group_rank, group_size
-from dtkv.layouts import KVLayout
+from dtkv.layouts import KVLayout, total_page_bytes
 from dtkv.ownership import PageOwnership
 
 __all__ = ["ShardedKVPool"]
@@ -156,7 +156,7 @@ class ShardedKVPool:
 
     def replicated_bytes(self) -> int:
         """Bytes one rank would hold if the logical pool were replicated."""
-        return self.num_layers * self.ownership.num_pages * sum(lay.page_bytes for lay in self.layouts.values())
+        return self.num_layers * self.ownership.num_pages * total_page_bytes(self.layouts)
 
     # ------------------------------------------------------------------------------------------ gather
     def gather_full(self, layer: int, name: str | None = None) -> dict[str, torch.Tensor] | torch.Tensor:

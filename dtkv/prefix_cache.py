@@ -57,7 +57,12 @@ keeps per-owner free counts where the allocation needs them; only then is any le
 **SPMD check.** :meth:`digest` hashes the tree (paths, pages, clock values), the clock and the allocator's state
 (free pages, reference counts); :meth:`check_agreement` compares it across the CP group in one fixed-size
 collective (:func:`dtkv._agree.agree`) and raises :class:`PrefixCacheMismatchError` on every rank together when
-ranks diverged. The model runner calls it after every step under ``DTKV_DEBUG``.
+ranks diverged. The runtime calls it after every step under ``DTKV_DEBUG``.
+
+**Undo.** While a :class:`dtkv._journal.Journal` is attached (:attr:`PrefixCache.journal`, with the same journal on
+the allocator), every :meth:`match`, :meth:`insert` and :meth:`evict` records its undo (tree, clock, last uses,
+``stats``), so a step that fails on any rank puts the cache back on every rank. :meth:`discard` drops entries
+whose pages no longer hold their KV (a failed step wrote into pages it had evicted).
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ import hashlib
 import heapq
 import struct
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -74,6 +80,9 @@ from dtkv._agree import agree
 from dtkv._checks import check_int
 from dtkv._util import as_int_list
 from dtkv.allocator import PageAllocator
+
+if TYPE_CHECKING:
+    from dtkv._journal import Journal
 
 __all__ = ["PrefixCache", "PrefixCacheMismatchError"]
 
@@ -126,6 +135,8 @@ class PrefixCache:
         self._clock = 0
         # running totals: pages handed out by match, newly cached by insert, evicted
         self.stats = {"matched_pages": 0, "inserted_pages": 0, "evicted_pages": 0}
+        self.journal: Journal | None = None
+        """While set, every change records its undo here (module docstring: Undo)."""
 
     # ------------------------------------------------------------------------------------------ queries
     @property
@@ -184,13 +195,17 @@ class PrefixCache:
             Logical pages ``[k]`` in token order, ``k <= len(token_ids) // page_size``; ``[]`` on a miss.
         """
         path = self._walk(self._keys("token_ids", token_ids, max_pages))
-        self._clock += 1
-        for node in path:
-            node.last_access = self._clock
         pages = [n.page for n in path]
         self.allocator.retain(pages)
-        self.stats["matched_pages"] += len(pages)
+        self._touch(path)
+        self._count("matched_pages", len(pages))
         return pages
+
+    def _count(self, counter: str, n: int) -> None:
+        """Add ``n`` to ``stats[counter]`` (journaled)."""
+        self.stats[counter] += n
+        if self.journal is not None and n:
+            self.journal.record(lambda: self.stats.__setitem__(counter, self.stats[counter] - n))
 
     def insert(self, token_ids: Sequence[int] | torch.Tensor, pages: Sequence[int] | torch.Tensor) -> int:
         """Cache the full pages of ``token_ids`` (a partial last page is left out); returns pages newly cached.
@@ -237,19 +252,48 @@ class PrefixCache:
                     "(a page holds the KV of one token prefix); nothing was cached"
                 )
         alloc.retain(new)
-        self._clock += 1
-        for node in path:
-            node.last_access = self._clock
-        parent = path[-1] if path else self._root
+        self._touch(path)
+        top = path[-1] if path else self._root
+        top_was_leaf = top.page in self._leaves
+        created, parent = [], top
         for key, p in zip(keys[len(path) :], new):
             node = _Node(key, p, parent, self._clock)
             parent.children[key] = node
             self._by_page[p] = node
             self._leaves.pop(parent.page, None)
             self._leaves[p] = node
+            created.append(node)
             parent = node
         self.stats["inserted_pages"] += len(new)
+        if self.journal is not None and created:
+            self.journal.record(lambda: self._uninsert(created, top, top_was_leaf))
         return len(new)
+
+    def _touch(self, path: list[_Node]) -> None:
+        """Tick the clock and mark ``path`` as used now (journaled)."""
+        if self.journal is not None:
+            clock, uses = self._clock, [(n, n.last_access) for n in path]
+
+            def undo() -> None:
+                self._clock = clock
+                for n, t in uses:
+                    n.last_access = t
+
+            self.journal.record(undo)
+        self._clock += 1
+        for node in path:
+            node.last_access = self._clock
+
+    def _uninsert(self, created: list[_Node], top: _Node, top_was_leaf: bool) -> None:
+        """Undo of :meth:`insert`'s new nodes (the allocator's journal gives their references back)."""
+        for node in reversed(created):
+            assert node.parent is not None and not node.children, "undo of insert: a new node is a leaf again"
+            del node.parent.children[node.key]
+            del self._by_page[node.page]
+            self._leaves.pop(node.page, None)
+        if top_was_leaf:
+            self._leaves[top.page] = top
+        self.stats["inserted_pages"] -= len(created)
 
     def evict(self, num_pages: int, *, owner: int | None = None) -> list[int]:
         """Evict up to ``num_pages`` least-recently-used leaves that only the cache holds; returns their pages.
@@ -263,21 +307,71 @@ class PrefixCache:
         heap = [(n.last_access, n.page, n) for n in self._leaves.values() if self._evictable(n, owner)]
         heapq.heapify(heap)
         out: list[int] = []
+        removed: list[tuple[_Node, bool]] = []
         while heap and len(out) < num_pages:
             _, page, node = heapq.heappop(heap)
             parent = node.parent
             assert parent is not None, "the root is never a candidate"
-            del parent.children[node.key]
-            del self._by_page[page]
-            del self._leaves[page]
+            removed.append((node, self._remove_leaf(node)))
             out.append(page)
-            if parent is not self._root and not parent.children:
-                self._leaves[parent.page] = parent
-                if self._evictable(parent, owner):
-                    heapq.heappush(heap, (parent.last_access, parent.page, parent))
-        self.allocator.release(out)
-        self.stats["evicted_pages"] += len(out)
+            if parent is not self._root and not parent.children and self._evictable(parent, owner):
+                heapq.heappush(heap, (parent.last_access, parent.page, parent))
+        self._forget(removed, "evicted_pages")
         return out
+
+    def discard(self, pages: Sequence[int]) -> list[int]:
+        """Drop the entries of the cached ``pages`` and of every longer prefix through them (their KV is no longer
+        what the tokens wrote: a failed step wrote into pages it had evicted); pages not cached are ignored. The
+        cache's references go (a page no request holds is free afterwards). Returns the dropped pages, children
+        first. Counted as evicted in ``stats``."""
+        seen: dict[int, _Node] = {}  # page -> node, children before parents
+        for p in as_int_list("pages", pages):
+            node = self._by_page.get(p)
+            if node is None or p in seen:
+                continue
+            stack, sub = [node], []
+            while stack:  # preorder: a node before its children; reversed, every child before its parent
+                n = stack.pop()
+                sub.append(n)
+                stack.extend(n.children[k] for k in sorted(n.children))
+            for n in reversed(sub):
+                seen.setdefault(n.page, n)
+        order = list(seen.values())
+        removed = [(n, self._remove_leaf(n)) for n in order]
+        self._forget(removed, "evicted_pages")
+        return [n.page for n in order]
+
+    def _remove_leaf(self, node: _Node) -> bool:
+        """Unlink a node without children; returns whether its parent became a leaf."""
+        parent = node.parent
+        assert parent is not None and not node.children, "only a leaf below the root is removed"
+        del parent.children[node.key]
+        del self._by_page[node.page]
+        self._leaves.pop(node.page, None)
+        if parent is not self._root and not parent.children:
+            self._leaves[parent.page] = parent
+            return True
+        return False
+
+    def _forget(self, removed: list[tuple[_Node, bool]], counter: str) -> None:
+        """Release the cache's references on the removed nodes' pages, count them, journal the undo."""
+        if self.journal is not None and removed:
+            self.journal.record(lambda: self._relink(removed, counter))
+        self.allocator.release([n.page for n, _ in removed])
+        self.stats[counter] += len(removed)
+
+    def _relink(self, removed: list[tuple[_Node, bool]], counter: str) -> None:
+        """Undo of removals: the nodes back in the tree, newest removal first (the allocator's journal gives their
+        references back)."""
+        for node, parent_became_leaf in reversed(removed):
+            parent = node.parent
+            assert parent is not None, "a removed node keeps its parent"
+            parent.children[node.key] = node
+            self._by_page[node.page] = node
+            self._leaves[node.page] = node
+            if parent_became_leaf:
+                self._leaves.pop(parent.page, None)
+        self.stats[counter] -= len(removed)
 
     def make_room(self, total: int, per_owner: Sequence[int] | None = None) -> list[int]:
         """Evict so that an allocation of ``total`` pages (``per_owner[r]`` of them stored on rank ``r``) fits.

@@ -21,6 +21,10 @@ Entry points (each takes ``backend="auto" | "torch" | "triton"``):
   preallocated outputs) -- one send list packed out of every layout of a layer in one launch.
 - :func:`indexer_scores` -- DSA indexer scores of decode queries over their fp8 indexer pages, packed as
   selection keys (``dtkv::indexer_scores``).
+- :func:`indexer_logits` -- DSA indexer logits ``[N, K]`` of an extend step's fp8 queries over the fp8 keys of its
+  key table, request and causal visibility as per-query column ranges (``dtkv::indexer_logits``; float32 or packed
+  selection keys), with :func:`quantize_indexer_queries` (its fp8 queries) and :func:`indexer_topk` (the stable
+  lowest-position top-k of packed keys).
 - :func:`remap` -- logical indices to gathered-buffer coordinates (``dtkv::remap``).
 - :func:`sparse_indices` -- logical token locations to a sparse-attention kernel's int32 token slots (remap,
   bound, pad: ``dtkv::sparse_indices``); :func:`sparse_mla` -- MLA attention over selected rows (``dtkv::sparse_mla``).
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 from dtkv.ops._common import HAS_TRITON, OwnershipSpec, ownership_spec
 from dtkv.ops.direct_write import direct_write
+from dtkv.ops.indexer_logits import indexer_logits, indexer_topk, quantize_indexer_queries
 from dtkv.ops.indexer_scores import indexer_scores
 from dtkv.ops.pack_layer_pages import pack_layer_pages, pack_layer_pages_into
 from dtkv.ops.pack_owned_pages import PackPlan, gathered_page_table, pack_owned_pages, plan_pack
@@ -61,13 +66,16 @@ __all__ = [
     "dequantize_mla_fp8",
     "direct_write",
     "gathered_page_table",
+    "indexer_logits",
     "indexer_scores",
+    "indexer_topk",
     "ownership_spec",
     "pack_layer_pages",
     "pack_layer_pages_into",
     "pack_owned_pages",
     "plan_pack",
     "quantize_indexer_fp8",
+    "quantize_indexer_queries",
     "quantize_mla_fp8",
     "quantize_write_indexer_fp8",
     "quantize_write_mla_fp8",

@@ -300,13 +300,28 @@ if HAS_TRITON:
         return r.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
 
     @triton.jit
+    def scalar_mask(cond, like, INTERPRETER: tl.constexpr):
+        """A scalar condition as the mask of a tile shaped like ``like`` (an integer tensor of the tile's shape).
+
+        Compiled, ``cond`` comes back as it is (the load or store broadcasts a scalar mask itself: the kernel's IR
+        is what it would be without this helper). Under the interpreter (``INTERPRETER``) it is spread to a bool
+        tile explicitly: the interpreter gives a scalar comparison's result its operands' dtype, so an implicit
+        broadcast of it is an int32 array, which Triton 3.9's interpreter refuses as a mask ("mask has unsupported
+        dtype"; 3.7 accepted it).
+        """
+        if INTERPRETER:
+            return tl.where(cond, like == like, like != like)
+        else:
+            return cond
+
+    @triton.jit
     def bf16_rn(x):
         """fp32 -> bf16 with round-to-nearest-even via integer arithmetic (the interpreter truncates)."""
         bits = x.to(tl.int32, bitcast=True)
         return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 else:  # pragma: no cover
-    owner_local = locate_rows = locate = e4m3_bits = bf16_rn = None
+    owner_local = locate_rows = locate = e4m3_bits = scalar_mask = bf16_rn = None
 
 
 def locate_args(cp_size: int, num_pages: int, scheme_code: int, page_size: int) -> dict[str, int | bool]:

@@ -21,7 +21,8 @@ Legend: ``N`` queries, ``I`` heads (``NH``, padded ``NHP``), ``J`` dims (padded 
 
 from __future__ import annotations
 
-from ._common import e4m3_bits, tl, triton
+from ._common import e4m3_bits, scalar_mask, tl, triton
+from .selection_keys import pack_selection_key
 
 __all__ = ["indexer_cols_kernel", "indexer_pages_kernel"]
 
@@ -50,27 +51,33 @@ def _query_operand(q_ptr, w_ptr, n, q_sn, q_si, w_sn, NH, NHP, J, JP, Q_FP8, PRE
 
 
 @triton.jit
-def _score_keys(kf, qt, w, scale, pos, valid, IMPRECISE_ACC: tl.constexpr, Q_FP8: tl.constexpr):
-    """int64 selection keys of one tile: ``kf`` ``[T, JP]`` e4m3 codes, ``scale``/``pos``/``valid`` ``[T]``."""
+def _score_keys(kf, qt, w, scale, pos, valid, IMPRECISE_ACC: tl.constexpr, Q_FP8: tl.constexpr,
+                PREROUND: tl.constexpr):  # fmt: skip
+    """int64 selection keys of one tile: ``kf`` ``[T, JP]`` e4m3 codes, ``scale``/``pos``/``valid`` ``[T]``.
+
+    With ``PREROUND`` (the interpreter) the dot is the products summed over ``J`` in float64, then rounded once to
+    float32: the interpreter's ``tl.dot`` is numpy's matmul, whose summation order follows the BLAS kernel and the
+    tile's height, so the same key would get other bits in a tile of another height. e4m3 x e4m3 products are
+    multiples of 2**-18 below 2**18, so any sum of fewer than 2**17 of them is exact in float64 (in any order: the
+    bits are the exact sum's); a bf16 query's products are exact and their sum runs in one order for every tile (numpy
+    reduces the middle axis element by element, row by row).
+    """
     if not Q_FP8:
         kf = kf.to(qt.dtype)
-    if IMPRECISE_ACC > 0:
+    if PREROUND:
+        prod = kf.to(tl.float32).to(tl.float64)[:, :, None] * qt.to(tl.float32).to(tl.float64)[None, :, :]
+        acc = tl.sum(prod, axis=1).to(tl.float32)  # [T, NHP]
+    elif IMPRECISE_ACC > 0:
         acc = tl.dot(kf, qt, max_num_imprecise_acc=IMPRECISE_ACC)  # [T, NHP] fp32
     else:
         acc = tl.dot(kf, qt)
     s = tl.sum(tl.maximum(acc, 0.0) * w[None, :], axis=1) * scale
-    # the int64 selection key: ord32(score) * 2**32 + (2**32 - 1 - position); -0.0 -> +0.0, one NaN
-    s = tl.where(s == 0.0, 0.0, s)
-    s = tl.where(s != s, float("nan"), s)
-    bits = s.to(tl.int32, bitcast=True)
-    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
-    key = ordered * 4294967296 + (4294967295 - pos)
-    return tl.where(valid & (s != float("-inf")), key, -9223372036854775808)
+    return pack_selection_key(s, pos, valid)
 
 
 @triton.jit
 def _merged_pages(pool_ptr, row_ids, row_slots, row_keys, qt, w, qpos, start, end, num_local_pages, page_stride,
-                  S, SP, J, JP, PAGES, NUM_STAGES, Q_FP8, IMPRECISE_ACC):  # fmt: skip
+                  S, SP, J, JP, PAGES, NUM_STAGES, Q_FP8, IMPRECISE_ACC, PREROUND):  # fmt: skip
     """The page loop of :func:`indexer_pages_kernel` with ``MERGE``: rows ``u * SP + t`` of one ``[PAGES * SP, JP]``
     tile are token ``t`` of page ``first + u`` (each page's id and slot two scalar loads, then spread over its
     rows); one dot and one epilogue per ``PAGES`` pages."""
@@ -97,7 +104,7 @@ def _merged_pages(pool_ptr, row_ids, row_slots, row_keys, qt, w, qpos, start, en
         s_ptrs = (pool_ptr + base + S * J + 4 * t).to(tl.pointer_type(tl.float32))
         scale = tl.load(s_ptrs, mask=ok, other=0.0, eviction_policy="evict_first")
         pos = slot * S + t
-        key = _score_keys(kf, qt, w, scale, pos, ok & (pos <= qpos), IMPRECISE_ACC, Q_FP8)
+        key = _score_keys(kf, qt, w, scale, pos, ok & (pos <= qpos), IMPRECISE_ACC, Q_FP8, PREROUND)
         store = (first + u) < end
         if SP != S:
             store = store & (t < S)
@@ -150,7 +157,7 @@ def indexer_pages_kernel(
     end = tl.minimum(start + pages_per_prog, num_page_cols)
     if MERGE:
         _merged_pages(pool_ptr, row_ids, row_slots, row_keys, qt, w, qpos, start, end, num_local_pages, page_stride,
-                      S, SP, J, JP, PAGES, NUM_STAGES, Q_FP8, IMPRECISE_ACC)  # fmt: skip
+                      S, SP, J, JP, PAGES, NUM_STAGES, Q_FP8, IMPRECISE_ACC, PREROUND)  # fmt: skip
         return
     for first in tl.range(start, end, PAGES, num_stages=NUM_STAGES):
         for u in tl.static_range(PAGES):
@@ -167,19 +174,22 @@ def indexer_pages_kernel(
                 base = tl.where(ok, pid, 0) * page_stride
                 k_ptrs = (pool_ptr + base + r[:, None] * J + cj[None, :]).to(tl.pointer_type(tl.float8e4nv))
                 s_ptrs = (pool_ptr + base + S * J + 4 * r).to(tl.pointer_type(tl.float32))
+                tile_ok = scalar_mask(ok, r[:, None] + cj[None, :], PREROUND)  # PREROUND: the interpreter
+                rows_ok = scalar_mask(ok, r, PREROUND)
                 if SP == S and JP == J:
-                    kf = tl.load(k_ptrs, mask=ok, other=0.0, eviction_policy="evict_first")
-                    scale = tl.load(s_ptrs, mask=ok, other=0.0, eviction_policy="evict_first")
+                    kf = tl.load(k_ptrs, mask=tile_ok, other=0.0, eviction_policy="evict_first")
+                    scale = tl.load(s_ptrs, mask=rows_ok, other=0.0, eviction_policy="evict_first")
                 else:
-                    kmask = ok & (r < S)[:, None] & (cj < J)[None, :]
+                    kmask = tile_ok & (r < S)[:, None] & (cj < J)[None, :]
                     kf = tl.load(k_ptrs, mask=kmask, other=0.0, eviction_policy="evict_first")
-                    scale = tl.load(s_ptrs, mask=ok & (r < S), other=0.0, eviction_policy="evict_first")
+                    scale = tl.load(s_ptrs, mask=rows_ok & (r < S), other=0.0, eviction_policy="evict_first")
             pos = slot * S + r
-            key = _score_keys(kf, qt, w, scale, pos, ok & (pos <= qpos), IMPRECISE_ACC, Q_FP8)
+            key = _score_keys(kf, qt, w, scale, pos, ok & (pos <= qpos), IMPRECISE_ACC, Q_FP8, PREROUND)
+            stored = scalar_mask(inside, r, PREROUND)
             if SP == S:
-                tl.store(row_keys + p * S + r, key, mask=inside)
+                tl.store(row_keys + p * S + r, key, mask=stored)
             else:
-                tl.store(row_keys + p * S + r, key, mask=inside & (r < S))
+                tl.store(row_keys + p * S + r, key, mask=stored & (r < S))
 
 
 @triton.jit(do_not_specialize=["num_cols", "num_page_cols", "num_local_pages", "tiles_per_prog"])
@@ -231,5 +241,5 @@ def indexer_cols_kernel(
         k_ptrs = (pool_ptr + (base + off * J)[:, None] + cj[None, :]).to(tl.pointer_type(tl.float8e4nv))
         kf = tl.load(k_ptrs, mask=valid[:, None] & (cj < J)[None, :], other=0.0, eviction_policy="evict_first")
         scale = tl.load((pool_ptr + base + S * J + 4 * off).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)
-        key = _score_keys(kf, qt, w, scale, pos, valid, IMPRECISE_ACC, Q_FP8)
+        key = _score_keys(kf, qt, w, scale, pos, valid, IMPRECISE_ACC, Q_FP8, PREROUND)
         tl.store(row_keys + col, key, mask=inside)

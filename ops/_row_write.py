@@ -29,7 +29,6 @@ from typing import Any
 import torch
 
 from dtkv._checks import check_tensor
-from dtkv._util import warn_deprecated
 
 from ._common import (
     OwnershipLike,
@@ -46,20 +45,15 @@ from ._common import (
 from ._sharding import dtensor_args, register_pool_rule
 
 __all__ = [
-    "UNSET",
     "RowWriteOp",
     "call_row_write",
     "check_locs",
     "check_rows_contiguous",
-    "direct_from_require_owned",
     "launch_rows",
     "owned_rows_torch",
     "register_row_write_rule",
     "validate_locs",
 ]
-
-UNSET: Any = object()
-"""Default of deprecated keyword arguments (tells "not passed" from any value)."""
 
 
 # ----------------------------------------------------------------------------------------- checks
@@ -231,17 +225,6 @@ def register_row_write_rule(op, src: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------- public side
-def direct_from_require_owned(direct: bool, require_owned: Any, where: str) -> bool:
-    """``direct``, honouring the deprecated ``require_owned=`` spelling of the quantize writes (one release)."""
-    if require_owned is UNSET:
-        return direct
-    if direct:
-        raise TypeError(f"{where} got both direct= and the deprecated require_owned=; pass direct= only")
-    if not torch.compiler.is_compiling():
-        warn_deprecated(f"{where}(require_owned=...)", f"{where}(direct=...)", stacklevel=4)
-    return bool(require_owned)
-
-
 def call_row_write(
     op,
     pool: torch.Tensor,

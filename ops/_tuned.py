@@ -27,6 +27,11 @@ Ops (``op`` key: its ``size``; its configuration keys):
 - ``remap``: indices (``numel``); ``block``, ``num_warps``, ``map16`` (``"never"``, ``"always"`` or ``"large"``: a
   2-byte copy of ``page_map`` when its int32 form exceeds 128 KiB, so that it stays in L1), ``idx_cg`` (1: the
   indices bypass L1).
+- ``indexer_logits``: queries of the call; ``variant`` (``"keys"``: keys on the dot's M dimension, the head sum
+  along N in registers; ``"queries"``: queries x heads on M), ``block_q`` (queries per program), ``block_k`` (key
+  columns per tile), ``num_warps``, ``num_stages``, ``ctas_per_sm`` (the grid's target: a call whose query blocks
+  are fewer splits its key range over programs), ``maxnreg`` (register cap per thread, 0: the compiler's choice).
+  Its table is written by ``python benchmarks/bench_indexer_logits.py --sweep --write-table``.
 
 The :data:`TUNED` block is written by ``python benchmarks/tune_ops.py --write-table tuned.json`` from the JSON of a
 sweep on an H200 (``python benchmarks/tune_ops.py --out tuned.json``); edit :data:`DEFAULTS` by hand.
@@ -61,6 +66,10 @@ DEFAULTS: dict[str, Config] = {
     "pack_owned_pages": {"rows": 1, "parts": 2, "chunk_w": 4096, "num_warps": 8},
     "pack_layer_pages": {"rows": 1, "parts": 2, "chunk_w": 4096, "num_warps": 8},
     "remap": {"block": 1024, "num_warps": 4, "map16": "large", "idx_cg": 0},
+    # indexer logits: 2 queries x 64 heads on N against 64 keys on M, one warpgroup: 161 registers, 35 KB of shared
+    # memory in the sm_90 build (3 programs per SM); not timed yet
+    "indexer_logits": {"variant": "keys", "block_q": 2, "block_k": 64, "num_warps": 4, "num_stages": 3,
+                       "ctas_per_sm": 3, "maxnreg": 0},
 }  # fmt: skip
 """Configurations for untuned devices and sizes; every op's full set of keys."""
 
@@ -69,13 +78,43 @@ DEFAULTS: dict[str, Config] = {
 TUNED_ON = (
     "NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, 2026-12-01 (dtkv h28-ops 410fcc1); NVIDIA H200, torch "
     "2.11.0+cu130, triton 3.6.0, 2026-12-01 (dtkv h28-ops 41aa3a6): direct_write, pack_layer_pages, "
-    "pack_owned_pages, quantize_write_mla_fp8, remap, write_owned"
+    "pack_owned_pages, quantize_write_mla_fp8, remap, write_owned; NVIDIA H200, torch 2.11.0+cu130, "
+    "triton 3.6.0, 2026-12-01 (dtkv 3009ed5): indexer_logits"
 )
 TUNED: dict[str, dict[int, Config]] = {
     "direct_write": {
         65536: {"layout": "flat", "block_r": 16, "chunk_w": 1024, "num_warps": 4},
         262144: {"layout": "flat", "block_r": 8, "chunk_w": 512, "num_warps": 8},
         1048576: {"layout": "flat", "block_r": 16, "chunk_w": 1024, "num_warps": 4},
+    },
+    "indexer_logits": {
+        16: {
+            "variant": "keys",
+            "block_q": 8,
+            "block_k": 64,
+            "num_warps": 8,
+            "num_stages": 3,
+            "ctas_per_sm": 3,
+            "maxnreg": 0,
+        },
+        4096: {
+            "variant": "keys",
+            "block_q": 1,
+            "block_k": 128,
+            "num_warps": 4,
+            "num_stages": 2,
+            "ctas_per_sm": 3,
+            "maxnreg": 0,
+        },
+        8192: {
+            "variant": "keys",
+            "block_q": 1,
+            "block_k": 128,
+            "num_warps": 4,
+            "num_stages": 2,
+            "ctas_per_sm": 3,
+            "maxnreg": 0,
+        },
     },
     "pack_layer_pages": {
         1024: {"rows": 1, "parts": 1, "chunk_w": 4096, "num_warps": 8},

@@ -16,14 +16,9 @@ Legend: ``P`` local pages, ``S`` page size, ``D`` elements per row, ``N`` rows.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from dtkv._util import warn_deprecated
-
 from ._common import OwnershipLike
-from ._row_write import UNSET
 from .write_owned import write_owned, write_owned_torch
 
 __all__ = ["direct_write", "direct_write_torch"]
@@ -57,7 +52,6 @@ def direct_write(
     *,
     validate: bool | None = None,
     backend: str = "auto",
-    page_aligned: Any = UNSET,
 ) -> None:
     """Write this rank's own rows into its own pages: ``write_owned(..., direct=True)``.
 
@@ -73,19 +67,9 @@ def direct_write(
             raises with the pool untouched). ``None``: in eager yes; compiled only with ``DTKV_DEBUG=1``
             (otherwise foreign or out-of-range rows are silently skipped, with no sync).
         backend: ``"auto"`` | ``"torch"`` | ``"triton"``, as for :func:`dtkv.ops.write_owned`.
-        page_aligned: deprecated (calling a direct write states a page-aligned split); ``True`` warns, ``False``
-            raises as before.
 
     Raises:
-        ValueError: a (validated) location is out of range or on a foreign page, or ``page_aligned=False``.
+        ValueError: a (validated) location is out of range or on a foreign page.
         TypeError / ValueError: bad dtype, shape or device. Nothing is written in any of these cases.
     """
-    if page_aligned is not UNSET:
-        if page_aligned is not True:
-            raise ValueError(
-                f"direct_write needs a page-aligned CP split (each page computed by its owner), got "
-                f"page_aligned={page_aligned!r}; gather the chunk and use write_owned instead"
-            )
-        if not torch.compiler.is_compiling():  # a direct write states a page-aligned split by itself
-            warn_deprecated("direct_write(page_aligned=True)", "direct_write(...) without page_aligned")
     write_owned(pool, rows, locs, ownership, rank, direct=True, validate=validate, backend=backend)

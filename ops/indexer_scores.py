@@ -8,8 +8,8 @@ For every such key::
 
     score[n, s] = sum_i w[n, i] * relu(q[n, i] . k[s])        k[s] = e4m3 codes of token s * its fp32 scale
 
-masked (:data:`dtkv.decode.INVALID_KEY`) where the page is padding or the key is not causal (position >
-``query_pos[n]``), and packed with its position into the int64 key of :func:`dtkv.decode.selection_keys` (score
+masked (:data:`dtkv.ops.selection_keys.INVALID_KEY`) where the page is padding or the key is not causal (position >
+``query_pos[n]``), and packed with its position into the int64 key of :mod:`dtkv.ops.selection_keys` (score
 rounded to float32, ties by position): ``torch.topk`` of the output *is* the selection rule. Output column
 ``l * S + t`` is token ``t`` of page ``l``.
 
@@ -19,8 +19,12 @@ indexer does: the dot is then fp8 x fp8 on the tensor cores (twice the bf16 rate
 memory bandwidth: every key costs ``2 * I * J`` flops for its ``J + 4`` bytes (124 flop/byte at ``I = 64``,
 ``J = 128``: HBM speed needs ~600 TFLOP/s, beyond what a bf16 dot sustains). The price is e4m3 rounding of the
 queries (up to 2**-4 relative per element), so the selection differs from that of unquantized queries at
-near-ties; every mode of a decode step (sharded, full view, replicated) scores a key with the same instructions
-(every launch the table holds gives the default launch's bits), so they agree with each other exactly.
+near-ties. Every mode of a decode step (sharded, full view, replicated) reads other page counts, so other launches
+and grids, yet scores a key with the same operations in the same order: a key's bits do not depend on the launch
+(the tile, program or grid it lands in) -- under the interpreter by construction (its dot is exact and in one
+order, :mod:`dtkv.ops._indexer_kernels`), on a GPU for every launch of :data:`LAUNCH_TABLE` (the sweep admits only
+launches whose keys equal the default launch's bitwise; ``benchmarks/bench_indexer_scores.py --check-launches``
+checks every launch on awkward shapes) -- so the modes select the same keys.
 ``q_fp8=False`` keeps ``q`` as given (bf16 for the kernel: bf16 x bf16 dot of the exactly converted codes): the
 reference model's formula.
 
@@ -59,6 +63,7 @@ from dtkv.layouts import IndexerFp8Layout
 
 from ._common import INTERPRET, device_ctx, e4m3_blocks_torch, index_arg, resolve_backend
 from ._indexer_kernels import indexer_cols_kernel, indexer_pages_kernel
+from .selection_keys import selection_keys
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -79,26 +84,11 @@ __all__ = [
     "use_launch",
 ]
 
-_INVALID_KEY = -(2**63)
-_LOW32 = 2**32 - 1
-_MAG31 = 0x7FFFFFFF
 _Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _IDX_DTYPES = (torch.int32, torch.int64)
 
 
 # ----------------------------------------------------------------------------------------- torch reference
-def _pack_keys(scores_NS: torch.Tensor, pos_NS: torch.Tensor, valid_NS: torch.Tensor) -> torch.Tensor:
-    """:func:`dtkv.decode.selection_keys` (restated here: ops sit below ``dtkv.decode``)."""
-    s = scores_NS.to(torch.float32)
-    s = torch.where(s == 0, torch.zeros_like(s), s)
-    s = torch.where(torch.isnan(s), torch.full_like(s, float("nan")), s)
-    bits = s.contiguous().view(torch.int32).to(torch.int64)
-    ordered = torch.where(bits < 0, torch.bitwise_xor(bits, _MAG31), bits)
-    keys = ordered * (2**32) + (_LOW32 - pos_NS.to(torch.int64))
-    keep = valid_NS & (s != float("-inf"))
-    return torch.where(keep, keys, torch.full_like(keys, _INVALID_KEY))
-
-
 def indexer_scores_torch(
     q: torch.Tensor,  # [N, I, J] bf16/fp16/fp32/fp64
     w: torch.Tensor,  # [N, I] floating
@@ -133,7 +123,7 @@ def indexer_scores_torch(
     offsets = torch.arange(ps, device=q.device)
     pos = (page_slots.to(torch.int64)[:, :, None] * ps + offsets).reshape(n, -1)
     valid = real[:, :, None].expand(-1, -1, ps).reshape(n, -1) & (pos <= query_pos.to(torch.int64)[:, None])
-    return _pack_keys(scores, pos, valid)
+    return selection_keys(scores, pos, valid)
 
 
 # ----------------------------------------------------------------------------------------- launch configuration
@@ -142,8 +132,11 @@ _KERNELS = ("pages", "cols")
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class IndexerLaunch:
-    """Launch parameters of the Triton kernels (:mod:`dtkv.ops._indexer_kernels`); none changes a key's bits
-    (every kernel scores a key with the same instructions at ``num_warps=4``; ``imprecise`` does change them)."""
+    """Launch parameters of the Triton kernels (:mod:`dtkv.ops._indexer_kernels`). Every kernel scores a key's
+    row with the same operations whatever the tile, so none changes a key's bits under the interpreter (its dot is
+    exact, in one order); on a GPU the tensor-core dot is the same instruction sequence per row at
+    ``num_warps=4``, and the table holds only launches that the sweep found bitwise equal to the default
+    (``imprecise`` does change the bits)."""
 
     kernel: str = "pages"
     """``"pages"``: one page per tile, the page id loaded once and pipelined ahead; ``"cols"``: the first kernel,
@@ -212,8 +205,9 @@ LAUNCH_TABLE: dict[tuple[int, int], IndexerLaunch] = {
 }
 # END LAUNCH_TABLE
 """``(batch bucket, key bucket) -> IndexerLaunch`` measured on one H200 (``--indexer-sweep``); only launches
-whose keys are bitwise those of :data:`DEFAULT_LAUNCH` enter it, so sharded, full-view and replicated steps
-(which read different page counts) select the same keys."""
+whose keys are bitwise those of :data:`DEFAULT_LAUNCH` enter it (``bench_indexer_scores.py --check-launches``
+re-checks them on awkward shapes), so sharded, full-view and replicated steps (which read different page counts)
+select the same keys."""
 
 _FORCED: list[IndexerLaunch] = []
 

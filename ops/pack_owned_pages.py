@@ -28,7 +28,6 @@ from typing import cast
 import torch
 
 from dtkv._checks import check_tensor
-from dtkv._util import warn_deprecated
 from dtkv.ownership import OwnershipScheme, PageOwnership
 
 from ._common import (
@@ -68,13 +67,6 @@ class PackPlan:
     def num_gathered_rows(self) -> int:
         """Rows of the all-gathered buffer (``cp_size * rows_per_rank``)."""
         return self.ownership.cp_size * self.rows_per_rank
-
-    @property
-    def max_count(self) -> int:
-        """Deprecated name of :attr:`rows_per_rank`."""
-        if not torch.compiler.is_compiling():
-            warn_deprecated("PackPlan.max_count", "PackPlan.rows_per_rank")
-        return self.rows_per_rank
 
 
 def plan_pack(pages: torch.Tensor, ownership: OwnershipLike, *, device: torch.device | str | None = None) -> PackPlan:

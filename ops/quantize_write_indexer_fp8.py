@@ -15,8 +15,6 @@ Legend: ``P`` local pages, ``S`` page size, ``H`` head dim, ``N`` tokens.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from dtkv._checks import check_tensor
@@ -25,12 +23,10 @@ from dtkv.layouts import IndexerFp8Layout
 from ._common import INTERPRET, OwnershipLike, e4m3_bits, e4m3_blocks_torch, locate, tl, triton
 from ._copy import needs_int64
 from ._row_write import (
-    UNSET,
     RowWriteOp,
     call_row_write,
     check_locs,
     check_rows_contiguous,
-    direct_from_require_owned,
     launch_rows,
     owned_rows_torch,
     register_row_write_rule,
@@ -222,7 +218,6 @@ def quantize_write_indexer_fp8(
     direct: bool = False,
     validate: bool | None = None,
     backend: str = "auto",
-    require_owned: Any = UNSET,
 ) -> None:
     """Quantize indexer keys per token to fp8 and write keys and scales into their page-packed pages.
 
@@ -233,12 +228,10 @@ def quantize_write_indexer_fp8(
         locs: logical token locations, int64/int32 ``[N]``, any strides; ``-1`` skipped.
         ownership, rank, direct, validate, backend: as for :func:`dtkv.ops.quantize_write_mla_fp8`
             (``"auto"`` falls back to torch when ``page_size * head_dim`` is not a multiple of 4).
-        require_owned: deprecated spelling of ``direct``.
 
     Raises:
         TypeError / ValueError: bad dtypes, shapes or (validated) locations; nothing written.
     """
-    direct = direct_from_require_owned(direct, require_owned, "quantize_write_indexer_fp8")
     if not isinstance(layout, IndexerFp8Layout):
         raise TypeError(f"layout must be a dtkv.IndexerFp8Layout, got {type(layout).__name__}")
     if isinstance(k, torch.Tensor) and k.dim() == 2 and k.shape[1] != layout.head_dim:

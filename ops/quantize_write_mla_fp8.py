@@ -21,8 +21,6 @@ Legend: ``P`` local pages, ``S`` page size, ``N`` rows, ``L``/``R``/``B`` as abo
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from dtkv._checks import check_tensor
@@ -31,12 +29,10 @@ from dtkv.layouts import MLAFp8Layout
 from ._common import INTERPRET, OwnershipLike, bf16_rn, e4m3_bits, e4m3_blocks_torch, locate, tl, triton
 from ._copy import needs_int64, row_dst
 from ._row_write import (
-    UNSET,
     RowWriteOp,
     call_row_write,
     check_locs,
     check_rows_contiguous,
-    direct_from_require_owned,
     launch_rows,
     owned_rows_torch,
     register_row_write_rule,
@@ -259,7 +255,6 @@ def quantize_write_mla_fp8(
     direct: bool = False,
     validate: bool | None = None,
     backend: str = "auto",
-    require_owned: Any = UNSET,
 ) -> None:
     """Quantize MLA rows to the fp8 row format and write the owned ones into the pool, in one pass.
 
@@ -276,12 +271,10 @@ def quantize_write_mla_fp8(
         validate: host check of ``locs`` before writing; ``None`` = eager yes, compiled only with ``DTKV_DEBUG``.
         backend: ``"auto"`` | ``"torch"`` | ``"triton"``. ``"auto"`` falls back to torch for geometries the
             kernel does not handle (``kv_lora_rank`` or pool strides not divisible by 4).
-        require_owned: deprecated spelling of ``direct``.
 
     Raises:
         TypeError / ValueError: bad dtypes, shapes, layout mismatch or (validated) locations; nothing written.
     """
-    direct = direct_from_require_owned(direct, require_owned, "quantize_write_mla_fp8")
     if not isinstance(layout, MLAFp8Layout):
         raise TypeError(f"layout must be a dtkv.MLAFp8Layout, got {type(layout).__name__}")
     if isinstance(pool, torch.Tensor) and pool.dim() == 3 and pool.shape[1] != layout.page_size:

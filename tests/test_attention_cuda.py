@@ -29,6 +29,7 @@ import torch
 
 from dtkv import MLAFp8Layout, MLALatentLayout, PageOwnership
 from dtkv.attention import AttentionSpec, availability, owned_page_map, resolve_attention
+from tests._runtime import reference_runtime
 
 CUDA = torch.cuda.is_available()
 WHY = "no CUDA device" if not CUDA else availability("flashmla", "cuda")
@@ -242,11 +243,11 @@ def _check_tokens(ref_logits, got_logits, tol_rel, what):
 
 
 def _reference_run(attention):
-    from dtkv.model import ModelConfig, ModelRunner
+    from dtkv.model import ModelConfig
 
     cfg = ModelConfig(num_heads=64, kv_lora_rank=512, rope_dim=64, quant_block=128, page_size=64, kv_dtype="fp8",
                       num_layers=2, index_topk=128)  # fmt: skip
-    eng = ModelRunner(cfg, mode="single", num_pages=32, device="cuda", attention=attention)
+    eng = reference_runtime(cfg, mode="single", num_pages=32, device="cuda", attention=attention)
     g = torch.Generator().manual_seed(0)
     for n in (400, 150):
         eng.add_request(torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist())
@@ -273,7 +274,8 @@ def test_reference_model_tokens_across_backends(attention):
 @pytest.mark.parametrize("name", ["deepseek-v32", "glm5"])
 def test_transformers_tokens_across_backends(name, attention):
     pytest.importorskip("transformers", reason="the hf extra (transformers==5.17.0)")
-    from dtkv.integrations.transformers import DSAModelRunner, num_pages_for, tiny_model
+    from dtkv.integrations.transformers import TransformersAdapter, tiny_model
+    from dtkv.runtime import Runtime, num_pages_for
 
     lm = tiny_model(name, device="cuda", num_attention_heads=64, num_key_value_heads=64, kv_lora_rank=512,
                     qk_rope_head_dim=64, index_head_dim=128, index_topk=128)  # fmt: skip
@@ -282,10 +284,11 @@ def test_transformers_tokens_across_backends(name, attention):
     pages = num_pages_for([len(p) for p in prompts], page_size=64, decode_steps=4)
     runs = {}
     for backend in ("torch", attention):
-        with DSAModelRunner(lm, num_pages=pages, page_size=64, kv_dtype="fp8", attention=backend) as runner:
-            assert runner.attention.name == backend
+        adapter = TransformersAdapter(lm, kv_dtype="fp8", page_size=64)
+        with Runtime(adapter, num_pages=pages, attention=backend) as rt:
+            assert rt.attention.name == backend
             for p in prompts:
-                runner.add_request(p)
-            _, logits = runner.prefill(128, return_logits=True)
+                rt.add_request(p)
+            _, logits = rt.prefill(128, return_logits=True)
             runs[backend] = torch.cat(logits).float()
     _check_tokens(runs["torch"], runs[attention], LOGIT_TOL["transformers"], f"{name}, {attention} vs torch")

@@ -139,13 +139,14 @@ def _fitting_reference_cfg(kv_dtype):
 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
 def test_reference_model_runs_the_flashmla_path(flashmla, kv_dtype):
-    """``ModelRunner(attention="flashmla")`` at FlashMLA's dims: queries cast to bf16, indices bounded and padded,
+    """``Runtime(ReferenceAdapter(cfg), attention="flashmla")`` at FlashMLA's dims: queries cast to bf16, indices bounded and padded,
     fp8 pages read in place; greedy tokens equal the float64 torch path's (margins are wide in this run)."""
-    from dtkv.model import ModelRunner
+    from dtkv.model import ReferenceAdapter
+    from dtkv.runtime import Runtime
 
     outs = {}
     for name in ("torch", "flashmla"):
-        eng = ModelRunner(_fitting_reference_cfg(kv_dtype), mode="single", num_pages=8, attention=name)
+        eng = Runtime(ReferenceAdapter(_fitting_reference_cfg(kv_dtype)), num_pages=8, attention=name)
         assert eng.attention.name == name
         g = torch.Generator().manual_seed(0)
         for n in (150, 70):
@@ -158,7 +159,8 @@ def test_reference_model_runs_the_flashmla_path(flashmla, kv_dtype):
 @pytest.mark.parametrize("name", ["deepseek-v32", "glm5"])
 def test_transformers_run_the_flashmla_path(flashmla, name):
     pytest.importorskip("transformers", reason="the hf extra (transformers==5.17.0)")
-    from dtkv.integrations.transformers import DSAModelRunner, num_pages_for, tiny_model
+    from dtkv.integrations.transformers import TransformersAdapter, tiny_model
+    from dtkv.runtime import Runtime, num_pages_for
 
     lm = tiny_model(
         name, num_attention_heads=64, num_key_value_heads=64, kv_lora_rank=512, qk_rope_head_dim=64, index_head_dim=128
@@ -167,13 +169,17 @@ def test_transformers_run_the_flashmla_path(flashmla, name):
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (90, 20)]
     pages = num_pages_for([len(p) for p in prompts], page_size=64, decode_steps=2)
     logits = {}
+    from dtkv.integrations.transformers import indexer_precision
+
     for attention in ("torch", "flashmla"):
-        with DSAModelRunner(lm, num_pages=pages, page_size=64, kv_dtype="fp8", attention=attention) as runner:
-            assert runner.attention.name == attention
+        # fp8 KV on flashmla runs the fp8 indexer: the torch run takes its math too (the same selections)
+        adapter = TransformersAdapter(lm, kv_dtype="fp8", page_size=64)
+        with indexer_precision("fp8"), Runtime(adapter, num_pages=pages, attention=attention) as rt:
+            assert rt.attention.name == attention
             for p in prompts:
-                runner.add_request(p)
-            _, lg = runner.prefill(64, return_logits=True)
-            logits[attention] = (runner.decode(2), torch.cat(lg))
+                rt.add_request(p)
+            _, lg = rt.prefill(64, return_logits=True)
+            logits[attention] = (rt.decode(2), torch.cat(lg))
     assert logits["flashmla"][0] == logits["torch"][0]
     diff = (logits["flashmla"][1] - logits["torch"][1]).abs().max() / logits["torch"][1].abs().max()
     # bf16 queries and keys (the stand-in rounds them as FlashMLA does) through 3 layers of a random model: measured

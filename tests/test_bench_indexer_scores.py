@@ -1,6 +1,7 @@
 """``benchmarks/bench_indexer_scores.py`` on a CPU: the smoke sweep (interpreter, tiny geometry) writes checked rows,
-and ``--apply-table`` turns a sweep's results into the op's ``LAUNCH_TABLE`` block (here in a copy of the source),
-keeping only launches that passed their checks with the default launch's bits."""
+``--check-launches --smoke`` finds every launch giving the default launch's keys, and ``--apply-table`` turns a
+sweep's results into the op's ``LAUNCH_TABLE`` block (here in a copy of the source), keeping only launches that
+passed their checks with the default launch's bits."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dtkv.ops.indexer_scores import IndexerLaunch
+from dtkv.ops.indexer_scores import LAUNCH_TABLE, IndexerLaunch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -49,6 +50,23 @@ def test_smoke_sweep_writes_checked_rows(tmp_path):
     assert set(table["LAUNCH_TABLE"]) == {(0, 0), (1, 0)}
     assert all(isinstance(c, IndexerLaunch) for c in table["LAUNCH_TABLE"].values())
     assert all(len(line) <= 120 for line in block.splitlines())
+
+
+@pytest.mark.slow
+def test_check_launches_finds_every_launch_gives_the_default_keys():
+    """``--check-launches`` (the GPU check that a tuned table never changes the selected keys) under the
+    interpreter: every smoke candidate and every table entry, bitwise equal to the default launch on every case."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_indexer_scores.py"), "--check-launches",
+                          "--smoke"], capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    assert {r["name"] for r in rows} >= {name for name, _ in bench.SMOKE_CANDIDATES}
+    assert sum(r["in_table"] for r in rows) == len(set(LAUNCH_TABLE.values()))
+    for r in rows:
+        assert r["bitwise"] and r["topk_equal"] and r["cases"] == 4 and "error" not in r, r
+    assert res.stdout.strip().splitlines()[-1].endswith("other launches that differ: none")
 
 
 def _row(shape, bucket, name, gbps, **kw):

@@ -78,7 +78,7 @@ def _decode_rank(rank, world, shards, dst_pages, first, scheme):
     import dtkv
 
     eng = reference_runtime(
-        CFG, mode="sharded", group=dist.group.WORLD, num_pages=NUM_PAGES_D, ownership_scheme=scheme,
+        CFG, mode="sharded", group=dist.group.WORLD, num_pages=NUM_PAGES_D, scheme=scheme,
         decode_mode="sharded",
     )  # fmt: skip
     for name, buf in shards[rank].items():

@@ -32,7 +32,21 @@ def test_multi_rank_flow_views_hold_every_computed_row(cp, page_size):
 
 
 @pytest.mark.multirank
-def test_engine_paged_pool_drives_dtkv_from_a_req_to_token_map():
-    text = _run("engine_paged_pool.py")
+@pytest.mark.parametrize(("cp", "page_size"), [(2, 4), (2, 1), (3, 5)])
+def test_engine_paged_pool_runs_the_main_path_from_a_req_to_token_map(cp, page_size):
+    """fp8 layouts, compute-owner pages and direct writes, one Materializer replanned per batch with nothing
+    allocated after start-up, every fp8 view row equal to the row computed for it. Page size 1 makes every split
+    page-aligned (nothing handed off); 5 with 3 ranks leaves chunks starting mid-page (rows handed off)."""
+    text = _run("engine_paged_pool.py", "--cp", str(cp), "--page-size", str(page_size))
     lines = [ln for ln in text.splitlines() if ln.startswith("rank ")]
-    assert len(lines) == 2 and all("every view row equal to the computed rows: True" in ln for ln in lines), text
+    assert len(lines) == cp and all("fp8 views equal to the computed rows: True" in ln for ln in lines), text
+    assert all("one Materializer replanned" in ln and ", 0 allocated since start-up" in ln for ln in lines), text
+    handed = [int(ln.split(" handed off")[0].rsplit(" ", 1)[-1]) for ln in lines]
+    assert (sum(handed) == 0) == (page_size == 1), text
+
+
+def test_engine_backend_skeletons_run_an_extend_batch():
+    """The sglang backend and vLLM builder skeletons of docs/engines.md, driven with stand-ins for the engines'
+    batch objects: the kernel sees every key row as the layer wrote it, and both engines' maps give the same rows."""
+    text = _run("engine_backends.py")
+    assert "view rows equal to the written rows: True" in text, text

@@ -91,3 +91,70 @@ def test_the_demo_checks_a_flashmla_run_against_the_models_own_rounded_forward()
     assert check["ok"] is True and check["rounded_forward_mean"] > 0, check
     bad, _ = _own_forward_check(m, ps, outputs, [r + 0.5 * torch.randn(r.shape, generator=g) for r in rows], args)
     assert bad["ok"] is False, bad
+
+
+@pytest.mark.parametrize("model_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("flip", ["none", "near", "far"])
+def test_the_printed_rule_says_what_the_verdict_allows(model_dtype, flip):
+    """The verdict and its rule agree: a bfloat16 model's rule states the near-tie exception with its bound and a
+    float32 model's states none; whenever tokens differ, the reason lists the reference margins. (A bfloat16 run
+    with a flip passed under a rule that read "greedy tokens equal".)"""
+    from dtkv.demo._verdict import transformers_check
+
+    kv = "bf16"
+    tol = TOLERANCE[(model_dtype, kv)]
+    margins = {"none": [], "near": [FLIP_MARGIN * tol * 0.5], "far": [FLIP_MARGIN * tol * 1.5]}[flip]
+    c = transformers_check(model_dtype, kv, torch.full((50,), tol / 10), [f"p{i}" for i in range(50)], not margins,
+                           margins)  # fmt: skip
+    bound = f"{FLIP_MARGIN * tol:.3g}"
+    if model_dtype == "bfloat16":
+        assert "except at near ties" in c["rule"] and bound in c["rule"]
+    else:
+        assert "greedy tokens equal (no exception" in c["rule"] and "near ties" not in c["rule"]
+    allowed = flip == "none" or (flip == "near" and model_dtype == "bfloat16")
+    assert c["ok"] is allowed and c["parity"] is allowed
+    assert c["flip_margins"] == margins
+    if margins:
+        assert f"at reference margins {margins[0]:.2e}" in c["reason"]
+        assert ("within the near-tie bound" in c["reason"]) == allowed
+    if not c["tokens_equal"] and c["ok"]:  # the only way to pass with a differing token: the stated exception
+        assert "except at near ties" in c["rule"]
+
+
+def test_the_flashmla_rule_names_its_near_tie_bound_and_the_margins():
+    from dtkv.demo._verdict import rounded_attention_check
+
+    base = torch.full((10,), 0.06)
+    base[2] = 0.6
+    c = rounded_attention_check(base, base, [f"p{i}" for i in range(10)], False, [0.5])
+    assert c["ok"] and "except at near ties" in c["rule"] and "0.6" in c["rule"]
+    assert "at reference margins 5.00e-01 (within 0.6)" in c["reason"] and c["flip_margins"] == [0.5]
+
+
+def test_a_worst_difference_above_the_tolerance_says_where_it_comes_from():
+    """Measured with one process (cp=1): the same worst value at the same position and the sharded logits equal to
+    the one-process run's -> the reference's own rounding, not the sharding; otherwise the numbers, no verdict
+    change either way; a run that is one process says the comparison is the reference's."""
+    from dtkv.demo._verdict import transformers_check
+
+    tol = TOLERANCE[("float32", "bf16")]
+    d = torch.full((200,), tol / 10)
+    d[37] = 0.1
+    labels = [f"request 0 position {i}" for i in range(200)]
+
+    def check(one):
+        return transformers_check("float32", "bf16", d, labels, True, [], one_process=one)
+
+    same = check({"worst": 0.1, "where": labels[37], "vs_sharded": 0.0})
+    assert same["ok"] and "not the sharding" in same["reason"] and "bitwise equal to that run's" in same["reason"]
+    assert same["one_process_where"] == labels[37] and same["sharded_vs_one_process"] == 0.0
+    close = check({"worst": 0.1, "where": labels[37], "vs_sharded": tol / 2})
+    assert "not the sharding" in close["reason"] and f"within {tol / 2:.1e} of" in close["reason"]
+    moved = check({"worst": 0.02, "where": labels[3], "vs_sharded": 0.09})
+    assert moved["ok"] and "not the sharding" not in moved["reason"] and "differs from it by up to" in moved["reason"]
+    alone = check(None)
+    assert "one process (cp=1): the difference is the comparison with the model's own forward" in alone["reason"]
+    assert "one process" not in check(False)["reason"]  # not measured (multi-turn)
+    within = transformers_check("float32", "bf16", torch.full((9,), tol / 2), labels[:9], True, [],
+                                one_process={"worst": 0.0, "where": "", "vs_sharded": 0.0})  # fmt: skip
+    assert within["reason"].startswith("within ") and "one process" not in within["reason"]

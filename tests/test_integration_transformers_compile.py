@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("transformers", reason="the hf extra (transformers==5.17.0)")
 
 from dtkv.integrations.transformers import TransformersAdapter, dsa_attention, tiny_model  # noqa: E402
-from dtkv.runtime import Runtime, StepContext  # noqa: E402
+from dtkv.runtime import Runtime  # noqa: E402
 from tests._multirank import RankGroup  # noqa: E402
 
 
@@ -32,34 +32,34 @@ def _compiled_vs_eager(rank, world, name, split, kv_dtype, backend):
     torch._dynamo.reset()
     torch.set_num_threads(1)
     lm = tiny_model(name)
-    runner = Runtime(
+    rt = Runtime(
         TransformersAdapter(lm, kv_dtype=kv_dtype, page_size=4), group=dist.group.WORLD if world > 1 else None,
         num_pages=64, split=split,
     )  # fmt: skip
-    runner.add_request(list(range(50)))
-    runner.add_request(list(range(30, 61)))
-    runner.step(runner.requests, [21, 20])  # a partly filled page each: the next chunk hands a page off
-    plan = runner.plan_step(runner.requests, [29, 11])
-    ctx = StepContext(runner, plan=plan)
+    rt.add_request(list(range(50)))
+    rt.add_request(list(range(30, 61)))
+    rt.step(rt.requests, [21, 20])  # a partly filled page each: the next chunk hands a page off
+    plan = rt.plan_step(rt.requests, [29, 11])
+    ctx = rt.context(plan)
     layer = lm.model.layers[1]
     with torch.no_grad():
         hidden = layer.input_layernorm(lm.model.embed_tokens(plan.ids[None]))
         rope = lm.model.rotary_emb(hidden, plan.positions[None])
-        before = {n: runner.pool.buffer(n).clone() for n in runner.pool.layouts}
+        before = {n: rt.pool.buffer(n).clone() for n in rt.pool.layouts}
         eager = dsa_attention(layer.self_attn, ctx, hidden, rope)
-        eager_pool = {n: runner.pool.buffer(n).clone() for n in runner.pool.layouts}
-        for n in runner.pool.layouts:
-            runner.pool.buffer(n).copy_(before[n])
+        eager_pool = {n: rt.pool.buffer(n).clone() for n in rt.pool.layouts}
+        for n in rt.pool.layouts:
+            rt.pool.buffer(n).copy_(before[n])
         counter = CompileCounterWithBackend(backend)
         compiled = torch.compile(dsa_attention, backend=counter, fullgraph=True)(layer.self_attn, ctx, hidden, rope)
-    runner.close()
+    rt.close()
     return {
         "frames": counter.frame_count,
-        "mode": runner.mode,
+        "mode": rt.mode,
         "out_equal": torch.equal(compiled[0], eager[0]),
         "out_max_diff": float((compiled[0] - eager[0]).abs().max()),
         "topk_equal": torch.equal(compiled[1], eager[1]),
-        "pool_equal": all(torch.equal(runner.pool.buffer(n), eager_pool[n]) for n in runner.pool.layouts),
+        "pool_equal": all(torch.equal(rt.pool.buffer(n), eager_pool[n]) for n in rt.pool.layouts),
         "handoff_rows": int(plan.handoff_rows.numel()),
     }
 

@@ -1,5 +1,5 @@
 """``load_model``: a checkpoint directory written by ``save_pretrained`` loads into the model it was saved from
-(bitwise equal logits), in the dtype it ships, and runs in the runner with parity; other models are refused."""
+(bitwise equal logits), in the dtype it ships, and runs in the runtime with parity; other models are refused."""
 
 from __future__ import annotations
 
@@ -48,12 +48,12 @@ def test_the_runtime_on_a_loaded_checkpoint_matches_its_own_forward(tmp_path):
     tiny_model("deepseek-v32", seed=1).save_pretrained(tmp_path)
     lm = load_model(tmp_path)
     prompt = torch.randint(0, 256, (37,), generator=torch.Generator().manual_seed(2)).tolist()
-    runner = Runtime(TransformersAdapter(lm, page_size=16, kv_dtype="fp32"),
+    rt = Runtime(TransformersAdapter(lm, page_size=16, kv_dtype="fp32"),
                      num_pages=num_pages_for([37], page_size=16, decode_steps=2, cp_size=1))  # fmt: skip
-    runner.add_request(prompt)
-    _, logits = runner.prefill(16, return_logits=True)
-    runner.close()
-    ref = reference_logits(lm, prompt, layouts=runner.pool.layouts)
+    rt.add_request(prompt)
+    _, logits = rt.prefill(16, return_logits=True)
+    rt.close()
+    ref = reference_logits(lm, prompt, layouts=rt.pool.layouts)
     assert (ref - logits[0].to(ref.dtype)).abs().max() <= 1e-5
 
 
@@ -68,4 +68,55 @@ def test_refuses_what_is_not_a_supported_checkpoint_before_loading(tmp_path, con
     if config is not None:
         (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=match):
+        load_model(tmp_path)
+
+
+def _saved(tmp_path, edit):
+    """A saved tiny GLM-5 whose safetensors ``edit(state_dict)`` rewrote."""
+    from safetensors.torch import load_file, save_file
+
+    tiny_model("glm5", seed=0).save_pretrained(tmp_path)
+    (f,) = tmp_path.glob("*.safetensors")
+    sd = load_file(f)
+    edit(sd)
+    save_file(sd, f, metadata={"format": "pt"})
+    return sorted(load_file(f)) if sd else []
+
+
+def test_refuses_a_checkpoint_that_lacks_weights_naming_them(tmp_path):
+    """``from_pretrained`` filled the missing weights with random values (each CP rank its own), so the run only
+    showed a logit mismatch; now the load fails naming what is missing."""
+    key = "model.layers.0.mlp.up_proj.weight"
+    _saved(tmp_path, lambda sd: sd.pop(key))
+    with pytest.raises(ValueError, match=rf"got 1 missing tensors \({key}\) in .*from_pretrained would fill them"):
+        load_model(tmp_path)
+
+
+def test_refuses_a_checkpoint_without_any_weight(tmp_path):
+    _saved(tmp_path, lambda sd: sd.clear())
+    with pytest.raises(ValueError, match=r"got \d+ missing tensors \(.*, \.\.\. \(\d+ more\)\)"):
+        load_model(tmp_path)
+
+
+def test_refuses_a_weight_of_another_shape_naming_both_shapes(tmp_path):
+    key = "model.layers.0.self_attn.indexer.k_norm.bias"
+
+    def shrink(sd):
+        sd[key] = sd[key][:-1].contiguous()
+
+    _saved(tmp_path, shrink)
+    with pytest.raises(
+        ValueError, match=rf"1 tensors of another shape \({key}: \[31\] in the checkpoint, \[32\] in the model\)"
+    ):
+        load_model(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "text,kind", [("[1, 2]", "array"), ('"glm_moe_dsa"', "string"), ("7", "number"), ("null", "null")]
+)
+def test_refuses_a_config_json_that_is_not_an_object(tmp_path, text, kind):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(
+        ValueError, match=rf"config.json must hold a JSON object \(the model's config\), got a JSON {kind}"
+    ):
         load_model(tmp_path)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.test_bench_prefill import _load
+from tests.test_bench_runtime import _load
 
 KEYS = {"tokens", "backend", "prefetch", "view_ms", "raw_allgather_ms", "efficiency_vs_raw",
         "overlap_overhead_vs_compute", "host_us_per_layer", "layers", "order", "graphs"}  # fmt: skip

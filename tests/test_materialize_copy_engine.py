@@ -338,7 +338,7 @@ def test_max_view_pages_is_checked():
 
 
 def _bench_check(rank, world, root):
-    from tests.test_bench_prefill import _load
+    from tests.test_bench_runtime import _load
 
     with _patched(root, rank):
         return _load("bench_materialize").check(rank, world, torch.device("cpu"), ["copy_engine"])

@@ -1,11 +1,10 @@
-"""Runtime input handling on the reference model: decode with nothing to decode; the deprecated ``ModelRunner``'s
-ownership-scheme keyword and its older name ``PrefillEngine``."""
+"""Runtime input handling on the reference model: decode with nothing to decode; the ownership scheme keyword."""
 
 from __future__ import annotations
 
 import pytest
 
-from dtkv.model import ModelConfig, ModelRunner
+from dtkv.model import ModelConfig
 from tests._runtime import reference_runtime
 
 
@@ -44,19 +43,6 @@ def test_decode_with_nothing_to_decode_takes_no_collective_on_any_rank(ranks2):
     assert ranks2.run(_decode_nothing) == [([], [[]], 0)] * 2
 
 
-def test_ownership_scheme_keyword_and_its_deprecated_name():
-    eng = _engine(mode="single", ownership_scheme="block")
+def test_the_ownership_scheme_keyword_sets_the_pool_and_the_allocator():
+    eng = _engine(mode="single", scheme="block")
     assert eng.ownership.scheme == "block" and eng.alloc_ownership.scheme == "block"
-    with pytest.warns(DeprecationWarning, match=r"ownership_layout=\.\.\.\) is deprecated"):
-        old = ModelRunner(ModelConfig(num_layers=1), mode="single", num_pages=16, ownership_layout="block")
-    assert old.ownership == eng.ownership and old.alloc_ownership == eng.alloc_ownership
-
-
-def test_prefill_engine_is_a_deprecated_name_of_model_runner():
-    import dtkv.model
-
-    with pytest.warns(DeprecationWarning, match=r"dtkv\.model\.PrefillEngine is deprecated.*dtkv\.model\.ModelRunner"):
-        old = dtkv.model.PrefillEngine
-    assert old is dtkv.model.ModelRunner
-    with pytest.raises(AttributeError, match="no attribute 'NoSuchRunner'"):
-        dtkv.model.NoSuchRunner  # noqa: B018

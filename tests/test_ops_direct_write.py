@@ -86,15 +86,18 @@ def test_compiled_is_sync_free_and_debug_checks(kind):
         assert not pool.any(), "nothing may be written when the debug check fails"
 
 
-def test_is_write_owned_direct_and_page_aligned_is_deprecated():
+def test_is_write_owned_direct_and_page_aligned_is_gone():
+    """``direct_write`` is ``write_owned(..., direct=True)``; its 0.1 keyword ``page_aligned=`` was removed in 0.2
+    (a direct write states a page-aligned split by itself)."""
     own = PageOwnership(2, 6, "interleave")
     rows, locs = _own_rows(own, 0, 4, 10, 8)
     expect = torch.zeros(3, 4, 8)
     write_owned(expect, rows, locs, own, 0, direct=True)
     assert_same_bytes(expect, ref_write_rows(torch.zeros(3, 4, 8), rows, locs, own, 0))
     pool = torch.zeros(3, 4, 8)
-    with pytest.warns(DeprecationWarning, match=re.escape("direct_write(page_aligned=True) is deprecated")):
-        direct_write(pool, rows, locs, own, 0, page_aligned=True)
+    direct_write(pool, rows, locs, own, 0)
     assert_same_bytes(pool, expect)
+    with pytest.raises(TypeError, match="page_aligned"):
+        direct_write(pool, rows, locs, own, 0, page_aligned=True)
     with pytest.raises(TypeError, match=re.escape("direct must be a bool, got direct=1")):
         write_owned(pool, rows, locs, own, 0, direct=1)

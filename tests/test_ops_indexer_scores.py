@@ -280,7 +280,7 @@ _SM90 = textwrap.dedent(
     from triton.compiler import ASTSource
     from dtkv.ops._indexer_kernels import indexer_cols_kernel, indexer_pages_kernel
     from dtkv.ops.indexer_scores import DEFAULT_LAUNCH, LAUNCH_TABLE
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     sig = {"keys_ptr": "*i64", "q_ptr": "*bf16", "w_ptr": "*fp32", "pool_ptr": "*u8", "ids_ptr": "*i32",
            "slots_ptr": "*i32", "qpos_ptr": "*i32", "num_cols": "i32", "num_page_cols": "i32",
            "num_local_pages": "i32", "page_stride": "i32", "q_sn": "i32", "q_si": "i32", "w_sn": "i32",
@@ -306,16 +306,15 @@ _SM90 = textwrap.dedent(
                             attrs={(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in div})
             opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "maxnreg": cfg.maxnreg or None}
             c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
-            path = f"/tmp/dtkv_indexer_{os.getpid()}.ptx"
-            open(path, "w").write(c.asm["ptx"])
-            info = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", path + ".cubin"], capture_output=True,
-                                  text=True).stderr
+            path = f"/tmp/dtkv_indexer_{os.getpid()}.cubin"  # the cubin Triton built with the ptxas it picks
+            open(path, "wb").write(c.asm["cubin"])
+            usage = subprocess.run([cuobjdump, "--dump-resource-usage", path], capture_output=True, text=True).stdout
             os.remove(path)
+            regs, local = map(int, re.search(r"REG:(\\d+) .*LOCAL:(\\d+)", usage).groups())
             ptx = c.asm["ptx"]
             print(json.dumps({"launch": repr(cfg), "fp8": fp8, "wgmma": "wgmma" in ptx,
                               "tma": "cp.async.bulk.tensor" in ptx, "want_tma": cfg.kernel == "pages" and tma,
-                              "no_spills": "0 bytes spill stores" in info, "smem": c.metadata.shared,
-                              "registers": int(re.search(r"Used (\\d+) registers", info).group(1))}))
+                              "no_spills": local == 0, "smem": c.metadata.shared, "registers": regs}))
     """
 )
 
@@ -323,13 +322,15 @@ _SM90 = textwrap.dedent(
 @pytest.mark.slow
 def test_kernel_builds_for_sm90_with_wgmma_and_no_spills():
     """The kernels as the H200 compiles them (Triton's own sm_90 pipeline and ptxas, no GPU needed), at the default
-    launch, its TMA twin, the merged two-page tile and every table entry: the dot is a Hopper ``wgmma`` in both precisions, TMA
-    launches issue TMA loads, no register spills. At the default launch the fp8 kernel fits 4 programs per SM (at
-    most 128 registers per thread and 56 KB of shared memory), which its grid assumes."""
+    launch, its TMA twin, the merged two-page tile and every table entry: the dot is a Hopper ``wgmma`` in both
+    precisions, TMA launches issue TMA loads, no register spills (no local memory in the cubin Triton built, read
+    with ``cuobjdump``: Triton 3.9 assembles sm_90 with its newer ``ptxas-blackwell``). At the default launch the fp8
+    kernel fits 4 programs per SM (at most 128 registers per thread and 56 KB of shared memory), which its grid
+    assumes."""
     triton = pytest.importorskip("triton")
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    if not os.path.exists(ptxas):
-        pytest.skip("Triton's NVIDIA backend (ptxas) is not installed")
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    if not all(os.path.exists(os.path.join(tools, t)) for t in ("ptxas", "cuobjdump")):
+        pytest.skip("Triton's NVIDIA backend (ptxas, cuobjdump) is not installed")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", _SM90], capture_output=True, text=True, env=env, timeout=900)
     assert res.returncode == 0, res.stderr[-2000:]
@@ -341,18 +342,42 @@ def test_kernel_builds_for_sm90_with_wgmma_and_no_spills():
     assert first["fp8"] and first["registers"] <= 128 and first["smem"] <= 56 * 1024, first
 
 
+def _height_ordered_matmul(a, b, dtype=None, **kwargs):
+    """A float32 matmul whose summation order depends on the tile's height, as a BLAS kernel's may (OpenBLAS's
+    AVX2 kernels sum a 64-row tile in another order than a 16-row one): ascending over ``K`` for tiles of up to 16
+    rows, descending above."""
+    import numpy as np
+
+    a, b = np.asarray(a, dtype=dtype or np.float32), np.asarray(b, dtype=dtype or np.float32)
+    order = range(a.shape[-1]) if a.shape[-2] <= 16 else reversed(range(a.shape[-1]))
+    acc = np.zeros((*a.shape[:-1], b.shape[-1]), dtype=a.dtype)
+    for k in order:
+        acc += a[..., k : k + 1] * b[..., k : k + 1, :]
+    return acc
+
+
+@pytest.mark.parametrize("matmul", ["numpy", "height_ordered"])
+@pytest.mark.parametrize("q_fp8", [False, True], ids=["bf16_q", "fp8_q"])
 @pytest.mark.parametrize("sms", [1, 3, 132])
 @pytest.mark.parametrize("launch", list(LAUNCHES), ids=str)
-def test_triton_any_launch_gives_the_same_keys(monkeypatch, launch, sms):
-    """Every launch and grid gives the default launch's bits (here, under the interpreter): a key is scored by the
-    same operations wherever it lands. On a GPU the sweep checks the same before a launch enters the table."""
+def test_triton_any_launch_gives_the_same_keys(monkeypatch, launch, sms, q_fp8, matmul):
+    """Every launch and grid gives the default launch's bits (here, under the interpreter): a key is scored in one
+    order of operations wherever it lands (tiles of 16 to 64 rows here). The interpreter's dot does not go through
+    numpy's matmul, whose order follows the BLAS kernel (``height_ordered``: one that orders by the tile's height;
+    with numpy's own, ``OPENBLAS_CORETYPE=Haswell`` used to give 1 key of 336 other bits in 9 of 27 cases). On a
+    GPU the sweep checks the same before a launch enters the table, and ``bench_indexer_scores.py --check-launches``
+    checks every launch."""
     skip_unless("triton", "cpu")
+    if matmul == "height_ordered":
+        import triton.runtime.interpreter as interpreter
+
+        monkeypatch.setattr(interpreter.np, "matmul", _height_ordered_matmul)
     lay, pool, ids, slots, qpos, q, w = _case(3, 4, 32, 16, 9, 7, seed=13)
     with use_launch(DEFAULT_LAUNCH):
-        base = indexer_scores(q, w, pool, ids, slots, qpos, layout=lay, q_fp8=True, backend="triton")
+        base = indexer_scores(q, w, pool, ids, slots, qpos, layout=lay, q_fp8=q_fp8, backend="triton")
     monkeypatch.setattr(_mod, "_num_sms", lambda device: sms)
     with use_launch(LAUNCHES[launch]):
-        got = indexer_scores(q, w, pool, ids, slots, qpos, layout=lay, q_fp8=True, backend="triton")
+        got = indexer_scores(q, w, pool, ids, slots, qpos, layout=lay, q_fp8=q_fp8, backend="triton")
     assert torch.equal(got, base)
 
 

@@ -117,7 +117,7 @@ def test_rejects_rank_outside_the_group(rank):
         pack_owned_pages(torch.zeros(2, 2, 3), plan, own, rank)
 
 
-def test_max_count_is_a_deprecated_name_of_rows_per_rank():
+def test_rows_per_rank_is_the_one_name_of_the_send_rows():
+    """``rows_per_rank`` is the largest per-rank count of owned pages in the list (0.1's ``max_count`` is gone)."""
     plan = plan_pack(torch.tensor([0, 2, 1]), PageOwnership(2, 4))
-    with pytest.warns(DeprecationWarning, match=re.escape("PackPlan.max_count is deprecated")):
-        assert plan.max_count == plan.rows_per_rank == 2
+    assert plan.rows_per_rank == 2 and plan.counts == (2, 1) and not hasattr(plan, "max_count")

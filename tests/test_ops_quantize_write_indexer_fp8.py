@@ -7,8 +7,6 @@ the docstring of ``ops/quantize_write_indexer_fp8.py`` (half an e4m3 ulp, the su
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 
@@ -63,15 +61,16 @@ def test_round_trip_within_bound(dtype):
     assert torch.equal(q.view(4, 4 * 128), pool[:, : 4 * 128])
 
 
-def test_require_owned_is_a_deprecated_name_of_direct():
+def test_direct_is_the_owner_filter_of_own_rows_and_require_owned_is_gone():
+    """``direct=True`` with rows that all sit on this rank's pages stores what the owner filter stores; the 0.1
+    spelling ``require_owned=`` was removed in 0.2."""
     own = PageOwnership(2, 4, "interleave")
     k, locs = spread_rows(3, 32, torch.float32, neg_zero_col=2), torch.tensor([0, 33, 1])  # pages 0 and 2: rank 0
     expect = torch.zeros(2, SMALL.page_shape[0], dtype=torch.uint8)
-    quantize_write_indexer_fp8(expect, k, locs, own, 0, layout=SMALL, direct=True)
+    quantize_write_indexer_fp8(expect, k, locs, own, 0, layout=SMALL)
     pool = torch.zeros_like(expect)
-    with pytest.warns(
-        DeprecationWarning, match=re.escape("quantize_write_indexer_fp8(require_owned=...) is deprecated")
-    ):
-        quantize_write_indexer_fp8(pool, k, locs, own, 0, layout=SMALL, require_owned=True)
+    quantize_write_indexer_fp8(pool, k, locs, own, 0, layout=SMALL, direct=True)
     assert_same_bytes(pool, expect)
     assert pool.any()
+    with pytest.raises(TypeError, match="require_owned"):
+        quantize_write_indexer_fp8(pool, k, locs, own, 0, layout=SMALL, require_owned=True)

@@ -9,8 +9,6 @@ bytes agree exactly. The round trip is checked against the bound derived in ``op
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 
@@ -93,14 +91,16 @@ def test_unaligned_geometry_falls_back_to_torch():
             quantize_write_mla_fp8(pool, kv, locs, own, 0, layout=lay, backend="triton")
 
 
-def test_require_owned_is_a_deprecated_name_of_direct():
+def test_direct_is_the_owner_filter_of_own_rows_and_require_owned_is_gone():
+    """``direct=True`` with rows that all sit on this rank's pages stores what the owner filter stores; the 0.1
+    spelling ``require_owned=`` was removed in 0.2."""
     own = PageOwnership(2, 4, "interleave")
     kv, locs = spread_rows(3, SMALL.row_dim, torch.float32), torch.tensor([0, 33, 1])  # pages 0 and 2: rank 0
     expect = torch.zeros(2, 16, SMALL.row_bytes, dtype=torch.uint8)
-    quantize_write_mla_fp8(expect, kv, locs, own, 0, layout=SMALL, direct=True)
+    quantize_write_mla_fp8(expect, kv, locs, own, 0, layout=SMALL)
     pool = torch.zeros_like(expect)
-    with pytest.warns(DeprecationWarning, match=re.escape("quantize_write_mla_fp8(require_owned=...) is deprecated")):
-        quantize_write_mla_fp8(pool, kv, locs, own, 0, layout=SMALL, require_owned=True)
+    quantize_write_mla_fp8(pool, kv, locs, own, 0, layout=SMALL, direct=True)
     assert_same_bytes(pool, expect)
-    with pytest.raises(TypeError, match=re.escape("got both direct= and the deprecated require_owned=")):
-        quantize_write_mla_fp8(pool, kv, locs, own, 0, layout=SMALL, direct=True, require_owned=True)
+    assert pool.any()
+    with pytest.raises(TypeError, match="require_owned"):
+        quantize_write_mla_fp8(pool, kv, locs, own, 0, layout=SMALL, require_owned=True)

@@ -185,36 +185,29 @@ class TestPinnedText(TestCase):
 
 
 # ----------------------------------------------------------------------------------------- vocabulary
-def test_scheme_is_the_name_and_layout_warns():
+def test_scheme_is_the_one_name():
+    """``scheme`` names the ownership scheme (0.1's ``layout`` spelling, which meant a byte format elsewhere, is
+    gone from the keyword, the placement and the spec)."""
     own = PageOwnership(4, 10, scheme="block")
     assert own.scheme == "block" and own == PageOwnership(4, 10, "block")
     assert own.pages_per_rank == 3 and own.spec.pages_per_rank == 3
-    with pytest.warns(DeprecationWarning, match=r"PageOwnership\(layout=\.\.\.\) is deprecated.*scheme=") as rec:
-        old = PageOwnership(4, 10, layout="block")
-    assert rec[0].filename == __file__  # the warning points at the caller
-    assert old == own
-    with pytest.warns(DeprecationWarning, match=r"PageOwnership\.layout is deprecated"):
-        assert own.layout == "block"
-    with pytest.raises(TypeError, match="pass scheme= only"), pytest.warns(DeprecationWarning):
-        PageOwnership(4, 10, "block", layout="interleave")
+    with pytest.raises(TypeError, match="layout"):
+        PageOwnership(4, 10, layout="block")
+    assert not hasattr(own, "layout")
 
 
-def test_ownership_spec_fields_and_deprecated_names():
+def test_ownership_spec_fields():
     spec = PageOwnership(3, 7, "block").spec
     assert spec == (3, 7, "block") and spec.scheme == "block" and spec._fields == ("cp_size", "num_pages", "scheme")
-    with pytest.warns(DeprecationWarning, match=r"OwnershipSpec\.layout is deprecated"):
-        assert spec.layout == "block"
-    with pytest.warns(DeprecationWarning, match=r"OwnershipSpec\.chunk is deprecated.*pages_per_rank"):
-        assert spec.chunk == 3
+    assert spec.pages_per_rank == 3 and not hasattr(spec, "layout") and not hasattr(spec, "chunk")
 
 
-def test_layout_alias_of_the_scheme_type_warns():
+def test_the_scheme_type_has_one_name():
     import dtkv.ownership as mod
 
-    with pytest.warns(DeprecationWarning, match=r"dtkv\.ownership\.Layout is deprecated"):
-        assert mod.Layout is mod.OwnershipScheme
+    assert mod.OwnershipScheme.__args__ == ("interleave", "block")
     with pytest.raises(AttributeError):
-        mod.NoSuchName  # noqa: B018
+        mod.Layout  # noqa: B018 - 0.1's name of OwnershipScheme, removed in 0.2
 
 
 @settings(max_examples=40, deadline=None)

@@ -3,7 +3,7 @@
 Under ``sharded_direct`` a page-aligned request asks each rank for the pages it computes. When one owner's free
 pages are all cached, the eviction rule of :mod:`dtkv.prefix_cache` evicts that owner's leaves first, even while
 the total still fits; before, nothing was evicted, those slots got other owners' pages and their rows went
-through the handoff all-gather. Counted: ``runner.stats["handoff_rows"]`` (rows sent through the handoff path) and
+through the handoff all-gather. Counted: ``rt.stats["handoff_rows"]`` (rows sent through the handoff path) and
 ``direct_rows``; compared: logits and stored KV bytes, bit for bit, against the same request without a cache.
 """
 

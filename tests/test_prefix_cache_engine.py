@@ -1,4 +1,4 @@
-"""The prefix cache in the model runner on 2 and 4 gloo ranks: a multi-turn conversation and requests sharing a
+"""The prefix cache in the runtime on 2 and 4 gloo ranks: a multi-turn conversation and requests sharing a
 system prompt give, bit for bit, the tokens, logits and stored KV bytes of the same run without the cache, under
 both splits and both KV dtypes, also when the pool is too small for every turn and cached pages are evicted.
 

@@ -105,6 +105,37 @@ def test_python_m_dtkv_prints_the_version_and_lists_the_subcommands():
     assert bad.returncode == 2 and "got 'nope'" in bad.stderr
 
 
+def test_dtkv_version_imports_neither_torch_nor_a_kernel():
+    """``dtkv --version`` took 6 s: ``import dtkv`` imported torch. The package's names now load on first use."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-X", "importtime", "-m", "dtkv", "--version"], capture_output=True,
+                         text=True, check=True, timeout=120)  # fmt: skip
+    imported = {ln.rsplit("|", 1)[-1].strip() for ln in run.stderr.splitlines() if ln.startswith("import time:")}
+    assert "dtkv" in imported and run.stdout.startswith("dtkv ")
+    assert not {m for m in imported if m == "torch" or m.startswith(("torch.", "triton", "dtkv.ops"))}, imported
+
+
+def test_every_public_name_and_submodule_of_dtkv_resolves_on_first_use():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, dtkv\n"
+        "assert 'torch' not in sys.modules\n"
+        "missing = [n for n in dtkv.__all__ if getattr(dtkv, n, None) is None]\n"
+        "assert not missing, missing\n"
+        "assert dtkv.ops.remap and dtkv.materialize.Materializer and dtkv.page_table.seq_lens_from_indptr\n"
+        "from dtkv import PageOwnership, plan_cp_split\n"
+        "assert set(dtkv.__all__) <= set(dir(dtkv))\n"
+        "try:\n    dtkv.no_such_name\nexcept AttributeError as e:\n    print(e)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "module 'dtkv' has no attribute 'no_such_name'" in run.stdout
+
+
 _BROKEN = {
     "mooncake": ("engine.py", "raise ImportError('libibverbs.so.1: cannot open shared object file')\n"),
     "nixl": ("_api.py", "raise ImportError('libucs.so.0: cannot open shared object file')\n"),
@@ -163,3 +194,62 @@ def test_the_nixl_check_can_be_turned_off_explicitly(tmp_path, how):
     else:
         out = _pytest_with_a_broken_mooncake(tmp_path, "-m", "not nixl", package="nixl")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+
+
+def test_the_performance_page_links_every_results_file_and_shows_every_plot():
+    page = (ROOT / "docs" / "performance.md").read_text()
+    for f in sorted((ROOT / "benchmarks" / "results").iterdir()):
+        if f.suffix == ".png":
+            assert re.search(rf"!\[[^\]]+\]\(\.\./benchmarks/results/{re.escape(f.name)}\)", page), (
+                f"{f.name} is not shown"
+            )
+        else:
+            assert f"[{f.name}](path:../benchmarks/results/{f.name})" in page, f"{f.name} is not linked"
+
+
+def test_docs_have_an_install_page_and_the_one_line_checkpoint_recipe():
+    install = (ROOT / "docs" / "install.md").read_text()
+    assert "install\n" in (ROOT / "docs" / "index.md").read_text() and "pip install torch==2.13.0" in install
+    recipe = "tiny_model('deepseek-v32').save_pretrained('ckpt')"
+    for doc in ("docs/install.md", "docs/usage.md", "docs/transformers.md", "README.md"):
+        assert recipe in (ROOT / doc).read_text(), doc
+
+
+def _structure():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("dtkv_structure", ROOT / "tools" / "structure.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_every_package_depends_only_on_the_floors_below_it_and_no_import_is_circular():
+    """``tools/structure.py`` reads every import of ``dtkv/`` and ``ops/`` (``TYPE_CHECKING`` ones too): no room
+    imports a room on its own floor or a higher one, every room stands on one floor, no modules import each other in
+    a circle."""
+    r = _structure().read()
+    assert r["back_arrows"] == [] and r["unplaced"] == [] and r["circles"] == [], r
+
+
+def test_the_structure_check_finds_a_back_arrow_a_circle_and_a_room_on_no_floor(tmp_path):
+    """The check can fail: a low room importing a high one, a circle through a ``TYPE_CHECKING`` import (0.1's
+    ``runtime/adapter`` -> ``context`` -> ``runtime``), a module on no floor."""
+    files = {
+        "dtkv/__init__.py": "",
+        "dtkv/low.py": "from dtkv.high import f\n",
+        "dtkv/high.py": "def f(): pass\n",
+        "dtkv/extra.py": "",
+        "dtkv/pkg/__init__.py": "",
+        "dtkv/pkg/a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from dtkv.pkg.b import B\n",
+        "dtkv/pkg/b.py": "from dtkv.pkg import a\n",
+        "dtkv/script.py": "if __name__ == '__main__':\n    from dtkv.high import f\n",  # a script's entry: no arrow
+    }
+    for path, text in files.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+    (tmp_path / "ops").mkdir()
+    floors = (("low", "script"), ("high", "pkg"), ("dtkv",))
+    r = _structure().read(tmp_path, floors)
+    assert r["back_arrows"] == ["low (floor 0) -> high (floor 1): dtkv.low line 1 imports dtkv.high"]
+    assert r["circles"] == [["dtkv.pkg.a", "dtkv.pkg.b"]] and r["unplaced"] == ["extra"]

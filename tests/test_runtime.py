@@ -118,3 +118,40 @@ def test_batch_invariant_products_equal_the_plain_ones_to_rounding():
     with batch_invariant():
         got = F.linear(x, w)
     torch.testing.assert_close(got, F.linear(x, w), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("adapter", ["reference", "transformers"])
+@pytest.mark.parametrize("how", ["close", "with"])
+def test_a_closed_runtime_refuses_every_step_naming_close(adapter, how):
+    """After ``close()`` (or its with-block) the adapter is unbound (a transformers model runs its own attention
+    again, which failed with ``TypeError: 'NoneType' object is not subscriptable`` deep inside transformers):
+    every call that would run the model or take pages refuses, naming close(), with nothing allocated;
+    ``finish_request`` and ``kv_bytes`` still work."""
+    from tests._runtime import make_runtime, snapshot, unchanged
+
+    with make_runtime(adapter, num_pages=16) as rt:
+        a = rt.add_request([1, 2, 3, 4, 5])
+        rt.prefill(2)
+        plan_reqs = [rt.add_request([6, 7])]
+        plan = rt.plan_step(plan_reqs, [1])  # planned while open, rt after
+        if how == "close":
+            rt.close()
+    assert rt.closed
+    rt.close()  # idempotent
+    before = snapshot(rt)
+    calls = {
+        "add_request": lambda: rt.add_request([1]),
+        "step": lambda: rt.step(plan_reqs, [1]),
+        "plan_step": lambda: rt.plan_step(plan_reqs, [1]),
+        "forward": lambda: rt.forward(plan),
+        "prefill": lambda: rt.prefill(4),
+        "decode": lambda: rt.decode(1),
+        "decode_step": lambda: rt.decode_step([a]),
+    }
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError, match=rf"Runtime\.{name}\(\) on a closed runtime: close\(\) ran"):
+            call()
+    assert unchanged(rt, before)
+    assert rt.kv_bytes(a.rid)["kv"].shape[1] == 5
+    rt.finish_request(a.rid)
+    assert a.finished and not a.pages

@@ -120,6 +120,8 @@ def _decode_rank(rank, world, args):
 
     rt = _runtime(args, dist.group.WORLD if world > 1 else None, decode=True)
     prompts = _prompts(rt.model_spec.vocab_size)
+    if args.get("fault") == "other_prompt":  # every decode rank is given another prompt of the same length
+        prompts[2] = [(t + 1) % rt.model_spec.vocab_size for t in prompts[2]]
     free_before = rt.allocator.num_free()
     shard = shard_for(rt, staging_bytes=request_bytes(rt, [len(p) for p in prompts]))
     receiver = DecodeReceiver(shard, _store(args), engine=args["engine"], timeout_s=TIMEOUT_S)
@@ -235,15 +237,22 @@ def test_n_to_m_handoff_writes_each_page_once_on_its_decode_owner(groups, n, m, 
 
 @pytest.mark.parametrize(
     ("n", "m", "fault", "fault_rank"),
-    [(2, 3, "prefill_engine", 1), (3, 2, "decode_alone", 1), (2, 2, "forged_meta", 0)],
-    ids=["prefill-engine-call-fails", "one-decode-rank-fails-alone", "one-decode-rank-metadata-forged"],
-)
+    [(2, 3, "prefill_engine", 1), (3, 2, "decode_alone", 1), (2, 2, "forged_meta", 0), (2, 3, "other_prompt", None)],
+    ids=[
+        "prefill-engine-call-fails", "one-decode-rank-fails-alone", "one-decode-rank-metadata-forged",
+        "decode-given-another-prompt-of-the-same-length",
+    ],
+)  # fmt: skip
 def test_a_fault_mid_handoff_fails_every_decode_rank_and_reports_nothing_ok(
     groups, n, m, fault, fault_rank, transfer_engine
 ):
+    """``other_prompt``: the decode side is given another prompt of the same length for the last request (prompts
+    in another order, say): the metadata row's prompt digest differs, so no rank decodes its KV under that prompt."""
     prefill, decode = _handoff(groups, n, m, engine=transfer_engine, fault=fault, fault_rank=fault_rank)
     errors = [d["error"] for d in decode]
     assert all(e is not None and "req-2" in e for e in errors), errors  # every rank, the same request
+    if fault == "other_prompt":
+        assert all("prompt digest" in e and "another prompt of 37 tokens" in e for e in errors), errors
     p0 = prefill[0]
     for d in decode:
         assert d["ready"] == [0, 1], "the earlier requests stay ready; the failed one never is"

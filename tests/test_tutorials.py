@@ -45,3 +45,19 @@ def test_tutorial_is_committed_executed(path):
     assert not any(o.get("output_type") == "error" for c in code for o in c.get("outputs", []))
     if "plt.show()" in "".join("".join(c["source"]) for c in code):
         assert any("image/png" in o.get("data", {}) for c in code for o in c.get("outputs", [])), path.name
+
+
+_LOCAL = ("/root/", "/home/", "/Users/", "/tmp/", "/work/", "site-packages", "Warning:", "Warning ")
+
+
+@pytest.mark.parametrize("path", TUTORIALS, ids=[p.stem for p in TUTORIALS])
+def test_tutorial_outputs_hold_a_figure_and_no_local_path_or_warning(path):
+    """Every tutorial shows a figure inline; no committed output names a local path (an interpreter's site-packages,
+    a home directory) or carries a warning (04's stored a TqdmWarning with the interpreter's path)."""
+    nb = json.loads(path.read_text())
+    outputs = [o for c in nb["cells"] if c["cell_type"] == "code" for o in c.get("outputs", [])]
+    assert any("image/png" in o.get("data", {}) for o in outputs), f"{path.name} shows no figure"
+    for o in outputs:
+        text = "".join(o.get("text", "")) + "".join(o.get("data", {}).get("text/plain", ""))
+        found = [m for m in _LOCAL if m in text]
+        assert not found, f"{path.name}: an output holds {found}: {text[:300]!r}"

@@ -103,8 +103,15 @@ class TestErrors(TestCase):
         )
 
 
-def test_warn_deprecated_names_old_and_new():
+def test_warn_deprecated_names_old_and_new_in_dtkvs_category():
+    """The one wording, in dtkv's own category: a ``DeprecationWarning`` for users' filters, an error in the suite
+    (``pyproject.toml``'s ``filterwarnings``), so no dtkv call uses a name dtkv deprecated."""
+    from dtkv._util import DtkvDeprecationWarning
+
+    assert issubclass(DtkvDeprecationWarning, DeprecationWarning)
     with pytest.warns(
-        DeprecationWarning, match=r"^old\(\) is deprecated and will be removed in the next release; use new\(\)$"
+        DtkvDeprecationWarning, match=r"^old\(\) is deprecated and will be removed in the next release; use new\(\)$"
     ):
+        warn_deprecated("old()", "new()", stacklevel=2)
+    with pytest.raises(DtkvDeprecationWarning):  # the suite's filter: an error unless a test expects it
         warn_deprecated("old()", "new()", stacklevel=2)

@@ -82,10 +82,10 @@ TARGETS: dict[str, Target] = {
         mutants=("dtkv.ops.*.x_*_torch__mutmut_*", "dtkv.ops.*.x_quantize_indexer_fp8__mutmut_*"),
     ),
     "split": Target(
-        files=tuple(f"dtkv/split/{m}.py" for m in ("_plan", "_ownership", "_alloc", "_local", "_index")),
+        files=tuple(f"dtkv/split/{m}.py" for m in ("_plan", "_compute", "_alloc", "_local", "_index")),
         tests=(
             "tests/test_split.py",
-            "tests/test_split_ownership.py",
+            "tests/test_split_compute.py",
             "tests/test_split_properties.py",
             "tests/test_split_reference.py",
             "tests/test_split_index.py",

@@ -13,7 +13,7 @@ from dtkv.attention._spec import AUTO_ORDER, BACKENDS, AttentionSpec
 __all__ = ["available_backends", "resolve_attention"]
 
 logger = logging.getLogger(__name__)
-_warned: set[str] = set()  # one WARNING per distinct report (every runner of a process resolves again)
+_warned: set[str] = set()  # one WARNING per distinct report (every runtime of a process resolves again)
 
 
 def _cls(name: str) -> type[AttentionBackend]:

@@ -23,8 +23,8 @@ Entry points:
 - :func:`check_selection` (``DTKV_DEBUG``): the sharded top-k against the full view's, raising
   :class:`SelectionMismatchError` on every rank.
 
-The reference model runs it as ``ModelRunner(..., decode_mode="sharded")``. The page-table format is defined in
-:mod:`dtkv.page_table`.
+Every model runs it as ``Runtime(adapter, decode_mode="sharded")`` (:mod:`dtkv.runtime`). The page-table format is
+defined in :mod:`dtkv.page_table`.
 """
 
 from __future__ import annotations

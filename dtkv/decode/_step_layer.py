@@ -28,12 +28,10 @@ import torch
 
 from dtkv import ops
 from dtkv.decode.attention import combine_partials
-from dtkv.decode.topk import local_topk
+from dtkv.decode.topk import key_positions, local_topk
 from dtkv.layouts import MLAFp8Layout, MLALatentLayout
 
 __all__ = ["LayerResult", "StepInputs", "partial_message_bytes"]
-
-_LOW32 = 2**32 - 1
 
 
 class StepInputs(NamedTuple):
@@ -116,7 +114,7 @@ def select(step, index: torch.Tensor, x: StepInputs) -> torch.Tensor:
 def attend(step, kv: torch.Tensor, x: StepInputs, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over the selected rows of the pages read (others ``-1``), merged across ranks when sharded."""
     # (request, slot) coordinates: position p of row n is n * M * S + p; padding keys land past every page
-    coords = step.rowbase - torch.bitwise_and(chosen, _LOW32)
+    coords = step.rowbase + key_positions(chosen)
     idx = step.attn.indices(coords, kv, page_map=step.fields["page_map"])
     out, lse = step.attn.decode(x.q, kv, idx, softmax_scale=step.softmax_scale, schedule=step.schedule)
     if not step.merges:

@@ -48,17 +48,17 @@ from dtkv._checks import check_int
 from dtkv._collectives import group_size
 from dtkv._util import cdiv
 from dtkv.attention import AttentionSpec, resolve_attention
+from dtkv.decode._bucket_plan import BucketLayout, build_bucket_plan
 from dtkv.decode._exchange import COMMS, Exchange
 from dtkv.decode._step_layer import LayerResult, StepInputs, attend, gather_view, select, write_rows
-from dtkv.decode._step_plan import StepPlanLayout, build_step_plan
 from dtkv.decode.cost import DecodeCommBytes, full_view_comm_bytes, sharded_decode_comm_bytes
-from dtkv.decode.topk import unpack_keys
+from dtkv.decode.topk import MAX_POSITION, unpack_keys
+from dtkv.layouts import total_page_bytes
 from dtkv.ops import HAS_TRITON
 
 __all__ = ["MODES", "DecodeStep", "DecodeStepConfig", "LayerResult", "StepInputs"]
 
 MODES: tuple[str, ...] = ("sharded", "full_view", "replicated")
-_LOW32 = 2**32 - 1
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -147,20 +147,20 @@ class DecodeStep:
         self.num_layers = config.num_layers or pool.num_layers
         self.topk, self.softmax_scale = config.topk, float(config.softmax_scale)
         b, m = config.max_batch, config.max_pages
-        if b * m > _LOW32 // ps - 1:
-            raise ValueError(f"max_batch * max_pages * page_size must stay below 2**32, got {b} * {m} * {ps}")
+        if b * m * ps > MAX_POSITION:  # a selection key's position; a padding key's lands past every row
+            raise ValueError(f"max_batch * max_pages * page_size must stay below 2**32 - 1, got {b} * {m} * {ps}")
         self.merges = self.mode == "sharded" and self.cp > 1
         self.gathers = self.mode == "full_view" and self.cp > 1
         default_l = min(m, cdiv(m, self.cp) + 1) if self.merges else m
         v = (config.send_pages or min(b * m, cdiv(b * m, self.cp) + b)) if self.gathers else 0
-        self.plan_layout = StepPlanLayout(batch=b, max_pages=m, scored_pages=config.scored_pages or default_l,
+        self.plan_layout = BucketLayout(batch=b, max_pages=m, scored_pages=config.scored_pages or default_l,
                                           send_pages=v)  # fmt: skip
         cuda = self.device.type == "cuda"
         self._plan_dev = torch.full((self.plan_layout.numel,), -1, dtype=torch.int32, device=self.device)
         self._plan_host = torch.empty((self.plan_layout.numel,), dtype=torch.int32, pin_memory=cuda)
         self._copied = torch.cuda.Event() if cuda else None
         self.fields = self.plan_layout.views(self._plan_dev)
-        self.rowbase = (torch.arange(b, dtype=torch.int64, device=self.device) * (m * ps) + _LOW32).view(b, 1)
+        self.rowbase = (torch.arange(b, dtype=torch.int64, device=self.device) * (m * ps)).view(b, 1)
         self.num_queries = 0
         # kernels: attention through the seam, the indexer op, the writes and packs
         spec = AttentionSpec(num_heads=config.num_heads, layout=self.kv_layout, topk=config.topk)
@@ -189,7 +189,7 @@ class DecodeStep:
     def set_plan(self, page_tables: Sequence[Sequence[int]] | torch.Tensor, seq_lens: Sequence[int]) -> None:
         """The next step's requests (plan phase, host): pages and lengths (counting the token decoded) of each.
 
-        Builds the padded plan (:func:`dtkv.decode._step_plan.build_step_plan`: checks like
+        Builds the padded plan (:func:`dtkv.decode._bucket_plan.build_bucket_plan`: checks like
         :func:`dtkv.decode.plan_decode`) and copies it to the device buffers every layer reads (one copy, no
         synchronization). Rows past ``len(seq_lens)`` decode nothing.
 
@@ -197,7 +197,7 @@ class DecodeStep:
             ValueError / TypeError: bad requests, or a step larger than the bucket (naming the capacity).
         """
         mode = "sharded" if self.mode == "full_view" and not self.gathers else self.mode
-        plan = build_step_plan(self.plan_layout, mode, page_tables, seq_lens, self.pool.ownership, self.rank,
+        plan = build_bucket_plan(self.plan_layout, mode, page_tables, seq_lens, self.pool.ownership, self.rank,
                                page_size=self.page_size, topk=self.topk)  # fmt: skip
         if self._copied is not None:
             self._copied.synchronize()  # the previous copy has left the pinned buffer
@@ -311,7 +311,7 @@ class DecodeStep:
                                                   kv_lora_rank=self.kv_layout.kv_lora_rank, cp_size=self.cp,
                                                   partial_itemsize=out_isz, lse_itemsize=lse_isz)  # fmt: skip
         elif self.gathers:
-            page_bytes = self.kv_layout.page_bytes + self.index_layout.page_bytes
+            page_bytes = total_page_bytes((self.kv_layout, self.index_layout))
             per_layer = full_view_comm_bytes(max_pages_per_rank=self.plan_layout.send_pages, page_bytes=page_bytes,
                                              cp_size=self.cp, num_collectives=2)  # fmt: skip
         else:

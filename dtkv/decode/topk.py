@@ -7,14 +7,11 @@ Legend: ``N`` queries, ``S`` keys scored by one rank, ``K`` top-k, ``I`` indexer
 higher score comes first; equal scores come in increasing position; keys that are not causal for the query (or
 padding) are never selected; at most ``K`` keys are kept.
 
-**Keys.** A candidate travels as one int64 whose integer order *is* the selection order::
-
-    key = ord32(score) * 2**32 + (2**32 - 1 - position)        INVALID_KEY = -2**63 for padding
-
-``ord32`` maps the float32 bit pattern to an int32 that orders like the float (negative patterns get their 31
-magnitude bits flipped); ``-0.0`` is folded into ``+0.0`` and every NaN into one NaN above ``+inf`` first, which is
-how ``torch.sort`` orders them. Equal scores then order by position, so the order is total: ``torch.topk`` over keys
-needs no stable sort and ties cannot be broken differently on different ranks or devices.
+**Keys.** A candidate travels as one int64 whose integer order *is* the selection order
+(``ord32(score) * 2**32 + (2**32 - 1 - position)``): the format is :mod:`dtkv.ops.selection_keys`', which the
+indexer kernels pack with too; :func:`selection_keys`, :func:`unpack_keys`, :func:`key_positions`,
+:data:`INVALID_KEY` and :data:`MAX_POSITION` are re-exported here. The order is total, so ``torch.topk`` over
+keys needs no stable sort and ties cannot be broken differently on different ranks or devices.
 
 **Why it is exact.** Every key of the global top-k is in its owner's local top-k (the order is total and identical
 on every rank), so the top-k of the gathered candidates is the top-k of all keys: the same positions, in the same
@@ -34,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from dtkv._collectives import all_gather_rows, group_size
+from dtkv.ops.selection_keys import INVALID_KEY, MAX_POSITION, key_positions, selection_keys, unpack_keys
 
 __all__ = [
     "INVALID_KEY",
@@ -42,19 +40,11 @@ __all__ = [
     "check_selection",
     "global_topk",
     "index_scores",
+    "key_positions",
     "local_topk",
     "selection_keys",
     "unpack_keys",
 ]
-
-INVALID_KEY = -(2**63)
-"""The key of a padding candidate: below every real key (a real key is at least ``ord32(-inf) * 2**32``)."""
-
-MAX_POSITION = 2**32 - 2
-"""Largest position a key can carry."""
-
-_LOW32 = 2**32 - 1
-_MAG31 = 0x7FFFFFFF
 
 
 def index_scores(iq_NIJ: torch.Tensor, iw_NI: torch.Tensor, keys_NSJ: torch.Tensor) -> torch.Tensor:
@@ -69,41 +59,6 @@ def index_scores(iq_NIJ: torch.Tensor, iw_NI: torch.Tensor, keys_NSJ: torch.Tens
         ``[N, S]`` in the inputs' dtype.
     """
     return (torch.relu(torch.einsum("nij,nsj->nis", iq_NIJ, keys_NSJ)) * iw_NI[:, :, None]).sum(1)
-
-
-def selection_keys(scores_NS: torch.Tensor, positions_NS: torch.Tensor, valid_NS: torch.Tensor) -> torch.Tensor:
-    """Pack scores (rounded to float32) and positions into int64 keys ordered like the selection rule.
-
-    Args:
-        scores_NS: ``[N, S]`` any floating dtype (rounded to float32 here).
-        positions_NS: int64 ``[N, S]`` logical token positions in ``[0, MAX_POSITION]`` where valid.
-        valid_NS: bool ``[N, S]``: False for padding and non-causal keys. A ``-inf`` score is never valid.
-
-    Returns:
-        int64 ``[N, S]``; :data:`INVALID_KEY` where not valid.
-    """
-    s = scores_NS.to(torch.float32)
-    s = torch.where(s == 0, torch.zeros_like(s), s)  # -0.0 -> +0.0 (equal floats must give equal keys)
-    s = torch.where(torch.isnan(s), torch.full_like(s, float("nan")), s)  # one NaN, above +inf (as torch.sort)
-    bits = s.contiguous().view(torch.int32).to(torch.int64)
-    ordered = torch.where(bits < 0, torch.bitwise_xor(bits, _MAG31), bits)
-    keys = ordered * (2**32) + (_LOW32 - positions_NS.to(torch.int64))
-    keep = valid_NS & (s != float("-inf"))
-    return torch.where(keep, keys, torch.full_like(keys, INVALID_KEY))
-
-
-def unpack_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`selection_keys`: ``(scores float32, positions int64, valid bool)``, each ``keys.shape``.
-
-    Invalid entries have position ``-1`` and score ``-inf``.
-    """
-    valid = keys != INVALID_KEY
-    positions = _LOW32 - torch.bitwise_and(keys, _LOW32)
-    ordered = torch.bitwise_right_shift(keys, 32)
-    bits = torch.where(ordered < 0, torch.bitwise_xor(ordered, _MAG31), ordered).to(torch.int32)
-    scores = bits.view(torch.float32)
-    scores = torch.where(valid, scores, torch.full_like(scores, float("-inf")))
-    return scores, torch.where(valid, positions, torch.full_like(positions, -1)), valid
 
 
 def local_topk(keys_NS: torch.Tensor, k: int, *, sorted: bool = True) -> torch.Tensor:

@@ -21,13 +21,17 @@ What is checked (one JSON object with ``--json``: ``parity`` and ``checks``, eac
 and why; :mod:`dtkv.demo._verdict`): the reference model against the replicated-KV baseline (bitwise; sharded
 decode within 1e-9 relative), a transformers model against its own forward (``stable_topk``, keys in the pools'
 formats, tolerances by model and KV dtype), the prefix cache against the run without it (bitwise), PD against the
-prefill group (KV bytes on the decode owners, greedy tokens). Progress lines go to stderr (:mod:`dtkv._log`; quiet
-with ``DTKV_LOGLEVEL=WARNING``); stdout holds only the table or the JSON. Exit code 1 on any mismatch, 2 on a usage
-error.
+prefill group (KV bytes on the decode owners, greedy tokens). Each check's printed rule is the rule its verdict
+applies (exceptions such as a bfloat16 model's near-tie flips are stated, with the margins); a transformers
+model's worst difference is explained by the same prompts served in one process (cp=1). Progress lines go to
+stderr (:mod:`dtkv._log`; quiet with ``DTKV_LOGLEVEL=WARNING``); stdout holds only the table or the JSON. Exit code
+1 on any mismatch, 2 on a usage error: one ``error:`` line, never a traceback per rank (flags out of range, a
+directory that is not a DSA checkpoint, a device or attention backend this machine cannot run).
 
 ``capacity_multiplier`` is replicated KV bytes per rank over sharded KV bytes per rank (pool only);
 ``capacity_multiplier_with_scratch`` also charges the materialization scratch of this run's largest batch, which at
-demo sizes is as large as the pool itself (``python -m dtkv.capacity`` sizes a real deployment).
+demo sizes is as large as the pool itself; the table says so in its ``toy size`` line (``dtkv capacity --context``
+sizes a real deployment).
 
 Modules (no import circle: each imports only modules listed before it): :mod:`dtkv.demo._args` (flags and their
 rules), :mod:`dtkv.demo._models` (models and prompts), :mod:`dtkv.demo.workloads` (the multi-turn workload),
@@ -40,8 +44,9 @@ from __future__ import annotations
 __all__ = ["main"]
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the demo with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
+def main(argv: list[str] | None = None, *, prog: str = "python -m dtkv.demo") -> int:
+    """Run the demo with ``argv`` (default ``sys.argv[1:]``); returns the exit code (``prog`` names the command in
+    ``--help`` and usage errors: ``dtkv demo`` under the ``dtkv`` command)."""
     from dtkv.demo._cli import main as _main
 
-    return _main(argv)
+    return _main(argv, prog=prog)

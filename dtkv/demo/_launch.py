@@ -15,7 +15,7 @@ import time
 
 from dtkv._log import phase, progress, setup_cli_logging
 
-__all__ = ["join_torchrun", "json_all_gather", "spawn"]
+__all__ = ["join_torchrun", "json_all_gather", "rank_error", "spawn"]
 
 
 def _rank_main(rank: int, world: int, args: dict, init_file: str | None = None) -> dict:
@@ -44,15 +44,26 @@ def _rank_main(rank: int, world: int, args: dict, init_file: str | None = None) 
             dist.destroy_process_group()
 
 
+def rank_error(rank: int, e: BaseException) -> dict:
+    """A rank's failure as its result: the error with its traceback, and ``usage`` when the error is a rule of
+    the run's flags that every rank meets alike (the attention backend does not fit the model), which the parent
+    reports as one usage error (exit code 2) rather than a failure per rank."""
+    import traceback
+
+    from dtkv.attention import AttentionFitError
+
+    if isinstance(e, AttentionFitError):
+        return {"rank": rank, "error": str(e), "usage": True}
+    return {"rank": rank, "error": f"{type(e).__name__}: {e}\n{''.join(traceback.format_exception(e))}", "usage": False}
+
+
 def _worker(rank: int, world: int, args: dict, init_file: str, out) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    setup_cli_logging(rank=rank)
+    setup_cli_logging(rank=rank, side="prefill" if args.get("pd") else None)
     try:
         out.put(_rank_main(rank, world, args, init_file))
     except BaseException as e:  # report, never hang the parent
-        import traceback
-
-        out.put({"rank": rank, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
+        out.put(rank_error(rank, e))
 
 
 def spawn(args: dict) -> list[dict]:
@@ -132,9 +143,7 @@ def join_torchrun(args: dict, rank: int, world: int, local_rank: int, start_deco
         try:
             result = _rank_main(rank, world, {**args, "local_rank": local_rank})
         except Exception as e:  # report through the exchange, so rank 0 prints the error
-            import traceback
-
-            result = {"rank": rank, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
+            result = rank_error(rank, e)
         results = json_all_gather(result, meta)
         wall = time.perf_counter() - t0
         progress("results gathered from %d ranks", world)

@@ -12,9 +12,7 @@ from typing import Any
 
 import torch
 
-from dtkv._util import cdiv
-
-__all__ = ["DTYPES", "FLASHMLA_DIMS", "REFERENCE_FLASHMLA", "DemoModel", "load", "num_pages", "prompts", "vocab_of"]
+__all__ = ["DTYPES", "FLASHMLA_DIMS", "REFERENCE_FLASHMLA", "DemoModel", "load", "prompts", "vocab_of"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 FLASHMLA_DIMS = {
@@ -108,11 +106,12 @@ def vocab_of(args: dict) -> int:
         from dtkv.integrations.transformers import tiny_config
 
         return tiny_config(args["model"]).vocab_size
-    import json
-    import os
+    from dtkv.demo._args import checkpoint_config
 
-    with open(os.path.join(args["model"], "config.json")) as f:
-        return int(json.load(f)["vocab_size"])
+    cfg, error = checkpoint_config(args["model"])  # checked before any rank started: this is a usage error
+    if cfg is None:
+        raise ValueError(error)
+    return int(cfg["vocab_size"])
 
 
 def prompts(tokens: int, num_requests: int, vocab: int, seed: int) -> list[list[int]]:
@@ -122,10 +121,3 @@ def prompts(tokens: int, num_requests: int, vocab: int, seed: int) -> list[list[
     lens = (weights / weights.sum() * tokens).floor().long().clamp(min=1)
     lens[0] += tokens - int(lens.sum())
     return [torch.randint(0, vocab, (int(n),), generator=g).tolist() for n in lens]
-
-
-def num_pages(prompts: list[list[int]], page_size: int, decode_steps: int, cp: int) -> int:
-    """Pages that hold every prompt and its decode steps on a pool of ``cp`` owners (owner-aware allocation
-    may waste up to a page per request and owner)."""
-    pages = sum(cdiv(len(p) + decode_steps + 1, page_size) + 1 for p in prompts)
-    return cdiv(pages, cp) * cp + cp

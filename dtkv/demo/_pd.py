@@ -67,16 +67,18 @@ def _decode_rank(rank: int, world: int, args: dict, prompts: list[list[int]], po
     import torch
     import torch.distributed as dist
 
-    from dtkv.demo._models import load, num_pages
-    from dtkv.runtime import Runtime
+    from dtkv.demo._models import load
+    from dtkv.runtime import Runtime, num_pages_for
     from dtkv.runtime.pd import kv_digest, receive_prefilled, request_bytes, shard_for
     from dtkv.transfer import Bootstrap, DecodeReceiver, create_store
 
     torch.set_num_threads(1)
     group = dist.group.WORLD if world > 1 else None
     model = load({**args, "device": "cpu"}, torch.device("cpu"))
+    pages = num_pages_for([len(p) for p in prompts], page_size=args["page_size"], decode_steps=args["decode_steps"],
+                          cp_size=world)  # fmt: skip
     rt = Runtime(
-        model.adapter(), num_pages=num_pages(prompts, args["page_size"], args["decode_steps"], world), group=group,
+        model.adapter(), num_pages=pages, group=group,
         mode="sharded" if world > 1 else "single", decode_mode=args["decode"], attention=args["attention"],
     )  # fmt: skip
     try:
@@ -105,7 +107,7 @@ def _decode_rank(rank: int, world: int, args: dict, prompts: list[list[int]], po
 
 def _worker(rank: int, world: int, args: dict, prompts, port: int, namespace: str, init_file: str, out) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    setup_cli_logging(rank=rank)
+    setup_cli_logging(rank=rank, side="decode")
     try:
         if world > 1:
             import datetime

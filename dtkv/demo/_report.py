@@ -11,7 +11,7 @@ token's likewise over a full view, or kept by its page's owner with no collectiv
 
 from __future__ import annotations
 
-__all__ = ["print_table", "summary"]
+__all__ = ["print_table", "summary", "toy_size_note"]
 
 
 def _agree(results: list[dict]) -> bool:
@@ -77,6 +77,8 @@ def summary(args: dict, results: list[dict], wall: float, pd: dict | None) -> di
     out["handoff_rows"] = out["prefill_rows"]["handed_off"]
     if "seconds_baseline" in r0:
         out["seconds_baseline"] = max(r["seconds_baseline"] for r in results)
+    if "pd_seconds" in r0:  # the hand-off, timed apart from seconds_sharded
+        out["seconds_pd_send"] = max(r["pd_seconds"] for r in results)
     for k in ("max_abs_logit_diff_full_precision", "tokens_equal_full_precision"):
         if k in r0:
             out[k] = r0[k]
@@ -119,6 +121,21 @@ def _rows_text(rows: dict, what: str) -> str:
         return f"{rows['owner_kept']} kept by their page's owner, no collective = {rows['tokens']} {what}"
     return (f"{rows['direct']} direct + {rows['handed_off']} handed off + {rows['all_gathered']} all-gathered = "
             f"{rows['tokens']} {what}")  # fmt: skip
+
+
+def toy_size_note(s: dict) -> str:
+    """One line: why a demo-sized run shows the view's scratch as a cost, and where to see the real effect."""
+    from dtkv.capacity import context_capacity
+
+    big = context_capacity("glm5", cp_size=8, context_tokens=1 << 20)
+    gib = 1 << 30
+    return (
+        f"the view's scratch (two layers of one batch's view) and each step's host work are fixed costs that "
+        f"dominate {s['tokens']:,} tokens; at GLM-5, cp 8, 1M tokens a rank holds "
+        f"{big.sharded_bytes_per_rank / gib:.2f} GiB sharded + {big.scratch_bytes_per_rank / gib:.2f} GiB scratch vs "
+        f"{big.replicated_bytes_per_rank / gib:.2f} GiB replicated (dtkv capacity --cp 8 --context 1048576; times: "
+        "docs/performance.md)"
+    )
 
 
 def _verdict_rows(checks: dict) -> list[tuple[str, str]]:
@@ -164,6 +181,10 @@ def print_table(s: dict) -> None:
             ("time: sharded prefill + decode", f"{s['seconds_sharded']:.2f} s"
              + (f" (replicated baseline {s['seconds_baseline']:.2f} s)" if "seconds_baseline" in s else "")),
         ]  # fmt: skip
+        if "seconds_pd_send" in s:
+            rows.append(("time: PD hand-off (not in the above)", f"{s['seconds_pd_send']:.2f} s"))
+        if s["scratch_bytes_per_rank"] > 0.1 * s["kv_bytes_per_rank"]:
+            rows.append(("toy size", toy_size_note(s)))
         if s["decode"] == "sharded":
             traffic = f"{s['decode_comm_bytes_per_step'] / kib:,.1f} KiB per rank"
             rows.append(("sharded decode traffic per step", traffic))

@@ -12,15 +12,16 @@ Every rank returns the same checks (rank 0 alone compares a transformers model w
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
 from dtkv._log import Progress, progress
 from dtkv.demo import _verdict as verdict
-from dtkv.demo._models import DemoModel, load, num_pages, prompts
-from dtkv.runtime import Runtime
+from dtkv.demo._models import DemoModel, load, prompts
+from dtkv.demo.workloads import max_diff
+from dtkv.runtime import Runtime, num_pages_for
 
 __all__ = ["run_rank"]
 
@@ -43,12 +44,17 @@ def _rows(stats: dict, before: dict, tokens: int) -> dict:
 
 
 def _serve(
-    model: DemoModel, args: dict, group, ps: list[list[int]], *, mode, decode_mode, label: str
+    model: DemoModel, args: dict, group, ps: list[list[int]], *, mode, decode_mode, label: str, send: bool = False
 ) -> dict[str, Any]:
-    """Prefill then decode ``ps`` on one runtime (collective); logits, tokens, KV bytes, stats, timings."""
+    """Prefill then decode ``ps`` on one runtime (collective); logits, tokens, KV bytes, stats, timings.
+
+    ``send``: hand the prefilled requests to ``--pd``'s decode group (timed apart: ``seconds`` is prefill and
+    decode only, ``pd_seconds`` the hand-off)."""
     world = 1 if group is None else dist.get_world_size(group)
+    pages = num_pages_for([len(p) for p in ps], page_size=args["page_size"], decode_steps=args["decode_steps"],
+                          cp_size=world)  # fmt: skip
     rt = Runtime(
-        model.adapter(), num_pages=num_pages(ps, args["page_size"], args["decode_steps"], world), group=group,
+        model.adapter(), num_pages=pages, group=group,
         mode=mode, split=args["split"], decode_mode=decode_mode, attention=args["attention"],
     )  # fmt: skip
     try:
@@ -60,17 +66,19 @@ def _serve(
         done = rt.prefill(args["chunk"], return_logits=True, progress=_stepper(f"{label}: prefill chunk"))
         logits: list[torch.Tensor] = done[1]  # type: ignore[index, assignment]  # (first tokens, logits)
         after_prefill = dict(rt.stats)
-        pd_report = {}
-        if args.get("pd_port") and label != "baseline":  # hand the prefilled requests to the decode group
+        pd_report: dict[str, Any] = {}
+        if send and args.get("pd_port"):  # hand the prefilled requests to the decode group
             from dtkv.demo._pd import send_from_rank
 
+            t_send = time.perf_counter()
             pd_report = send_from_rank(rt, args)
+            pd_report["pd_seconds"] = time.perf_counter() - t_send
         outputs, decode_logits = rt.decode(
             args["decode_steps"], return_logits=True, progress=_stepper(f"{label}: decode step")
         )
         if model.device.type == "cuda":
             torch.cuda.synchronize(model.device)
-        seconds = time.perf_counter() - t0
+        seconds = time.perf_counter() - t0 - pd_report.get("pd_seconds", 0.0)
         kv = [rt.kv_bytes(r.rid) for r in rt.requests]
         n_decode = sum(len(o) - 1 for o in outputs)
         return {
@@ -87,16 +95,6 @@ def _serve(
         rt.close()
 
 
-def _max_diff(xs: list[torch.Tensor], ys: list[torch.Tensor], labels) -> tuple[float, float, str]:
-    """Largest ``|x - y|`` over the pairs: ``(absolute, relative to y's scale, where)``."""
-    worst = (0.0, 0.0, "")
-    for (x, y), where in zip(zip(xs, ys), labels):
-        d = float((x.double() - y.double()).abs().max()) if x.numel() else 0.0
-        if d > worst[0]:
-            worst = (d, d / max(float(y.double().abs().max()), 1e-300), where)
-    return worst
-
-
 def _kv_differing_bytes(a: list[dict], b: list[dict]) -> int:
     return sum(int((x[n] != y[n]).sum()) for x, y in zip(a, b) for n in x)
 
@@ -104,7 +102,7 @@ def _kv_differing_bytes(a: list[dict], b: list[dict]) -> int:
 def _reference_checks(base: dict, cand: dict, decode_mode: str) -> dict:
     """The reference model: the sharded run against the replicated-KV baseline (bitwise; sharded decode 1e-9)."""
     n = len(base["outputs"])
-    d, _, where = _max_diff(cand["logits"], base["logits"], [f"request {i} prompt" for i in range(n)])
+    d, _, where = max_diff(cand["logits"], base["logits"], [f"request {i} prompt" for i in range(n)])
     kv_bad = _kv_differing_bytes(cand["kv"], base["kv"])
     prefill = verdict.check(
         d == 0 and kv_bad == 0 and [o[:1] for o in cand["outputs"]] == [o[:1] for o in base["outputs"]],
@@ -115,7 +113,7 @@ def _reference_checks(base: dict, cand: dict, decode_mode: str) -> dict:
         kv_bytes_differing=kv_bad,
     )  # fmt: skip
     labels = [f"decode step {s}" for s in range(len(base["decode_logits"]))]
-    d_abs, d_rel, where = _max_diff(cand["decode_logits"], base["decode_logits"], labels)
+    d_abs, d_rel, where = max_diff(cand["decode_logits"], base["decode_logits"], labels)
     tokens = cand["outputs"] == base["outputs"]
     if decode_mode == "full":
         decode = verdict.check(
@@ -133,26 +131,43 @@ def _reference_checks(base: dict, cand: dict, decode_mode: str) -> dict:
     return {"prefill": prefill, "decode": decode}
 
 
-def _own_forward_check(model: DemoModel, ps, outputs, logit_rows, args) -> tuple[dict, dict]:
+def _rows_of(served: dict, n: int) -> list[torch.Tensor]:
+    """Request ``i``'s logits of a served run: its prompt's last position, then each decode step's."""
+    return [torch.cat([served["logits"][i]] + [s[i : i + 1] for s in served["decode_logits"]]) for i in range(n)]
+
+
+def _own_forward_check(model: DemoModel, ps, outputs, logit_rows, args, one_process=False) -> tuple[dict, dict]:
     """A transformers model's produced logits against its own forward: the verdict and the full-precision cost.
 
     ``logit_rows[i]`` holds request ``i``'s logits for its positions ``len(ps[i]) - len(logit_rows[i]) + j`` ...,
-    ending at the last generated token's input.
+    ending at the last generated token's input. ``one_process``: ``(outputs, logit_rows)`` of the same prompts
+    served by one process, compared with the same reference (:func:`dtkv.demo._verdict.one_process_note`);
+    ``None`` when this run is one process; ``False``: not measured.
     """
-    from dtkv.integrations.transformers import geometry_of, kv_layouts, reference_logits
+    from dtkv.integrations.transformers import geometry_of, kv_layouts, reference_logits, uses_fp8_indexer
 
     kv_dtype: Any = model.kv_dtype
     layouts = kv_layouts(geometry_of(model.lm), kv_dtype, 1)  # rounding ignores the page size
+    fp8 = uses_fp8_indexer(args.get("attention") or "torch", layouts["index"])  # the run's own indexer formula
     rounded = args.get("attention") == "flashmla"  # FlashMLA rounds the probabilities to bf16
     out = {}
+    one: dict | None = None
+    same_tokens = bool(one_process) and one_process[0] == outputs
     for key, lay in (("", layouts), ("_full_precision", None)):
         diffs, base, labels, margins, tokens_equal = [], [], [], [], True
+        one_diffs, vs_sharded = [], []
         for i, (p, got) in enumerate(zip(ps, logit_rows)):
             seq = p + outputs[i][:-1]
-            ref = reference_logits(model.lm, seq, layouts=lay)[-got.shape[0] :]
+            ref = reference_logits(model.lm, seq, layouts=lay, fp8_indexer=fp8 and lay is not None)[-got.shape[0] :]
             diffs.append((ref - got.to(ref.device)).abs().amax(-1).cpu())
+            if key == "" and same_tokens:
+                mine = one_process[1][i].to(ref.device)
+                one_diffs.append((ref - mine).abs().amax(-1).cpu())
+                vs_sharded.append(float((mine - got.to(ref.device)).abs().max()))
             if rounded:
-                own = reference_logits(model.lm, seq, layouts=lay, rounded_probabilities=True)[-got.shape[0] :]
+                own = reference_logits(
+                    model.lm, seq, layouts=lay, rounded_probabilities=True, fp8_indexer=fp8 and lay is not None
+                )[-got.shape[0] :]
                 base.append((ref - own).abs().amax(-1).cpu())
             first = len(p) + len(outputs[i]) - 1 - got.shape[0]
             labels += [f"request {i} position {first + j}" for j in range(got.shape[0])]
@@ -162,10 +177,21 @@ def _own_forward_check(model: DemoModel, ps, outputs, logit_rows, args) -> tuple
                     margins.append(float(row[want] - row[chosen]))
             tokens_equal &= not margins
         d = torch.cat(diffs)
+        if key == "" and one_process is not False:
+            if one_process is None:
+                one = None
+            elif same_tokens:
+                od = torch.cat(one_diffs)
+                one = {"worst": float(od.max()), "where": labels[int(od.argmax())], "vs_sharded": max(vs_sharded)}
+            else:  # one process chose other tokens: its later positions read other sequences
+                one = {"worst": float("nan"), "where": "", "vs_sharded": float("inf")}
         if rounded:
             out[key] = verdict.rounded_attention_check(d, torch.cat(base), labels, tokens_equal, margins)
         else:
-            out[key] = verdict.transformers_check(model.dtype, model.kv_dtype, d, labels, tokens_equal, margins)
+            measured: dict | None | Literal[False] = one if key == "" and one_process is not False else False
+            out[key] = verdict.transformers_check(
+                model.dtype, model.kv_dtype, d, labels, tokens_equal, margins, one_process=measured
+            )
     return out[""], {
         "max_abs_logit_diff_full_precision": out["_full_precision"]["worst"],
         "tokens_equal_full_precision": out["_full_precision"]["tokens_equal"],
@@ -181,7 +207,7 @@ def run_rank(rank: int, world: int, args: dict, group, device: torch.device) -> 
     base = None
     if model.reference:
         base = _serve(model, args, group, ps, mode="replicated", decode_mode="full", label="baseline")
-    cand = _serve(model, args, group, ps, mode=None, decode_mode=args["decode"], label="sharded")
+    cand = _serve(model, args, group, ps, mode=None, decode_mode=args["decode"], label="sharded", send=True)
     out = {k: v for k, v in cand.items() if k not in ("logits", "decode_logits", "kv", "layouts")}
     out.update(rank=rank, model_dtype=model.dtype, vocab_size=model.vocab_size)
     if base is not None:
@@ -189,8 +215,13 @@ def run_rank(rank: int, world: int, args: dict, group, device: torch.device) -> 
         out["seconds_baseline"] = base["seconds"]
         out["kv_bytes_replicated"] = base["kv_bytes_per_rank"]
     elif rank == 0:
-        rows = [torch.cat([cand["logits"][i]] + [s[i : i + 1] for s in cand["decode_logits"]]) for i in range(len(ps))]
-        check, extra = _own_forward_check(model, ps, cand["outputs"], rows, args)
+        one_process: Any = None  # this run is one process; else serve the same prompts in one (cp=1) to compare
+        if args.get("attention") == "flashmla":
+            one_process = False  # held to the rounded forward's noise instead
+        elif world > 1:
+            alone = _serve(model, args, None, ps, mode=None, decode_mode=args["decode"], label="one process")
+            one_process = (alone["outputs"], _rows_of(alone, len(ps)))
+        check, extra = _own_forward_check(model, ps, cand["outputs"], _rows_of(cand, len(ps)), args, one_process)
         out["checks"] = {"prefill_decode": check}
         out.update(extra)
     progress("rank %d done", rank, all_ranks=True)

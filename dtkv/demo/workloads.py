@@ -18,19 +18,21 @@ are served from cached pages.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from dtkv._util import cdiv
+from dtkv.runtime import num_pages_for
 
 __all__ = [
     "ChatWorkload",
     "WorkloadRun",
     "chat_workload",
     "compare_runs",
+    "max_diff",
     "pool_pages",
+    "prompt_lens",
     "run_workload",
     "worst_logit_diff",
 ]
@@ -59,7 +61,7 @@ class WorkloadRun:
     logits: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     """Request id -> float64 logits ``[V]`` of each generated token, in order."""
     kv: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
-    """Request id -> ``runner.kv_bytes(rid)`` just before it finished (or at the end, if live)."""
+    """Request id -> ``runtime.kv_bytes(rid)`` just before it finished (or at the end, if live)."""
     prompt_tokens: int = 0
     """Prompt tokens of every request."""
     prefill_tokens: int = 0
@@ -98,24 +100,29 @@ def chat_workload(
 
 
 def run_workload(
-    runner, workload: ChatWorkload, *, chunk: int, decode_steps: int, after_step: Callable[[object], None] | None = None
+    runtime,
+    workload: ChatWorkload,
+    *,
+    chunk: int,
+    decode_steps: int,
+    after_step: Callable[[object], None] | None = None,
 ) -> WorkloadRun:
-    """Run ``workload`` on ``runner`` (a fresh :class:`dtkv.runtime.Runtime`; collective in CP modes).
+    """Run ``workload`` on ``runtime`` (a fresh :class:`dtkv.runtime.Runtime`; collective in CP modes).
 
     Prefill runs ``chunk`` tokens per request per step; every request then decodes ``decode_steps`` tokens
-    (requests live at the time decode along). See the module docstring for the schedule. ``after_step(runner)``
+    (requests live at the time decode along). See the module docstring for the schedule. ``after_step(runtime)``
     is called after every step and every finished request (e.g. to check invariants).
     """
     run = WorkloadRun()
     system = list(workload.system)
 
     def note() -> None:
-        run.peak_pages_allocated = max(run.peak_pages_allocated, runner.allocator.num_allocated())
+        run.peak_pages_allocated = max(run.peak_pages_allocated, runtime.allocator.num_allocated())
         if after_step is not None:
-            after_step(runner)
+            after_step(runtime)
 
     def add(prompt: list[int]):
-        req = runner.add_request(prompt)
+        req = runtime.add_request(prompt)
         run.prompts[req.rid] = list(prompt)
         run.outputs[req.rid], run.logits[req.rid] = req.output, []
         run.prompt_tokens += len(prompt)
@@ -128,26 +135,26 @@ def run_workload(
 
     def prefill() -> None:
         while True:
-            todo = [r for r in runner.requests if not r.finished and r.num_computed < len(r.prompt)]
+            todo = [r for r in runtime.requests if not r.finished and r.num_computed < len(r.prompt)]
             if not todo:
                 return
             lens = [min(chunk, len(r.prompt) - r.num_computed) for r in todo]
             run.prefill_tokens += sum(lens)
-            for r, row in zip(todo, runner.step(todo, lens)):
+            for r, row in zip(todo, runtime.step(todo, lens)):
                 if r.num_computed == len(r.prompt):
                     produce(r, row)
             note()
 
     def decode() -> None:
         for _ in range(decode_steps):
-            reqs = [r for r in runner.requests if r.output and not r.finished]
-            for r, row in zip(reqs, runner.decode_step(reqs)):  # in the runner's decode_mode
+            reqs = [r for r in runtime.requests if r.output and not r.finished]
+            for r, row in zip(reqs, runtime.decode_step(reqs)):  # in the runtime's decode_mode
                 produce(r, row)
             note()
 
     def finish(req) -> None:
-        run.kv[req.rid] = runner.kv_bytes(req.rid)
-        runner.finish_request(req.rid)
+        run.kv[req.rid] = runtime.kv_bytes(req.rid)
+        runtime.finish_request(req.rid)
         note()
 
     prompt = system + list(workload.user_turns[0])
@@ -170,9 +177,9 @@ def run_workload(
         decode()
         finish(turn)
     for r in shared[-1:]:
-        run.kv[r.rid] = runner.kv_bytes(r.rid)
-    if runner.prefix_cache is not None:
-        run.evicted_pages = runner.prefix_cache.stats["evicted_pages"]
+        run.kv[r.rid] = runtime.kv_bytes(r.rid)
+    if runtime.prefix_cache is not None:
+        run.evicted_pages = runtime.prefix_cache.stats["evicted_pages"]
     return run
 
 
@@ -189,25 +196,34 @@ def compare_runs(a: WorkloadRun, b: WorkloadRun) -> dict[str, bool]:
     return {"tokens_equal": tokens, "logits_equal": logits, "kv_equal": kv, "parity": tokens and logits and kv}
 
 
-def worst_logit_diff(a: WorkloadRun, b: WorkloadRun) -> tuple[float, float, str]:
-    """The largest ``|a - b|`` over every produced token's logits: ``(absolute, relative to b's max, where)``."""
+def max_diff(xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor], labels: Sequence[str]) -> tuple[float, float, str]:
+    """The largest ``|x - y|`` over the pairs (in float64): ``(absolute, relative to that y's largest |y|, where)``,
+    ``(0.0, 0.0, "")`` when every pair agrees (or holds nothing)."""
     worst = (0.0, 0.0, "")
-    for k in sorted(a.logits.keys() & b.logits.keys()):
-        for j, (x, y) in enumerate(zip(a.logits[k], b.logits[k])):
-            d = float((x - y).abs().max())
-            if d > worst[0]:
-                worst = (d, d / max(float(y.abs().max()), 1e-30), f"request {k}, token {j}")
+    for x, y, where in zip(xs, ys, labels):
+        d = float((x.double() - y.double()).abs().max()) if x.numel() else 0.0
+        if d > worst[0]:
+            worst = (d, d / max(float(y.double().abs().max()), 1e-300), where)
     return worst
 
 
-def pool_pages(workload: ChatWorkload, *, page_size: int, decode_steps: int, cp_size: int) -> int:
-    """Logical pages that hold every request of ``workload`` at once (so nothing is ever evicted)."""
+def worst_logit_diff(a: WorkloadRun, b: WorkloadRun) -> tuple[float, float, str]:
+    """:func:`max_diff` over every token both runs produced: ``(absolute, relative to b's max, where)``."""
+    pairs = [(x, y, f"request {k}, token {j}") for k in sorted(a.logits.keys() & b.logits.keys())
+             for j, (x, y) in enumerate(zip(a.logits[k], b.logits[k]))]  # fmt: skip
+    return max_diff([p[0] for p in pairs], [p[1] for p in pairs], [p[2] for p in pairs])
+
+
+def prompt_lens(workload: ChatWorkload, *, decode_steps: int) -> list[int]:
+    """The prompt length of every request :func:`run_workload` adds (each answer is ``decode_steps + 1`` tokens)."""
     answer = decode_steps + 1
     turns, system = workload.user_turns, len(workload.system)
-    total = 0
-    for t in range(len(turns)):
-        prompt = system + sum(len(u) for u in turns[: t + 1]) + t * answer
-        total += cdiv(prompt + answer, page_size)
-    for q in workload.questions:
-        total += cdiv(system + len(q) + answer * (len(turns) + 1), page_size)
-    return cdiv(total, cp_size) * cp_size + cp_size
+    lens = [system + sum(len(u) for u in turns[: t + 1]) + t * answer for t in range(len(turns))]
+    return lens + [system + len(q) + answer * len(turns) for q in workload.questions]
+
+
+def pool_pages(workload: ChatWorkload, *, page_size: int, decode_steps: int, cp_size: int) -> int:
+    """Logical pages that hold every request of ``workload`` at once, so nothing is ever evicted
+    (:func:`dtkv.runtime.num_pages_for` of its requests)."""
+    return num_pages_for(prompt_lens(workload, decode_steps=decode_steps), page_size=page_size,
+                         decode_steps=decode_steps, cp_size=cp_size)  # fmt: skip

@@ -1,33 +1,26 @@
-"""Host-side exchanges of the materialization path over a CPU channel, so that none of them waits for the GPU.
-
-:func:`cpu_channel` gives a process group over the CP group's ranks that moves CPU tensors: the group itself when it
-has a gloo backend, otherwise a gloo mirror built once (``new_group`` with local synchronization). The plan check
-(:func:`dtkv._agree.agree`) runs on it; on an NCCL group its own collectives would wait for the GPU to drain, which
-in chunked prefill exposes the next step's host work. :func:`exchange_votes` all-gathers one fixed-size
-:data:`PAYLOAD_BYTES`-byte record per rank (the copy-engine topology probe); received bytes are parsed field by field
-(fixed offsets, bounded lengths, UTF-8 with replacement), never unpickled.
+"""Host-side exchanges of the materialization path over the CPU channel (:func:`dtkv._collectives.cpu_channel`), so
+that none of them waits for the GPU. The plan check (:func:`dtkv._agree.agree`) runs on it; :func:`exchange_votes`
+all-gathers one fixed-size :data:`PAYLOAD_BYTES`-byte record per rank (the copy-engine topology probe); received
+bytes are parsed field by field (fixed offsets, bounded lengths, UTF-8 with replacement), never unpickled.
 """
 
 from __future__ import annotations
 
-import datetime
 import struct
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from dtkv._collectives import all_gather_into
+from dtkv._collectives import all_gather_into, cpu_channel
 
-__all__ = ["PAYLOAD_BYTES", "Vote", "cpu_channel", "exchange_votes"]
+__all__ = ["PAYLOAD_BYTES", "Vote", "exchange_votes"]
 
 PAYLOAD_BYTES = 256
 _DIGEST = 16
 _HEAD = struct.Struct("<16sBBH")  # digest, ok, summary length, message length
 _SUMMARY_MAX = 64
 _MESSAGE_MAX = PAYLOAD_BYTES - _HEAD.size - _SUMMARY_MAX
-
-_MIRRORS: dict[str, dist.ProcessGroup] = {}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -58,25 +51,6 @@ class Vote:
         start = _HEAD.size + _SUMMARY_MAX
         message = raw[start : start + n_message].decode(errors="replace")
         return cls(digest=digest, ok=bool(ok), summary=summary, message=message)
-
-
-def cpu_channel(group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """A process group over the same ranks that moves CPU tensors (``group`` itself when it has gloo).
-
-    The gloo mirror of a GPU-only group is built on first use; every rank of ``group`` must reach that first use
-    (it is collective over the group's ranks only).
-    """
-    if "gloo" in str(dist.get_backend(group)):
-        return group
-    name = group.group_name
-    mirror = _MIRRORS.get(name)
-    if mirror is None:
-        ranks = dist.get_process_group_ranks(group)
-        mirror = dist.new_group(
-            ranks, backend="gloo", use_local_synchronization=True, timeout=datetime.timedelta(minutes=5)
-        )
-        _MIRRORS[name] = mirror
-    return mirror
 
 
 def exchange_votes(vote: Vote, group: dist.ProcessGroup | None) -> list[Vote]:

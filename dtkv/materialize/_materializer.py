@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from dtkv import _env
+from dtkv.layouts import total_page_bytes
 from dtkv.ops._common import resolve_backend
 
 from ._gather import (
@@ -54,9 +55,12 @@ class Materializer:
     reuses an attention wrapper's workspace): the views are allocated once, for ``max_view_pages`` pages, and
     nothing is allocated, rendezvoused or synchronized per batch. Constructing one per batch works too.
 
-    A view stays valid until the view of ``layer + 2`` (same buffer parity) is gathered, or the next
-    :meth:`replan`; prefetching a layer while another layer of the same parity is still pending raises. Rows of a
-    view that no page maps to are unspecified (zeros or other pages' bytes).
+    A view is a slice of one of two buffers (by layer parity) that the Materializer keeps: it holds ``layer``'s rows
+    until ``prefetch(layer + 2)`` (or ``view(layer + 2)``) starts gathering into the same buffer -- work queued
+    before that call still reads it (on CUDA the gather streams wait for the compute stream) -- or until
+    :meth:`replan`, after which the same memory serves the new plan. Prefetching a layer while another layer of the
+    same parity is still pending raises. Rows of a view that no page maps to are unspecified (zeros or other pages'
+    bytes).
 
     Args:
         pool: a :class:`dtkv.ShardedKVPool`.
@@ -114,7 +118,7 @@ class Materializer:
         self._history_group = history_group
         dev = pool.device
         capacity = max(plan.num_view_pages, max_view_pages or 0)
-        self._page_bytes = sum(pool.layouts[n].page_bytes for n in self.names)
+        self._page_bytes = total_page_bytes(pool.layouts[n] for n in self.names)
         self.backend = resolve_gather_backend(backend, pool.group, dev, capacity * self._page_bytes)
         """The backend in use: ``"local"``, ``"all_gather"`` or ``"copy_engine"``."""
         impl = CopyEngineGather if self.backend == "copy_engine" else AllGatherGather
@@ -157,8 +161,9 @@ class Materializer:
         """Serve another batch (plan phase: host work, no device synchronization): the views and, for the copy
         engines, the symmetric buffer are reused; they grow (collectively) only past their capacity.
 
-        Views returned before stay allocated but are no longer written. Captured graphs are dropped (call
-        :meth:`capture` again). A plan not yet checked across the CP group is checked here (collective).
+        Views returned before alias the buffers the new plan gathers into (unless the buffers grew): read none of
+        them after a replan. Captured graphs are dropped (call :meth:`capture` again). A plan not yet checked across
+        the CP group is checked here (collective).
 
         Raises:
             ValueError: the plan was built for another ownership or rank.

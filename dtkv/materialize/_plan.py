@@ -10,12 +10,11 @@ import torch
 import torch.distributed as dist
 
 from dtkv._agree import agree
+from dtkv._collectives import cpu_channel
 from dtkv._scratch import scratch_bytes as scratch_bytes  # light home: dtkv.capacity imports no kernels
 from dtkv._util import as_int_array, unique_in_order
 from dtkv.ops import PackPlan, plan_pack
 from dtkv.ownership import OwnershipSpec, PageOwnership, ownership_spec
-
-from ._exchange import cpu_channel
 
 __all__ = ["MaterializeError", "MaterializePlan", "agree_plan", "plan_materialize", "scratch_bytes"]
 

@@ -34,9 +34,9 @@ import torch
 import torch.distributed as dist
 
 from dtkv._agree import agree
-from dtkv._collectives import all_gather_into
+from dtkv._collectives import all_gather_into, cpu_channel
 
-from ._exchange import Vote, cpu_channel, exchange_votes
+from ._exchange import Vote, exchange_votes
 
 __all__ = ["BARRIER_TIMEOUT_MS", "MAX_EXCHANGED_IDS", "SymmBuffer", "SymmBuffers", "symm_mem_module"]
 

@@ -2,7 +2,7 @@
 
 Per layer (:meth:`ReferenceAdapter.forward`): :meth:`TinyDSA.project` gives the latent row, the indexer key and the
 queries; the rows go to ``ctx.write``; an extend step reads the full views and runs :meth:`TinyDSA.attend_view` per
-request segment over its key-table rows (:attr:`dtkv.runtime.StepPlan.groups`) through the runtime's attention
+request segment over its key-table rows (:attr:`dtkv.runtime.ExtendPlan.groups`) through the runtime's attention
 backend, a sharded decode step calls
 ``ctx.decode_attention`` with the queries (the reference model's attention is MLA in absorbed form already:
 ``q_nope`` is ``[N, H, R]``); :meth:`TinyDSA.finish_layer` continues. Everything is float64 and rounded to the
@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch
 
 from dtkv.decode import DecodeQueries
+from dtkv.kvio import read_rows
 from dtkv.model.config import ModelConfig
 from dtkv.model.model import TinyDSA
 from dtkv.runtime import ModelAdapter, ModelSpec, StepContext
-from dtkv.runtime.kvio import read_rows
 
 __all__ = ["ReferenceAdapter"]
 

@@ -23,13 +23,18 @@ import math
 import torch
 
 from dtkv.attention import AttentionBackend, AttentionSpec
+from dtkv.decode.topk import selection_keys
 from dtkv.layouts import MLAFp8Layout, MLALatentLayout
 from dtkv.model.config import ModelConfig
+from dtkv.ops.indexer_logits import indexer_topk
 from dtkv.ops.sparse_mla import sparse_mla_torch
 
-__all__ = ["TinyDSA", "attention_spec"]
+__all__ = ["SELECT_BLOCK_BYTES", "TinyDSA", "attention_spec"]
 
 F64 = torch.float64
+SELECT_BLOCK_BYTES = 1 << 28
+"""The indexer's temporaries per block of queries in :meth:`TinyDSA.select` (``[B, I, S]`` float64 products,
+``[B, S]`` keys)."""
 
 
 def _rms_norm(x: torch.Tensor) -> torch.Tensor:
@@ -72,8 +77,8 @@ def attention_spec(cfg: ModelConfig) -> AttentionSpec:
 class TinyDSA:
     """Deterministic seeded weights and the per-layer math of the reference model.
 
-    The model does not own a KV cache: :class:`dtkv.model.ModelRunner` moves rows between these
-    functions and the (sharded or replicated) pools.
+    The model does not own a KV cache: :class:`dtkv.runtime.Runtime` (through :class:`dtkv.model.ReferenceAdapter`)
+    moves rows between these functions and the (sharded or replicated) pools.
     """
 
     def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu") -> None:
@@ -162,6 +167,9 @@ class TinyDSA:
         """The indexer's top-k of ``N`` queries over key positions ``0..S-1`` (the selection rule).
 
         Scores are rounded to float32; higher first, equal scores by lower position; non-causal keys never count.
+        Scores and positions are packed into one int64 key (:func:`dtkv.decode.selection_keys`), so the top-k of
+        the keys is that of a stable sort. The queries go in blocks whose ``[B, I, S]`` products and ``[B, S]``
+        keys stay within :data:`SELECT_BLOCK_BYTES` (no ``[N, S]`` mask: each query's causal keys are a prefix).
 
         Args:
             q: needs ``iq`` ``[N, I, J]`` and ``iw`` ``[N, I]`` (float64).
@@ -169,19 +177,27 @@ class TinyDSA:
             index_keys_SJ: float64 ``[S, J]`` stored indexer keys (dequantized).
 
         Returns:
-            ``(top_idx_NK, valid_NK)``: int64 key positions in selection order and whether each is a real
-            (causal) key, ``K = min(index_topk, S)``.
+            ``(top_idx_NK, valid_NK)``: int64 key positions in selection order (``-1`` where not valid) and whether
+            each is a real (causal) key, ``K = min(index_topk, S)``.
         """
-        s = index_keys_SJ.shape[0]
-        causal_NS = torch.arange(s, device=pos_N.device)[None, :] <= pos_N[:, None]
-        score_NS = (torch.relu(torch.einsum("nij,sj->nis", q["iq"], index_keys_SJ)) * q["iw"][:, :, None]).sum(1)
-        # Selection must not depend on how the batch was cut: round to float32 so float64 summation-order noise
-        # becomes an exact tie (duplicate tokens give equal indexer keys), and break ties by position (stable sort).
-        score_NS = score_NS.to(torch.float32).masked_fill(~causal_NS, float("-inf"))
+        s, n, heads = index_keys_SJ.shape[0], pos_N.shape[0], q["iq"].shape[1]
         k = min(self.cfg.index_topk, s)
-        top_val_NK, top_idx_NK = torch.sort(score_NS, dim=-1, descending=True, stable=True)
-        top_val_NK, top_idx_NK = top_val_NK[:, :k], top_idx_NK[:, :k]
-        return top_idx_NK, top_val_NK > float("-inf")
+        if k == 0:
+            empty = torch.zeros((n, 0), dtype=torch.int64, device=pos_N.device)
+            return empty, empty.bool()
+        cols = torch.arange(s, device=pos_N.device)
+        block = max(1, SELECT_BLOCK_BYTES // max(1, (8 * heads + 48) * s))
+        idx, valid = [], []
+        for b0 in range(0, n, block):
+            sl = slice(b0, min(n, b0 + block))
+            score = (torch.relu(torch.einsum("nij,sj->nis", q["iq"][sl], index_keys_SJ)) * q["iw"][sl, :, None]).sum(1)
+            # Selection must not depend on how the batch was cut: round to float32 so float64 summation-order noise
+            # becomes an exact tie (duplicate tokens give equal indexer keys), and break ties by position.
+            keys = selection_keys(score.to(torch.float32), cols.expand_as(score), cols[None, :] <= pos_N[sl, None])
+            top, ok = indexer_topk(keys, k)
+            idx.append(top)
+            valid.append(ok)
+        return torch.cat(idx), torch.cat(valid)
 
     def attend_selected(
         self, q: dict[str, torch.Tensor], keys_SC: torch.Tensor, top_idx_NK: torch.Tensor, valid_NK: torch.Tensor
@@ -225,7 +241,7 @@ class TinyDSA:
             float64 ``[N, H * R]``.
         """
         top_idx_NK, valid_NK = self.select(q, pos_N, index_keys_SJ)
-        slots = torch.where(valid_NK, key_slots_S[top_idx_NK], torch.full_like(top_idx_NK, -1))
+        slots = torch.where(valid_NK, key_slots_S[top_idx_NK.clamp(min=0)], torch.full_like(top_idx_NK, -1))
         idx = backend.indices(slots, kv_pages)
         out, _ = backend.prefill(backend.cast_queries(self.queries(q)), kv_pages, idx, softmax_scale=self.softmax_scale)
         return out.to(F64).reshape(top_idx_NK.shape[0], -1)

@@ -20,9 +20,20 @@ Entry points:
 split (zigzag, page-aligned where possible, or round-robin), owner-aware allocation, the prefix cache, KV writes
 (owner-filtered, compute-owner direct, replicated), materialized views with a layer-ahead prefetch, sharded decode
 (a :class:`dtkv.decode.DecodeStep` layer per model layer: the exact global top-k and the LSE merge), PD send
-and receive, and the input rules of every call (:mod:`dtkv._batch`: checked before anything changes, on every
-rank together). A model adapter owns only what differs between models: how a layer projects its rows and how its
-attention reads KV.
+and receive, and the input rules of every call (:mod:`dtkv.runtime._batch`: checked before anything changes, on every
+rank together, with where each request stands). A model adapter owns only what differs between models: how a layer
+projects its rows and how its attention reads KV.
+
+**A step stands on every rank or on none** (:mod:`dtkv.runtime._outcome`): after its run the ranks vote (one
+48-byte all-gather on the CPU channel); a step that failed on any rank -- an out-of-memory error in one GPU's LM
+head, after the step's last collective -- raises the same error on every rank, and every rank undoes it: pages,
+reference counts, ``num_computed``, the allocator's cursor, the prefix cache's evictions (with the bytes of the
+evicted pages the step overwrote) and insertions, ``stats``. The serving loop goes on from there.
+
+**Prefill queues requests that do not fit together**: each ``prefill()`` step runs the requests whose remaining
+prompt pages fit beside each other (those under way first, then in request order); the others wait, holding no
+page, until pages free up -- in a later step of the same call, or a later call after ``finish_request``. A call
+raises :class:`dtkv.AllocationError` only when no waiting request can finish its prompt.
 
 **The model-adapter interface** (:class:`ModelAdapter`)::
 
@@ -52,7 +63,7 @@ model's concern.
 
 **Plan and run** (as flashinfer's ``plan()`` / ``run()``): :meth:`Runtime.plan_step` is the host phase -- input
 rules, split, prefix-cache eviction, allocation, token locations, the key table, the materialization plan and the
-remapped page tables (:class:`StepPlan`, identical on every rank up to the rank's own rows); :meth:`Runtime.forward`
+remapped page tables (:class:`ExtendPlan`, identical on every rank up to the rank's own rows); :meth:`Runtime.forward`
 is the run phase: tensor work only, no host sync (it compiles with ``torch.compile(fullgraph=True)`` for the
 reference model). Sharded decode has the same split (:func:`dtkv.decode.plan_decode` and
 :meth:`dtkv.decode.DecodeStep.set_plan`, then the layers).
@@ -70,13 +81,14 @@ mode                what each CP rank stores and how rows get there
                     (a partly filled first page, fallback requests) go through a small all-gather
 ==================  ===========================================================================================
 
-The page-table format is defined in :mod:`dtkv.page_table`.
+Every mode runs in one process too (no group, or a group of one rank): nothing is exchanged, and each stores and
+computes what ``single`` does, bitwise. The page-table format is defined in :mod:`dtkv.page_table`.
 """
 
 from __future__ import annotations
 
 from dtkv.runtime._invariant import batch_invariant
-from dtkv.runtime._plan import StepPlan
+from dtkv.runtime._plan import ExtendPlan
 from dtkv.runtime._request import Request
 from dtkv.runtime.adapter import ModelAdapter, ModelSpec
 from dtkv.runtime.context import StepContext
@@ -92,7 +104,7 @@ __all__ = [
     "Request",
     "Runtime",
     "StepContext",
-    "StepPlan",
+    "ExtendPlan",
     "batch_invariant",
     "num_pages_for",
 ]

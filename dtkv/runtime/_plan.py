@@ -1,6 +1,6 @@
 """The host side of one extend step (plan phase): CP split, allocation, locations, key table, materialization plan.
 
-:func:`plan_extend` builds a :class:`StepPlan` on every rank from the same inputs (SPMD); the run phase
+:func:`plan_extend` builds a :class:`ExtendPlan` on every rank from the same inputs (SPMD); the run phase
 (:meth:`dtkv.runtime.Runtime.forward`) only moves tensors.
 
 The *key table* lists, request by request, every position the step's queries may read (``0`` up to
@@ -19,17 +19,17 @@ from typing import Literal
 import torch
 
 from dtkv import ops
-from dtkv._util import cdiv, warn_deprecated
+from dtkv._util import cdiv
 from dtkv.allocator import PageAllocator
 from dtkv.materialize import MaterializePlan, plan_materialize
 from dtkv.ownership import PageOwnership
 from dtkv.split import CPSplit, allocate_for_split, plan_cp_split
 
-__all__ = ["StepPlan", "plan_extend"]
+__all__ = ["ExtendPlan", "plan_extend"]
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
-class StepPlan:
+class ExtendPlan:
     """One extend step on one rank: what the run phase reads (device tensors unless said otherwise).
 
     ``n`` is this rank's row count, ``K`` the key-table length, ``T`` the step's total extend tokens.
@@ -81,33 +81,6 @@ class StepPlan:
     page_aligned: bool
     """Every request of the step was split on page edges (host)."""
 
-    # deprecated names of the reference model's runner (one release)
-    @property
-    def ids_local(self) -> torch.Tensor:
-        warn_deprecated("StepPlan.ids_local", "StepPlan.ids")
-        return self.ids
-
-    @property
-    def pos_local(self) -> torch.Tensor:
-        warn_deprecated("StepPlan.pos_local", "StepPlan.positions")
-        return self.positions
-
-    @property
-    def locs_local(self) -> torch.Tensor:
-        warn_deprecated("StepPlan.locs_local", "StepPlan.locs")
-        return self.locs
-
-    @property
-    def last_rows_gathered(self) -> torch.Tensor:
-        warn_deprecated("StepPlan.last_rows_gathered", "StepPlan.last_rows")
-        return self.last_rows
-
-    @property
-    def req_view_locs(self) -> tuple[torch.Tensor, ...]:
-        warn_deprecated("StepPlan.req_view_locs", "StepPlan.key_slots and StepPlan.key_indptr")
-        p = self.key_indptr
-        return tuple(self.key_slots[p[i] : p[i + 1]] for i in range(self.num_reqs))
-
 
 def _locs(pages: list[int], lo: int, hi: int, page_size: int) -> torch.Tensor:
     pos = torch.arange(lo, hi)
@@ -148,11 +121,11 @@ def plan_extend(
     device: torch.device,
     group=None,
     make_room: Callable[[CPSplit], None] | None = None,
-) -> StepPlan:
+) -> ExtendPlan:
     """Split, allocate pages and build every index of one extend step (host; identical on every rank).
 
     Args:
-        reqs, lens: the step's requests and their extend lengths (already checked: :mod:`dtkv._batch`).
+        reqs, lens: the step's requests and their extend lengths (already checked: :mod:`dtkv.runtime._batch`).
         allocator: the SPMD allocator (over the CP group's ownership in the sharded modes).
         ownership: the pool's page map (``cp_size`` 1 for ``single`` and ``replicated``).
         cp_size: ranks of the CP group (the split's).
@@ -224,7 +197,7 @@ def plan_extend(
     restore = split.restore_index.cpu()
     last_nat = torch.tensor(split.extend_indptr[1:], dtype=torch.int64) - 1
     dev = device
-    return StepPlan(
+    return ExtendPlan(
         num_reqs=len(reqs),
         extend_lens=tuple(lens),
         ids=ids_nat[tok].to(dev),

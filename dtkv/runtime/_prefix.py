@@ -60,7 +60,14 @@ def make_room(runtime, split) -> None:
         per_owner = np.bincount(owners[new], minlength=alloc.ownership.cp_size).tolist()
         short = short or any(want > alloc.num_free(r) for r, want in enumerate(per_owner))
     if short:
-        runtime.prefix_cache.make_room(total, per_owner)
+        _note_evicted(runtime, runtime.prefix_cache.make_room(total, per_owner))
+
+
+def _note_evicted(runtime, pages: list[int]) -> None:
+    """Tell the running step which pages its evictions freed (:meth:`dtkv.runtime._outcome.StepOutcome.keep_pages`)."""
+    outcome = getattr(runtime, "_outcome", None)
+    if outcome is not None:
+        outcome.evicted += pages
 
 
 def make_room_for_decode(runtime, reqs: Sequence) -> None:
@@ -68,7 +75,7 @@ def make_room_for_decode(runtime, reqs: Sequence) -> None:
     ps = runtime.page_size
     total = sum(max(0, cdiv(r.num_computed + 1, ps) - len(r.pages)) for r in reqs)
     if total > runtime.allocator.num_free():
-        runtime.prefix_cache.make_room(total)
+        _note_evicted(runtime, runtime.prefix_cache.make_room(total))
 
 
 def cache_computed(runtime, reqs: Sequence) -> None:

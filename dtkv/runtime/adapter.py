@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dtkv._checks import check_int
-from dtkv.layouts import KVLayout
+from dtkv.layouts import KVLayout, total_page_bytes
 
 if TYPE_CHECKING:
     from dtkv.runtime.context import StepContext
@@ -62,7 +62,7 @@ class ModelSpec:
     @property
     def page_bytes(self) -> int:
         """Bytes of one page of every pool, one layer."""
-        return sum(lay.page_bytes for lay in self.layouts.values())
+        return total_page_bytes(self.layouts)
 
 
 class ModelAdapter(ABC):

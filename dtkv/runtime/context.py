@@ -1,6 +1,7 @@
 """``StepContext``: what a model's attention calls during one step of the runtime (run phase).
 
-One context per step, created by :class:`dtkv.runtime.Runtime` and handed to :meth:`ModelAdapter.forward`:
+One context per step, created by :class:`dtkv.runtime.Runtime` (:meth:`~dtkv.runtime.Runtime.context` gives an
+extend plan's, to drive an adapter's forward yourself) and handed to :meth:`ModelAdapter.forward`:
 
 - ``ctx.ids`` / ``ctx.positions``: the rows this rank runs (its share of an extend step; every query of a sharded
   decode step);
@@ -19,18 +20,21 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from dtkv import _env
-from dtkv._collectives import all_gather_rows
+from dtkv._collectives import gather_padded
+from dtkv.attention import AttentionBackend
 from dtkv.debug import check_write_ownership
+from dtkv.kvio import write_rows
 from dtkv.materialize import Materializer, check_view, gather_view
-from dtkv.runtime.kvio import write_rows
+from dtkv.ownership import OwnershipSpec, PageOwnership
+from dtkv.pool import ShardedKVPool
 
 if TYPE_CHECKING:
-    from dtkv.decode import DecodeLayerOutput, DecodePlan, DecodeQueries
-    from dtkv.runtime._decode import ShardedDecodeStep
-    from dtkv.runtime._plan import StepPlan
-    from dtkv.runtime.runtime import Runtime
+    from dtkv.decode import DecodeLayerOutput, DecodeQueries
+    from dtkv.runtime._decode import ShardedDecodeAttention
+    from dtkv.runtime._plan import ExtendPlan
 
 __all__ = ["StepContext"]
 
@@ -38,9 +42,17 @@ __all__ = ["StepContext"]
 class StepContext:
     """The runtime as one step's attention sees it (see the module docstring).
 
+    Args:
+        pool: the runtime's pools.
+        mode: its KV mode (:mod:`dtkv.runtime` table).
+        group: its CP group (``None``: one process).
+        ownership: the pool's page ownership, and ``spec`` the same as plain ints (what the ops are given).
+        attention: the attention backend.
+        plan: an extend step's :class:`dtkv.runtime.ExtendPlan`, or
+        sharded: a sharded decode step's attention (and ``ids``, its token ids): exactly one of the two.
+
     Attributes:
-        runtime: the :class:`dtkv.runtime.Runtime` running the step.
-        plan: the extend step's :class:`dtkv.runtime.StepPlan` (``None`` in a sharded decode step).
+        plan: the extend step's :class:`dtkv.runtime.ExtendPlan` (``None`` in a sharded decode step).
         decode: the sharded decode step's :class:`dtkv.decode.DecodePlan` (``None`` in an extend step).
         materializer: the extend step's :class:`dtkv.materialize.Materializer` when it prefetches, else ``None``.
         attention: the runtime's :class:`dtkv.attention.AttentionBackend` (``name``: ``"torch"``, ``"triton"`` or
@@ -51,23 +63,34 @@ class StepContext:
 
     def __init__(
         self,
-        runtime: Runtime,
         *,
-        plan: StepPlan | None = None,
-        decode: DecodePlan | None = None,
+        pool: ShardedKVPool,
+        mode: str,
+        group: dist.ProcessGroup | None,
+        ownership: PageOwnership,
+        spec: OwnershipSpec,
+        attention: AttentionBackend,
+        plan: ExtendPlan | None = None,
+        sharded: ShardedDecodeAttention | None = None,
         ids: torch.Tensor | None = None,
     ) -> None:
-        self.runtime = runtime
+        if (plan is None) == (sharded is None):
+            raise ValueError(
+                "StepContext needs one step: an extend plan (plan=) or a sharded decode step (sharded=), got "
+                f"plan={'None' if plan is None else 'a plan'}, sharded={'None' if sharded is None else 'a step'}"
+            )
+        if sharded is not None and ids is None:
+            raise ValueError("a sharded decode step's StepContext needs its token ids (ids=)")
+        self.pool, self.mode, self.group = pool, mode, group
+        self.ownership, self.spec = ownership, spec
         self.plan = plan
-        self.decode = decode
+        self.decode = None if sharded is None else sharded.plan
         self.materializer: Materializer | None = None
-        self.decode_pages: list[list[int]] | None = None
-        """A sharded decode step's page tables (what ``DTKV_DEBUG`` checks the selection against)."""
         self._ids = ids
-        self._sharded: ShardedDecodeStep | None = None
-        self.attention = runtime.attention
-        self.layouts = runtime.pool.layouts
-        self.page_size = runtime.page_size
+        self._sharded = sharded
+        self.attention = attention
+        self.layouts = pool.layouts
+        self.page_size = next(iter(pool.layouts.values())).page_size
 
     # ------------------------------------------------------------------------------------------ rows
     @property
@@ -93,12 +116,9 @@ class StepContext:
 
     # ------------------------------------------------------------------------------------------ writes
     def _gather(self, x: torch.Tensor, rows: int) -> torch.Tensor:
-        """Rank-major all-gather of ``x`` padded to ``rows`` rows: ``[cp * rows, ...]``."""
-        group = self.runtime.group
-        assert group is not None, "only CP modes gather rows"
-        padded = x.new_zeros((rows, *x.shape[1:]))
-        padded[: x.shape[0]] = x
-        return all_gather_rows(padded, group)
+        """Rank-major all-gather of ``x`` padded to ``rows`` rows: ``[cp * rows, ...]`` (one process: ``x`` padded,
+        nothing exchanged -- ``mode="replicated"`` or ``"sharded"`` of a group of one, or of no group)."""
+        return gather_padded(x, rows, self.group)
 
     def write(self, name: str, layer: int, rows: torch.Tensor) -> None:
         """Store this step's rows ``[n, C]`` of pool ``name``, layer ``layer`` (collective in the CP modes).
@@ -107,13 +127,12 @@ class StepContext:
         (owner-filtered, no collective; with fp8 index pages the layer's rows are written by the decode step's one
         launch, at its attention: every row once).
         """
-        rt = self.runtime
-        lay, pool = self.layouts[name], rt.pool.local(name, layer)
-        spec, rank = rt.ownership_spec, rt.pool.rank
-        if self.decode is not None:
-            self._decode_step().write(name, layer, rows)
+        lay, pool = self.layouts[name], self.pool.local(name, layer)
+        spec, rank = self.spec, self.pool.rank
+        if self._sharded is not None:
+            self._sharded.write(name, layer, rows)
             return
-        plan, mode = self.plan, rt.mode
+        plan, mode = self.plan, self.mode
         assert plan is not None, "a step's context holds an extend plan or a decode plan"
         if mode == "single":
             write_rows(pool, lay, rows, plan.locs, spec, 0)
@@ -123,7 +142,7 @@ class StepContext:
             locs = plan.locs[plan.direct_rows]
             if _env.debug_enabled():
                 what = f"direct write of {name!r}, layer {layer}"
-                check_write_ownership(locs, rt.ownership, rt.rank, self.page_size, rt.group, what=what)
+                check_write_ownership(locs, self.ownership, rank, self.page_size, self.group, what=what)
             write_rows(pool, lay, rows[plan.direct_rows], locs, spec, rank, direct=True)
             if plan.max_handoff:
                 gathered = self._gather(rows[plan.handoff_rows], plan.max_handoff)
@@ -136,17 +155,17 @@ class StepContext:
         A whole pool (``single``, ``replicated``) is its own view. With a materializer the next layer's history
         pages are gathered while this layer computes (its view holds every pool).
         """
-        rt, plan = self.runtime, self.plan
+        pool, plan = self.pool, self.plan
         if plan is None:
             raise RuntimeError("views() belongs to an extend step; a sharded decode step reads decode_attention()")
         if plan.mat_plan is None:
-            return {n: rt.pool.local(n, layer) for n in names}
+            return {n: pool.local(n, layer) for n in names}
         if self.materializer is not None:
             self.materializer.prefetch(layer + 1)  # the next layer's history gather overlaps this layer
             return self.materializer.view(layer)
-        views = {n: gather_view(rt.pool.local(n, layer), plan.mat_plan, rt.group) for n in names}
+        views = {n: gather_view(pool.local(n, layer), plan.mat_plan, self.group) for n in names}
         if _env.debug_enabled():
-            check_view(rt.pool, layer, plan.mat_plan, views)
+            check_view(pool, layer, plan.mat_plan, views)
         return views
 
     def decode_attention(
@@ -171,17 +190,9 @@ class StepContext:
             :class:`dtkv.decode.DecodeLayerOutput` (merged latent output, LSE, selected positions), the same on
             every rank.
         """
-        if self.decode is None:
-            raise RuntimeError("decode_attention() belongs to a sharded decode step; an extend step reads views()")
-        return self._decode_step().attention(layer, queries, softmax_scale=softmax_scale, positions=positions)
-
-    def _decode_step(self) -> ShardedDecodeStep:
         if self._sharded is None:
-            from dtkv.runtime._decode import ShardedDecodeStep
-
-            assert self.decode is not None and self.decode_pages is not None, "a sharded decode step's context"
-            self._sharded = ShardedDecodeStep(self.runtime, self.decode, self.decode_pages)
-        return self._sharded
+            raise RuntimeError("decode_attention() belongs to a sharded decode step; an extend step reads views()")
+        return self._sharded.attention(layer, queries, softmax_scale=softmax_scale, positions=positions)
 
     def finish(self) -> None:
         """End of the model's forward: rows a sharded decode step still holds are written (run phase)."""

@@ -8,7 +8,8 @@ the first byte, and it decodes on its shards (``decode_mode="sharded"``) or over
 process (``group=None``) is the non-CP decode.
 
 - :func:`send_prefilled` (every prefill rank, same order): after ``runtime.prefill(...)``, one
-  ``PrefillSender.send_request`` per request, with the metadata row ``(num_tokens, first_token)`` from one rank.
+  ``PrefillSender.send_request`` per request, with the metadata row ``(num_tokens, first_token, prompt digest)``
+  from one rank (:func:`dtkv.transfer.prefilled.meta_row`).
 - :func:`receive_prefilled` (every decode rank, same order, each with its own :class:`dtkv.transfer.DecodeReceiver`
   over :func:`shard_for`): adds each prompt, allocates its pages (the SPMD allocator gives every rank the same
   pages), waits for this rank's share, then the decode ranks agree on the outcome -- every rank raises together when
@@ -27,9 +28,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from dtkv import _batch
 from dtkv._agree import agree
+from dtkv._collectives import cpu_channel
 from dtkv._util import cdiv
+from dtkv.runtime import _batch
 from dtkv.transfer import DecodeReceiver, KVShard, PrefillSender, ReceiveReport, SendReport, TransferError
 from dtkv.transfer import prefilled as _prefilled
 from dtkv.transfer.prefilled import META_ROW_BYTES, kv_digest
@@ -90,8 +92,6 @@ def send_prefilled(
 
 
 def _channel(group):
-    from dtkv.materialize._exchange import cpu_channel
-
     return None if group is None else cpu_channel(group)
 
 
@@ -120,12 +120,14 @@ def receive_prefilled(
         One :class:`dtkv.transfer.ReceiveReport` per request (this rank's share).
 
     Raises:
-        TypeError / ValueError: a prompt breaks :func:`dtkv._batch.check_prompt`, the prompts' pages do not fit the
-            free pages, or the runtime has a prefix cache; checked before anything changes, on every rank together.
+        TypeError / ValueError: a prompt breaks :func:`dtkv.runtime._batch.check_prompt`, the prompts' pages do not
+            fit the free pages, or the runtime has a prefix cache; checked before anything changes, on every rank
+            together.
         TransferError: on every decode rank together, when any rank's transfer failed, the ranks' metadata rows
-            differ, or the row disagrees with the prompt length or holds a first token outside the vocabulary. The
-            failed request is finished and its pages are held for :func:`reclaim`; the requests before it are
-            ready, the ones after it were not added.
+            differ, or the row disagrees with the prompt (its length, or its digest: the prefill side sent another
+            prompt under this request id, e.g. prompts in another order) or holds a first token outside the
+            vocabulary. The failed request is finished and its pages are held for :func:`reclaim`; the requests
+            before it are ready, the ones after it were not added.
     """
     group = runtime.group
     ps = runtime.page_size
@@ -167,9 +169,7 @@ def receive_prefilled(
             error = e
         try:
             agree(error, channel, what=f"the receive of {rid!r}", value=row.hex() if error is None else None)
-            first = _prefilled.read_meta(
-                row, num_tokens=len(prompt), vocab_size=runtime.model_spec.vocab_size, request_id=rid
-            )
+            first = _prefilled.read_meta(row, prompt=prompt, vocab_size=runtime.model_spec.vocab_size, request_id=rid)
         except Exception as e:
             runtime.transfer_held[rid] = list(req.pages)
             req.pages, req.finished = [], True

@@ -9,22 +9,23 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from dtkv import _batch, _env
+from dtkv import _env
 from dtkv._agree import agree
 from dtkv._checks import check_int
-from dtkv._collectives import all_gather_rows, group_rank, group_size
+from dtkv._collectives import cpu_channel, gather_padded, group_rank, group_size
 from dtkv._util import cdiv
-from dtkv.allocator import PageAllocator
+from dtkv.allocator import AllocationError, PageAllocator
 from dtkv.attention import AttentionBackend, AttentionName, AttentionSpec, resolve_attention
 from dtkv.layouts import MLAFp8Layout, MLALatentLayout
 from dtkv.materialize import Materializer
 from dtkv.ownership import OwnershipScheme, PageOwnership, ownership_spec
 from dtkv.pool import ShardedKVPool, gather_pages
 from dtkv.prefix_cache import PrefixCache
-from dtkv.runtime import _prefix
-from dtkv.runtime._decode import plan_sharded_step
+from dtkv.runtime import _batch, _prefix
+from dtkv.runtime._decode import ShardedDecodeAttention, plan_sharded_step
 from dtkv.runtime._invariant import _BatchInvariant
-from dtkv.runtime._plan import StepPlan, plan_extend
+from dtkv.runtime._outcome import StepOutcome
+from dtkv.runtime._plan import ExtendPlan, plan_extend
 from dtkv.runtime._request import Request
 from dtkv.runtime.adapter import ModelAdapter
 from dtkv.runtime.context import StepContext
@@ -151,6 +152,9 @@ class Runtime:
         self.allocator = PageAllocator(self.alloc_ownership if sharded else self.ownership)
         self.prefix_cache = PrefixCache(self.allocator, self.page_size) if prefix_cache else None
         self.requests: list[Request] = []
+        self._outcome: StepOutcome | None = None  # the step running now (its evictions are noted there)
+        self.closed = False
+        """Whether :meth:`close` ran (a closed runtime runs no step)."""
         self.transfer_held: dict[str, list[int]] = {}
         """Pages of requests whose PD receive failed, by transfer id, held until :func:`dtkv.runtime.pd.reclaim`."""
         self.stats = {
@@ -163,8 +167,6 @@ class Runtime:
                 "prefix_cache": bool(prefix_cache), "batch_invariant": self.batch_invariant,
                 "attention": self.attention.name, "model": adapter.describe(),
             }  # fmt: skip
-            from dtkv.materialize._exchange import cpu_channel
-
             agree(None, cpu_channel(self.group), what="Runtime", value=config)
         adapter.bind()
 
@@ -174,8 +176,21 @@ class Runtime:
         return self.model_spec.page_size
 
     def close(self) -> None:
-        """Detach the adapter from its model (e.g. unbind a transformers model's attention modules)."""
-        self.adapter.close()
+        """Detach the adapter from its model (e.g. unbind a transformers model's attention modules); idempotent.
+
+        Afterwards the runtime refuses every call that would run the model or take pages (``add_request``,
+        ``step``, ``plan_step``, ``forward``, ``prefill``, ``decode_step``, ``decode``); ``finish_request`` and
+        ``kv_bytes`` still work."""
+        if not self.closed:
+            self.closed = True
+            self.adapter.close()
+
+    def _check_open(self, what: str) -> None:
+        if self.closed:
+            raise RuntimeError(
+                f"Runtime.{what}() on a closed runtime: close() ran (or its with-block ended), so its adapter is "
+                "unbound from the model; build a new Runtime to run it again (nothing was allocated)"
+            )
 
     def __enter__(self) -> Runtime:
         return self
@@ -192,8 +207,9 @@ class Runtime:
         Raises:
             TypeError: a token id is not an int (floats and bools are refused, never truncated).
             ValueError: an empty prompt, an id outside the vocabulary, or more pages than the pool could ever hand
-                out (:func:`dtkv._batch.check_prompt`); nothing is queued.
+                out (:func:`dtkv.runtime._batch.check_prompt`); nothing is queued.
         """
+        self._check_open("add_request")
         alloc = self.allocator
         ids = _batch.check_prompt(
             prompt, vocab_size=self.model_spec.vocab_size, page_size=self.page_size,
@@ -211,7 +227,7 @@ class Runtime:
         A finished request is never stepped, decoded or inspected again (those calls refuse it).
 
         Raises:
-            TypeError / ValueError: ``rid`` is not an int naming a live request (:func:`dtkv._batch.check_rid`).
+            TypeError / ValueError: ``rid`` is not an int naming a live request (:func:`dtkv.runtime._batch.check_rid`).
         """
         req = _batch.check_rid(rid, self.requests)
         _prefix.release_request(self, req)
@@ -222,11 +238,14 @@ class Runtime:
             self.prefix_cache.check_agreement(self.group)
 
     # ------------------------------------------------------------------------------------------ plan
-    def _check_step(self, reqs: Sequence[Request], extend_lens, *, decode: bool = False) -> list[int]:
+    def _check_step(
+        self, reqs: Sequence[Request], extend_lens, *, decode: bool = False, what: str = "step"
+    ) -> list[int]:
         """The step's input rules and its page budget, on every rank together (nothing changes)."""
         cache = self.prefix_cache
 
         def check() -> list[int]:
+            self._check_open("decode_step" if decode else what)
             lens = _batch.check_batch(self.requests, reqs, extend_lens, decode=decode)
             _batch.check_capacity(
                 reqs, lens, page_size=self.page_size, allocator=self.allocator,
@@ -234,10 +253,10 @@ class Runtime:
             )  # fmt: skip
             return lens
 
-        value = functools.partial(_batch.batch_value, reqs)
+        value = functools.partial(_batch.batch_value, reqs, allocator=self.allocator)
         return _batch.agreed_step(self.group, what="Runtime step", check=check, value=value)
 
-    def _plan(self, reqs: Sequence[Request], lens: list[int]) -> StepPlan:
+    def _plan(self, reqs: Sequence[Request], lens: list[int]) -> ExtendPlan:
         make_room = functools.partial(_prefix.make_room, self) if self.prefix_cache is not None else None
         return plan_extend(
             reqs, lens, allocator=self.allocator, ownership=self.ownership, cp_size=self.cp, rank=self.rank,
@@ -245,28 +264,31 @@ class Runtime:
             group=self.pool.group, make_room=make_room,
         )  # fmt: skip
 
-    def plan_step(self, reqs: Sequence[Request], extend_lens: Sequence[int]) -> StepPlan:
+    def plan_step(self, reqs: Sequence[Request], extend_lens: Sequence[int]) -> ExtendPlan:
         """Split, allocate pages and build every index the step's run needs (plan phase: host; SPMD).
 
-        The inputs are checked first, on every rank together (:func:`dtkv._batch.agreed_step`: collective with a
+        The inputs are checked first, on every rank together (:func:`dtkv.runtime._batch.agreed_step`: collective with a
         group); a refused step changes nothing.
 
         Raises:
-            TypeError / ValueError: the batch breaks a rule of :func:`dtkv._batch.check_batch` (empty, a request
+            TypeError / ValueError: the batch breaks a rule of :func:`dtkv.runtime._batch.check_batch` (empty, a request
                 not of this runtime, finished or repeated, a length not an int in ``[1, tokens not yet computed]``).
             AllocationError: the step's new pages exceed the free pages plus the evictable cached ones.
         """
-        lens = self._check_step(reqs, extend_lens)
-        with _batch.undo_new_pages(self.allocator, reqs):
-            return self._plan(reqs, lens)
+        lens = self._check_step(reqs, extend_lens, what="plan_step")
+        with StepOutcome(self, reqs, what="Runtime.plan_step"):
+            plan = self._plan(reqs, lens)
+        return plan
 
     # ------------------------------------------------------------------------------------------ run
-    def _gather(self, x: torch.Tensor, rows: int) -> torch.Tensor:
-        if self.group is None:
-            return x
-        padded = x.new_zeros((rows, *x.shape[1:]))
-        padded[: x.shape[0]] = x
-        return all_gather_rows(padded, self.group)
+    def context(self, plan: ExtendPlan) -> StepContext:
+        """The :class:`StepContext` of an extend step's ``plan`` (what :meth:`forward` hands the adapter; for
+        driving an adapter's forward, or one of its layers, yourself: e.g. to compile it)."""
+        return self._context(plan=plan)
+
+    def _context(self, **step) -> StepContext:
+        return StepContext(pool=self.pool, mode=self.mode, group=self.group, ownership=self.ownership,
+                           spec=self.ownership_spec, attention=self.attention, **step)  # fmt: skip
 
     def _run_model(self, ctx: StepContext) -> torch.Tensor:
         if self.batch_invariant:
@@ -280,7 +302,7 @@ class Runtime:
                 return self.adapter.logits(hidden)
         return self.adapter.logits(hidden)
 
-    def forward(self, plan: StepPlan, *, prefetch: bool = False, all_logits: bool = False) -> torch.Tensor:
+    def forward(self, plan: ExtendPlan, *, prefetch: bool = False, all_logits: bool = False) -> torch.Tensor:
         """The run phase of one extend step (collective): writes every layer's KV and returns logits.
 
         Tensor work only (no host sync; the reference model's run compiles with fullgraph).
@@ -292,12 +314,15 @@ class Runtime:
             all_logits: logits of every token of the step in natural order ``[sum(extend_lens), V]``, instead of
                 each request's last token ``[num_reqs, V]``.
         """
-        ctx = StepContext(self, plan=plan)
+        self._check_open("forward")
+        ctx = self.context(plan)
         if prefetch and plan.mat_plan is not None:
             ctx.materializer = Materializer(self.pool, plan.mat_plan)
             ctx.materializer.prefetch(0)
         with torch.no_grad():
-            hidden = self._gather(self._run_model(ctx), plan.max_local)
+            hidden = self._run_model(ctx)
+            if self.group is not None:
+                hidden = gather_padded(hidden, plan.max_local, self.group)
             return self._logits(hidden[plan.restore_rows if all_logits else plan.last_rows])
 
     def step(
@@ -311,27 +336,30 @@ class Runtime:
         """Plan and run one extend step; advances each request by its extend length. Returns :meth:`forward`'s
         logits.
 
-        Raises what :meth:`plan_step` raises, with nothing changed. A run that fails gives the step's new pages
-        back (the requests keep the pages and computed tokens they had).
+        Raises what :meth:`plan_step` raises, with nothing changed. A run that fails on any rank raises on every
+        rank (the first failing rank's error type, naming it) and every rank undoes the step
+        (:mod:`dtkv.runtime._outcome`): the requests keep the pages and computed tokens they had, and the
+        allocator, the prefix cache and ``stats`` are as before.
         """
         lens = self._check_step(reqs, extend_lens)
         return self._run_step(reqs, lens, prefetch=prefetch, all_logits=all_logits)
 
     def _run_step(self, reqs, lens: list[int], *, prefetch: bool, all_logits: bool = False) -> torch.Tensor:
-        with _batch.undo_new_pages(self.allocator, reqs):
+        with StepOutcome(self, reqs, what="Runtime step") as outcome:  # every rank keeps it, or every rank undoes it
             plan = self._plan(reqs, lens)
+            outcome.keep_pages()
             logits = self.forward(plan, prefetch=prefetch, all_logits=all_logits)
-        for r, n in zip(reqs, lens):
-            r.num_computed += n
-        if self.prefix_cache is not None:
-            _prefix.cache_computed(self, reqs)
-            self._check_cache()
-        self.stats["steps"] += 1
-        self.stats["direct_rows"] += int(plan.direct_rows.numel())
-        self.stats["handoff_rows"] += int(plan.handoff_rows.numel())
-        if plan.mat_plan is not None:
-            scratch = plan.mat_plan.scratch_pages * self.model_spec.page_bytes * (2 if prefetch else 1)
-            self.stats["scratch_bytes"] = max(self.stats["scratch_bytes"], scratch)
+            for r, n in zip(reqs, lens):
+                r.num_computed += n
+            if self.prefix_cache is not None:
+                _prefix.cache_computed(self, reqs)
+                self._check_cache()
+            self.stats["steps"] += 1
+            self.stats["direct_rows"] += int(plan.direct_rows.numel())
+            self.stats["handoff_rows"] += int(plan.handoff_rows.numel())
+            if plan.mat_plan is not None:
+                scratch = plan.mat_plan.scratch_pages * self.model_spec.page_bytes * (2 if prefetch else 1)
+                self.stats["scratch_bytes"] = max(self.stats["scratch_bytes"], scratch)
         return logits
 
     # ------------------------------------------------------------------------------------------ driver
@@ -343,9 +371,17 @@ class Runtime:
         return_logits: bool = False,
         progress: Callable[[int, int], object] | None = None,
     ) -> list[int] | tuple[list[int], list[torch.Tensor]]:
-        """Chunked prefill of every live request not prefilled yet, ``chunk_size`` tokens per request per step.
+        """Chunked prefill of the live requests not prefilled yet, ``chunk_size`` tokens per request per step.
 
-        ``progress(k, n)`` is called after step ``k`` of ``n`` (e.g. a CLI's progress line).
+        Requests whose pages do not fit together queue: each step runs the requests whose remaining prompt pages
+        fit beside each other (requests under way first, then in request order:
+        :func:`dtkv.runtime._batch.admit_prefill`), and a waiting request joins a later step of this call once its
+        pages fit. Requests that still do not fit
+        when no other can progress stay queued (not prefilled, no page taken) for a later ``prefill()``, after
+        ``finish_request`` made room; so a call makes progress whenever some request can complete.
+
+        ``progress(k, n)`` is called after step ``k`` of ``n`` (``n`` is the estimate before the first step, raised
+        to ``k`` where queued requests add steps; e.g. a CLI's progress line).
 
         Returns:
             The first generated token (greedy) of each request this call finished, in request order, also appended
@@ -354,19 +390,30 @@ class Runtime:
 
         Raises:
             TypeError / ValueError: ``chunk_size`` is not an int >= 1.
+            AllocationError: no waiting request can finish its prompt in the free pages (plus the evictable cached
+                ones); nothing was allocated.
         """
+        self._check_open("prefill")
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"chunk_size must be an int >= 1, got chunk_size={chunk_size!r}")
         todo_all = [r for r in self.requests if not r.finished and r.num_computed < len(r.prompt)]
         logits: dict[int, list[torch.Tensor]] = {r.rid: [] for r in todo_all}
         total = max([cdiv(len(r.prompt) - r.num_computed, chunk_size) for r in todo_all] + [0])
-        done = 0
-        while todo := [r for r in self.requests if not r.finished and r.num_computed < len(r.prompt)]:
+        done, cache = 0, self.prefix_cache
+        while waiting := [r for r in self.requests if not r.finished and r.num_computed < len(r.prompt)]:
+            todo, why = _batch.admit_prefill(
+                waiting, page_size=self.page_size, allocator=self.allocator,
+                evictable=cache.num_evictable if cache is not None else None,
+            )  # fmt: skip
+            if not todo:
+                if done:
+                    break  # the rest waits for pages: a later prefill()
+                raise AllocationError(f"prefill cannot start: {why}")
             lens = [min(chunk_size, len(r.prompt) - r.num_computed) for r in todo]
             out = self.step(todo, lens, prefetch=prefetch, all_logits=return_logits)
             done += 1
             if progress is not None:
-                progress(done, total)
+                progress(done, max(total, done))
             ends = torch.tensor(lens).cumsum(0) - 1 if return_logits else torch.arange(len(todo))
             for i, r in enumerate(todo):
                 end = int(ends[i])
@@ -374,9 +421,10 @@ class Runtime:
                     logits[r.rid].append(out[end - lens[i] + 1 : end + 1])
                 if r.num_computed == len(r.prompt) and not r.output:
                     r.output.append(int(out[end].argmax()))
-        first = [r.output[0] for r in todo_all]
+        finished = [r for r in todo_all if r.num_computed == len(r.prompt)]
+        first = [r.output[0] for r in finished]
         if return_logits:
-            return first, [torch.cat(logits[r.rid]) for r in todo_all]
+            return first, [torch.cat(logits[r.rid]) for r in finished]
         return first
 
     def decode_step(self, reqs: Sequence[Request]) -> torch.Tensor:
@@ -386,27 +434,35 @@ class Runtime:
 
         Raises:
             TypeError / ValueError: as :meth:`step` (also a request with no token to decode), nothing changed.
+            A run that fails on any rank: as :meth:`step`, on every rank, the step undone everywhere.
         """
         if self.decode_mode != "sharded":
             return self._run_step(reqs, self._check_step(reqs, None, decode=True), prefetch=False)
         self._check_step(reqs, None, decode=True)
-        with _batch.undo_new_pages(self.allocator, reqs):
+        with StepOutcome(self, reqs, what="Runtime decode step") as outcome:
             if self.prefix_cache is not None:
                 _prefix.make_room_for_decode(self, reqs)
-            plan = plan_sharded_step(self, reqs)
+            plan = plan_sharded_step(
+                reqs, allocator=self.allocator, ownership=self.ownership, rank=self.pool.rank,
+                page_size=self.page_size, topk=self.model_spec.index_topk, device=self.device,
+            )  # fmt: skip
+            outcome.keep_pages()
             ids = torch.tensor([r.tokens[r.num_computed] for r in reqs], dtype=torch.int64, device=self.device)
-            ctx = StepContext(self, decode=plan, ids=ids)
-            ctx.decode_pages = [list(r.pages) for r in reqs]
+            sharded = ShardedDecodeAttention(
+                pool=self.pool, spec=self.ownership_spec, attention=self.attention.name, stats=self.stats, plan=plan,
+                page_tables=[r.pages for r in reqs],
+            )  # fmt: skip
+            ctx = self._context(sharded=sharded, ids=ids)
             with torch.no_grad():
                 hidden = self._run_model(ctx)
                 ctx.finish()
                 logits = self._logits(hidden)
-        for r in reqs:
-            r.num_computed += 1
-        self.stats["sharded_decode_steps"] += 1
-        if self.prefix_cache is not None:
-            _prefix.cache_computed(self, reqs)
-            self._check_cache()
+            for r in reqs:
+                r.num_computed += 1
+            self.stats["sharded_decode_steps"] += 1
+            if self.prefix_cache is not None:
+                _prefix.cache_computed(self, reqs)
+                self._check_cache()
         return logits
 
     def decode(self, steps: int, *, return_logits: bool = False, progress: Callable[[int, int], object] | None = None):
@@ -421,6 +477,7 @@ class Runtime:
             Every request's generated tokens; with ``return_logits``, also per step the logits
             ``[num_decoding, V]`` that chose the next tokens.
         """
+        self._check_open("decode")
         check_int("steps", steps, min_value=0)
         step_logits = []
         for _ in range(steps):
@@ -449,7 +506,7 @@ class Runtime:
         """
         rule = f"request {rid} is finished: its pages were released, got rid={rid}"
         r = _batch.agreed_step(
-            self.pool.group, what="Runtime.kv_bytes", value=lambda req: req.rid,
+            self.pool.group, what="Runtime.kv_bytes", value=lambda req: [req.rid, req.num_computed, len(req.pages)],
             check=lambda: _batch.check_rid(rid, self.requests, finished_rule=rule),
         )  # fmt: skip
         from dtkv.layouts import IndexerFp8Layout

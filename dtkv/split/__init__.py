@@ -1,8 +1,8 @@
-"""Context-parallel split metadata of an extend (prefill) batch, and what it implies for KV page ownership.
+"""Context-parallel split metadata of an extend (prefill) batch, and which rank computes each KV page.
 
 Entry points: :func:`plan_cp_split` -> :class:`CPSplit` (and :meth:`CPSplit.local` -> :class:`LocalSplit`);
 row helpers :func:`take_local`, :func:`pad_local`, :func:`restore_natural`, :func:`split_prev_next`,
-:func:`merge_prev_next`; compute ownership :func:`compute_owners`, :func:`compute_pages`,
+:func:`merge_prev_next`; compute owners :func:`compute_owners`, :func:`compute_pages`,
 :func:`handoff_pages`, :func:`local_locs`, :func:`verify_direct_write`; owner-aware allocation
 :func:`allocate_for_split` -> :class:`SplitAllocation`.
 
@@ -53,8 +53,7 @@ no page at all, or its pages are taken), the pages placed elsewhere instead.
 from __future__ import annotations
 
 from dtkv.split._alloc import SplitAllocation, allocate_for_split
-from dtkv.split._local import merge_prev_next, pad_local, restore_natural, split_prev_next, take_local
-from dtkv.split._ownership import (
+from dtkv.split._compute import (
     MULTIPLE_COMPUTE_OWNERS,
     NO_COMPUTE_OWNER,
     compute_owners,
@@ -63,6 +62,7 @@ from dtkv.split._ownership import (
     local_locs,
     verify_direct_write,
 )
+from dtkv.split._local import merge_prev_next, pad_local, restore_natural, split_prev_next, take_local
 from dtkv.split._plan import CPSplit, LocalSplit, SplitMode, plan_cp_split
 
 __all__ = [

@@ -11,7 +11,7 @@ from dtkv._checks import check_tensor
 from dtkv._util import cdiv
 from dtkv.allocator import AllocationError, PageAllocator
 from dtkv.ownership import PageOwnership
-from dtkv.split._ownership import (
+from dtkv.split._compute import (
     _INTEGER_DTYPES,
     compute_owners,
     handoff_pages,

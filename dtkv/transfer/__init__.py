@@ -25,6 +25,7 @@ The page-table format is in :mod:`dtkv.page_table`.
 
 from __future__ import annotations
 
+from dtkv.transfer._create import create_engine
 from dtkv.transfer._nixl import NixlEngine, apply_nixl_env, nixl_available
 from dtkv.transfer._side import TransferSide
 from dtkv.transfer.bootstrap import Bootstrap, create_store
@@ -45,7 +46,6 @@ from dtkv.transfer.engine import (
     LocalEngine,
     MooncakeEngine,
     apply_mooncake_env,
-    create_engine,
     mooncake_available,
     send_entries,
 )

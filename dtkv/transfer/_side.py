@@ -11,9 +11,9 @@ from typing import Literal
 import torch.distributed as dist
 
 from dtkv._env import transfer_timeout_s
+from dtkv.transfer._create import create_engine
 from dtkv.transfer.bootstrap import Bootstrap
 from dtkv.transfer.descriptors import RankEndpoint, check_compatible
-from dtkv.transfer.engine import create_engine
 from dtkv.transfer.errors import TransferError
 from dtkv.transfer.messages import AgentRecord, OpenList
 from dtkv.transfer.protocol import AttemptKeys, deadline_after, open_key, time_left

@@ -53,7 +53,6 @@ __all__ = [
     "MAX_ENTRIES_PER_CALL",
     "MooncakeEngine",
     "apply_mooncake_env",
-    "create_engine",
     "mooncake_available",
     "send_entries",
 ]
@@ -400,28 +399,6 @@ class LocalEngine(_EngineBase):
     def _release(self) -> None:
         self._regions = np.zeros((0, 2), dtype=np.int64)
         self._keep = []
-
-
-def create_engine(kind: str, *, timeout_s: float | None = None) -> _EngineBase:
-    """A new engine of ``kind`` (one of :data:`ENGINES`), its own timeouts set from ``timeout_s``.
-
-    - ``"mooncake"``: :class:`MooncakeEngine` on 127.0.0.1 (what sglang's PD disaggregation uses);
-    - ``"nixl"``: :class:`dtkv.transfer.NixlEngine` (UCX; what vLLM's ``NixlConnector`` uses);
-    - ``"local"``: :class:`LocalEngine` (in-process peers only).
-
-    Raises:
-        ValueError: ``kind`` is not one of :data:`ENGINES`.
-        ImportError: the engine's package is missing (the message says which extra to install).
-    """
-    if kind == "mooncake":
-        return MooncakeEngine(timeout_s=timeout_s)
-    if kind == "nixl":
-        from dtkv.transfer._nixl import NixlEngine
-
-        return NixlEngine(timeout_s=timeout_s)
-    if kind == "local":
-        return LocalEngine()
-    raise ValueError(f"engine must be one of {list(ENGINES)}, got engine={kind!r}")
 
 
 def _peer_name(session: str, peers: Sequence[PeerEntries]) -> str:

@@ -4,9 +4,12 @@ A *runner* is anything with ``requests`` (each with ``rid``, ``prompt``, ``pages
 ``output``), ``add_request(prompt)``, an ``allocator`` and a ``pool``: a :class:`dtkv.runtime.Runtime` (whose
 :mod:`dtkv.runtime.pd` binds ``page_size`` and ``vocab_size`` and runs the receive on every rank of a CP decode
 group). Per request, the prompt's pages travel (each prefill rank sends the pages it owns, with their
-positions) and one rank sends a metadata row ``(num_tokens, first_token)`` (:data:`META_ROW_BYTES`: two
-little-endian int64). The decode side checks that row before it trusts it: the token count must equal the
-prompt's, the first token must lie in the vocabulary.
+positions) and one rank sends a metadata row ``(num_tokens, first_token, prompt digest)``
+(:data:`META_ROW_BYTES`: two little-endian int64, then :func:`prompt_digest`, the sha256 of the prompt's token ids).
+The decode side checks that row before it trusts it: the token count must equal the prompt's, the digest must be
+that of the prompt it was given for the request (a decode side given its prompts in another order, or another
+prompt of the same length, would otherwise decode one request's KV under another prompt), the first token must lie
+in the vocabulary.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from dtkv._util import cdiv
@@ -26,6 +30,8 @@ from dtkv.transfer.shard import KVShard
 __all__ = [
     "META_ROW_BYTES",
     "kv_digest",
+    "meta_row",
+    "prompt_digest",
     "read_meta",
     "receive_prefilled",
     "request_bytes",
@@ -33,8 +39,18 @@ __all__ = [
     "shard_for_runner",
 ]
 
-META_ROW_BYTES = 16
-"""Metadata row of a request: ``struct.pack("<qq", num_tokens, first_token)``."""
+META_ROW_BYTES = 48
+"""Metadata row of a request: ``struct.pack("<qq", num_tokens, first_token) + prompt_digest(prompt)`` (16 + 32)."""
+
+
+def prompt_digest(prompt: Sequence[int]) -> bytes:
+    """The 32-byte identity of a prompt in the metadata row: sha256 of its token ids as little-endian int64."""
+    return hashlib.sha256(np.asarray(list(prompt), dtype="<i8").tobytes()).digest()
+
+
+def meta_row(prompt: Sequence[int], first_token: int) -> bytes:
+    """A request's metadata row (:data:`META_ROW_BYTES`)."""
+    return struct.pack("<qq", len(prompt), int(first_token)) + prompt_digest(prompt)
 
 
 def shard_for_runner(runner, *, staging_bytes: int = 0) -> KVShard:
@@ -80,7 +96,7 @@ def send_prefilled(
             )
     reports = []
     for i, r in enumerate(reqs):
-        meta = struct.pack("<qq", len(r.prompt), r.output[0])
+        meta = meta_row(r.prompt, r.output[0])
         pages = r.pages[: cdiv(len(r.prompt), page_size)]
         reports.append(sender.send_request(f"{tag}req-{i}", pages, meta=meta, timeout_s=timeout_s))
     return reports
@@ -110,8 +126,8 @@ def receive_prefilled(
         One :class:`ReceiveReport` per request; then ``runner.decode(steps)`` continues them.
 
     Raises:
-        TransferError: a transfer failed, or the metadata row disagrees with the prompt length or holds a first
-            token outside ``[0, vocab_size)``.
+        TransferError: a transfer failed, or the metadata row disagrees with the prompt (its length or its digest:
+            another prompt was sent under this request id) or holds a first token outside ``[0, vocab_size)``.
     """
     meta = next(iter(receiver.shards.values())).meta
     reports = []
@@ -123,24 +139,38 @@ def receive_prefilled(
         reports.append(
             receiver.receive_request(rid, req.pages, num_tokens=len(req.prompt), dst_meta_slot=0, timeout_s=timeout_s)
         )
-        first = read_meta(bytes(meta[0].tolist()), num_tokens=len(req.prompt), vocab_size=vocab_size, request_id=rid)
+        first = read_meta(bytes(meta[0].tolist()), prompt=req.prompt, vocab_size=vocab_size, request_id=rid)
         req.num_computed = len(req.prompt)
         req.output = [first]
     return reports
 
 
-def read_meta(row: bytes, *, num_tokens: int, vocab_size: int, request_id: str) -> int:
-    """The first token of a received metadata row ``(num_tokens, first_token)``, checked before it is trusted.
+def read_meta(row: bytes, *, prompt: Sequence[int], vocab_size: int, request_id: str) -> int:
+    """The first token of a received metadata row (:func:`meta_row`), checked against ``prompt`` before it is
+    trusted.
 
     Raises:
-        TransferError: the row's token count is not ``num_tokens`` (the prompt's), or its first token is outside
-            ``[0, vocab_size)``.
+        TransferError: the row's token count is not the prompt's, its digest is not :func:`prompt_digest` of
+            ``prompt`` (the prefill side sent another prompt under ``request_id``: prompts handed over in another
+            order, or another prompt of the same length), or its first token is outside ``[0, vocab_size)``.
     """
-    got, first = struct.unpack("<qq", bytes(row[:META_ROW_BYTES]))
-    if got != num_tokens:
+    row = bytes(row[:META_ROW_BYTES])
+    if len(row) != META_ROW_BYTES:
         raise TransferError(
-            f"metadata row says {got} tokens, the prompt has {num_tokens}", request_id=request_id, peer="prefill"
+            f"metadata row holds {len(row)} bytes, expected {META_ROW_BYTES}", request_id=request_id, peer="prefill"
         )
+    got, first = struct.unpack("<qq", row[:16])
+    if got != len(prompt):
+        raise TransferError(
+            f"metadata row says {got} tokens, the prompt has {len(prompt)}", request_id=request_id, peer="prefill"
+        )
+    if row[16:] != prompt_digest(prompt):
+        raise TransferError(
+            f"metadata row's prompt digest {row[16:24].hex()}... is not that of the prompt given for this request "
+            f"({prompt_digest(prompt)[:8].hex()}...): the prefill side sent another prompt of {got} tokens under "
+            "this request id (prompts handed over in another order?)",
+            request_id=request_id, peer="prefill",
+        )  # fmt: skip
     if not 0 <= first < vocab_size:
         raise TransferError(
             f"metadata row holds first token {first}, outside [0, {vocab_size})", request_id=request_id, peer="prefill"

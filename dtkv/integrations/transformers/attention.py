@@ -13,16 +13,30 @@ transformers forward does (``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``, ``kv_a
    (:meth:`dtkv.runtime.StepContext.write`: direct or owner-filtered writes, fused fp8 quantization) instead of the
    model's dense ``DynamicCache`` of expanded keys and values.
 2. Extend steps (prefill, full-view decode): the indexer scores each query against its own request's keys of the
-   step's key table in position order and keeps the ``index_topk`` best with a *stable* sort (ties go to the lowest
-   position, see :mod:`dtkv.integrations.transformers`), as logical token locations remapped into the full view;
-   attention runs over the selected latent rows: expanded by ``kv_b_proj`` as the model does (``torch`` backend, the
-   parity reference), or in the absorbed form through the runtime's attention backend (``triton``, ``flashmla``:
-   ``q_nope`` through ``kv_b_proj``'s key half into the latent, the output through its value half).
+   step's key table (its request's entries up to its position: one column range per query, no dense mask) and keeps
+   the ``index_topk`` best as view slots (``-1`` padded), block of queries by block of queries so that memory stays
+   bounded whatever the chunk (:func:`select_topk`). The tie rule is the stable lowest-position one (see
+   :mod:`dtkv.integrations.transformers`): score and position travel packed in one int64 key
+   (:func:`dtkv.decode.selection_keys`' order), whose ``torch.topk`` *is* a stable descending sort. On the ``torch``
+   backend (the parity reference) the scores are the model's own float32 formula; on ``triton`` and ``flashmla``
+   with fp8 index pages the indexer is DeepSeek-V3.2's fp8 one: fp8 queries (per (query, head) scale folded into the
+   head weight, :func:`dtkv.ops.quantize_indexer_queries`) against the fp8 keys of the view in one kernel
+   (:func:`dtkv.ops.indexer_logits`). bf16/fp32 index rows take the exact formula on every backend.
+   :func:`indexer_precision` switches this (``"fp8"``: the fp8 math on the ``torch`` backend too, what checks a
+   fast run on a CPU), :func:`uses_fp8_indexer` says which a run takes, and the parity reference mirrors it
+   (``reference_logits(..., fp8_indexer=True)``). Attention runs over the selected latent rows: expanded by
+   ``kv_b_proj`` as the model does (``torch`` backend), or in the absorbed form through the runtime's attention
+   backend (``triton``, ``flashmla``: ``q_nope`` through ``kv_b_proj``'s key half into the latent, the output through
+   its value half; the two halves are taken once per bind, in the dtype the backend takes queries in or the
+   weight's where wider: :class:`AbsorbedWeights`).
 3. Sharded decode steps: the queries are absorbed into the latent space (``q_nope @ W_UK`` per head, the MLA
    identity) and the runtime attends where the pages are (:meth:`dtkv.runtime.StepContext.decode_attention`: exact
    global top-k, LSE merge of the ranks' partials); the merged latent output is expanded by ``W_UV`` and ``o_proj``.
+   The indexer queries are those of the extend steps' indexer (rounded by :func:`fp8_indexer_queries` where it is
+   the fp8 one), so both decode modes select alike.
 
-Every contraction is a ``torch.matmul``, so :func:`dtkv.runtime.batch_invariant` covers it. :func:`install` binds
+Every contraction of the ``torch`` backend is a ``torch.matmul``, so :func:`dtkv.runtime.batch_invariant` covers it
+(the fp8 indexer kernel computes each query on its own). :func:`install` binds
 :func:`dsa_attention` as ``forward`` of every attention module (the original forward runs whenever no step is
 active), :func:`uninstall` restores the class forward.
 """
@@ -31,14 +45,34 @@ from __future__ import annotations
 
 import torch
 
-from dtkv import ops
 from dtkv.decode import DecodeQueries
 from dtkv.integrations.transformers._family import FAMILIES
+from dtkv.integrations.transformers._indexer import (
+    FP8_BLOCK_BYTES,
+    INDEXER_PRECISIONS,
+    TORCH_BLOCK_BYTES,
+    fp8_indexer_queries,
+    indexer_precision,
+    select_topk,
+    uses_fp8_indexer,
+)
+from dtkv.kvio import read_rows
 from dtkv.runtime import StepContext
-from dtkv.runtime.kvio import read_rows
 
-__all__ = ["check_unbound", "dsa_attention", "install", "uninstall"]
-
+__all__ = [
+    "FP8_BLOCK_BYTES",
+    "INDEXER_PRECISIONS",
+    "TORCH_BLOCK_BYTES",
+    "AbsorbedWeights",
+    "check_unbound",
+    "dsa_attention",
+    "fp8_indexer_queries",
+    "indexer_precision",
+    "install",
+    "select_topk",
+    "uninstall",
+    "uses_fp8_indexer",
+]
 
 _ROPES: dict[type, tuple] = {}
 """Attention class -> its family's ``(mla_rope, indexer_rope)`` (filled by :func:`install`, outside compiled code)."""
@@ -70,27 +104,47 @@ def _indexer_rows(indexer, hidden_1ND, q_resid_1NQ, cos, sin, rope):
     return q, k, w[0]
 
 
-def _select_topk(indexer, ctx: StepContext, q_NIJ, w_NI, keys_KJ) -> torch.Tensor:
-    """View slots ``[N, k]`` (int64, ``-1`` = none) of each query's top-k keys; ties go to the lower position."""
-    plan = ctx.plan
-    scores = torch.matmul(q_NIJ.float(), keys_KJ.transpose(0, 1).float()) * indexer.softmax_scale  # [N, I, K]
-    scores = torch.relu(scores)
-    index_NK = torch.matmul(w_NI.unsqueeze(-2), scores).squeeze(-2)
-    visible = (plan.key_req[None, :] == plan.req_idx[:, None]) & (plan.key_pos[None, :] <= plan.positions[:, None])
-    index_NK = index_NK.masked_fill(~visible, float("-inf"))
-    k = indexer.index_topk
-    if index_NK.shape[-1] < k:  # always index_topk entries (-1 padded): the same shapes in every step
-        pad = index_NK.new_full((index_NK.shape[0], k - index_NK.shape[-1]), float("-inf"))
-        index_NK = torch.cat((index_NK, pad), dim=1)
-    top_val, top_col = torch.sort(index_NK, dim=-1, descending=True, stable=True)
-    top_val, top_col = top_val[:, :k], top_col[:, :k].clamp(max=plan.key_locs.shape[0] - 1)
-    locs = torch.where(top_val > float("-inf"), plan.key_locs[top_col], torch.full_like(top_col, -1))
-    if plan.mat_plan is None:
-        return locs
-    return ops.remap(locs, plan.mat_plan.page_map, page_size=ctx.page_size)
+class AbsorbedWeights:
+    """``kv_b_proj``'s two halves of one attention module for the absorbed form, taken once per bind.
+
+    ``kv_b_proj.weight`` ``[H * (nope + v), R]`` is ``W_UK [H, nope, R]`` then ``W_UV [H, v, R]`` per head.
+    :meth:`get` gives ``(W_UK [H, nope, R], W_UV^T [H, R, v])`` in a dtype: views of the weight itself where it has
+    that dtype already, else one converted copy per dtype, kept until the module is unbound
+    (:func:`uninstall`). A weight replaced while bound is not seen (bind again); one changed in place is.
+    """
+
+    def __init__(self, attn) -> None:
+        self.attn = attn
+        self.weight_dtype: torch.dtype = attn.kv_b_proj.weight.dtype
+        """The weight's dtype at the bind."""
+        self._by_dtype: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(W_UK, W_UV^T)`` in ``dtype`` (computed at the first call for that dtype)."""
+        got = self._by_dtype.get(dtype)
+        if got is None:
+            got = self._by_dtype[dtype] = _absorbed_factors(self.attn, dtype)
+        return got
 
 
-def _extend_attention(attn, ctx: StepContext, hidden_states, q_resid, query_HNC, cos, sin, prev_topk, rope):
+def _absorbed_factors(attn, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    h, nope, v, r = attn.num_heads, attn.qk_nope_head_dim, attn.v_head_dim, attn.kv_lora_rank
+    w = attn.kv_b_proj.weight.detach().to(dtype).view(h, nope + v, r)
+    return w[:, :nope], w[:, nope:].transpose(1, 2)
+
+
+def _factors(attn, absorbed: AbsorbedWeights | None, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return absorbed.get(dtype) if absorbed is not None else _absorbed_factors(attn, dtype)
+
+
+def _backend_dtype(backend, attn, absorbed: AbsorbedWeights | None = None) -> torch.dtype:
+    """The dtype the absorbed products run in: what the backend takes float32 queries as (FlashMLA: bf16), or the
+    weight's dtype where that is wider (a float32 model keeps float32 products on every backend)."""
+    weight = absorbed.weight_dtype if absorbed is not None else attn.kv_b_proj.weight.dtype
+    return torch.promote_types(backend.cast_queries(torch.zeros((), dtype=torch.float32)).dtype, weight)
+
+
+def _extend_attention(attn, ctx, hidden_states, q_resid, query_HNC, cos, sin, prev_topk, rope, absorbed=None):
     """Prefill / full-view decode: the model's own top-k and expanded attention over the step's full views."""
     layer, n = attn.layer_idx, hidden_states.shape[1]
     h, r, e = attn.num_heads, attn.kv_lora_rank, attn.qk_rope_head_dim
@@ -99,8 +153,7 @@ def _extend_attention(attn, ctx: StepContext, hidden_states, q_resid, query_HNC,
         iq, ik, iw = _indexer_rows(indexer, hidden_states, q_resid, cos, sin, rope)
         ctx.write("index", layer, ik)
         views = ctx.views(layer, ("index", "kv"))
-        keys_KJ = read_rows(views["index"], ctx.layouts["index"], iq.dtype)[ctx.plan.key_slots]
-        topk_NK = _select_topk(indexer, ctx, iq, iw, keys_KJ)
+        topk_NK = select_topk(indexer, ctx, iq, iw, views["index"])
     else:
         if prev_topk is None:
             raise ValueError(f"layer {layer} shares the previous layer's top-k, but got prev_topk_indices=None")
@@ -110,7 +163,7 @@ def _extend_attention(attn, ctx: StepContext, hidden_states, q_resid, query_HNC,
     if n == 0:  # no local rows (e.g. decode steps on other ranks): the collectives above were all this rank owed
         return attn.o_proj(hidden_states.new_zeros((1, 0, h * attn.v_head_dim))), topk_NK
     if ctx.attention is not None and ctx.attention.name != "torch":
-        out = _absorbed_attention(attn, ctx.attention, query_HNC, views["kv"], topk_NK)
+        out = _absorbed_attention(attn, ctx.attention, query_HNC, views["kv"], topk_NK, absorbed)
         return attn.o_proj(out.to(hidden_states.dtype).reshape(1, n, h * attn.v_head_dim)), topk_NK
     latent_VC = read_rows(views["kv"], ctx.layouts["kv"], hidden_states.dtype)
     sel = latent_VC[topk_NK.clamp(min=0)].reshape(1, 1, n * k, r + e)  # [1, 1, N*k, R + E]
@@ -127,34 +180,39 @@ def _extend_attention(attn, ctx: StepContext, hidden_states, q_resid, query_HNC,
     return attn.o_proj(out.reshape(1, n, h * attn.v_head_dim)), topk_NK
 
 
-def _absorbed_attention(attn, backend, query_HNC, kv_view, topk_NK) -> torch.Tensor:
-    """MLA in the absorbed form through a :mod:`dtkv.attention` kernel: ``[N, H, v_head_dim]`` (float32 products).
+def _absorbed_attention(attn, backend, query_HNC, kv_view, topk_NK, absorbed=None) -> torch.Tensor:
+    """MLA in the absorbed form through a :mod:`dtkv.attention` kernel: ``[N, H, v_head_dim]``.
 
-    ``kv_b_proj``'s weight ``[H * (nope + v), R]`` is ``W_UK [H, nope, R]`` then ``W_UV [H, v, R]`` per head. The
-    latent query is ``q_nope @ W_UK`` (``[N, H, R]``, then the rope query: ``[N, H, R + E]``), the kernel attends over
-    the stored latent rows (keys: latent and rope; values: the latent), and ``W_UV`` maps its latent output to the
-    value heads: the same attention as the expanded form, other roundings (FlashMLA: bf16 queries and keys).
+    The latent query is ``q_nope @ W_UK`` (``[N, H, R]``, then the rope query: ``[N, H, R + E]``), the kernel attends
+    over the stored latent rows (keys: latent and rope; values: the latent), and ``W_UV`` maps its latent output to
+    the value heads: the same attention as the expanded form, other roundings. The products run in the dtype the
+    backend takes queries in, or the weight's where wider (:class:`AbsorbedWeights`; Triton: float32; FlashMLA: bf16
+    for a bf16 model, as its kernel, float32 for a float32 one).
     """
-    h, nope, v, r = attn.num_heads, attn.qk_nope_head_dim, attn.v_head_dim, attn.kv_lora_rank
-    w = attn.kv_b_proj.weight.float().view(h, nope + v, r)
-    q_lat = torch.matmul(query_HNC[..., :nope].float(), w[:, :nope]).transpose(0, 1)  # [N, H, R]
-    q = torch.cat((q_lat, query_HNC[..., nope:].transpose(0, 1).float()), dim=-1)  # [N, H, R + E]
+    nope = attn.qk_nope_head_dim
+    dtype = _backend_dtype(backend, attn, absorbed)
+    w_uk, w_uv_t = _factors(attn, absorbed, dtype)
+    q_lat = torch.matmul(query_HNC[..., :nope].to(dtype), w_uk).transpose(0, 1)  # [N, H, R]
+    q = torch.cat((q_lat, query_HNC[..., nope:].transpose(0, 1).to(dtype)), dim=-1)  # [N, H, R + E]
     idx = backend.indices(topk_NK, kv_view)
     o_lat, _ = backend.prefill(backend.cast_queries(q), kv_view, idx, softmax_scale=attn.scaling)
-    return torch.matmul(o_lat.float().transpose(0, 1), w[:, nope:].transpose(1, 2)).transpose(0, 1)  # [N, H, v]
+    return torch.matmul(o_lat.to(dtype).transpose(0, 1), w_uv_t).transpose(0, 1)  # [N, H, v]
 
 
-def _decode_attention(attn, ctx: StepContext, hidden_states, q_resid, q_pass, q_rot, cos, sin, prev_topk, rope):
-    """Sharded decode: absorbed queries, the runtime's attention on the shards, then ``W_UV`` and ``o_proj``."""
+def _decode_attention(attn, ctx, hidden_states, q_resid, q_pass, q_rot, cos, sin, prev_topk, rope, absorbed=None):
+    """Sharded decode: absorbed queries (float32: the decode step's compute dtype), the runtime's attention on the
+    shards, then ``W_UV`` and ``o_proj``."""
     layer, n = attn.layer_idx, hidden_states.shape[1]
-    h, r, nope, v = attn.num_heads, attn.kv_lora_rank, attn.qk_nope_head_dim, attn.v_head_dim
-    w = attn.kv_b_proj.weight.float().view(h, nope + v, r)  # [H, nope + v, R]: W_UK then W_UV per head
-    q_abs = torch.matmul(q_pass[0].float(), w[:, :nope])  # [H, N, nope] @ [H, nope, R] -> [H, N, R]
+    h, v = attn.num_heads, attn.v_head_dim
+    w_uk, w_uv_t = _factors(attn, absorbed, torch.float32)
+    q_abs = torch.matmul(q_pass[0].float(), w_uk)  # [H, N, nope] @ [H, nope, R] -> [H, N, R]
     indexer = attn.indexer
     if indexer is not None:
         iq, ik, w_NI = _indexer_rows(indexer, hidden_states, q_resid, cos, sin, rope)
         ctx.write("index", layer, ik)
-        iq, iw, positions = iq.float(), w_NI * indexer.softmax_scale, None  # relu(s * x) = s * relu(x), s > 0
+        fp8 = uses_fp8_indexer(ctx.attention.name if ctx.attention is not None else "torch", ctx.layouts["index"])
+        iq = fp8_indexer_queries(iq) if fp8 else iq.float()  # the extend steps' indexer math, whatever kernel
+        iw, positions = w_NI * indexer.softmax_scale, None  # relu(s * x) = s * relu(x), s > 0
     else:  # GLM: reuse the previous layer's selection (the indexer queries are not read)
         if prev_topk is None:
             raise ValueError(f"layer {layer} shares the previous layer's top-k, but got prev_topk_indices=None")
@@ -163,12 +221,19 @@ def _decode_attention(attn, ctx: StepContext, hidden_states, q_resid, q_pass, q_
     q_rope = q_rot[0].float().transpose(0, 1).contiguous()  # [N, H, E]
     queries = DecodeQueries(iq=iq, iw=iw, q_nope=q_abs.transpose(0, 1).contiguous(), q_rope=q_rope)
     res = ctx.decode_attention(layer, queries, softmax_scale=attn.scaling, positions=positions)
-    out_HNV = torch.matmul(res.out.transpose(0, 1), w[:, nope:].transpose(1, 2))  # [H, N, R] @ [H, R, v]
+    out_HNV = torch.matmul(res.out.transpose(0, 1), w_uv_t)  # [H, N, R] @ [H, R, v]
     out = out_HNV.transpose(0, 1).to(hidden_states.dtype).reshape(1, n, h * v)
     return attn.o_proj(out), res.positions
 
 
-def dsa_attention(attn, ctx: StepContext, hidden_states: torch.Tensor, position_embeddings, prev_topk=None):
+def dsa_attention(
+    attn,
+    ctx: StepContext,
+    hidden_states: torch.Tensor,
+    position_embeddings,
+    prev_topk=None,
+    absorbed: AbsorbedWeights | None = None,
+):
     """One DSA layer's attention for this rank's rows (run phase: tensors only).
 
     Args:
@@ -178,6 +243,8 @@ def dsa_attention(attn, ctx: StepContext, hidden_states: torch.Tensor, position_
         position_embeddings: ``(cos, sin)`` ``[1, N, E]`` of the rows' positions (the model's rotary embedding).
         prev_topk: the previous layer's selection, for GLM layers without an indexer: view slots ``[N, k]`` in an
             extend step, positions ``[N, K]`` in a sharded decode step.
+        absorbed: the module's :class:`AbsorbedWeights` (what :func:`install` binds); ``None`` takes the halves of
+            ``kv_b_proj`` on every call.
 
     Returns:
         ``(out [1, N, D], topk [N, k])``: the layer's output and its selection (as ``prev_topk`` takes it).
@@ -194,9 +261,10 @@ def dsa_attention(attn, ctx: StepContext, hidden_states: torch.Tensor, position_
     q_rot, k_rot = mla_rope(q_rot, k_rot.view(1, 1, n, e), cos, sin)
     ctx.write("kv", layer, torch.cat((k_pass[0], k_rot[0, 0]), dim=-1))  # the latent row [N, R + E]
     if ctx.sharded_decode:
-        return _decode_attention(attn, ctx, hidden_states, q_resid, q_pass, q_rot, cos, sin, prev_topk, indexer_rope)
+        return _decode_attention(attn, ctx, hidden_states, q_resid, q_pass, q_rot, cos, sin, prev_topk, indexer_rope,
+                                 absorbed)  # fmt: skip
     query_HNC = torch.cat((q_pass, q_rot), dim=-1)[0]
-    return _extend_attention(attn, ctx, hidden_states, q_resid, query_HNC, cos, sin, prev_topk, indexer_rope)
+    return _extend_attention(attn, ctx, hidden_states, q_resid, query_HNC, cos, sin, prev_topk, indexer_rope, absorbed)
 
 
 def check_unbound(model: torch.nn.Module) -> None:
@@ -212,7 +280,8 @@ def install(model: torch.nn.Module, adapter) -> None:
     """Bind :func:`dsa_attention` as ``forward`` of every attention module of ``model`` (instance attribute).
 
     The bound forward reads ``adapter.ctx`` (the step's :class:`dtkv.runtime.StepContext`); while it is None the
-    module runs its original forward, so the model stays usable on its own.
+    module runs its original forward, so the model stays usable on its own. Each bound forward holds the module's
+    :class:`AbsorbedWeights` (``kv_b_proj``'s halves, taken once per dtype for the whole bind).
 
     Raises:
         ValueError: the modules already have a bound forward (one runtime per model at a time).
@@ -223,14 +292,15 @@ def install(model: torch.nn.Module, adapter) -> None:
         attn = layer.self_attn
         _ropes(attn)
         original = type(attn).forward.__get__(attn)
+        absorbed = AbsorbedWeights(attn)
 
-        def forward(*args, _attn=attn, _original=original, **kwargs):
+        def forward(*args, _attn=attn, _original=original, _absorbed=absorbed, **kwargs):
             ctx = adapter.ctx
             if ctx is None:
                 return _original(*args, **kwargs)
             hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
             rope = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]
-            out, topk = dsa_attention(_attn, ctx, hidden, rope, kwargs.get("prev_topk_indices"))
+            out, topk = dsa_attention(_attn, ctx, hidden, rope, kwargs.get("prev_topk_indices"), _absorbed)
             return (out, None, topk) if returns_topk else (out, None)
 
         attn.forward = forward

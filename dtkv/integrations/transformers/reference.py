@@ -21,21 +21,54 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 from torch.overrides import TorchFunctionMode
 
-from dtkv import ops
 from dtkv.integrations.transformers._family import FAMILIES, family_of
-from dtkv.layouts import IndexerFp8Layout, KVLayout, MLAFp8Layout, MLALatentLayout
+from dtkv.kvio import round_trip
+from dtkv.layouts import IndexerFp8Layout, KVLayout
 
-__all__ = ["MODEL_TYPES", "reference_logits", "round_trip", "stable_topk", "tiny_config", "tiny_model"]
+__all__ = ["MODEL_TYPES", "reference_logits", "stable_topk", "tiny_config", "tiny_model"]
 
 MODEL_TYPES: dict[str, str] = {"deepseek-v32": "deepseek_v32", "glm5": "glm_moe_dsa"}
 """Short names (as ``python -m dtkv.demo --model`` takes them) -> ``config.model_type``."""
 
 
 class _StableTopk(TorchFunctionMode):
-    """Turns ``Tensor.topk`` / ``torch.topk`` into a stable descending sort (ties to the lower index)."""
+    """An indexer's forward as the parity reference runs it (one instance per call).
+
+    Always: ``Tensor.topk`` / ``torch.topk`` become a stable descending sort (ties to the lower index). The
+    indexer's score product -- the ``torch.matmul`` whose left operand is the queries ``[..., heads, head_dim]``
+    and whose right operand is the keys ``[..., head_dim, T]`` (transformers 5.17 to 5.24 score with it) -- may also
+    read its operands as dtkv holds them: ``fp8_queries`` rounds the queries as the fp8 indexer takes them,
+    ``key_layout`` gives the keys back as a pool of that layout stores them (:func:`dtkv.kvio.round_trip` of the
+    keys in ``key_dtype``, the dtype the model computes them in). No argument of the model's forward is involved:
+    the model runs without a cache, as loaded.
+    """
+
+    def __init__(
+        self,
+        scores: tuple[int, int],
+        *,
+        fp8_queries: bool = False,
+        key_layout: KVLayout | None = None,
+        key_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.scores, self.fp8_queries, self.key_layout, self.key_dtype = scores, fp8_queries, key_layout, key_dtype
+
+    def _score_product(self, q: torch.Tensor, k: torch.Tensor) -> bool:
+        heads, dim = self.scores
+        return q.dim() >= 2 and tuple(q.shape[-2:]) == (heads, dim) and k.dim() >= 2 and k.shape[-2] == dim
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        if func is torch.matmul and len(args) == 2 and (self.fp8_queries or self.key_layout is not None):
+            q, k = args
+            if self._score_product(q, k):
+                if self.fp8_queries:
+                    q = round_trip(q.float(), IndexerFp8Layout(page_size=1, head_dim=q.shape[-1]))
+                if self.key_layout is not None:  # rows of head_dim: the keys' own dtype, stored, read back
+                    rows = k.transpose(-1, -2).to(self.key_dtype)
+                    k = round_trip(rows, self.key_layout).to(k.dtype).transpose(-1, -2)
+                return func(q, k, **kwargs)
         if func is torch.Tensor.topk or func is torch.topk:
             x, k = args[0], args[1] if len(args) > 1 else kwargs.pop("k")
             dim = args[2] if len(args) > 2 else kwargs.pop("dim", -1)
@@ -45,45 +78,21 @@ class _StableTopk(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def round_trip(rows: torch.Tensor, layout: KVLayout) -> torch.Tensor:
-    """``rows`` ``[..., C]`` as a pool of ``layout`` gives them back (stored, then read): same shape and dtype.
-
-    ``MLALatentLayout``: a cast to the store dtype and back; ``MLAFp8Layout`` / ``IndexerFp8Layout``: the fp8
-    quantization of :mod:`dtkv.ops` and its dequantization.
-    """
-    flat = rows.reshape(-1, rows.shape[-1])
-    if isinstance(layout, MLALatentLayout):
-        out = flat.to(layout.dtype)
-    elif isinstance(layout, MLAFp8Layout):
-        out = ops.dequantize_mla_fp8(ops.quantize_mla_fp8(flat, layout), layout)
-    elif isinstance(layout, IndexerFp8Layout):
-        q, scale = ops.quantize_indexer_fp8(flat)
-        out = q.view(torch.float8_e4m3fn).float() * scale[:, None]
-    else:
-        raise TypeError(f"layout must be an MLA or indexer layout, got {type(layout).__name__}")
-    return out.to(rows.dtype).reshape(rows.shape)
-
-
-class _RoundIndexerKeys:
-    """Stands in for ``past_key_values`` inside an indexer: its keys come back as the pool stores them."""
-
-    def __init__(self, layout: KVLayout, cache=None) -> None:
-        self.layout, self.cache = layout, cache
-
-    def update_indexer(self, key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
-        key_states = round_trip(key_states, self.layout)
-        return key_states if self.cache is None else self.cache.update_indexer(key_states, layer_idx)
-
-
 @contextlib.contextmanager
-def stable_topk(model: torch.nn.Module, *, layouts: Mapping[str, KVLayout] | None = None) -> Iterator[torch.nn.Module]:
+def stable_topk(
+    model: torch.nn.Module, *, layouts: Mapping[str, KVLayout] | None = None, fp8_indexer: bool = False
+) -> Iterator[torch.nn.Module]:
     """Inside the block, ``model`` runs as the parity reference (module docstring); outside, as loaded.
 
     Always: the DSA indexers break top-k ties by position. With ``layouts`` (``{"kv": ..., "index": ...}``,
     as :func:`dtkv.integrations.transformers.kv_layouts` gives them), the model also reads its keys as those
     stored formats hold them: the MLA latent row ``[kv_a_layernorm(kv), rope(k_rot)]`` goes through
-    :func:`round_trip` before ``expand_kv`` and the indexer key (after its rope) before scoring. That is the
-    model with its KV cache in the pools' formats (an identity for fp32 KV of a float32 model).
+    :func:`dtkv.kvio.round_trip` before ``expand_kv`` and the indexer key (after its rope) before scoring. That is the
+    model with its KV cache in the pools' formats (an identity for fp32 KV of a float32 model). ``fp8_indexer``
+    (with fp8 index pages, for a run that :func:`dtkv.integrations.transformers.attention.uses_fp8_indexer`):
+    the indexer is DeepSeek-V3.2's fp8 one as dtkv runs it, its queries (after their rope) rounded per (token,
+    head) to e4m3 too (:func:`dtkv.kvio.round_trip` through an :class:`dtkv.IndexerFp8Layout`, bitwise
+    :func:`dtkv.integrations.transformers.attention.fp8_indexer_queries`).
 
     The wraps are instance attributes of the attention and indexer modules, removed on exit; every other
     module, and every other model, is untouched.
@@ -95,12 +104,13 @@ def stable_topk(model: torch.nn.Module, *, layouts: Mapping[str, KVLayout] | Non
         indexer = getattr(attn, "indexer", None)
         if indexer is not None:
             original = type(indexer).forward.__get__(indexer)
+            mode = dict(
+                scores=(indexer.n_heads, indexer.head_dim), fp8_queries=fp8_indexer,
+                key_layout=None if layouts is None else layouts["index"], key_dtype=indexer.wk.weight.dtype,
+            )  # fmt: skip
 
-            def forward(*args, _original=original, **kwargs):
-                if layouts is not None:
-                    cache = kwargs.pop("past_key_values", args[5] if len(args) > 5 else None)
-                    args, kwargs["past_key_values"] = args[:5], _RoundIndexerKeys(layouts["index"], cache)
-                with _StableTopk():
+            def forward(*args, _original=original, _mode=mode, **kwargs):
+                with _StableTopk(**_mode):
                     return _original(*args, **kwargs)
 
             indexer.forward = forward
@@ -129,6 +139,7 @@ def reference_logits(
     *,
     layouts: Mapping[str, KVLayout] | None = None,
     rounded_probabilities: bool = False,
+    fp8_indexer: bool = False,
 ) -> torch.Tensor:
     """The model's own full forward over one sequence under :func:`stable_topk`: float32 ``[len(ids), V]``.
 
@@ -138,17 +149,18 @@ def reference_logits(
     ``rounded_probabilities``: attention as a half-precision kernel computes it -- transformers' eager attention,
     whose softmax probabilities are rounded to the model's dtype before they multiply V (FlashMLA and SDPA's fused
     kernels do the same) -- instead of :func:`float32_attention`; the two differ by what that rounding costs.
+    ``fp8_indexer``: the indexer's queries in fp8 too (see :func:`stable_topk`).
     """
     device = next(model.parameters()).device
     ids = torch.tensor([list(token_ids)], dtype=torch.int64, device=device)
     if not rounded_probabilities:
-        with stable_topk(model, layouts=layouts), float32_attention():
+        with stable_topk(model, layouts=layouts, fp8_indexer=fp8_indexer), float32_attention():
             return model(input_ids=ids, use_cache=False).logits[0].float()
     config = model.config
     before = config._attn_implementation
     config._attn_implementation = "eager"
     try:
-        with stable_topk(model, layouts=layouts):
+        with stable_topk(model, layouts=layouts, fp8_indexer=fp8_indexer):
             return model(input_ids=ids, use_cache=False).logits[0].float()
     finally:
         config._attn_implementation = before

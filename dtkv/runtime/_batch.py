@@ -1,42 +1,46 @@
-"""The runners' input rules, written once: what a prompt, a request id and a step's batch must be (plan phase).
+"""The runtime's input rules, written once: what a prompt, a request id and a step's batch must be (plan phase).
 
-Every model runner (:class:`dtkv.model.ModelRunner`, :class:`dtkv.integrations.transformers.DSAModelRunner`) calls
-these before it changes anything, so a refused call leaves requests, pages, the allocator, the prefix cache and
-the pools as they were:
+:class:`dtkv.runtime.Runtime` (every model) and :mod:`dtkv.runtime.pd` call these before they change anything, so a
+refused call leaves requests, pages, the allocator, the prefix cache and the pools as they were:
 
 - :func:`check_prompt` (``add_request``): token ids as Python ints in ``[0, vocab_size)``, at least one, and few
   enough that their pages fit the pool at all (a prompt that can never be prefilled is refused here instead of
   holding pages forever and blocking every later ``prefill()``).
-- :func:`check_rid` (``finish_request`` / ``free_request`` / ``kv_bytes``): an int naming a request of the runner,
+- :func:`check_rid` (``finish_request`` / ``kv_bytes``): an int naming a request of the runtime,
   live unless told otherwise.
-- :func:`check_batch` (``plan_step`` / ``step`` / ``decode_step``): a non-empty batch of the runner's own live
+- :func:`check_batch` (``plan_step`` / ``step`` / ``decode_step``): a non-empty batch of the runtime's own live
   requests, each once, each with an extend length in ``[1, tokens not yet computed]``.
 - :func:`check_capacity`: the step's new pages fit the free pages plus the cached pages eviction could free; an
   allocation that cannot succeed is refused before any eviction or allocation.
+- :func:`admit_prefill` (``prefill``): which requests a prefill step runs, so that each one it starts can finish
+  its prompt (the others wait for a later step or call).
 - :func:`agreed_step`: runs a step's checks on every rank and fails on every rank together
   (:func:`dtkv._agree.agree` on the CP group's CPU channel: one 48-byte all-gather per step that never waits for
-  the GPU), also comparing the ranks' batches (the SPMD contract), so a rank that refuses its input never leaves
-  the others waiting in the step's first collective.
-- :func:`undo_new_pages`: a step that fails after allocating (its run raised) returns the pages it took.
+  the GPU), also comparing the ranks' batches and where each request stands (:func:`batch_value`: the SPMD
+  contract), so a rank that refuses its input never leaves the others waiting in the step's first collective, and
+  ranks whose state diverged raise before any collective.
 
-Requests are duck-typed: ``rid``, ``prompt``, ``output`` (their tokens are prompt + output), ``pages``,
-``num_computed`` and ``finished``.
+A step that fails after its checks (its run raised on some rank) is undone on every rank together by
+:class:`dtkv.runtime._outcome.StepOutcome`.
+
+Requests are the runtime's :class:`dtkv.runtime.Request` objects (their tokens are prompt + output).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TypeVar, cast
 
 import torch.distributed as dist
 
 from dtkv._agree import agree
 from dtkv._checks import check_int
+from dtkv._collectives import cpu_channel
 from dtkv._util import as_int_array, cdiv
 from dtkv.allocator import AllocationError, PageAllocator
 
 __all__ = [
+    "admit_prefill",
     "agreed_step",
     "batch_value",
     "check_batch",
@@ -44,7 +48,6 @@ __all__ = [
     "check_prompt",
     "check_rid",
     "new_pages",
-    "undo_new_pages",
 ]
 
 T = TypeVar("T")
@@ -84,7 +87,7 @@ def check_rid(rid: object, requests: Sequence, *, live: bool = True, finished_ru
 
     Args:
         rid: a request id (an int; not a bool).
-        requests: the runner's requests, in id order.
+        requests: the runtime's requests, in id order.
         live: refuse a finished (freed) request.
         finished_rule: the message for a finished request (default: "rid must name a live request ...").
 
@@ -106,8 +109,8 @@ def check_batch(requests: Sequence, reqs: object, extend_lens: object, *, decode
     """Check one step's batch; returns the extend lengths as Python ints (nothing is changed).
 
     Args:
-        requests: the runner's requests, in id order.
-        reqs: the step's requests: a non-empty sequence of the runner's own live request objects, each once.
+        requests: the runtime's requests, in id order.
+        reqs: the step's requests: a non-empty sequence of the runtime's own live request objects, each once.
         extend_lens: per request, tokens to compute: ints in ``[1, len(tokens) - num_computed]``; ``None``: one
             token each.
         decode: the batch of a decode step (every length 1): the message for a request with no token left says
@@ -115,7 +118,7 @@ def check_batch(requests: Sequence, reqs: object, extend_lens: object, *, decode
 
     Raises:
         TypeError: ``reqs`` is not a sequence, or a length is not an int (bools and floats are refused).
-        ValueError: empty batch, a request not of this runner, finished, or repeated, ``extend_lens`` of another
+        ValueError: empty batch, a request not of this runtime, finished, or repeated, ``extend_lens`` of another
             length than ``reqs``, a length < 1 (a zero-length extend has no logits of its own) or past the
             request's known tokens.
     """
@@ -131,7 +134,7 @@ def check_batch(requests: Sequence, reqs: object, extend_lens: object, *, decode
         rid = getattr(r, "rid", None)
         if isinstance(rid, bool) or not isinstance(rid, int) or not 0 <= rid < len(requests) or requests[rid] is not r:
             raise ValueError(
-                f"reqs[{i}] must be one of this runner's requests (runner.requests[r.rid] is r), got {r!r:.80}"
+                f"reqs[{i}] must be one of this runtime's requests (runtime.requests[r.rid] is r), got {r!r:.80}"
             )
         if r.finished:
             raise ValueError(
@@ -199,12 +202,50 @@ def check_capacity(
         )
 
 
+def admit_prefill(
+    todo: Sequence, *, page_size: int, allocator: PageAllocator, evictable: Callable[[], int] | None = None
+) -> tuple[list, str]:
+    """The requests a prefill step runs, so that every request it starts can finish its prompt.
+
+    Requests under way (some of their own tokens computed) come first, then the rest in request order; each is
+    admitted while the pages it still needs to finish its prompt fit beside those of the requests admitted before
+    it, within the free pages plus what eviction could free (``evictable``, called only when the free pages fall
+    short). Pages are taken chunk by chunk, so without this rule requests that each fit but not together took pages
+    until no step could get its own, and no request could ever finish.
+
+    Returns:
+        ``(admitted in request order, why nothing was admitted)``: the reason is ``""`` when some request was.
+    """
+    ps = page_size
+    need = {r.rid: max(0, cdiv(len(r.prompt), ps) - len(r.pages)) for r in todo}
+    order = sorted(todo, key=lambda r: (r.num_computed <= getattr(r, "cached_tokens", 0), r.rid))
+    free = allocator.num_free()
+    extra = None
+    budget, admitted = free, set()
+    for r in order:
+        if need[r.rid] > budget and extra is None and evictable is not None:
+            extra = evictable()
+            budget += extra
+        if need[r.rid] <= budget:
+            admitted.add(r.rid)
+            budget -= need[r.rid]
+    if admitted:
+        return [r for r in todo if r.rid in admitted], ""
+    first = order[0]
+    cached = f" and {extra} cached pages eviction could free" if extra is not None else ""
+    why = (
+        f"no request can finish its prompt: request {first.rid} needs {need[first.rid]} more pages of {ps} tokens, "
+        f"the pool has {free} free{cached}; nothing was allocated (finish requests to make room)"
+    )
+    return [], why
+
+
 def agreed_step(
     group: dist.ProcessGroup | None, *, what: str, check: Callable[[], T], value: Callable[[T], object] | None = None
 ) -> T:
     """Run ``check()`` (this rank's checks of a collective call's inputs) and fail on every rank of ``group`` together.
 
-    Collective over ``group``'s CPU channel (:func:`dtkv.materialize._exchange.cpu_channel`: one 48-byte
+    Collective over ``group``'s CPU channel (:func:`dtkv._collectives.cpu_channel`: one 48-byte
     all-gather that never waits for the GPU) whatever the local outcome; without a group (or with one rank) a
     local error is raised as it is. With ``value`` the ranks also compare ``value(check())`` (JSON-able: the
     batch's request ids and lengths), so inputs that differ between ranks (a broken SPMD contract) raise
@@ -222,28 +263,21 @@ def agreed_step(
         if error is not None:
             raise error
         return cast("T", result)
-    from dtkv.materialize._exchange import cpu_channel  # the materialization path's CPU mirror of the group
-
     agreed = value(cast("T", result)) if error is None and value is not None else None
     agree(error, cpu_channel(group), what=what, value=agreed)
     return cast("T", result)
 
 
-def batch_value(reqs: Sequence, lens: Sequence[int]) -> dict[str, list[int]]:
-    """What the ranks of a step compare (:func:`agreed_step`): the request ids and extend lengths."""
-    return {"rids": [int(r.rid) for r in reqs], "extend_lens": list(lens)}
-
-
-@contextlib.contextmanager
-def undo_new_pages(allocator: PageAllocator, reqs: Sequence) -> Iterator[None]:
-    """On an exception inside the block, return the pages the block appended to ``reqs``' page lists."""
-    before = [len(r.pages) for r in reqs]
-    try:
-        yield
-    except BaseException:
-        taken = []
-        for r, n in zip(reqs, before):
-            taken += r.pages[n:]
-            del r.pages[n:]
-        allocator.free(taken)
-        raise
+def batch_value(reqs: Sequence, lens: Sequence[int], *, allocator: PageAllocator | None = None) -> dict[str, object]:
+    """What the ranks of a step compare (:func:`agreed_step`): the request ids and extend lengths, and where each
+    request stands (``num_computed``, its page count) -- ranks whose state diverged would otherwise step the same
+    request from different positions with no error -- and, with ``allocator``, its free pages."""
+    value: dict[str, object] = {
+        "rids": [int(r.rid) for r in reqs],
+        "extend_lens": list(lens),
+        "num_computed": [int(r.num_computed) for r in reqs],
+        "num_pages": [len(r.pages) for r in reqs],
+    }
+    if allocator is not None:
+        value["free_pages"] = allocator.num_free()
+    return value

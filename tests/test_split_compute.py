@@ -1,4 +1,4 @@
-"""Compute ownership, the direct-write check and owner-aware allocation of ``dtkv.split``."""
+"""Compute owners, the direct-write check and owner-aware allocation of ``dtkv.split``."""
 
 from __future__ import annotations
 

@@ -36,11 +36,11 @@ import torch
 from dtkv.decode.plan import _page_table, plan_decode
 from dtkv.ownership import PageOwnership
 
-__all__ = ["StepPlanLayout", "build_step_plan"]
+__all__ = ["BucketLayout", "build_bucket_plan"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class StepPlanLayout:
+class BucketLayout:
     """Capacities of one bucket and the offsets of each field in the int32 plan buffer."""
 
     batch: int
@@ -99,8 +99,8 @@ def _fit_every_rank(table: torch.Tensor, need: list[int], ownership: PageOwnersh
         )
 
 
-def build_step_plan(
-    layout: StepPlanLayout,
+def build_bucket_plan(
+    layout: BucketLayout,
     mode: str,
     page_tables: Sequence[Sequence[int]] | torch.Tensor,
     seq_lens: Sequence[int],

@@ -1,9 +1,9 @@
-"""Runner input rules under CP (gloo, 2 and 3 ranks, both model adapters): every rank refuses together.
+"""Runtime input rules under CP (gloo, 2 and 3 ranks, both model adapters): every rank refuses together.
 
 A rank that refuses its input must never leave the others waiting in the step's first collective: the checks'
-verdict is exchanged first (:func:`dtkv._batch.agreed_step`), so a bad batch raises on every rank, also when only
-one rank got it (a broken SPMD contract, injected here), and the runner is exactly as before on every rank (its
-snapshot: requests, allocator, stats, every pool byte). Afterwards the same runners prefill and decode as usual.
+verdict is exchanged first (:func:`dtkv.runtime._batch.agreed_step`), so a bad batch raises on every rank, also when only
+one rank got it (a broken SPMD contract, injected here), and the runtime is exactly as before on every rank (its
+snapshot: requests, allocator, stats, every pool byte). Afterwards the same runtimes prefill and decode as usual.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests._runners import ADAPTERS, free, make_runner, refused, snapshot, unchanged
+from tests._runtime import ADAPTERS, make_runtime, refused, snapshot, unchanged
 
 # per call: the exception type every rank must raise and a phrase of its rule
 EXPECTED = {
@@ -35,30 +35,30 @@ def _prompt(n: int, seed: int = 0) -> list[int]:
 def _refusals(rank, world, adapter):
     import torch.distributed as dist
 
-    with make_runner(adapter, group=dist.group.WORLD, num_pages=8 * world) as run:
-        a, b = run.add_request(_prompt(6)), run.add_request(_prompt(5, 1))
-        c = run.add_request(_prompt(32 * world, 2))  # fits the pool alone, not beside a's page
-        run.step([a], [2])
-        before = snapshot(run)
+    with make_runtime(adapter, group=dist.group.WORLD, num_pages=8 * world) as rt:
+        a, b = rt.add_request(_prompt(6)), rt.add_request(_prompt(5, 1))
+        c = rt.add_request(_prompt(32 * world, 2))  # fits the pool alone, not beside a's page
+        rt.step([a], [2])
+        before = snapshot(rt)
         calls = {
-            "twice": lambda: run.step([a, a], [2, 2]),
-            "zero": lambda: run.step([a, b], [0, 5]),
-            "past": lambda: run.step([a], [9]),
-            "empty": lambda: run.step([], []),
-            "empty_decode": lambda: run.decode_step([]),
-            "float": lambda: run.step([a], [1.5]),
-            "exhausted": lambda: run.step([c], [len(c.prompt)]),
-            "kv_bytes": lambda: run.kv_bytes(-1),
-            "one_rank_empty": lambda: run.step([] if rank == 0 else [a], [] if rank == 0 else [1]),
-            "ranks_differ": lambda: run.step([a], [1 + rank]),
+            "twice": lambda: rt.step([a, a], [2, 2]),
+            "zero": lambda: rt.step([a, b], [0, 5]),
+            "past": lambda: rt.step([a], [9]),
+            "empty": lambda: rt.step([], []),
+            "empty_decode": lambda: rt.decode_step([]),
+            "float": lambda: rt.step([a], [1.5]),
+            "exhausted": lambda: rt.step([c], [len(c.prompt)]),
+            "kv_bytes": lambda: rt.kv_bytes(-1),
+            "one_rank_empty": lambda: rt.step([] if rank == 0 else [a], [] if rank == 0 else [1]),
+            "ranks_differ": lambda: rt.step([a], [1 + rank]),
         }
         results = {name: refused(call) for name, call in calls.items()}
-        same = unchanged(run, before)
-        free(run, c.rid)
-        run.prefill(3)
-        outputs = run.decode(2)
-        free(run, a.rid)
-        after_free = refused(run.step, [a], [1])
+        same = unchanged(rt, before)
+        rt.finish_request(c.rid)
+        rt.prefill(3)
+        outputs = rt.decode(2)
+        rt.finish_request(a.rid)
+        after_free = refused(rt.step, [a], [1])
         return {"refused": results, "unchanged": same, "outputs": outputs, "after_free": after_free}
 
 
@@ -68,7 +68,7 @@ def _refusals(rank, world, adapter):
 def test_every_rank_refuses_a_bad_step_together_and_nothing_changes(request, world, adapter):
     results = request.getfixturevalue(f"ranks{world}").run(_refusals, adapter)
     for res in results:
-        assert res["unchanged"], "a refused call changed the runner"
+        assert res["unchanged"], "a refused call changed the runtime"
         for name, (kind, phrase) in EXPECTED.items():
             got_kind, message = res["refused"][name]
             assert got_kind == kind and phrase in message, (name, got_kind, message)

@@ -1,4 +1,4 @@
-"""Compute ownership of KV pages under a CP split, and the direct-write check (plan phase, host).
+"""Compute owners of KV pages under a CP split, and the direct-write check (plan phase, host).
 
 A request's pages are given as a dense page table ``req_pages`` ``[num_reqs, max_pages]`` (``-1`` padded, any
 integer dtype): slot ``s`` of request ``i`` holds the logical page of absolute positions

@@ -1,0 +1,142 @@
+"""The extend-step indexer of the transformers adapter: its top-k over the step's key table, and which indexer
+math a run takes (:mod:`dtkv.integrations.transformers.attention` calls it; the names are re-exported there).
+
+- :func:`select_topk`: view slots ``[N, k]`` of each query's ``index_topk`` best keys, in bounded blocks of
+  queries, ties to the lowest position (int64 selection keys and ``torch.topk``).
+- :func:`indexer_precision` (a switch) and :func:`uses_fp8_indexer`: DeepSeek-V3.2's fp8 indexer (the kernel
+  :func:`dtkv.ops.indexer_logits` on the fast backends) or the model's exact formula.
+- :func:`fp8_indexer_queries`: the fp8 rounding of the queries (the ``torch`` backend's fp8 math, sharded decode).
+
+Shape legend: ``N`` query rows, ``I`` indexer heads, ``J`` indexer dims, ``K`` key-table entries, ``B`` queries of
+a block, ``k`` keys kept per query (``index_topk``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from dtkv import ops
+from dtkv.decode import selection_keys
+from dtkv.kvio import read_rows, round_trip
+from dtkv.layouts import IndexerFp8Layout
+from dtkv.runtime import StepContext
+
+__all__ = [
+    "FP8_BLOCK_BYTES",
+    "INDEXER_PRECISIONS",
+    "TORCH_BLOCK_BYTES",
+    "fp8_indexer_queries",
+    "indexer_precision",
+    "select_topk",
+    "uses_fp8_indexer",
+]
+
+INDEXER_PRECISIONS = ("auto", "fp8", "exact")
+"""The modes of :func:`indexer_precision`."""
+
+TORCH_BLOCK_BYTES = 1 << 28
+"""The ``torch`` indexer's temporaries per block of queries (``[B, I, K]`` float32 products, ``[B, K]`` keys)."""
+
+FP8_BLOCK_BYTES = 1 << 31
+"""The fp8 indexer's ``[B, K]`` int64 keys per block of queries (the kernel keeps nothing else per key)."""
+
+_PRECISION: list[str] = []
+
+
+@contextlib.contextmanager
+def indexer_precision(mode: str) -> Iterator[None]:
+    """The indexer every layer runs inside the block (nests, restores; read when a layer runs or is traced).
+
+    - ``"auto"`` (outside any block): DeepSeek-V3.2's fp8 indexer where the index pages are fp8
+      (:class:`dtkv.IndexerFp8Layout`) and the attention backend is a fast one (``triton``, ``flashmla``: the
+      kernel :func:`dtkv.ops.indexer_logits`); the model's exact formula elsewhere (the ``torch`` backend is the
+      parity reference).
+    - ``"fp8"``: the fp8 indexer wherever the pages are fp8, on the ``torch`` backend too (the model's formula on
+      :func:`fp8_indexer_queries`: the kernel's math, what checks a fast run on a CPU).
+    - ``"exact"``: the exact formula everywhere (the kernel never runs).
+
+    bf16/fp32 index rows always take the exact formula. :func:`uses_fp8_indexer` says which one a run takes; the
+    parity reference mirrors it with ``reference_logits(..., fp8_indexer=True)``.
+
+    Raises:
+        ValueError: ``mode`` is not one of :data:`INDEXER_PRECISIONS`.
+    """
+    if mode not in INDEXER_PRECISIONS:
+        raise ValueError(f"mode must be one of {INDEXER_PRECISIONS}, got mode={mode!r}")
+    _PRECISION.append(mode)
+    try:
+        yield
+    finally:
+        _PRECISION.pop()
+
+
+def uses_fp8_indexer(attention: str, index_layout) -> bool:
+    """Whether a run on the attention backend named ``attention`` with index pages of ``index_layout`` scores with
+    the fp8 indexer (fp8 queries) under the current :func:`indexer_precision`."""
+    if not isinstance(index_layout, IndexerFp8Layout):
+        return False
+    mode = _PRECISION[-1] if _PRECISION else "auto"
+    return mode == "fp8" or (mode == "auto" and attention != "torch")
+
+
+def fp8_indexer_queries(q: torch.Tensor) -> torch.Tensor:
+    """Indexer queries ``[..., J]`` as DeepSeek-V3.2's fp8 indexer takes them: each row in e4m3 with the scale
+    ``amax / 448`` (:func:`dtkv.ops.quantize_indexer_fp8`), given back as float32 ``codes * scale`` (an fp8 index
+    key's :func:`dtkv.kvio.round_trip`)."""
+    return round_trip(q.float(), IndexerFp8Layout(page_size=1, head_dim=q.shape[-1]))
+
+
+def select_topk(indexer, ctx: StepContext, q_NIJ, w_NI, view_index) -> torch.Tensor:
+    """View slots ``[N, k]`` (int64, ``-1`` = none) of each query's ``index_topk`` best keys of the step's key table,
+    best first, ties to the lower position (run phase: no host sync).
+
+    Query ``n`` sees the key-table entries ``[start, start + positions[n] + 1)`` of its request (``start``: the
+    request's first entry). The fp8 indexer (:func:`uses_fp8_indexer`) runs :func:`dtkv.ops.indexer_logits` on the
+    ``triton`` and ``flashmla`` backends (packed keys, blocks of queries within :data:`FP8_BLOCK_BYTES`); otherwise
+    the model's formula ``relu(q . k * softmax_scale)`` summed with the head weights in float32 does (on
+    :func:`fp8_indexer_queries` for the fp8 indexer on ``torch``; blocks within :data:`TORCH_BLOCK_BYTES`).
+
+    Args:
+        indexer: the layer's indexer module (``softmax_scale``, ``index_topk``).
+        ctx: the extend step's context.
+        q_NIJ: indexer queries ``[N, I, J]`` (model dtype), w_NI: float32 head weights ``[N, I]``.
+        view_index: the layer's index view (``ctx.views``).
+    """
+    plan, lay = ctx.plan, ctx.layouts["index"]
+    assert plan is not None, "an extend step's context holds its plan"
+    n, heads, _ = q_NIJ.shape
+    num_keys, k = plan.key_slots.shape[0], indexer.index_topk
+    start = torch.searchsorted(plan.key_req, plan.req_idx)  # key_req is sorted: the request's first entry
+    end = start + plan.positions + 1
+    name = ctx.attention.name if ctx.attention is not None else "torch"
+    fp8 = uses_fp8_indexer(name, lay)
+    kernel = fp8 and name != "torch"
+    if kernel:
+        backend = "triton" if name == "triton" else "auto"
+        block = max(1, FP8_BLOCK_BYTES // max(1, 8 * num_keys))
+    else:
+        keys_JK = read_rows(view_index, lay, q_NIJ.dtype, slots=plan.key_slots).transpose(0, 1).float()
+        cols = torch.arange(num_keys, device=q_NIJ.device)
+        block = max(1, TORCH_BLOCK_BYTES // max(1, (4 * heads + 48) * num_keys))
+    out = []
+    for b0 in range(0, n, block):
+        sl = slice(b0, min(n, b0 + block))
+        if kernel:
+            assert isinstance(lay, IndexerFp8Layout), "the fp8 indexer reads fp8 index pages"
+            q8, w8 = ops.quantize_indexer_queries(q_NIJ[sl], w_NI[sl], scale=indexer.softmax_scale)
+            keys = ops.indexer_logits(q8, w8, view_index, plan.key_slots, start[sl], end[sl], layout=lay,
+                                      packed=True, backend=backend)  # fmt: skip
+        else:
+            q = fp8_indexer_queries(q_NIJ[sl]) if fp8 else q_NIJ[sl].float()
+            scores = torch.matmul(q, keys_JK).mul_(indexer.softmax_scale).relu_()  # [B, I, K]
+            index_BK = torch.matmul(w_NI[sl].unsqueeze(-2), scores).squeeze(-2)
+            visible = (cols[None, :] >= start[sl, None]) & (cols[None, :] < end[sl, None])
+            keys = selection_keys(index_BK, cols.expand_as(index_BK), visible)
+        top, valid = ops.indexer_topk(keys, k)
+        out.append(torch.where(valid, plan.key_slots[top.clamp(min=0)], torch.full_like(top, -1)))
+    if not out:
+        return torch.full((0, k), -1, dtype=torch.int64, device=q_NIJ.device)
+    return out[0] if len(out) == 1 else torch.cat(out)

@@ -1,0 +1,114 @@
+"""The layout codec: rows in and out of pages of every stored format, for every model and for sharded decode.
+
+Every stored byte goes through :mod:`dtkv.ops`; every read of stored rows goes through here.
+
+- :func:`write_rows`: store rows at logical token locations, owner-filtered (``direct=False``: each rank keeps the
+  rows of the pages it stores, whoever computed them) or as a compute-owner direct write (``direct=True``: this
+  rank's own rows into its own pages, page-aligned split); fp8 layouts quantize on the way (fused ops).
+- :func:`read_rows`: pages ``[V, *page_shape]`` (a full view, a whole pool, a rank's own pages) -> rows dequantized
+  to a compute dtype, of every token slot in slot order ``[V * page_size, C]`` or only of the token slots ``slots``
+  (gathered before they are dequantized: ``[*slots.shape, C]`` whatever ``V``): what attention and the indexers
+  read through remapped indices.
+- :func:`round_trip`: rows as a pool of a layout gives them back (stored, then read), without a pool: what a
+  reference computes with.
+
+``C`` is ``kv_lora_rank + rope_dim`` for MLA layouts (an indexer stored as bf16/fp32 rows is an
+``MLALatentLayout`` with ``rope_dim=0``) and ``head_dim`` for :class:`dtkv.IndexerFp8Layout`. A token slot ``t`` is
+token ``t % page_size`` of page ``t // page_size`` of the pages given.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dtkv import ops
+from dtkv.layouts import IndexerFp8Layout, KVLayout, MLAFp8Layout, MLALatentLayout
+from dtkv.ownership import OwnershipSpec, PageOwnership
+
+__all__ = ["read_rows", "round_trip", "write_rows"]
+
+
+def _bad_layout(layout: object) -> TypeError:
+    return TypeError(f"layout must be an MLA or indexer layout, got {type(layout).__name__}")
+
+
+def write_rows(
+    pool: torch.Tensor,
+    layout: KVLayout,
+    rows: torch.Tensor,
+    locs: torch.Tensor,
+    ownership: PageOwnership | OwnershipSpec,
+    rank: int,
+    *,
+    direct: bool = False,
+) -> None:
+    """Write ``rows`` ``[N, C]`` (any float dtype) at logical ``locs`` int64 ``[N]`` (``-1`` skipped) into ``pool``.
+
+    ``direct=True`` is the compute-owner write of a page-aligned split (every location on a page ``rank`` stores;
+    validated on the host in eager mode, see :func:`dtkv.ops.direct_write`).
+    """
+    if isinstance(layout, MLALatentLayout):
+        rows = rows.to(layout.dtype)
+        if direct:
+            ops.direct_write(pool, rows, locs, ownership, rank)
+        else:
+            ops.write_owned(pool, rows, locs, ownership, rank)
+    elif isinstance(layout, MLAFp8Layout):
+        ops.quantize_write_mla_fp8(pool, rows, locs, ownership, rank, layout=layout, direct=direct)
+    elif isinstance(layout, IndexerFp8Layout):
+        ops.quantize_write_indexer_fp8(pool, rows, locs, ownership, rank, layout=layout, direct=direct)
+    else:
+        raise _bad_layout(layout)
+
+
+def read_rows(
+    pages: torch.Tensor, layout: KVLayout, dtype: torch.dtype, *, slots: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Rows of the token slots of ``pages`` ``[V, *layout.page_shape]``, dequantized to ``dtype``.
+
+    Args:
+        pages: the pages (any ``V``, ``0`` included when ``slots`` is ``None``).
+        layout: their stored format.
+        dtype: the compute dtype of the result.
+        slots: int64 token slots ``[...]`` in ``[0, V * page_size)`` to read (gathered first); ``None``: every slot.
+
+    Returns:
+        ``[V * page_size, C]`` (``slots=None``) or ``[*slots.shape, C]`` of ``dtype``; a slot's row is the same
+        bits either way.
+    """
+    ps, v = layout.page_size, pages.shape[0]
+    if isinstance(layout, MLALatentLayout):
+        flat = pages.reshape(v * ps, layout.row_dim)
+        return (flat if slots is None else flat[slots]).to(dtype)
+    if isinstance(layout, MLAFp8Layout):
+        flat = pages.reshape(v * ps, layout.row_bytes)
+        return ops.dequantize_mla_fp8(flat if slots is None else flat[slots], layout).to(dtype)
+    if isinstance(layout, IndexerFp8Layout):
+        if slots is None:
+            return ops.dequantize_indexer_pages(pages, layout).reshape(v * ps, layout.head_dim).to(dtype)
+        hd = layout.head_dim
+        page, t = slots // ps, slots % ps
+        codes = pages[:, : ps * hd].reshape(v, ps, hd)[page, t]  # [..., J] e4m3 bytes
+        scales = pages[:, ps * hd :].reshape(v, ps, 4)[page, t].contiguous().view(torch.float32)  # [..., 1]
+        return (codes.view(torch.float8_e4m3fn).float() * scales).to(dtype)
+    raise _bad_layout(layout)
+
+
+def round_trip(rows: torch.Tensor, layout: KVLayout) -> torch.Tensor:
+    """``rows`` ``[..., C]`` as a pool of ``layout`` gives them back (stored, then read): same shape and dtype.
+
+    ``MLALatentLayout``: a cast to the store dtype and back; ``MLAFp8Layout`` / ``IndexerFp8Layout``: the fp8
+    quantization of :mod:`dtkv.ops` and its dequantization (bitwise what :func:`write_rows` then
+    :func:`read_rows` give).
+    """
+    flat = rows.reshape(-1, rows.shape[-1])
+    if isinstance(layout, MLALatentLayout):
+        out = flat.to(layout.dtype)
+    elif isinstance(layout, MLAFp8Layout):
+        out = ops.dequantize_mla_fp8(ops.quantize_mla_fp8(flat, layout), layout)
+    elif isinstance(layout, IndexerFp8Layout):
+        codes, scale = ops.quantize_indexer_fp8(flat)
+        out = codes.view(torch.float8_e4m3fn).float() * scale[:, None]
+    else:
+        raise _bad_layout(layout)
+    return out.to(rows.dtype).reshape(rows.shape)
