@@ -1,7 +1,8 @@
-"""PD transfer of a 32K-token request over Mooncake TCP loopback, against one contiguous transfer of its bytes.
+"""PD transfer of a 32K-token request over loopback (Mooncake TCP or NIXL/UCX), against one contiguous transfer of
+its bytes; and the engines side by side on raw entry shapes.
 
-Run ``python benchmarks/bench_transfer.py`` (``--layers``, ``--tokens``, ``--reps``; ``--json PATH`` writes the
-rows). The prefill side runs in this process: ``cp_p`` prefill ranks (one :class:`dtkv.transfer.KVShard` each,
+Run ``python benchmarks/bench_transfer.py`` (``--engine mooncake|nixl``, ``--layers``, ``--tokens``, ``--reps``;
+``--json PATH`` writes the rows). The prefill side runs in this process: ``cp_p`` prefill ranks (one :class:`dtkv.transfer.KVShard` each,
 sharing one engine, sending one after the other) hold the request's pages, interleaved, in the real
 DeepSeek-V3.2 geometry (page 64: fp8 MLA 41 984 B + fp8 indexer 8 448 B per page and layer). A spawned decode
 process hosts ``cp_d`` ranks, a decode pool of pages allocated contiguously or fragmented (shuffled runs of 1-8
@@ -21,6 +22,31 @@ Per scenario, one verified warm-up and ``--reps`` timed repetitions, each timing
 
 The warm-up of every scenario is verified: decode hashes its pages in position order and compares with
 the prefill side's hash of the same logical pages.
+
+``--engines mooncake,nixl`` compares the engines on the same bytes instead, in one run (module
+:func:`run_engines`): for each request size (``--sizes`` tokens, fragmented decode pages) three entry shapes, each
+sent with :func:`dtkv.transfer.send_entries` exactly as a prefill rank sends (calls of at most 1024 entries, one in
+flight per peer) from this process to a spawned decode process of the same engine:
+
+- ``per_page``: one entry per page, layer and buffer (no coalescing);
+- ``coalesced``: the entries dtkv's planner emits for it (``plan_request``, staging off, one layer group);
+- ``contiguous``: one entry of the same bytes between two registered regions.
+
+Rows (``--jsonl PATH``): ``engine``, ``shape``, ``bytes``, ``entries``, ``gb_s`` (1e9 bytes/s, the median of
+``--reps`` timed repetitions, engines and shapes interleaved), ``vs_contiguous`` (this shape's GB/s over the same
+engine's contiguous GB/s of the same bytes: the median over repetitions of the ratio of the two, timed back to back
+in each repetition, so that the machine's load changes both alike; ``vs_contiguous_of_medians`` is the ratio of the
+medians), ``cpu_ms`` (this process's CPU time per send, every thread: with NIXL within a host, the copies
+themselves) and ``vs_contiguous_cpu`` (the same ratio in CPU time: the work, whatever else runs on the machine),
+plus ``tokens``, ``layers``, ``calls``, ``gb_s_best`` and
+``verified`` (decode's bytes equal the sources', checked on the warm-up of every shape). With ``--planned``, also
+the rows ``planned <scenario>``: dtkv's own send of the largest request through the protocol, default policy
+(coalescing, staging ``auto``, 4 layer groups; the scenario rows above), ``gb_s`` from its median e2e time and
+``vs_contiguous`` the median of its ratios to the contiguous ceiling timed back to back. ``--nixl-sweep`` measures
+NIXL's knobs instead, one at a time away from the defaults (:data:`SWEEP`: entries per call, descriptors per
+request, requests in flight) on the per-page, coalesced and contiguous shapes, each as the median of its
+per-repetition ratios to the defaults' time (``vs_default``; in CPU time ``vs_default_cpu``): the measurement
+behind ``BATCH_ENTRIES`` and ``INFLIGHT_PER_PEER`` in ``dtkv/transfer/_nixl.py``.
 
 ``--device cuda`` (or ``cpu``) measures the hand-off of pools on a device instead (``HandoffSender`` /
 ``HandoffReceiver``: CUDA pools through pinned host memory on Mooncake's non-cuda wheel) against a device-to-device
@@ -57,11 +83,15 @@ from dtkv.transfer import (
     DecodeReceiver,
     KVShard,
     LocalEngine,
-    MooncakeEngine,
+    PeerEntries,
     PlanOptions,
     PrefillSender,
     apply_mooncake_env,
+    create_engine,
     create_store,
+    expand_layers,
+    plan_request,
+    send_entries,
 )
 
 PAGE_SIZE = 64
@@ -111,6 +141,7 @@ class Result:
     ratio_median: float
     """Median over repetitions of (ceiling time / e2e time), each pair timed back to back."""
     verified: bool
+    e2e_ms_median: float = 0.0
 
 
 def _pages(num_pages_req: int, pool_pages: int, alloc: str, seed: int) -> np.ndarray:
@@ -138,9 +169,9 @@ def _digest(shards: list[KVShard], ownership: PageOwnership, pages: np.ndarray) 
 
 
 # ---------------------------------------------------------------------------------------------------- decode
-def _decode_main(conn, port: int, layers: int, pool_pages: int) -> None:
+def _decode_main(conn, port: int, layers: int, pool_pages: int, kind: str = "mooncake") -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    engine = MooncakeEngine()
+    engine = create_engine(kind)
     boot_store = create_store(port=port, is_master=False)
     receiver = None
     ceiling = None
@@ -169,7 +200,7 @@ def _decode_main(conn, port: int, layers: int, pool_pages: int) -> None:
         elif cmd == "ceiling":
             ceiling = torch.empty(args[0], dtype=torch.uint8)
             engine.register([ceiling])
-            conn.send((engine.session, ceiling.data_ptr()))
+            conn.send((engine.session, ceiling.data_ptr(), engine.agent_record()))
         elif cmd == "teardown":
             receiver.close()
             if ceiling is not None:
@@ -197,9 +228,9 @@ def run(args: argparse.Namespace) -> list[Result]:
     store = create_store(port=0, is_master=True)
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
-    proc = ctx.Process(target=_decode_main, args=(child, store.port, args.layers, pool_pages), daemon=True)
+    proc = ctx.Process(target=_decode_main, args=(child, store.port, args.layers, pool_pages, args.engine), daemon=True)
     proc.start()
-    engine = MooncakeEngine()
+    engine = create_engine(args.engine)
     g = torch.Generator().manual_seed(0)
     base = [
         Scenario(cp_p=1, cp_d=1, layout_d="interleave", alloc="contiguous", staging="auto"),
@@ -236,9 +267,11 @@ def run(args: argparse.Namespace) -> list[Result]:
         src = np.arange(16, 16 + n_req)
         dst = _pages(n_req, pool_pages, sc.alloc, seed=1)
         want = _digest(shards, own_p, src)
-        session, ceil_dst = _ask(conn, "ceiling", nbytes)
+        session, ceil_dst, record = _ask(conn, "ceiling", nbytes)
         ceil_src = torch.empty(nbytes, dtype=torch.uint8)
         engine.register([ceil_src])
+        if record is not None:  # NIXL: the decode engine registered the ceiling region after the sender connected
+            engine.add_peer(record, deadline=time.monotonic() + 30)
         rows = []
         verified = True
         for rep in range(args.reps + 1):  # rep 0 warms every buffer (first-touch page faults) and is verified
@@ -282,6 +315,7 @@ def run(args: argparse.Namespace) -> list[Result]:
                 ratio_best=ceiling / e2e,
                 ratio_median=ratios[len(ratios) // 2],
                 verified=verified,
+                e2e_ms_median=float(np.median([r[1] for r in rows])) * 1e3,
             )
         )
         print(_row(results[-1]), flush=True)
@@ -423,6 +457,308 @@ PROTOCOL_HEADER = (
 )
 
 
+# ---------------------------------------------------------------------------------------------------- engines
+SHAPES = ("per_page", "coalesced", "contiguous")
+
+
+def _engine_target(conn, kind: str, port: int, namespace: str, layers: int, pool_pages: int, nbytes: int) -> None:
+    """Decode side of :func:`run_engines`: one engine of ``kind``, a decode shard and a contiguous region."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    engine = create_engine(kind)
+    shard = KVShard.allocate(LAYOUTS, PageOwnership(1, pool_pages), 0, num_layers=layers)
+    region = torch.zeros(nbytes, dtype=torch.uint8)
+    engine.register(shard.registered_tensors() + [region])
+    record = engine.agent_record()
+    if record is not None:  # NIXL: the record travels through the store, as between PD sides
+        Bootstrap(create_store(port=port, is_master=False), namespace=namespace).publish_agent(
+            "decode", 0, record, deadline=time.monotonic() + 60
+        )
+    conn.send((shard.endpoint("decode", engine.session), region.data_ptr()))
+    while True:
+        cmd, *args = conn.recv()
+        if cmd == "clear":
+            for b in shard.buffers.values():
+                b.zero_()
+            region.zero_()
+            conn.send(("ok",))
+        elif cmd == "digest":
+            dst, contiguous_bytes = args
+            if contiguous_bytes:
+                conn.send(hashlib.blake2b(region[:contiguous_bytes].numpy().tobytes(), digest_size=16).hexdigest())
+            else:
+                conn.send(_digest([shard], shard.ownership, dst))
+        elif cmd == "exit":
+            engine.close()
+            return
+
+
+def _shape_entries(shape: str, plan_peers, shard_p: KVShard, ep_d, src, dst, contig) -> list[PeerEntries]:
+    """The entries of one shape (``contig``: ``(src_addr, dst_addr, nbytes)`` of the contiguous regions)."""
+    (peer,) = plan_peers
+    if shape == "coalesced":
+        return [peer]
+    if shape == "contiguous":
+        s, d, n = (np.array([x], dtype=np.int64) for x in contig)
+    else:  # one entry per page, layer and buffer: unit runs expanded over the layers
+        ones = np.ones(src.shape[0], dtype=np.int64)
+        parts = []
+        for spec in ep_d.buffers:
+            buf = shard_p.buffers[spec.name]
+            so, do, ln = expand_layers((src, dst, ones), num_layers=shard_p.num_layers, page_bytes=spec.page_bytes,
+                                       src_rows=int(buf.shape[1]), dst_rows=spec.num_local_pages)  # fmt: skip
+            parts.append((buf.data_ptr() + so, spec.addr + do, ln))
+        s, d, n = (np.concatenate(x) for x in zip(*parts))
+    return [PeerEntries(decode_rank=0, session=peer.session, src=s, dst=d, length=n, positions=peer.positions,
+                        dst_pages=peer.dst_pages)]  # fmt: skip
+
+
+def _time_send(engine, entries, *, max_entries: int = 1024, cpu: list | None = None) -> tuple[float, int]:
+    """Seconds and calls of one :func:`send_entries`; ``cpu`` gets this process's CPU seconds (every thread)."""
+    c0, t0 = time.process_time(), time.perf_counter()
+    calls = send_entries(engine, entries, request_id="bench", deadline=time.monotonic() + 600,
+                         max_entries_per_call=max_entries)  # fmt: skip
+    dt = time.perf_counter() - t0
+    if cpu is not None:
+        cpu.append(time.process_time() - c0)
+    return dt, calls
+
+
+@dataclass
+class _Side:
+    """One engine's pair for :func:`run_engines`: this process's engine and shard, the decode process."""
+
+    kind: str
+    engine: object
+    shard: KVShard
+    region: torch.Tensor
+    proc: object
+    conn: object
+    ep_d: object
+    dst_region: int
+    record: object = None
+    """The decode engine's agent record (NIXL)."""
+
+
+def _start_sides(kinds, store, *, layers: int, pool_pages: int, nbytes: int, g) -> list[_Side]:
+    ctx = mp.get_context("spawn")
+    sides = []
+    for kind in kinds:
+        namespace = uuid.uuid4().hex
+        conn, child = ctx.Pipe()
+        proc = ctx.Process(target=_engine_target, args=(child, kind, store.port, namespace, layers, pool_pages, nbytes),
+                           daemon=True)  # fmt: skip
+        proc.start()
+        engine = create_engine(kind)
+        shard = KVShard.allocate(LAYOUTS, PageOwnership(1, pool_pages), 0, num_layers=layers)
+        for b in shard.buffers.values():
+            b.view(torch.uint8).copy_(torch.randint(0, 256, b.view(torch.uint8).shape, generator=g, dtype=torch.uint8))
+        region = torch.randint(0, 256, (nbytes,), generator=g, dtype=torch.uint8)
+        engine.register(shard.registered_tensors() + [region])
+        if not conn.poll(300):
+            raise TimeoutError(f"the {kind} decode process did not start")
+        ep_d, dst_region = conn.recv()
+        record = None
+        if kind == "nixl":
+            record = Bootstrap(store, namespace=namespace).agent("decode", 0, deadline=time.monotonic() + 60)
+            engine.add_peer(record, deadline=time.monotonic() + 60)
+        sides.append(_Side(kind, engine, shard, region, proc, conn, ep_d, dst_region, record))
+    return sides
+
+
+def _stop_sides(sides: list[_Side]) -> None:
+    for side in sides:
+        side.conn.send(("exit",))
+        side.proc.join(30)
+        side.engine.close()
+
+
+def run_engines(args: argparse.Namespace) -> list[dict]:
+    """Every engine of ``--engines`` on the three shapes of every ``--sizes`` request (module docstring)."""
+    torch.set_num_threads(1)
+    kinds = [k.strip() for k in args.engines.split(",") if k.strip()]
+    sizes = [int(x) for x in args.sizes.split(",")]
+    max_pages = -(-max(sizes) // PAGE_SIZE)
+    pool_pages = 2 * max_pages + 64
+    page_bytes = sum(lay.page_bytes for lay in LAYOUTS.values())
+    store = create_store(port=0, is_master=True)
+    g = torch.Generator().manual_seed(0)
+    sides = _start_sides(kinds, store, layers=args.layers, pool_pages=pool_pages,
+                         nbytes=max_pages * args.layers * page_bytes, g=g)  # fmt: skip
+    rows = []
+    try:
+        for tokens in sizes:
+            n_req = -(-tokens // PAGE_SIZE)
+            nbytes = n_req * args.layers * page_bytes
+            src = np.arange(16, 16 + n_req)
+            dst = _pages(n_req, pool_pages, "fragmented", seed=1)
+            work = {}
+            for side in sides:
+                ep_p = side.shard.endpoint("prefill", side.engine.session)
+                plan = plan_request(src, dst, prefill=[ep_p], decode=[side.ep_d],
+                                    options=PlanOptions(staging="off", layer_groups=1))  # fmt: skip
+                contig = (side.region.data_ptr(), side.dst_region, nbytes)
+                for shape in SHAPES:
+                    entries = _shape_entries(shape, plan.senders[0].peers, side.shard, side.ep_d, src, dst, contig)
+                    _ask(side.conn, "clear")
+                    _time_send(side.engine, entries)  # warm-up, verified
+                    contiguous = nbytes if shape == "contiguous" else 0
+                    got = _ask(side.conn, "digest", dst, contiguous)
+                    if contiguous:
+                        want = hashlib.blake2b(side.region[:nbytes].numpy().tobytes(), digest_size=16).hexdigest()
+                    else:
+                        want = _digest([side.shard], side.shard.ownership, src)
+                    work[(side.kind, shape)] = [side, entries, got == want, [], 0, []]
+            for rep in range(args.reps):  # engines and shapes interleaved: a slow spell of the machine hits all alike
+                for side in sides:  # one engine's shapes back to back, their order reversed every other repetition
+                    for shape in SHAPES if rep % 2 == 0 else SHAPES[::-1]:
+                        w = work[(side.kind, shape)]
+                        dt, w[4] = _time_send(side.engine, w[1], cpu=w[5])
+                        w[3].append(dt)
+            for (kind, shape), (_side, entries, ok, times, calls, cpu) in work.items():
+                base, base_cpu = work[(kind, "contiguous")][3], work[(kind, "contiguous")][5]
+                med = float(np.median(times))
+                rows.append({"engine": kind, "shape": shape, "tokens": tokens, "layers": args.layers,
+                             "bytes": nbytes, "entries": sum(p.num_entries for p in entries), "calls": calls,
+                             "gb_s": nbytes / med / 1e9, "gb_s_best": nbytes / min(times) / 1e9,
+                             "vs_contiguous": float(np.median(np.array(base) / np.array(times))),
+                             "vs_contiguous_of_medians": float(np.median(base)) / med, "reps": len(times),
+                             "cpu_ms": 1e3 * float(np.median(cpu)),
+                             "vs_contiguous_cpu": float(np.median(np.array(base_cpu) / np.array(cpu))),
+                             "verified": bool(ok)})  # fmt: skip
+                print(_engine_row(rows[-1]), flush=True)
+    finally:
+        _stop_sides(sides)
+    if args.planned:  # dtkv's own send of the largest request, default policy, through the protocol
+        print(HEADER, flush=True)
+        for kind in kinds:
+            sub = argparse.Namespace(**{**vars(args), "engine": kind, "tokens": max(sizes), "only": "auto/4",
+                                        "layer_groups": 4})  # fmt: skip
+            for r in run(sub):
+                nbytes = int(round(r.mib * 2**20))
+                rows.append({"engine": kind, "shape": f"planned {r.scenario}", "tokens": max(sizes),
+                             "layers": args.layers, "bytes": nbytes, "entries": r.entries, "calls": r.calls,
+                             "gb_s": nbytes / (r.e2e_ms_median * 1e-3) / 1e9, "gb_s_best": nbytes / (r.e2e_ms * 1e-3) / 1e9,
+                             "vs_contiguous": r.ratio_median, "verified": r.verified})  # fmt: skip
+    return rows
+
+
+ENGINE_HEADER = (
+    "| engine | shape | tokens | MB | entries | calls | GB/s (median) | GB/s (best) | vs contiguous | CPU ms | "
+    "vs contiguous, CPU | bitwise |\n|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|"
+)
+
+
+def _engine_row(r: dict) -> str:
+    cpu = f"{r['cpu_ms']:.1f} | {r['vs_contiguous_cpu']:.2f}" if "cpu_ms" in r else "- | -"
+    return (
+        f"| {r['engine']} | {r['shape']} | {r['tokens']} | {r['bytes'] / 1e6:.1f} | {r['entries']} | {r['calls']} | "
+        f"{r['gb_s']:.2f} | {r['gb_s_best']:.2f} | {r['vs_contiguous']:.2f} | {cpu} | "
+        f"{'yes' if r['verified'] else 'NO'} |"
+    )
+
+
+SWEEP = (
+    {},
+    {"batch_entries": 64},
+    {"batch_entries": 256},
+    {"entries_per_call": 8192, "batch_entries": 4096},
+    {"entries_per_call": 8192},
+    {"inflight": 1},
+    {"inflight": 4},
+)
+"""``--nixl-sweep``: one knob at a time away from the defaults (the first row): entries per ``send_entries`` call,
+descriptors per request, requests in flight."""
+
+
+def _sweep_config(change: dict) -> dict:
+    from dtkv.transfer import _nixl
+
+    base = {"entries_per_call": 1024, "batch_entries": _nixl.BATCH_ENTRIES, "inflight": _nixl.INFLIGHT_PER_PEER}
+    return {**base, **change}
+
+
+def run_nixl_sweep(args: argparse.Namespace) -> list[dict]:
+    """NIXL's knobs (:data:`SWEEP`) on the three shapes of the largest ``--sizes`` request: per
+    configuration the median GB/s of ``--reps`` and the median of its per-repetition ratios to the defaults' time
+    (configurations interleaved, their order reversed every other repetition)."""
+    from dtkv.transfer import NixlEngine
+
+    torch.set_num_threads(1)
+    tokens = max(int(x) for x in args.sizes.split(","))
+    n_req = -(-tokens // PAGE_SIZE)
+    pool_pages = 2 * n_req + 64
+    nbytes = n_req * args.layers * sum(lay.page_bytes for lay in LAYOUTS.values())
+    store = create_store(port=0, is_master=True)
+    (side,) = _start_sides(["nixl"], store, layers=args.layers, pool_pages=pool_pages, nbytes=nbytes,
+                           g=torch.Generator().manual_seed(0))  # fmt: skip
+    src, dst = np.arange(16, 16 + n_req), _pages(n_req, pool_pages, "fragmented", seed=1)
+    plan = plan_request(src, dst, prefill=[side.shard.endpoint("prefill", side.engine.session)], decode=[side.ep_d],
+                        options=PlanOptions(staging="off", layer_groups=1))  # fmt: skip
+    configs = [_sweep_config(c) for c in SWEEP]
+    rows = []
+    engines = []
+    try:
+        for c in configs:  # one engine per configuration, each registering the same source memory
+            eng = NixlEngine(**{k: v for k, v in c.items() if k != "entries_per_call"})
+            eng.register(side.shard.registered_tensors() + [side.region])
+            eng.add_peer(side.record, deadline=time.monotonic() + 60)
+            engines.append(eng)
+        for shape in ("per_page", "coalesced", "contiguous"):
+            contig = (side.region.data_ptr(), side.dst_region, nbytes)
+            entries = _shape_entries(shape, plan.senders[0].peers, side.shard, side.ep_d, src, dst, contig)
+            for c, eng in zip(configs, engines):
+                _time_send(eng, entries, max_entries=c["entries_per_call"])  # warm-up
+            times: list[list[float]] = [[] for _ in configs]
+            cpus: list[list[float]] = [[] for _ in configs]
+            for rep in range(args.reps):
+                order = list(range(len(configs)))
+                for i in order if rep % 2 == 0 else order[::-1]:
+                    dt, _ = _time_send(engines[i], entries, max_entries=configs[i]["entries_per_call"], cpu=cpus[i])
+                    times[i].append(dt)
+            base, base_cpu = np.array(times[0]), np.array(cpus[0])
+            for c, ts, cpu in zip(configs, times, cpus):
+                rows.append({"engine": "nixl", "shape": shape, "tokens": tokens, "bytes": nbytes,
+                             "entries": sum(p.num_entries for p in entries), **c,
+                             "ucx_tls": os.environ.get("UCX_TLS", "default"),
+                             "gb_s": nbytes / float(np.median(ts)) / 1e9, "gb_s_best": nbytes / min(ts) / 1e9,
+                             "vs_default": float(np.median(base / np.array(ts))), "reps": len(ts),
+                             "cpu_ms": 1e3 * float(np.median(cpu)),
+                             "vs_default_cpu": float(np.median(base_cpu / np.array(cpu)))})  # fmt: skip
+                r = rows[-1]
+                print(f"| {shape} | {c['entries_per_call']} | {c['batch_entries']} | {c['inflight']} | {r['gb_s']:.2f} | "
+                      f"{r['gb_s_best']:.2f} | {r['vs_default']:.2f} | {r['cpu_ms']:.1f} | {r['vs_default_cpu']:.2f} |",
+                      flush=True)  # fmt: skip
+    finally:
+        for eng in engines:
+            eng.close()
+        _stop_sides([side])
+    return rows
+
+
+SWEEP_HEADER = (
+    "| shape | entries per call | descriptors per request | in flight | GB/s (median) | GB/s (best) | vs defaults | "
+    "CPU ms | vs defaults, CPU |\n|---|--:|--:|--:|--:|--:|--:|--:|--:|"
+)
+
+
+def _load() -> str:
+    """The load averages (1, 5, 15 min): the machine may be shared."""
+    return " / ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def _versions() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = [f"torch {torch.__version__}"]
+    for name in ("mooncake-transfer-engine-non-cuda", "nixl", "nixl-cu12", "nixl-cu13"):
+        try:
+            out.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            pass
+    return ", ".join(out)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=32768, help="tokens of the request (default 32768)")
@@ -432,6 +768,18 @@ def main() -> None:
     p.add_argument("--json", default=None, help="write the rows here, a JSON file (default: none)")
     p.add_argument(
         "--only", default=None, help="run the scenarios whose name and staging contain this text (default: all)"
+    )
+    p.add_argument("--engine", default="mooncake", choices=("mooncake", "nixl"), help="scenario rows: the engine")
+    p.add_argument(
+        "--engines", default=None, help="compare these engines on raw entry shapes instead, e.g. mooncake,nixl"
+    )
+    p.add_argument("--sizes", default="4096,32768", help="--engines: request sizes in tokens (default 4096,32768)")
+    p.add_argument("--jsonl", default=None, help="--engines / --nixl-sweep: write the rows here, one JSON per line")
+    p.add_argument("--nixl-sweep", action="store_true", help="measure NIXL's knobs one at a time (SWEEP)")
+    p.add_argument(
+        "--planned",
+        action="store_true",
+        help="--engines: also dtkv's own send (the scenarios' default policy, auto/4) of the largest size per engine",
     )
     p.add_argument("--protocol", action="store_true", help="measure the protocol's per-request cost instead")
     p.add_argument(
@@ -475,12 +823,23 @@ def main() -> None:
             with open(args.json, "w") as f:
                 json.dump([asdict(r) for r in results], f, indent=1)
         return
-    import mooncake
-
+    if args.engines or args.nixl_sweep:
+        print(f"# {datetime.date.today()} | {platform.node()} | {os.cpu_count()} cores | {_versions()} | "
+              f"sizes={args.sizes} layers={args.layers} reps={args.reps} | load {_load()}")  # fmt: skip
+        if args.nixl_sweep:
+            print(SWEEP_HEADER)
+            rows = run_nixl_sweep(args)
+        else:
+            print(ENGINE_HEADER)
+            rows = run_engines(args)
+        print(f"# load {_load()}")
+        if args.jsonl:
+            with open(args.jsonl, "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
+        return
     print(
-        f"# {datetime.date.today()} | {platform.node()} | {os.cpu_count()} cores | torch {torch.__version__} | "
-        f"mooncake {getattr(mooncake, '__version__', '0.3.13.post1')} | tokens={args.tokens} layers={args.layers} "
-        f"reps={args.reps}"
+        f"# {datetime.date.today()} | {platform.node()} | {os.cpu_count()} cores | {_versions()} | "
+        f"engine={args.engine} tokens={args.tokens} layers={args.layers} reps={args.reps}"
     )
     print(HEADER)
     with phase(f"transfer scenarios, {args.tokens} tokens x {args.layers} layers, {args.reps} reps"):

@@ -18,7 +18,7 @@ __all__ = ["loopback_env", "torchrun"]
 
 def torchrun(nproc: int, *args: str, module: str | None = None) -> list[str]:
     """The argv of ``torchrun --standalone --nproc-per-node nproc [-m module] args...`` on loopback."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--local-addr", "127.0.0.1", 
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--local-addr", "127.0.0.1",
            "--nproc-per-node", str(nproc)]  # fmt: skip
     return cmd + (["-m", module] if module else []) + list(args)
 

@@ -1,14 +1,16 @@
-"""Shared fixtures: long-lived gloo rank groups of sizes 2, 3 and 4 (one per test session).
+"""Shared fixtures: long-lived gloo rank groups of sizes 2, 3 and 4 (one per test session), and
+``transfer_engine``, which runs a PD test once per transfer engine (``mooncake``, ``nixl``; ``tests/_engines.py``).
 
 Also the ``gpu`` marker: every test that needs a CUDA device carries it (``pytest.mark.gpu``; a device
 parametrization marks its ``cuda`` case, as ``tests/ops_reference.DEVICES`` does), and without CUDA each such test
 is skipped here with one reason. ``python -m pytest -m gpu`` on a GPU machine runs exactly the GPU cases;
 ``tests/test_gpu_marker.py`` keeps the suite from saying "needs CUDA" any other way.
 
-Also the Mooncake check: when the ``mooncake`` extra is installed but its engine cannot load (Debian's
-``libibverbs1`` missing, typically), the run stops at once saying how to fix it, instead of skipping the PD
-tests among the CUDA skips. To accept that on purpose: ``DTKV_TEST_NO_MOONCAKE=1`` (the Mooncake tests then skip,
-each saying why) or ``-m "not mooncake"`` (they are deselected).
+Also the engine checks: when the ``mooncake`` extra is installed but its engine cannot load (Debian's
+``libibverbs1`` missing, typically), or the ``nixl`` extra is installed but NIXL or its UCX plugin does not load,
+the run stops at once saying how to fix it, instead of skipping the PD tests among the CUDA skips. To accept that
+on purpose: ``DTKV_TEST_NO_MOONCAKE=1`` / ``DTKV_TEST_NO_NIXL=1`` (that engine's tests then skip, each saying why)
+or ``-m "not mooncake"`` / ``-m "not nixl"`` (they are deselected). The summary ends with the tests run per engine.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from tests import _engines
 from tests._long_tail import mark as _mark_long_tail
 from tests._multirank import RankGroup
 
@@ -33,6 +36,26 @@ _MOONCAKE_FIX = (
     "Mooncake tests on purpose: `DTKV_TEST_NO_MOONCAKE=1 python -m pytest` (they skip, saying why) or "
     '`python -m pytest -m "not mooncake"` (they are deselected).'
 )
+
+
+_NIXL_FIX = (
+    "the `nixl` extra is installed but NIXL does not load, so the NIXL PD transfer tests would be skipped: {why}\n"
+    "Fix: reinstall it (`pip install -e '.[nixl]' -c .ci/constraints.txt`: nixl, nixl-cu12, nixl-cu13 1.5.1), or "
+    "run without the NIXL tests on purpose: `DTKV_TEST_NO_NIXL=1 python -m pytest` (they skip, saying why) or "
+    '`python -m pytest -m "not nixl"` (they are deselected).'
+)
+
+
+def _nixl_state() -> tuple[str, str]:
+    """``("ok" | "not installed" | "broken" | "check off", detail)``."""
+    if os.environ.get("DTKV_TEST_NO_NIXL", "").strip() not in ("", "0"):
+        return "check off", "DTKV_TEST_NO_NIXL is set: NIXL tests skip if the engine does not load"
+    if importlib.util.find_spec("nixl") is None:
+        return "not installed", "the `nixl` extra is not installed: the NIXL PD transfer tests skip"
+    from dtkv.transfer import nixl_available
+
+    ok, why = nixl_available()
+    return ("ok", "NIXL and its UCX plugin load") if ok else ("broken", why)
 
 
 def _mooncake_state() -> tuple[str, str]:
@@ -48,10 +71,15 @@ def _mooncake_state() -> tuple[str, str]:
 
 
 def pytest_configure(config):
+    markexpr = config.getoption("markexpr", "") or ""
     state, detail = _mooncake_state()
     config._dtkv_mooncake = (state, detail)
-    if state == "broken" and "not mooncake" not in (config.getoption("markexpr", "") or ""):
+    if state == "broken" and "not mooncake" not in markexpr:
         raise pytest.UsageError(_MOONCAKE_FIX.format(why=detail))
+    state, detail = _nixl_state()
+    config._dtkv_nixl = (state, detail)
+    if state == "broken" and "not nixl" not in markexpr:
+        raise pytest.UsageError(_NIXL_FIX.format(why=detail))
 
 
 GPU_SKIP_REASON = "needs a CUDA device (the gpu marker: python -m pytest -m gpu on a GPU machine)"
@@ -59,6 +87,9 @@ GPU_SKIP_REASON = "needs a CUDA device (the gpu marker: python -m pytest -m gpu 
 
 def pytest_collection_modifyitems(config, items):
     _mark_long_tail(items, list(config.args))  # the quick subset's long tail (tests/_long_tail.py): slow
+    config._dtkv_per_engine = {
+        item.nodeid for item in items if "transfer_engine" in getattr(getattr(item, "callspec", None), "params", {})
+    }
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason=GPU_SKIP_REASON)
@@ -68,8 +99,38 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_report_header(config):
-    state, detail = getattr(config, "_dtkv_mooncake", ("?", ""))
-    return f"mooncake: {state} ({detail})"
+    lines = []
+    for name in ("mooncake", "nixl"):
+        state, detail = getattr(config, f"_dtkv_{name}", ("?", ""))
+        lines.append(f"{name}: {state} ({detail})")
+    return lines
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """Two lines: the PD tests run once per engine (``transfer_engine``) and the engine-specific ones, by engine and
+    outcome (CI's log shows both counts)."""
+    per_engine = getattr(config, "_dtkv_per_engine", set())
+    counts: dict[str, dict[str, dict[str, int]]] = {"the PD suite": {}, "engine-specific tests": {}}
+    for outcome in ("passed", "failed", "skipped", "error"):
+        for rep in terminalreporter.stats.get(outcome, []):
+            keywords = getattr(rep, "keywords", {})
+            if not (rep.when == "call" or outcome in ("skipped", "error")):
+                continue
+            group = counts["the PD suite" if rep.nodeid in per_engine else "engine-specific tests"]
+            for name in ("mooncake", "nixl"):
+                if name in keywords:
+                    c = group.setdefault(name, {})
+                    c[outcome] = c.get(outcome, 0) + 1
+    for title, group in counts.items():
+        if group:
+            parts = [f"{name} " + ", ".join(f"{n} {o}" for o, n in c.items()) for name, c in sorted(group.items())]
+            terminalreporter.write_line(f"transfer engines, {title}: " + "; ".join(parts))
+
+
+@pytest.fixture(params=_engines.ENGINES)
+def transfer_engine(request) -> str:
+    """Runs a test once per transfer engine: ``"mooncake"`` and ``"nixl"`` (``tests/_engines.py``)."""
+    return request.param
 
 
 @pytest.fixture(scope="session")

@@ -39,10 +39,9 @@ def test_demo_rejects_bad_arguments():
 
 
 @pytest.mark.multirank
-@pytest.mark.mooncake
 @pytest.mark.slow  # > 10 s on 2 cores: outside the quick subset (-m 'not slow')
-def test_demo_pd_hands_requests_to_a_decode_process_over_mooncake():
-    pytest.importorskip("mooncake.engine", reason="the Mooncake transfer engine (non-cuda wheel + libibverbs1)")
+def test_demo_pd_hands_requests_to_a_decode_process(transfer_engine):
+    """``--pd``, once per ``--transfer-engine`` (the fixture skips an engine that is not installed)."""
     cmd = [
         sys.executable,
         "-m",
@@ -55,11 +54,14 @@ def test_demo_pd_hands_requests_to_a_decode_process_over_mooncake():
         "128",
         "--kv-dtype",
         "fp8",
+        "--transfer-engine",
+        transfer_engine,
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
-    res = json.loads(out.stdout.strip().splitlines()[-1])
-    assert res["parity"] is True and res["pd_parity"] is True
+    assert len(out.stdout.strip().splitlines()) == 1, out.stdout  # no engine log line on stdout
+    res = json.loads(out.stdout)
+    assert res["parity"] is True and res["pd_parity"] is True and res["pd_engine"] == transfer_engine
     assert res["pd_entries"] >= res["pd_min_entries"] > 0 and res["pd_bytes"] > 0
 
 
@@ -120,13 +122,11 @@ def test_demo_runs_a_transformers_model_and_reports_parity_with_its_own_forward(
 
 
 @pytest.mark.multirank
-@pytest.mark.mooncake
 @pytest.mark.slow  # > 10 s on 2 cores: outside the quick subset (-m 'not slow')
-def test_torchrun_demo_of_a_transformers_model_hands_off_to_decode_over_mooncake():
+def test_torchrun_demo_of_a_transformers_model_hands_off_to_decode(transfer_engine):
     pytest.importorskip("transformers", reason="the hf extra (transformers==5.17.0)")
-    pytest.importorskip("mooncake.engine", reason="the Mooncake transfer engine (non-cuda wheel + libibverbs1)")
     args = ("--model", "deepseek-v32", "--tokens", "200", "--chunk", "64", "--pd", "--decode-cp", "3", "--decode",
-            "sharded", "--json")  # fmt: skip
+            "sharded", "--json", "--transfer-engine", transfer_engine)  # fmt: skip
     out = subprocess.run(
         _torchrun(2, *args), capture_output=True, text=True, timeout=600, check=False, env=loopback_env()
     )
@@ -136,6 +136,7 @@ def test_torchrun_demo_of_a_transformers_model_hands_off_to_decode_over_mooncake
     res = objs[0]
     assert res["cp"] == 2 and res["parity"] is True and res["pd_parity"] is True and res["mode"] == "sharded_direct"
     assert res["pd_outputs"] == res["generated"] and res["pd_bytes"] > 0 and res["decode_cp"] == 3
+    assert res["pd_engine"] == transfer_engine
 
 
 @pytest.mark.multirank
@@ -195,7 +196,7 @@ def test_demo_help_names_every_default_and_unit():
 
     valued = [a for a in parser()._actions if a.option_strings and not isinstance(a, argparse._StoreTrueAction)]
     valued = [a for a in valued if not isinstance(a, argparse._HelpAction)]
-    assert len(valued) == 19
+    assert len(valued) == 20
     for a in valued:
         assert "(default: " in a.help, a.option_strings
     out = _usage("--help")
@@ -281,13 +282,11 @@ def test_demo_default_sizes_of_the_transformers_modes(name):
 
 
 @pytest.mark.multirank
-@pytest.mark.mooncake
-def test_demo_pd_into_a_sharded_decode_group_of_another_size():
+def test_demo_pd_into_a_sharded_decode_group_of_another_size(transfer_engine):
     """``--pd --cp 2 --decode-cp 3 --decode sharded``, reference model: the decode owners hold the prefill's bytes
     and the decode group's tokens are the prefill group's."""
-    pytest.importorskip("mooncake.engine", reason="the Mooncake transfer engine (non-cuda wheel + libibverbs1)")
     cmd = [sys.executable, "-m", "dtkv.demo", "--json", "--pd", "--decode-cp", "3", "--decode", "sharded",
-           "--tokens", "200", "--chunk", "64", "--kv-dtype", "fp8"]  # fmt: skip
+           "--tokens", "200", "--chunk", "64", "--kv-dtype", "fp8", "--transfer-engine", transfer_engine]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout)
@@ -299,6 +298,7 @@ def test_demo_pd_into_a_sharded_decode_group_of_another_size():
     assert (
         res["pd_outputs"] == res["generated"]
         and res["pd_kv_bytes_per_decode_rank"] * 3 == res["pd_kv_bytes_replicated"]
+        and res["pd_engine"] == transfer_engine
     )
 
 

@@ -1,6 +1,8 @@
-"""PD with a transformers DSA model over Mooncake TCP loopback, through the demo's wiring (:mod:`dtkv.demo._pd`): CP
-prefill ranks (2 gloo ranks; also 3 with ``DTKV_TEST_LONG=1``) hand every request to a decode group running the same
-model, whose received KV is bitwise what the CP ranks store and whose greedy tokens equal the model's own."""
+"""PD with a transformers DSA model over loopback, once per engine (Mooncake TCP, NIXL/UCX), through the demo's
+wiring (:mod:`dtkv.demo._pd`): CP prefill ranks (2 gloo ranks; also 3 with ``DTKV_TEST_LONG=1``) hand every request
+to a decode group running the same model, whose received KV is bitwise what the CP ranks store and whose greedy
+tokens equal the model's own. The prefill group of each size is spawned once for both engines (its processes keep
+the model)."""
 
 from __future__ import annotations
 
@@ -11,12 +13,25 @@ import pytest
 pytest.importorskip("transformers", reason="the hf extra (transformers==5.17.0)")
 
 from tests._multirank import RankGroup  # noqa: E402
-from tests._transfer import NEEDS_MOONCAKE  # noqa: E402
 from tests.test_integration_transformers import model, prompts, reference  # noqa: E402
 
-pytestmark = [*NEEDS_MOONCAKE, pytest.mark.multirank]
+pytestmark = [pytest.mark.multirank]
 
 STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def groups():
+    made: dict[int, RankGroup] = {}
+
+    def get(world: int) -> RankGroup:
+        if world not in made:
+            made[world] = RankGroup(world, timeout_s=600)
+        return made[world]
+
+    yield get
+    for g in made.values():
+        g.close()
 
 
 def _prefill_rank(rank, world, args):
@@ -52,19 +67,16 @@ def _prefill_rank(rank, world, args):
     ],
     ids=["world2-deepseek-v32-direct-fp8-into-decode2", "world3-glm5-bf16-into-decode2"],
 )  # fmt: skip
-def test_pd_decode_continues_the_cp_prefill(world, name, split, kv_dtype, decode_cp):
+def test_pd_decode_continues_the_cp_prefill(groups, world, name, split, kv_dtype, decode_cp, transfer_engine):
     from dtkv.demo._pd import start_decode_group
 
     args = {
         "model": name, "seed": 0, "dtype": None, "page_size": 4, "kv_dtype": kv_dtype, "split": split,
         "decode_steps": STEPS, "timeout": 120.0, "decode": "sharded", "decode_cp": decode_cp, "attention": "torch",
+        "transfer_engine": transfer_engine,
     }  # fmt: skip
     decode = start_decode_group(args, prompts())
-    group = RankGroup(world, timeout_s=600)
-    try:
-        results = group.run(_prefill_rank, {**args, **decode.rank_args})
-    finally:
-        group.close()
+    results = groups(world).run(_prefill_rank, {**args, **decode.rank_args})
     answers = decode.result(timeout_s=300.0)
     assert all("error" not in a for a in answers), answers
     assert all(a["kv_digest"] == r["pd_kv_digest"] for a in answers for r in results), "decode holds other bytes"

@@ -1,4 +1,5 @@
-"""PD with the prefix cache, over Mooncake TCP loopback (2 gloo prefill ranks, sharded KV with direct writes, fp8):
+"""PD with the prefix cache, over loopback once per engine (Mooncake TCP, NIXL/UCX; 2 gloo prefill ranks, sharded KV
+with direct writes, fp8):
 a request served from cached pages hands decode exactly the bytes of the same request prefilled from scratch --
 same KV digest on decode, same bytes sent in total, same generated tokens -- although its pages (and so which
 rank sends which of them) differ."""
@@ -11,9 +12,8 @@ import pytest
 
 from dtkv.model import ModelConfig, ReferenceAdapter
 from dtkv.runtime import Runtime
-from tests._transfer import NEEDS_MOONCAKE
 
-pytestmark = [*NEEDS_MOONCAKE, pytest.mark.multirank]
+pytestmark = [pytest.mark.multirank]
 
 SYSTEM = [(7 * i + 3) % 97 for i in range(26)]  # six full pages and two tokens
 QUESTION, OTHER = [5, 1, 4, 1, 5, 9, 2], [2, 7, 1, 8]
@@ -40,13 +40,14 @@ def _prefill_rank(rank, world, args, cached):
 
 
 @pytest.mark.slow  # > 10 s on 2 cores: outside the quick subset (-m 'not slow')
-def test_a_cached_request_transfers_the_same_bytes_to_decode_as_one_prefilled_from_scratch(ranks2):
+def test_a_cached_request_transfers_the_same_bytes_to_decode_as_one_prefilled_from_scratch(ranks2, transfer_engine):
     from dtkv.demo._pd import start_decode_group
 
     got = {}
+    args = {**ARGS, "transfer_engine": transfer_engine}
     for cached in (False, True):
-        decode = start_decode_group(ARGS, [SYSTEM + QUESTION])
-        ranks = ranks2.run(_prefill_rank, {**ARGS, **decode.rank_args}, cached)
+        decode = start_decode_group(args, [SYSTEM + QUESTION])
+        ranks = ranks2.run(_prefill_rank, {**args, **decode.rank_args}, cached)
         (out,) = decode.result(timeout_s=60.0)
         assert "error" not in out, out.get("error")
         assert all(r["pd_kv_digest"] == out["kv_digest"] for r in ranks), "decode's KV must equal the sender's"

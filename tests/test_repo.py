@@ -136,18 +136,27 @@ def test_every_public_name_and_submodule_of_dtkv_resolves_on_first_use():
     assert "module 'dtkv' has no attribute 'no_such_name'" in run.stdout
 
 
-def _pytest_with_a_broken_mooncake(tmp_path, *args, env_extra=None):
-    """Run pytest's collection of one small test file with a ``mooncake`` package whose engine cannot load."""
+_BROKEN = {
+    "mooncake": ("engine.py", "raise ImportError('libibverbs.so.1: cannot open shared object file')\n"),
+    "nixl": ("_api.py", "raise ImportError('libucs.so.0: cannot open shared object file')\n"),
+}
+
+
+def _pytest_with_a_broken_mooncake(tmp_path, *args, env_extra=None, package="mooncake"):
+    """Run pytest's collection of one small test file with a ``mooncake`` (or ``nixl``) package whose engine cannot
+    load."""
     import os
     import subprocess
     import sys
 
-    fake = tmp_path / "fake" / "mooncake"
+    fake = tmp_path / "fake" / package
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("")
-    (fake / "engine.py").write_text("raise ImportError('libibverbs.so.1: cannot open shared object file')\n")
+    name, code = _BROKEN[package]
+    (fake / name).write_text(code)
     env = dict(os.environ)
     env.pop("DTKV_TEST_NO_MOONCAKE", None)
+    env.pop("DTKV_TEST_NO_NIXL", None)
     env.update(PYTHONPATH=os.pathsep.join([str(fake.parent), str(ROOT)]), **(env_extra or {}))
     cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests/test_util.py"]
     return subprocess.run(cmd + list(args), cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -167,6 +176,23 @@ def test_the_mooncake_check_can_be_turned_off_explicitly(tmp_path, how):
         out = _pytest_with_a_broken_mooncake(tmp_path, env_extra={"DTKV_TEST_NO_MOONCAKE": "1"})
     else:
         out = _pytest_with_a_broken_mooncake(tmp_path, "-m", "not mooncake")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+
+
+def test_an_installed_nixl_that_does_not_load_fails_the_run_saying_how_to_fix_it(tmp_path):
+    out = _pytest_with_a_broken_mooncake(tmp_path, package="nixl")
+    assert out.returncode != 0
+    text = out.stdout + out.stderr
+    assert "the `nixl` extra is installed but NIXL does not load" in text
+    assert "libucs.so.0" in text and "DTKV_TEST_NO_NIXL=1" in text and '-m "not nixl"' in text
+
+
+@pytest.mark.parametrize("how", ["env", "marker"])
+def test_the_nixl_check_can_be_turned_off_explicitly(tmp_path, how):
+    if how == "env":
+        out = _pytest_with_a_broken_mooncake(tmp_path, package="nixl", env_extra={"DTKV_TEST_NO_NIXL": "1"})
+    else:
+        out = _pytest_with_a_broken_mooncake(tmp_path, "-m", "not nixl", package="nixl")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
 
 

@@ -1,5 +1,6 @@
-"""PD from a prefill CP group of N ranks into a decode group of M ranks (N, M in 1..4, N != M allowed), over Mooncake
-TCP loopback, with the runtime on both sides (:mod:`dtkv.runtime.pd`).
+"""PD from a prefill CP group of N ranks into a decode group of M ranks (N, M in 1..4, N != M allowed), over loopback
+once per engine (Mooncake TCP, NIXL/UCX; the rank groups are shared by both), with the runtime on both sides
+(:mod:`dtkv.runtime.pd`).
 
 Both groups run at once (two gloo groups, one per side; the store lives in this process). The prefill group prefills
 three requests (one and a partial page, one token short of a page, a long one), sends them and decodes them itself;
@@ -30,9 +31,8 @@ import pytest
 import torch
 
 from tests._multirank import RankGroup
-from tests._transfer import NEEDS_MOONCAKE
 
-pytestmark = [*NEEDS_MOONCAKE, pytest.mark.multirank]
+pytestmark = [pytest.mark.multirank]
 
 PROMPT_LENS = (6, 3, 37)  # the long request last: every prefill rank sends a share of it
 STEPS = 4
@@ -76,7 +76,7 @@ def _prefill_rank(rank, world, args):
     kv = [rt.kv_bytes(r.rid) for r in rt.requests]
     digest, digest2 = kv_digest(kv, [len(p) for p in prompts]), kv_digest(kv[:2], [len(p) for p in prompts[:2]])
     shard = shard_for(rt, staging_bytes=request_bytes(rt, [len(p) for p in prompts]))
-    sender = PrefillSender(shard, _store(args), timeout_s=TIMEOUT_S)
+    sender = PrefillSender(shard, _store(args), engine=args["engine"], timeout_s=TIMEOUT_S)
     if args.get("fault") == "prefill_engine" and rank == args["fault_rank"]:
         _fail_last_request(sender, request_id(len(prompts) - 1))
     error = None
@@ -124,7 +124,7 @@ def _decode_rank(rank, world, args):
         prompts[2] = [(t + 1) % rt.model_spec.vocab_size for t in prompts[2]]
     free_before = rt.allocator.num_free()
     shard = shard_for(rt, staging_bytes=request_bytes(rt, [len(p) for p in prompts]))
-    receiver = DecodeReceiver(shard, _store(args), timeout_s=TIMEOUT_S)
+    receiver = DecodeReceiver(shard, _store(args), engine=args["engine"], timeout_s=TIMEOUT_S)
     fault = args.get("fault") if rank == args.get("fault_rank") else None
     if fault in ("decode_alone", "forged_meta"):
         _break_last_receive(receiver, request_id(len(prompts) - 1), fault)
@@ -230,8 +230,8 @@ LONG = [pytest.mark.slow, pytest.mark.skipif(os.environ.get("DTKV_TEST_LONG", "0
     [pytest.param(n, m, marks=() if (n, m) in COVERING else LONG) for n, m in GRID],
     ids=[f"prefill{n}-decode{m}" for n, m in GRID],
 )
-def test_n_to_m_handoff_writes_each_page_once_on_its_decode_owner(groups, n, m):
-    prefill, decode = _handoff(groups, n, m, decode_scheme="block" if m == 3 else "interleave")
+def test_n_to_m_handoff_writes_each_page_once_on_its_decode_owner(groups, n, m, transfer_engine):
+    prefill, decode = _handoff(groups, n, m, engine=transfer_engine, decode_scheme="block" if m == 3 else "interleave")
     _check_ok(prefill, decode, m)
 
 
@@ -243,10 +243,12 @@ def test_n_to_m_handoff_writes_each_page_once_on_its_decode_owner(groups, n, m):
         "decode-given-another-prompt-of-the-same-length",
     ],
 )  # fmt: skip
-def test_a_fault_mid_handoff_fails_every_decode_rank_and_reports_nothing_ok(groups, n, m, fault, fault_rank):
+def test_a_fault_mid_handoff_fails_every_decode_rank_and_reports_nothing_ok(
+    groups, n, m, fault, fault_rank, transfer_engine
+):
     """``other_prompt``: the decode side is given another prompt of the same length for the last request (prompts
     in another order, say): the metadata row's prompt digest differs, so no rank decodes its KV under that prompt."""
-    prefill, decode = _handoff(groups, n, m, fault=fault, fault_rank=fault_rank)
+    prefill, decode = _handoff(groups, n, m, engine=transfer_engine, fault=fault, fault_rank=fault_rank)
     errors = [d["error"] for d in decode]
     from dtkv.runtime.pd import request_id
 
@@ -266,10 +268,10 @@ def test_a_fault_mid_handoff_fails_every_decode_rank_and_reports_nothing_ok(grou
 @pytest.mark.skipif(
     os.environ.get("DTKV_TEST_LONG", "0") != "1", reason="DTKV_TEST_LONG=1 (demo and PD tests cover it)"
 )
-def test_transformers_model_from_two_prefill_ranks_into_three_decode_ranks(groups):
+def test_transformers_model_from_two_prefill_ranks_into_three_decode_ranks(groups, transfer_engine):
     """GLM-5 with a layer that reuses the previous top-k: decode tokens equal the model's own greedy tokens."""
     pytest.importorskip("transformers", reason="the hf extra (transformers==5.17.0)")
-    prefill, decode = _handoff(groups, 2, 3, model="glm5-shared", kv_dtype="bf16")
+    prefill, decode = _handoff(groups, 2, 3, engine=transfer_engine, model="glm5-shared", kv_dtype="bf16")
     _check_ok(prefill, decode, 3)
     from dtkv.integrations.transformers import geometry_of, kv_layouts, reference_logits
     from tests._runtime import tiny_lm

@@ -3,7 +3,7 @@ nothing leaks.
 
 - staging shared by two decode ranks (one receiver per rank) is not reused before both unpacked;
 - engine calls abandoned after a timeout keep their decode pages quarantined until they end, and ``close()``
-  waits for them before unregistering (Mooncake TCP loopback, with a delay injected before the real write);
+  waits for them before unregistering (Mooncake TCP and NIXL loopback, a delay injected before the real write);
 - a retry under the same request id never accepts the earlier attempt's "done";
 - a stalled store (``SIGSTOP``) turns every wait into a ``TransferError`` within timeout + 1 s;
 - a bind (decode rank > 0 taking part) that lands after its caller's deadline keeps the pages quarantined until it
@@ -33,7 +33,8 @@ from dtkv.transfer import (
     TransferError,
 )
 from dtkv.transfer.messages import Aborted, Ready, SlotOpen
-from tests._transfer import NEEDS_MOONCAKE, SlowLink, StoreHost, fill, pages, run_bounded, same_pages, shards
+from tests import _engines
+from tests._transfer import SlowLink, StoreHost, fill, pages, run_bounded, same_pages, shards
 
 
 def _post_all(receivers, rid, dst, **kw):
@@ -66,13 +67,11 @@ class TestStagingAcrossDecodeRanks:
         assert same_pages(pre, src_b, dec, dst_b)
 
 
-class _SlowMooncake:
-    """A MooncakeEngine whose next ``delay_calls`` writes sleep ``delay_s`` before the real write (a slow link)."""
+class _SlowEngine:
+    """An engine of ``kind`` whose next ``delay_calls`` writes sleep ``delay_s`` before the real write (a slow link)."""
 
-    def __new__(cls, delay_s: float, delay_calls: int = 1):
-        from dtkv.transfer import MooncakeEngine
-
-        class Slow(MooncakeEngine):
+    def __new__(cls, kind: str, delay_s: float, delay_calls: int = 1):
+        class Slow(_engines.engine_class(kind)):
             def write(self, peer, src, dst, length):
                 with self.lock:
                     slow = self.delay_calls > 0
@@ -90,19 +89,16 @@ class _SlowMooncake:
         return eng
 
 
-@pytest.mark.parametrize("_", [0], ids=["mooncake"])
 class TestAbandonedCalls:
-    pytestmark = NEEDS_MOONCAKE
-
-    def test_late_bytes_never_land_in_pages_of_another_request(self, _):
+    def test_late_bytes_never_land_in_pages_of_another_request(self, transfer_engine):
         """Prefill rank 0's call for A outlives its timeout and writes 2 s later. A fails; its pages must not be
         handed to B (sent by rank 1 alone) until that call ended, so B stays bitwise intact after it lands."""
-        from dtkv.transfer import MooncakeEngine
-
+        kind = transfer_engine
         boot = Bootstrap(dist.HashStore(), namespace="late")
         pre = shards(PageOwnership(2, 16), seed=3)
         dec = shards(PageOwnership(1, 16))
-        slow, fast, engine_d = _SlowMooncake(2.0), MooncakeEngine(timeout_s=10), MooncakeEngine(timeout_s=10)
+        slow = _SlowEngine(kind, 2.0)
+        fast, engine_d = _engines.make(kind, timeout_s=10), _engines.make(kind, timeout_s=10)
         senders = [
             PrefillSender(pre[0], boot, engine=slow, timeout_s=5),
             PrefillSender(pre[1], boot, engine=fast, timeout_s=5),
@@ -137,14 +133,14 @@ class TestAbandonedCalls:
             for e in (slow, fast, engine_d):
                 e.close()
 
-    def test_close_waits_for_calls_in_flight(self, _):
+    def test_close_waits_for_calls_in_flight(self, transfer_engine):
         """``close()`` must not unregister (or drop the engine) while an abandoned call still reads the pool."""
         boot = Bootstrap(dist.HashStore(), namespace="close")
         pre = shards(PageOwnership(1, 16), seed=4)
         dec = shards(PageOwnership(1, 16))
-        slow = _SlowMooncake(1.5)
+        slow = _SlowEngine(transfer_engine, 1.5)
         sender = PrefillSender(pre, boot, engine=slow, timeout_s=5)
-        receiver = DecodeReceiver(dec, boot, timeout_s=5)
+        receiver = DecodeReceiver(dec, boot, engine=transfer_engine, timeout_s=5)
         try:
             sender.connect()
             receiver.connect()
@@ -355,17 +351,12 @@ class TestStoreStalls:
             host.close()
 
 
-@pytest.mark.parametrize("_", [0], ids=["mooncake"])
 class TestConstruction:
-    pytestmark = NEEDS_MOONCAKE
-
-    def test_failed_construction_unwinds_its_registration(self, _):
-        from dtkv.transfer import MooncakeEngine
-
+    def test_failed_construction_unwinds_its_registration(self, transfer_engine):
         host = StoreHost()
         broken = Bootstrap(host.client(), namespace="ctor")
         host.kill()  # a store blip
-        engine = MooncakeEngine(timeout_s=10)
+        engine = _engines.make(transfer_engine, timeout_s=10)
         pre = shards(PageOwnership(1, 16), seed=7)
         try:
             with pytest.raises(TransferError):
@@ -377,24 +368,23 @@ class TestConstruction:
         finally:
             engine.close()
 
-    def test_failed_construction_closes_the_engine_it_created(self, _, monkeypatch):
+    def test_failed_construction_closes_the_engine_it_created(self, transfer_engine, monkeypatch):
         import dtkv.transfer._side as side
-        from dtkv.transfer import MooncakeEngine
 
         made = []
+        create = side.create_engine
 
-        class Recorded(MooncakeEngine):
-            def __init__(self, *a, **k):
-                super().__init__(*a, **k)
-                made.append(self)
+        def recorded(*a, **k):
+            made.append(create(*a, **k))
+            return made[-1]
 
-        monkeypatch.setattr(side, "MooncakeEngine", Recorded)
+        monkeypatch.setattr(side, "create_engine", recorded)
         host = StoreHost()
         broken = Bootstrap(host.client(), namespace="ctor2")
         host.kill()
         with pytest.raises(TransferError):
-            DecodeReceiver(shards(PageOwnership(1, 16)), broken, timeout_s=1.0)
-        assert len(made) == 1 and made[0]._engine is None, "the engine the receiver created is still open"
+            DecodeReceiver(shards(PageOwnership(1, 16)), broken, engine=transfer_engine, timeout_s=1.0)
+        assert len(made) == 1 and _engines.released(made[0]), "the engine the receiver created is still open"
 
 
 class TestKeyCleanup:

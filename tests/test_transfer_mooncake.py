@@ -1,8 +1,9 @@
-"""Real Mooncake TCP loopback: gloo prefill CP ranks with sharded KV send to a spawned decode process.
+"""Real engines over loopback (Mooncake TCP, NIXL/UCX): gloo prefill CP ranks with sharded KV send to a spawned
+decode process; each test runs once per engine (``transfer_engine``).
 
 The pytest process hosts the rendezvous ``TCPStore`` on 127.0.0.1; the prefill ranks (``ranks2``/``ranks4``)
-and the decode daemon each run a ``MooncakeEngine``. Pools are filled from one seeded global reference (the
-replicated baseline), so decode's reconstructed pages must equal it bit for bit.
+and the decode daemon each run an engine of the test's kind. Pools are filled from one seeded global reference
+(the replicated baseline), so decode's reconstructed pages must equal it bit for bit.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import pytest
 import torch
 
 from dtkv import IndexerFp8Layout, MLAFp8Layout, PageOwnership
-from tests._transfer import NEEDS_MOONCAKE
+from tests import _engines
 
-pytestmark = [*NEEDS_MOONCAKE, pytest.mark.multirank]
+pytestmark = [pytest.mark.multirank]
 
 LAYERS = 4
 PAGE_SIZE = 16
@@ -53,20 +54,17 @@ def _request(num_pages):
     return src, dst
 
 
-_ENGINE = None
+_ENGINES: dict = {}
 
 
-def _engine():
-    """One MooncakeEngine per rank process, reused across tests (creating one is cheap, destroying is ~1 s)."""
-    global _ENGINE
-    if _ENGINE is None:
-        from dtkv.transfer import MooncakeEngine
-
-        _ENGINE = MooncakeEngine(timeout_s=TIMEOUT_S)
-    return _ENGINE
+def _engine(kind):
+    """One engine of each kind per rank process, reused across tests (destroying a Mooncake one is ~1 s)."""
+    if kind not in _ENGINES:
+        _ENGINES[kind] = _engines.make(kind, timeout_s=TIMEOUT_S)
+    return _ENGINES[kind]
 
 
-def _prefill_rank(rank, world, port, namespace, num_pages, staging_bytes, num_layers=LAYERS):
+def _prefill_rank(rank, world, kind, port, namespace, num_pages, staging_bytes, num_layers=LAYERS):
     import torch.distributed as dist
 
     from dtkv import ShardedKVPool
@@ -80,22 +78,23 @@ def _prefill_rank(rank, world, port, namespace, num_pages, staging_bytes, num_la
     before = {n: pool.buffer(n).clone() for n in pool.layouts}
     boot = Bootstrap(create_store(port=port, is_master=False), namespace=namespace)
     shard = KVShard.from_pool(pool, staging_bytes=staging_bytes, meta_num_rows=1, meta_row_bytes=16)
-    sender = PrefillSender(shard, boot, engine=_engine(), timeout_s=TIMEOUT_S)
+    sender = PrefillSender(shard, boot, engine=_engine(kind), timeout_s=TIMEOUT_S)
     src, _ = _request(num_pages)
-    t0 = time.monotonic()
+    t0 = None
     try:
-        sender.connect()
+        sender.connect(60)  # the rendezvous waits for the spawned decode process to start (slow on a loaded machine)
+        t0 = time.monotonic()
         report = sender.send_request("req-0", src, meta=b"hello" if rank == 0 else None)
         error = None
     except Exception as e:  # noqa: BLE001 - the fault test inspects it
         report, error = None, e
-    elapsed = time.monotonic() - t0
+    elapsed = 0.0 if t0 is None else time.monotonic() - t0
     intact = all(torch.equal(before[n], pool.buffer(n)) for n in pool.layouts)
     sender.close()
     return {"report": report, "error": error, "elapsed": elapsed, "intact": intact}
 
 
-def _decode_main(conn, port, namespace, cp_d, layout_d, num_pages, staging_bytes, die_mid_transfer, num_layers):
+def _decode_main(conn, kind, port, namespace, cp_d, layout_d, num_pages, staging_bytes, die_mid_transfer, num_layers):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     from dtkv import ShardedKVPool
@@ -108,8 +107,8 @@ def _decode_main(conn, port, namespace, cp_d, layout_d, num_pages, staging_bytes
     else:  # a CP decode simulated as cp_d local ranks in one process
         shards = [KVShard.allocate(_layouts(), own, d, num_layers=num_layers, **kw) for d in range(cp_d)]
     boot = Bootstrap(create_store(port=port, is_master=False), namespace=namespace)
-    receiver = DecodeReceiver(shards, boot, timeout_s=TIMEOUT_S)
-    receiver.connect()
+    receiver = DecodeReceiver(shards, boot, engine=kind, timeout_s=TIMEOUT_S)
+    receiver.connect(60)
     conn.send(("ready",))
     _, dst = _request(num_pages)
     if die_mid_transfer:
@@ -139,11 +138,11 @@ def store():
     yield s
 
 
-def _start_decode(store, namespace, *, cp_d=1, layout_d="interleave", num_pages=45, staging_bytes=1 << 20, die=False,
-                  num_layers=LAYERS):  # fmt: skip
+def _start_decode(kind, store, namespace, *, cp_d=1, layout_d="interleave", num_pages=45, staging_bytes=1 << 20,
+                  die=False, num_layers=LAYERS):  # fmt: skip
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    args = (child, store.port, namespace, cp_d, layout_d, num_pages, staging_bytes, die, num_layers)
+    args = (child, kind, store.port, namespace, cp_d, layout_d, num_pages, staging_bytes, die, num_layers)
     proc = ctx.Process(target=_decode_main, args=args, daemon=True)
     proc.start()
     return proc, parent
@@ -170,14 +169,16 @@ CASES = [
     CASES,
     ids=[f"world{w}-{'full' if c == 1 else f'cp{c}-{lay}'}-{'staged' if s else 'direct'}" for w, c, lay, s in CASES],
 )
-def test_cp_prefill_to_decode_bitwise(ranks2, ranks4, world, cp_d, layout_d, staging_bytes, store):
+def test_cp_prefill_to_decode_bitwise(ranks2, ranks4, world, cp_d, layout_d, staging_bytes, store, transfer_engine):
     """2 and 4 gloo prefill ranks send owned pages only; decode's pages equal the replicated baseline."""
     ranks = ranks2 if world == 2 else ranks4
     namespace = uuid.uuid4().hex
     num_pages = 45
-    proc, conn = _start_decode(store, namespace, cp_d=cp_d, layout_d=layout_d, staging_bytes=staging_bytes)
+    proc, conn = _start_decode(
+        transfer_engine, store, namespace, cp_d=cp_d, layout_d=layout_d, staging_bytes=staging_bytes
+    )
     try:
-        results = ranks.run(_prefill_rank, store.port, namespace, num_pages, staging_bytes)
+        results = ranks.run(_prefill_rank, transfer_engine, store.port, namespace, num_pages, staging_bytes)
         msg = _recv(conn, proc)
         if msg[0] == "ready":
             msg = _recv(conn, proc)
@@ -195,13 +196,17 @@ def test_cp_prefill_to_decode_bitwise(ranks2, ranks4, world, cp_d, layout_d, sta
     assert all(r["intact"] for r in results)
 
 
-def test_decode_killed_mid_transfer(ranks2, store):
+def test_decode_killed_mid_transfer(ranks2, store, transfer_engine):
     """Decode dies after the first bytes land: every prefill rank raises TransferError in time, pools intact."""
     namespace = uuid.uuid4().hex
     num_pages, num_layers = 50, 96  # strided pages, no staging: 25 x 96 x 2 = 4800 entries per rank, 5 calls
-    proc, conn = _start_decode(store, namespace, num_pages=num_pages, staging_bytes=0, die=True, num_layers=num_layers)
+    proc, conn = _start_decode(
+        transfer_engine, store, namespace, num_pages=num_pages, staging_bytes=0, die=True, num_layers=num_layers
+    )
     try:
-        results = ranks2.run(_prefill_rank, store.port, namespace, num_pages, 0, num_layers, return_exceptions=True)
+        results = ranks2.run(
+            _prefill_rank, transfer_engine, store.port, namespace, num_pages, 0, num_layers, return_exceptions=True
+        )
     finally:
         proc.kill()
     from dtkv.transfer import TransferError
@@ -210,7 +215,9 @@ def test_decode_killed_mid_transfer(ranks2, store):
         assert isinstance(res, dict), f"rank {r} crashed: {res!r}"
         err = res["error"]
         assert isinstance(err, TransferError), f"rank {r} must raise TransferError, got {err!r}"
-        assert err.request_id == "req-0" and err.peer.startswith("decode rank 0 at 127.0.0.1:")
+        assert err.request_id == "req-0" and err.peer.startswith(
+            f"decode rank 0 at {_engines.session_prefix(transfer_engine)}"
+        )
         assert err.pages.size > 0
         assert res["elapsed"] < TIMEOUT_S + 2, f"rank {r} took {res['elapsed']:.1f} s"
         assert res["intact"], f"rank {r}'s pool changed"

@@ -1,6 +1,6 @@
-"""PD end to end over Mooncake TCP loopback: the reference model's CP prefill (2 and 4 gloo ranks, sharded KV)
-hands its requests to a decode process, whose received KV is bitwise the replicated baseline's and whose
-generated tokens equal the single-process reference."""
+"""PD end to end over loopback, once per engine (Mooncake TCP, NIXL/UCX): the reference model's CP prefill (2 and 4
+gloo ranks, sharded KV) hands its requests to a decode process, whose received KV is bitwise the replicated
+baseline's and whose generated tokens equal the single-process reference."""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ import torch
 
 from dtkv.model import ModelConfig, ReferenceAdapter
 from dtkv.runtime import Runtime
-from tests._transfer import NEEDS_MOONCAKE
 
-pytestmark = [*NEEDS_MOONCAKE, pytest.mark.multirank]
+pytestmark = [pytest.mark.multirank]
 
 PROMPT_LENS = (101, 47, 6)  # three chunks, one and a partial page, a short request
 CHUNK = 40
@@ -50,12 +49,13 @@ def _prefill_rank(rank, world, args, mode):
     [(2, "sharded_direct", "fp8"), (4, "sharded", "bf16")],
     ids=["world2-direct-fp8", "world4-bf16"],
 )
-def test_pd_decode_matches_baseline_and_reference(ranks2, ranks4, world, mode, kv_dtype):
+def test_pd_decode_matches_baseline_and_reference(ranks2, ranks4, world, mode, kv_dtype, transfer_engine):
     from dtkv.demo._pd import start_decode_group
 
     ranks = ranks2 if world == 2 else ranks4
     args = {"model": "reference", "seed": 0, "dtype": None, "page_size": 4, "kv_dtype": kv_dtype,
-            "decode_steps": STEPS, "timeout": 60.0, "decode": "full", "decode_cp": 1, "attention": "torch"}  # fmt: skip
+            "decode_steps": STEPS, "timeout": 60.0, "decode": "full", "decode_cp": 1, "attention": "torch",
+            "transfer_engine": transfer_engine}  # fmt: skip
     cfg = ModelConfig(kv_dtype=kv_dtype, page_size=4)
     decode = start_decode_group(args, _prompts(cfg))
     results = ranks.run(_prefill_rank, {**args, **decode.rank_args}, mode)
@@ -66,4 +66,5 @@ def test_pd_decode_matches_baseline_and_reference(ranks2, ranks4, world, mode, k
     assert all(r["baseline_kv_digest"] == r["pd_kv_digest"] == got["kv_digest"] for r in results), (
         "decode's KV must equal the replicated baseline's"
     )
+    assert all(r["pd_engine"] == transfer_engine for r in results)
     assert sum(r["pd_bytes"] for r in results) > 0 and got["entries"] == sum(r["pd_entries"] for r in results)

@@ -2,13 +2,18 @@
 replayed values never make prefill send (every decode party answers prefill's fresh nonce first).
 
 Also pins what cannot be restricted from dtkv (Mooncake 0.3.13 listens on every interface and lets any peer that
-reaches it write into registered regions), so that the README's Security section stays true.
+reaches it write into registered regions; UCX under NIXL listens on every network device's address unless told
+otherwise), so that ``docs/security.md`` stays true.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import pathlib
 import pickle
+import subprocess
+import sys
 import threading
 import time
 
@@ -31,6 +36,7 @@ from dtkv.transfer import (
 )
 from dtkv.transfer.messages import Aborted, Answer, Claim, Ready, SlotOpen
 from dtkv.transfer.protocol import STARTED, AttemptKeys
+from tests import _engines
 from tests._transfer import StorePeer, non_loopback_addresses, reachable, same_pages, shards
 
 
@@ -390,3 +396,119 @@ class TestListening:
         finally:
             victim.close()
             peer.close()
+
+
+_LISTENING = """
+import json, os, socket, sys, torch
+
+def listening():
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    out = []
+    for name, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        with open(f"/proc/net/{name}") as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] != "0A" or cols[9] not in inodes:  # 0A: LISTEN
+                    continue
+                hexaddr, hexport = cols[1].split(":")
+                raw = bytes.fromhex(hexaddr)
+                raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))  # /proc's host-order words
+                out.append([socket.inet_ntop(family, raw), int(hexport, 16)])
+    return sorted(out)
+"""
+
+_LISTENERS = (
+    _LISTENING
+    + """
+from dtkv.transfer import NixlEngine
+from dtkv.transfer.protocol import deadline_after
+before = listening()
+victim, peer = NixlEngine(), NixlEngine()
+pool, src = torch.zeros(4096, dtype=torch.uint8), torch.full((64,), 7, dtype=torch.uint8)
+victim.register([pool])
+peer.register([src])
+opened = [x for x in listening() if x not in before]
+peer.add_peer(victim.agent_record(), deadline=deadline_after(10))  # all a peer needs: the record
+rc = peer.write(victim.session, [src.data_ptr()], [pool.data_ptr() + 128], [64])
+print(json.dumps({"opened": opened, "rc": rc, "landed": int(pool[128:192].sum()), "outside": int(pool[:128].sum())}))
+victim.close(); peer.close()
+"""
+)
+
+_PD_LISTENERS = (
+    _LISTENING
+    + """
+import numpy as np
+from dtkv import PageOwnership
+from dtkv.transfer import Bootstrap, DecodeReceiver, PrefillSender, create_store
+from tests._transfer import same_pages, shards
+before = listening()
+store = create_store("127.0.0.1", port=0, is_master=True, timeout_s=30)
+pre, dec = shards(PageOwnership(2, 16), seed=1), shards(PageOwnership(1, 16))
+sender = PrefillSender(pre, Bootstrap(store, namespace="pd"), engine="nixl", timeout_s=10)
+receiver = DecodeReceiver(dec, Bootstrap(store, namespace="pd"), engine="nixl", timeout_s=10)
+receiver.connect(30)
+sender.connect(30)
+src, dst = np.arange(2, 13), np.arange(15, 4, -1)
+receiver.post_request("r", dst)
+sender.send_request("r", src)
+receiver.wait_request("r")
+opened = [x for x in listening() if x not in before]
+print(json.dumps({"opened": opened, "store": store.port, "ok": bool(same_pages(pre, src, dec, dst))}))
+sender.close(); receiver.close()
+"""
+)
+
+
+def _nixl_listeners(script: str = _LISTENERS, **env) -> dict:
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, **env}, cwd=pathlib.Path(__file__).parents[1])  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+@pytest.mark.nixl
+@pytest.mark.skipif(not _engines.NIXL_OK, reason=f"NIXL transfer engine unavailable: {_engines.NIXL_WHY}")
+def test_nixl_exposure_is_as_documented():
+    """Pins docs/security.md: two NIXL agents open no NIXL listener (no metadata port) and no wildcard socket, only
+    UCX's TCP data-path listeners, one per network device address; ``UCX_NET_DEVICES=lo`` with
+    ``UCX_TCP_PORT_RANGE`` leaves loopback listeners in that range only; and any peer holding an agent's record
+    writes into its registered regions with no further authentication (deploy behind a firewall)."""
+    from nixl._api import DEFAULT_COMM_PORT
+
+    res = _nixl_listeners()
+    assert res["rc"] == 0 and res["landed"] == 7 * 64 and res["outside"] == 0
+    addrs = {a for a, _ in res["opened"]}
+    assert res["opened"] and not addrs & {"0.0.0.0", "::"}, f"a listener binds every interface: {res['opened']}"
+    assert addrs <= {"127.0.0.1", "::1", *non_loopback_addresses()}, res["opened"]
+    assert DEFAULT_COMM_PORT not in {p for _, p in res["opened"]}, "NIXL's own listener is open"
+    narrowed = _nixl_listeners(UCX_NET_DEVICES="lo", UCX_TCP_PORT_RANGE="47300-47399")
+    assert narrowed["rc"] == 0 and narrowed["landed"] == 7 * 64
+    assert narrowed["opened"] and all(a == "127.0.0.1" and 47300 <= p <= 47399 for a, p in narrowed["opened"]), (
+        narrowed["opened"]
+    )
+    assert len(narrowed["opened"]) == 2, f"one per engine (its UCX worker) on lo: {narrowed['opened']}"
+
+
+@pytest.mark.nixl
+@pytest.mark.skipif(not _engines.NIXL_OK, reason=f"NIXL transfer engine unavailable: {_engines.NIXL_WHY}")
+def test_a_pd_handoff_on_nixl_listens_on_the_store_and_ucx_workers_only():
+    """A whole hand-off (two prefill ranks to a decode rank, both sides on ``engine="nixl"`` in one process, the
+    records through a loopback store) opens the store's listener and, per engine, the one TCP listener of its UCX
+    worker on each device of ``UCX_NET_DEVICES``: nothing else, no NIXL port (the listing in
+    ``docs/security.md``)."""
+    from nixl._api import DEFAULT_COMM_PORT
+
+    res = _nixl_listeners(_PD_LISTENERS, UCX_NET_DEVICES="lo", UCX_TCP_PORT_RANGE="47400-47499")
+    assert res["ok"], "decode's pages differ from prefill's"
+    ucx = [x for x in res["opened"] if x != ["127.0.0.1", res["store"]]]
+    assert len(ucx) == len(res["opened"]) - 1, f"the store does not listen on 127.0.0.1: {res['opened']}"
+    assert len(ucx) == 2 and all(a == "127.0.0.1" and 47400 <= p <= 47499 for a, p in ucx), ucx
+    assert DEFAULT_COMM_PORT not in {p for _, p in res["opened"]}, "NIXL's own listener is open"

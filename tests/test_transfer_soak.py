@@ -1,4 +1,5 @@
-"""Soak: 200 requests, 2 prefill ranks -> 2 decode ranks over Mooncake TCP loopback, with faults at random.
+"""Soak: 100 requests, 2 prefill ranks -> 2 decode ranks over loopback, with faults at random, once per engine
+(Mooncake TCP, NIXL/UCX).
 
 The pytest process hosts the two prefill ranks (one ``PrefillSender`` and one engine each); a child process hosts
 the rendezvous store (so that it can be stalled with ``SIGSTOP``); another hosts the two decode ranks (one
@@ -28,9 +29,9 @@ import pytest
 import torch
 
 from dtkv import PageOwnership
-from tests._transfer import NEEDS_MOONCAKE
+from tests import _engines
 
-pytestmark = [*NEEDS_MOONCAKE, pytest.mark.slow]
+pytestmark = [pytest.mark.slow]
 
 NUM_REQUESTS = 500 if os.environ.get("DTKV_TEST_LONG", "0") == "1" else 100
 """Requests of the soak: 100 in CI (about 40 s on 2 cores), 500 with ``DTKV_TEST_LONG=1``."""
@@ -78,16 +79,19 @@ def _settled(baseline: dict[str, int], timeout_s: float = 10.0) -> dict[str, int
         time.sleep(0.1)
 
 
-def _warm_process() -> None:
-    """Start the threads a process keeps for its lifetime before a baseline is taken: Mooncake's (5 with the first
-    engine, 1 with the first transfer, measured) and torch's OpenMP pool (with the first parallel op)."""
-    from dtkv.transfer import MooncakeEngine
+def _warm_process(kind: str) -> None:
+    """Start the threads a process keeps for its lifetime before a baseline is taken: the engine's (Mooncake: 5
+    with the first engine, 1 with the first transfer; NIXL: 1 with the first agent, measured) and torch's OpenMP
+    pool (with the first parallel op)."""
+    from dtkv.transfer.protocol import deadline_after
 
     torch.ones(1 << 20).sum()
-    a, b = MooncakeEngine(timeout_s=5), MooncakeEngine(timeout_s=5)
+    a, b = _engines.make(kind, timeout_s=5), _engines.make(kind, timeout_s=5)
     dst, src = torch.zeros(64, dtype=torch.uint8), torch.ones(64, dtype=torch.uint8)
     a.register([dst])
     b.register([src])
+    if kind == "nixl":
+        b.add_peer(a.agent_record(), deadline=deadline_after(10))
     assert b.submit(a.session, b.write, a.session, [src.data_ptr()], [dst.data_ptr()], [64]).result() == 0
     a.close()
     b.close()
@@ -95,19 +99,21 @@ def _warm_process() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- decode side
-def _decode_main(conn, port: int) -> None:
+def _decode_main(conn, kind: str, port: int) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     from dtkv.transfer import Bootstrap, DecodeReceiver, KVShard, create_store
     from tests._transfer import LAYERS, LAYOUTS
 
-    _warm_process()
+    _warm_process(kind)
     ref = _reference()
     baseline = resources()
     client = create_store(port=port, is_master=False, timeout_s=60)
     own = PageOwnership(2, DECODE_PAGES)
     shards = [KVShard.allocate(LAYOUTS, own, d, num_layers=LAYERS, staging_bytes=1 << 16) for d in range(2)]
-    receivers = [DecodeReceiver(s, Bootstrap(client, namespace=NAMESPACE), timeout_s=TIMEOUT_S) for s in shards]
+    receivers = [
+        DecodeReceiver(s, Bootstrap(client, namespace=NAMESPACE), engine=kind, timeout_s=TIMEOUT_S) for s in shards
+    ]
     _connect_all(receivers)
     rng = np.random.default_rng(os.getpid())
     owner = own.owner(torch.arange(DECODE_PAGES)).tolist()
@@ -230,10 +236,10 @@ def _close_all(sides) -> int:
 
 
 class _Decode:
-    def __init__(self, port: int) -> None:
+    def __init__(self, kind: str, port: int) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_decode_main, args=(child, port), daemon=True)
+        self.proc = ctx.Process(target=_decode_main, args=(child, kind, port), daemon=True)
         self.proc.start()
         msg = self.recv(120)
         assert msg[0] == "ready", msg
@@ -249,14 +255,15 @@ class _Decode:
 
 
 # ---------------------------------------------------------------------------------------------------- the soak
-def test_soak_faults_at_random(tmp_path):
-    from dtkv.transfer import Bootstrap, KVShard, MooncakeEngine, PrefillSender
+def test_soak_faults_at_random(tmp_path, transfer_engine):
+    from dtkv.transfer import Bootstrap, KVShard, PrefillSender
     from tests._transfer import LAYERS, LAYOUTS, StoreHost
 
+    engine_kind = transfer_engine
     host = StoreHost()
     decode = None
     try:
-        _warm_process()
+        _warm_process(engine_kind)
         keys_client = host.client()
         empty_keys = keys_client.num_keys()
         baseline = resources()
@@ -268,7 +275,7 @@ def test_soak_faults_at_random(tmp_path):
             for n, buf in s.buffers.items():
                 buf.view(torch.uint8).view(LAYERS, local.numel(), -1).copy_(ref[n][:, local])
 
-        class Slowable(MooncakeEngine):
+        class Slowable(_engines.engine_class(engine_kind)):
             delay_s = 0.0
 
             def write(self, peer, src, dst, length):
@@ -282,7 +289,7 @@ def test_soak_faults_at_random(tmp_path):
             PrefillSender(pre[r], Bootstrap(host.client(), namespace=NAMESPACE), engine=engines[r], timeout_s=TIMEOUT_S)
             for r in range(2)
         ]
-        decode = _Decode(host.port)
+        decode = _Decode(engine_kind, host.port)
         _connect_all(senders)
         rng = np.random.default_rng(SEED)
         counts = {"ok": 0, "failed": 0, "retries": 0}
@@ -319,7 +326,9 @@ def test_soak_faults_at_random(tmp_path):
                 if timer is not None:
                     timer.join()
                 if fault == "kill":
-                    decode = _Decode(host.port)  # the successor finishes the attempts its predecessor left open
+                    decode = _Decode(
+                        engine_kind, host.port
+                    )  # the successor finishes the attempts its predecessor left open
                     _connect_all(senders)
                     results, verified = ["killed", "killed"], None
                 else:

@@ -13,6 +13,7 @@ from dtkv import PageOwnership
 from dtkv.transfer import StageCopy
 from dtkv.transfer.messages import (
     Aborted,
+    AgentRecord,
     Answer,
     Claim,
     DstRequest,
@@ -72,7 +73,21 @@ def _records():
             min_entries=2,
         ),
         OpenList(attempts=(("a", EPOCH, 2, 1), ("b", "fedcba9876543210", 4, 4))),
+        AgentRecord(
+            name="dtkv-17-00ff00ff00ff",
+            generation=3,
+            metadata=bytes(range(256)) + b"\0nixlSerDes",  # opaque bytes, NULs and all
+            region_addr=np.array([4096, 1 << 40]),
+            region_bytes=np.array([4096, 7]),
+            region_device=np.array([-1, 0]),
+        ),
     ]
+
+
+def _agent(**kw) -> AgentRecord:
+    fields = dict(name="dtkv-1-ab", generation=1, metadata=b"md", region_addr=np.array([32, 64]),
+                  region_bytes=np.array([8, 8]), region_device=np.array([-1, -1]))  # fmt: skip
+    return AgentRecord(**{**fields, **kw})
 
 
 def _same(a, b) -> bool:
@@ -151,6 +166,13 @@ class TestRejects:
         with pytest.raises(WireError, match=match):
             unpack(mutate(self._raw()), key=KEY, kinds=Kind.REQUEST, secret=None)
 
+    def test_rejects_a_blob_longer_than_the_value(self):
+        raw = bytearray(pack(Kind.AGENT, _agent().to_fields(), key=KEY, secret=None))
+        at = 12 + 8 + len("dtkv-1-ab") + 8  # header, the name, the generation: the blob's length field
+        raw[at : at + 8] = struct.pack("<q", 1 << 20)
+        with pytest.raises(WireError, match=r"value holds a count of 1048576, which must be in"):
+            unpack(bytes(raw), key=KEY, kinds=Kind.AGENT, secret=None)
+
     def test_rejects_trailing_bytes_inside_the_body(self):
         raw = pack(Kind.SLOT_OPEN, [EPOCH], key=KEY, secret=None) + b"\0" * 8
         raw = raw[:8] + struct.pack("<I", len(raw) - 12) + raw[12:]
@@ -190,8 +212,28 @@ class TestRejects:
             ),
             (SendStart(rank=0, positions=np.array([0]), layer_bounds=np.array([0, 0])), r"layer_bounds must rise"),
             (OpenList(attempts=(("a", EPOCH, 0, 1),)), r"num_prefill must hold values in \[1, 65536\]"),
+            (_agent(region_addr=np.array([64, 32])), r"regions must be ascending and disjoint"),
+            (_agent(region_bytes=np.array([40, 8])), r"regions must be ascending and disjoint"),  # [32, 72) > 64
+            (_agent(region_device=np.array([-2, 0])), r"region_device must hold values in \[-1, 1024\]"),
+            (_agent(name="a/b"), r"agent name must match"),
+            (_agent(metadata=b""), r"agent metadata must hold 1\.\."),
         ],
-        ids=["epoch", "page", "request-id", "rank", "count", "claim-nonce", "answer-nonce", "bounds", "parties"],
+        ids=[
+            "epoch",
+            "page",
+            "request-id",
+            "rank",
+            "count",
+            "claim-nonce",
+            "answer-nonce",
+            "bounds",
+            "parties",
+            "agent-order",
+            "agent-overlap",
+            "agent-device",
+            "agent-name",
+            "agent-metadata",
+        ],  # fmt: skip
     )
     def test_rejects_out_of_range_records(self, record, match):
         _, fields = unpack(
@@ -234,7 +276,7 @@ class TestFuzz:
             unpack(MAGIC + data, key=KEY, kinds=tuple(Kind), secret=b"k")
 
     @settings(max_examples=200, deadline=None)
-    @given(st.integers(min_value=0, max_value=8), st.integers(min_value=0), st.integers(min_value=1, max_value=255))
+    @given(st.integers(min_value=0, max_value=9), st.integers(min_value=0), st.integers(min_value=1, max_value=255))
     def test_mutated_records_decode_or_raise_wire_error(self, which, where, flip):
         """A record with one byte changed either still decodes to in-range values or raises ``WireError``."""
         record = _records()[which]

@@ -11,8 +11,9 @@ One entry point for every model and every mode (each flag works with each model)
 ``--decode full|sharded``          decode over a materialized full view, or straight on the shards (no view)
 ``--multi-turn``                   a conversation and requests sharing its system prompt, with and without the prefix
                                    cache (transformers models run batch-invariant products for bitwise parity)
-``--pd [--decode-cp M]``           hand every request to a decode group of M ranks (default 1) over Mooncake: each
-                                   position written once into its decode owner's page, then decoded (``--decode``)
+``--pd [--decode-cp M]``           hand every request to a decode group of M ranks (default 1) over Mooncake, or NIXL
+                                   with ``--transfer-engine nixl``: each position written once into its decode
+                                   owner's page, then decoded (``--decode``)
 ``--attention``                    the attention backend
 =================================  ==================================================================================
 

@@ -91,7 +91,13 @@ def parser(description: str = "", prog: str = "python -m dtkv.demo") -> argparse
     a("--timeout", type=float, default=300.0,
       help="seconds before the ranks are given up on, positive and finite (default: 300 s)")  # fmt: skip
     a("--json", action="store_true", help="print one JSON object on stdout (progress lines go to stderr)")
-    a("--pd", action="store_true", help="also hand every request to a decode group over Mooncake (TCP loopback)")
+    a("--pd", action="store_true", help="also hand every request to a decode group (loopback, --transfer-engine)")
+    a(
+        "--transfer-engine",
+        choices=("mooncake", "nixl"),
+        default="mooncake",
+        help="with --pd: the transfer engine, Mooncake (TCP) or NIXL (UCX) (default: mooncake)",
+    )
     a(
         "--decode-cp",
         type=int,

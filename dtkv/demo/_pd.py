@@ -3,14 +3,14 @@
 :func:`start_decode_group` hosts the rendezvous store on 127.0.0.1 and spawns the decode ranks: each loads the same
 model (same seed, or the same checkpoint) on ``--decode-device`` (CPU, gloo among the ranks; or decode rank ``d`` on
 GPU ``d`` mod the GPU count, NCCL among them: one GPU may serve prefill and decode), builds a runtime over
-``PageOwnership(M, ...)`` (one process: a whole pool), receives every request into its own pages over Mooncake
-(:func:`dtkv.runtime.pd.receive_prefilled`) and decodes (``--decode``). :func:`send_from_rank` runs in each prefill
-rank after prefill. Both sides hand over through :class:`dtkv.transfer.HandoffSender` /
-:class:`dtkv.transfer.HandoffReceiver`: a pool in GPU memory that the engine cannot register (Mooncake's non-cuda
-wheel) goes through a bounded pinned host window, in rounds both sides size alike (:func:`handoff_shard`).
-:meth:`DecodeGroup.finish` collects the decode ranks' answers and checks them against the prefill ranks' (``pd``
-check); a decode rank that fails logs it at once and :meth:`DecodeGroup.failure` lets the parent stop the prefill
-ranks waiting on it.
+``PageOwnership(M, ...)`` (one process: a whole pool), receives every request into its own pages over
+``--transfer-engine`` (Mooncake or NIXL; :func:`dtkv.runtime.pd.receive_prefilled`) and decodes (``--decode``).
+:func:`send_from_rank` runs in each prefill rank after prefill. Both sides hand over through
+:class:`dtkv.transfer.HandoffSender` / :class:`dtkv.transfer.HandoffReceiver`: a pool in GPU memory that the engine
+cannot register (Mooncake's non-cuda wheel) goes through a bounded pinned host window, in rounds both sides size
+alike (:func:`handoff_shard`). :meth:`DecodeGroup.finish` collects the decode ranks' answers and checks them against
+the prefill ranks' (``pd`` check); a decode rank that fails logs it at once and :meth:`DecodeGroup.failure` lets the
+parent stop the prefill ranks waiting on it.
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ def send_from_rank(runtime, args: dict, requests=None) -> dict:
     """Prefill-rank side: send ``requests`` of ``runtime`` (default: every live one) to the decode group (after
     prefill; collective).
 
-    Returns ``pd_entries``, ``pd_min_entries``, ``pd_calls``, ``pd_bytes`` (this rank's) and ``pd_kv_digest`` (the
-    requests' stored prompt KV, what the decode group must hold).
+    Returns ``pd_entries``, ``pd_min_entries``, ``pd_calls``, ``pd_bytes`` (this rank's), ``pd_engine`` and
+    ``pd_kv_digest`` (the requests' stored prompt KV, what the decode group must hold).
     """
     from dtkv.runtime.pd import kv_digest, send_prefilled
     from dtkv.transfer import Bootstrap, HandoffSender, create_store
@@ -77,7 +77,8 @@ def send_from_rank(runtime, args: dict, requests=None) -> dict:
     timeout = transfer_timeout(args)
     store = create_store(port=args["pd_port"], is_master=False, timeout_s=timeout)
     shard, round_pages = handoff_shard(runtime, prompts)
-    sender = HandoffSender(shard, Bootstrap(store, namespace=args["pd_namespace"]), timeout_s=timeout,
+    engine = args.get("transfer_engine") or "mooncake"
+    sender = HandoffSender(shard, Bootstrap(store, namespace=args["pd_namespace"]), engine=engine, timeout_s=timeout,
                            round_pages=round_pages)  # fmt: skip
     progress("transfer: %d requests to the decode group, %s, every wait bounded by %.0f s", len(reqs),
              "through pinned host memory" if sender.staged else "in place", timeout, all_ranks=True)  # fmt: skip
@@ -96,6 +97,7 @@ def send_from_rank(runtime, args: dict, requests=None) -> dict:
         "pd_calls": sum(r.num_calls for r in reports),
         "pd_bytes": sent,
         "pd_kv_digest": digest,
+        "pd_engine": engine,
     }
 
 
@@ -121,7 +123,8 @@ def _decode_rank(rank: int, world: int, args: dict, prompts: list[list[int]], po
     try:
         store = create_store(port=port, is_master=False, timeout_s=args.get("timeout", 300.0))
         shard, round_pages = handoff_shard(rt, prompts)
-        receiver = HandoffReceiver(shard, Bootstrap(store, namespace=namespace), timeout_s=args.get("timeout"),
+        receiver = HandoffReceiver(shard, Bootstrap(store, namespace=namespace),
+                                   engine=args.get("transfer_engine") or "mooncake", timeout_s=args.get("timeout"),
                                    round_pages=round_pages)  # fmt: skip
         progress("transfer: waiting for %d requests on %s, %s, each wait bounded by %.0f s", len(prompts), device,
                  "through pinned host memory" if receiver.staged else "in place", receiver.timeout_s,
@@ -258,6 +261,7 @@ class DecodeGroup:
             "pd_calls": sum(r["pd_calls"] for r in rank_results),
             "pd_bytes": sum(r["pd_bytes"] for r in rank_results),
             "pd_decode_mode": d0["mode"],
+            "pd_engine": r0.get("pd_engine", "mooncake"),
             "pd_kv_bytes_per_decode_rank": max(g["bytes_per_rank"] for g in got),
             "pd_kv_bytes_replicated": d0["replicated_bytes"],
             "pd_check": verdict.check(ok, _RULE, 0.0, "", "; ".join(why) or "equal on every decode rank"),

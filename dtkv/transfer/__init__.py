@@ -8,9 +8,10 @@ Entry points:
   (:class:`PlanOptions`).
 - :class:`KVShard` -- one rank's registered buffers (``KVShard.from_pool(pool)``), staging and metadata rows.
 - :class:`PrefillSender` / :class:`DecodeReceiver` -- ``send_request`` / ``receive_request`` over a
-  :class:`Bootstrap` store, on a :class:`MooncakeEngine` (TCP, P2PHANDSHAKE) or the in-process
-  :class:`LocalEngine`; a failed request's decode pages stay quarantined until :meth:`DecodeReceiver.reclaim`
-  returns them.
+  :class:`Bootstrap` store, on a :class:`MooncakeEngine` (TCP, P2PHANDSHAKE; sglang's transport), a
+  :class:`NixlEngine` (UCX; vLLM's) or the in-process :class:`LocalEngine` (``engine="mooncake" | "nixl" |
+  "local"``, :func:`create_engine`); a failed request's decode pages stay quarantined until
+  :meth:`DecodeReceiver.reclaim` returns them.
 - :class:`HandoffSender` / :class:`HandoffReceiver` -- the same, for pools in host or device memory: through a
   bounded pinned host window where the engine cannot register the pool's memory (a CUDA pool under Mooncake's
   non-cuda wheel), in rounds (:mod:`dtkv.transfer.handoff`; which engine builds register device memory:
@@ -29,6 +30,8 @@ The page-table format is in :mod:`dtkv.page_table`.
 
 from __future__ import annotations
 
+from dtkv.transfer._create import create_engine
+from dtkv.transfer._nixl import NixlEngine, apply_nixl_env, nixl_available
 from dtkv.transfer._side import TransferSide
 from dtkv.transfer.bootstrap import Bootstrap, create_store
 from dtkv.transfer.coalesce import coalesce_entries, expand_layers, page_runs, split_batches
@@ -43,6 +46,7 @@ from dtkv.transfer.descriptors import (
     check_compatible,
 )
 from dtkv.transfer.engine import (
+    ENGINES,
     MAX_ENTRIES_PER_CALL,
     LocalEngine,
     MooncakeEngine,
@@ -59,6 +63,7 @@ from dtkv.transfer.prefill import PrefillSender, SendReport
 from dtkv.transfer.shard import KVShard
 
 __all__ = [
+    "ENGINES",
     "MAX_ENTRIES_PER_CALL",
     "Bootstrap",
     "BufferSpec",
@@ -69,6 +74,7 @@ __all__ = [
     "KVShard",
     "LocalEngine",
     "MooncakeEngine",
+    "NixlEngine",
     "PeerEntries",
     "PlanOptions",
     "PrefillSender",
@@ -84,8 +90,10 @@ __all__ = [
     "TransferError",
     "TransferSide",
     "apply_mooncake_env",
+    "apply_nixl_env",
     "check_compatible",
     "coalesce_entries",
+    "create_engine",
     "create_store",
     "default_round_pages",
     "disable_staging",
@@ -93,6 +101,7 @@ __all__ = [
     "layer_bounds",
     "mooncake_available",
     "needs_host_staging",
+    "nixl_available",
     "page_runs",
     "plan_request",
     "send_entries",

@@ -11,11 +11,11 @@ from typing import Literal
 import torch.distributed as dist
 
 from dtkv._env import transfer_timeout_s
+from dtkv.transfer._create import create_engine
 from dtkv.transfer.bootstrap import Bootstrap
 from dtkv.transfer.descriptors import RankEndpoint, check_compatible
-from dtkv.transfer.engine import MooncakeEngine
 from dtkv.transfer.errors import TransferError
-from dtkv.transfer.messages import OpenList
+from dtkv.transfer.messages import AgentRecord, OpenList
 from dtkv.transfer.protocol import AttemptKeys, deadline_after, open_key, time_left
 from dtkv.transfer.shard import KVShard
 
@@ -36,7 +36,8 @@ class TransferSide:
         shards: the ranks this process hosts.
         bootstrap: the rendezvous store shared by both sides.
         role: ``"prefill"`` or ``"decode"``.
-        engine: a :class:`MooncakeEngine` (default: a new one on 127.0.0.1) or :class:`LocalEngine`.
+        engine: an engine (:class:`MooncakeEngine`, :class:`NixlEngine`, :class:`LocalEngine`), or the name of
+            one to create and own (``"mooncake"``, the default, ``"nixl"``, ``"local"``: :func:`create_engine`).
         timeout_s: bound on every wait (default ``DTKV_TRANSFER_TIMEOUT_S``).
     """
 
@@ -66,16 +67,23 @@ class TransferSide:
         self._open: dict[tuple[str, str], AttemptKeys] = {}
         self._open_lock = threading.Lock()
         self._closed = False
-        self._own_engine = engine is None
+        self._own_engine = engine is None or isinstance(engine, str)
+        self.agent: AgentRecord | None = None
+        """The engine's agent record this side published next to its endpoints (NIXL; ``None`` otherwise)."""
         self.engine = None
         registered: list[KVShard] = []
         try:
-            self.engine = MooncakeEngine(timeout_s=self.timeout_s) if engine is None else engine
+            made = create_engine(engine or "mooncake", timeout_s=self.timeout_s) if self._own_engine else engine
+            self.engine = made
             for s in shard_list:
                 self.engine.register(s.registered_tensors())
                 registered.append(s)
             deadline = deadline_after(self.timeout_s)
             self._adopt(deadline)
+            self.agent = self.engine.agent_record()
+            if self.agent is not None:  # before the endpoints: a peer that sees one finds the record
+                for s in shard_list:
+                    bootstrap.publish_agent(role, s.rank, self.agent, deadline=deadline)
             for s in shard_list:
                 bootstrap.publish(self.endpoint(s.rank), deadline=deadline)
         except BaseException:
@@ -94,6 +102,7 @@ class TransferSide:
                 self.engine.close()
             elif registered:
                 self.engine.unregister([t for s in registered for t in s.registered_tensors()])
+            self._unpublish_agent()
         except Exception as e:  # noqa: BLE001 - the construction error matters more
             logger.warning("undoing a failed %s construction failed: %s", self.role, e)
 
@@ -104,6 +113,29 @@ class TransferSide:
         self.prefill = self.bootstrap.endpoints("prefill", deadline=deadline)
         self.decode = self.bootstrap.endpoints("decode", deadline=deadline)
         check_compatible(self.prefill, self.decode)
+        if self.role == "prefill":  # prefill writes into decode's memory: its engine needs decode's agents
+            self._load_agents(self.decode, deadline)
+
+    def _load_agents(self, peers: Sequence[RankEndpoint], deadline: float) -> None:
+        """Check that ``peers`` run this side's kind of engine; hand a NIXL engine their agent records."""
+        self.engine.check_sessions([ep.session for ep in peers])
+        if self.agent is None:
+            return
+        for ep in peers:
+            record = self.bootstrap.agent(ep.role, ep.rank, deadline=deadline)
+            if ep.session != f"nixl:{record.name}":
+                raise TransferError(
+                    f"{ep.role} rank {ep.rank}'s agent record names agent {record.name!r}, its endpoint the session "
+                    f"{ep.session!r} (it restarted meanwhile: connect again)",
+                    request_id="-",
+                    peer=f"{ep.role} rank {ep.rank}",
+                )
+            self.engine.add_peer(record, deadline=deadline)
+
+    def _unpublish_agent(self) -> None:
+        if self.agent is not None:
+            for rank in self.shards:
+                self.bootstrap.unpublish_agent(self.role, rank, self.agent)
 
     def _check_party_counts(self, keys: AttemptKeys, deadline: float) -> None:
         """Re-read the endpoints when the attempt names other party counts than ours (a side was resized)."""
@@ -174,7 +206,7 @@ class TransferSide:
 
     def close(self) -> None:
         """Unregister the shards once no engine call touches them (bounded), finish open attempts, unpublish the
-        endpoints; close the engine too if this side created it. Idempotent."""
+        endpoints (and agent records); close the engine too if this side created it. Idempotent."""
         if self._closed or self.engine is None:
             return
         self._closed = True
@@ -182,6 +214,7 @@ class TransferSide:
             self.engine.close()
         else:
             self.engine.unregister([t for s in self.shards.values() for t in s.registered_tensors()])
+        self._unpublish_agent()
         self._release_attempts()
         self.bootstrap.flush(self.timeout_s)
         for rank in self.shards:

@@ -42,8 +42,8 @@ import torch.distributed as dist
 from dtkv._env import transfer_secret
 from dtkv.transfer.descriptors import RankEndpoint
 from dtkv.transfer.errors import StoreTimeout, TransferError
-from dtkv.transfer.messages import endpoint_fields, endpoint_from_fields
-from dtkv.transfer.protocol import Backoff, endpoint_key, time_left
+from dtkv.transfer.messages import AgentRecord, endpoint_fields, endpoint_from_fields
+from dtkv.transfer.protocol import Backoff, agent_key, endpoint_key, time_left
 from dtkv.transfer.wire import Kind, WireError, pack, unpack
 
 __all__ = ["WORKER_LINGER_S", "Bootstrap", "create_store", "exiting"]
@@ -370,6 +370,27 @@ class Bootstrap:
         """Every endpoint of ``role`` (``"prefill"`` or ``"decode"``), rank order, waiting for all of them."""
         first = self.endpoint(role, 0, deadline=deadline)
         return [first] + [self.endpoint(role, r, deadline=deadline) for r in range(1, first.ownership.cp_size)]
+
+    # ------------------------------------------------------------------------------------------ agents
+    def publish_agent(self, role: str, rank: int, record: AgentRecord, *, deadline: float) -> None:
+        """Post ``record`` (the rank's NIXL agent) under ``{role}/{rank}/agent``, replacing an earlier one."""
+        self.set(agent_key(role, rank), record, deadline=deadline, peer=f"{role} rank {rank}")
+
+    def unpublish_agent(self, role: str, rank: int, record: AgentRecord) -> Future:
+        """Delete ``{role}/{rank}/agent`` if it still holds ``record`` (same agent, same generation; queued)."""
+        key = agent_key(role, rank)
+
+        def drop(s: dist.Store) -> None:
+            if s.check([key]):
+                got = self.decode(key, s.get(key), AgentRecord, peer=f"{role} rank {rank}")
+                if (got.name, got.generation) == (record.name, record.generation):
+                    s.delete_key(key)
+
+        return self.post(drop, what=f"delete {key!r}")
+
+    def agent(self, role: str, rank: int, *, deadline: float) -> AgentRecord:
+        """Wait for ``role`` rank ``rank``'s agent record."""
+        return self.get(agent_key(role, rank), AgentRecord, deadline=deadline, peer=f"{role} rank {rank}")
 
     def _endpoint(self, key: str, raw: bytes, *, peer: str = "store") -> RankEndpoint:
         try:

@@ -91,7 +91,8 @@ class DecodeReceiver(ReceiveLoop, TransferSide):
         shards: the decode ranks hosted here (:class:`dtkv.transfer.KVShard`); give them ``staging_bytes`` to
             let prefill pack strided pages into one entry per rank pair.
         bootstrap: the rendezvous store shared with prefill.
-        engine: a :class:`MooncakeEngine` (default: a new one on 127.0.0.1) or :class:`LocalEngine`.
+        engine: an engine, or the name of one to create (``"mooncake"``, the default, ``"nixl"``, ``"local"``;
+            :class:`dtkv.transfer.TransferSide`).
         timeout_s: bound on every wait (default ``DTKV_TRANSFER_TIMEOUT_S``).
     """
 

@@ -1,7 +1,10 @@
-"""Transfer engines: Mooncake's ``TransferEngine`` over TCP (P2PHANDSHAKE), and an in-process memcpy twin.
+"""Transfer engines: Mooncake's ``TransferEngine`` over TCP (P2PHANDSHAKE), NIXL's agent over UCX
+(:mod:`dtkv.transfer._nixl`), and an in-process memcpy twin; :func:`create_engine` makes one by name.
 
-Both expose the same small surface -- ``session``, ``can_register(tensor)``, ``register(tensors)``,
-``write(peer, src, dst, length)`` and ``close()`` -- and :func:`send_entries` drives either with the rules Mooncake
+All expose the same small surface -- ``session``, ``can_register(tensor)``, ``register(tensors)``,
+``write(peer, src, dst, length)`` and ``close()``, plus ``agent_record`` / ``add_peer`` (the agent metadata NIXL
+needs, which the sides pass through dtkv's store; nothing for the others) -- and :func:`send_entries` drives any of
+them with the rules Mooncake
 0.3.13's TCP transport needs:
 
 - at most ``max_entries_per_call`` (default 1024) entries per call;
@@ -29,7 +32,7 @@ import threading
 import time
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
@@ -42,9 +45,11 @@ from dtkv.transfer.coalesce import split_batches
 from dtkv.transfer.descriptors import PeerEntries
 from dtkv.transfer.errors import TransferError
 from dtkv.transfer.memory import mooncake_build, mooncake_registers_device_memory
+from dtkv.transfer.messages import AgentRecord
 from dtkv.transfer.protocol import time_left
 
 __all__ = [
+    "ENGINES",
     "LocalEngine",
     "MAX_ENTRIES_PER_CALL",
     "MooncakeEngine",
@@ -57,6 +62,10 @@ logger = logging.getLogger(__name__)
 
 MAX_ENTRIES_PER_CALL = 1024
 """Entries per engine call: Mooncake 0.3.13's TCP transport rejects much more than this per peer."""
+
+ENGINES = ("mooncake", "nixl", "local")
+"""The engines :func:`create_engine` makes (``engine=`` of :class:`dtkv.transfer.PrefillSender` and
+:class:`dtkv.transfer.DecodeReceiver`)."""
 
 
 def apply_mooncake_env(timeout_s: float | None = None) -> dict[str, str]:
@@ -102,6 +111,9 @@ class _EngineBase(ABC):
     """
 
     session: str
+    takes_arrays: bool = False
+    """Whether :meth:`write` takes int64 numpy arrays as they are; :func:`send_entries` hands other engines
+    lists (Mooncake's binding takes nothing else)."""
 
     def __init__(self) -> None:
         self._executors: dict[str, ThreadPoolExecutor] = {}
@@ -163,6 +175,33 @@ class _EngineBase(ABC):
                     request_id="-",
                     peer=self.session,
                 )
+
+    def _accepts(self, session: str) -> bool:
+        """Whether ``session`` names a peer of this kind of engine."""
+        return not session.startswith(("nixl:", "local:"))
+
+    def agent_record(self) -> AgentRecord | None:
+        """What a peer needs, beyond the session, to write to this engine (NIXL: its agent metadata); ``None``."""
+        return None
+
+    def add_peer(self, record: AgentRecord, *, deadline: float) -> None:
+        """Load a peer's :meth:`agent_record` (only engines that publish one take one)."""
+        raise TypeError(f"{type(self).__name__} takes no agent records, got one of agent {record.name!r}")
+
+    def check_sessions(self, sessions: Iterable[str]) -> None:
+        """Raise :class:`TransferError` if a session belongs to another kind of engine (both sides must use one)."""
+        for session in sessions:
+            if not self._accepts(session):
+                raise TransferError(
+                    f"session {session[:80]!r} is not a {type(self).__name__} peer's: both sides must use the same "
+                    "transfer engine",
+                    request_id="-",
+                    peer=session,
+                )
+
+    def last_error(self, peer: str) -> str:
+        """Why the last failed call to ``peer`` failed, where the engine says ("" otherwise)."""
+        return ""
 
     @abstractmethod
     def write(self, peer: str, src: list[int], dst: list[int], length: list[int]) -> int:
@@ -350,7 +389,7 @@ class LocalEngine(_EngineBase):
         super().__init__()
         self.session = f"local:{next(_LOCAL_IDS)}"
         self._call_timeout_s = float(call_timeout_s)
-        self._accepts = accepts
+        self._accepts_memory = accepts
         self._regions = np.zeros((0, 2), dtype=np.int64)
         self._keep: list[torch.Tensor] = []
         _LOCAL_ENGINES[self.session] = self
@@ -360,12 +399,15 @@ class LocalEngine(_EngineBase):
         """Number of registered regions."""
         return int(self._regions.shape[0])
 
+    def _accepts(self, session: str) -> bool:
+        return session.startswith("local:")
+
     def call_timeout_s(self) -> float:
         return self._call_timeout_s
 
     def can_register(self, tensor: torch.Tensor) -> bool:
         """Host memory that ``accepts`` (when given) lets through."""
-        return tensor.device.type == "cpu" and (self._accepts is None or bool(self._accepts(tensor)))
+        return tensor.device.type == "cpu" and (self._accepts_memory is None or bool(self._accepts_memory(tensor)))
 
     def _refusal(self, tensor: torch.Tensor) -> str:
         if tensor.device.type != "cpu":
@@ -439,7 +481,10 @@ def _send_session(engine, session, peers, group, max_entries, request_id, cancel
         if cancel.is_set() or time.monotonic() >= deadline:
             return calls
         t0 = time.perf_counter()
-        rc = engine.write(session, src[sl].tolist(), dst[sl].tolist(), length[sl].tolist())
+        if engine.takes_arrays:
+            rc = engine.write(session, src[sl], dst[sl], length[sl])
+        else:
+            rc = engine.write(session, src[sl].tolist(), dst[sl].tolist(), length[sl].tolist())
         calls += 1
         if logger.isEnabledFor(logging.DEBUG):
             nbytes, dt = int(length[sl].sum()), time.perf_counter() - t0
@@ -457,9 +502,10 @@ def _send_session(engine, session, peers, group, max_entries, request_id, cancel
         if rc != 0:
             unconfirmed = np.unique(owner[sl.start :])
             pages = np.concatenate([peers[i].dst_pages for i in unconfirmed])
+            why = engine.last_error(session)
             raise TransferError(
                 f"engine write returned {rc} on call {calls} ({sl.stop - sl.start} entries, "
-                f"{int(length[sl].sum())} bytes)",
+                f"{int(length[sl].sum())} bytes){': ' + why if why else ''}",
                 request_id=request_id,
                 peer=_peer_name(session, peers),
                 pages=pages,
@@ -481,7 +527,7 @@ def send_entries(
     """Send every peer's entries (blocking), one call in flight per peer session; returns the number of calls.
 
     Args:
-        engine: a :class:`MooncakeEngine` or :class:`LocalEngine`.
+        engine: a :class:`MooncakeEngine`, :class:`dtkv.transfer.NixlEngine` or :class:`LocalEngine`.
         peers: the entries of one sender (:attr:`dtkv.transfer.SenderPlan.peers`).
         request_id: named in errors.
         deadline: ``time.monotonic()`` value by which everything must be done; no engine call starts after it.

@@ -7,6 +7,7 @@ rebuilt, after range checks of every value, with ``from_fields(fields)`` (which 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,7 +18,9 @@ from dtkv.transfer.protocol import check_epoch, check_nonce
 from dtkv.transfer.wire import Kind, WireError
 
 __all__ = [
+    "AGENT_NAME",
     "Aborted",
+    "AgentRecord",
     "Answer",
     "Claim",
     "DstRequest",
@@ -34,6 +37,13 @@ MAX_RANKS = 1 << 16
 MAX_PAGES = 1 << 40
 MAX_ADDR = (1 << 63) - 1
 MAX_TEXT = 1 << 16
+MAX_AGENT_METADATA = 1 << 24
+"""Largest NIXL agent metadata blob a record may carry (bytes)."""
+MAX_REGIONS = 1 << 16
+MAX_REGION_ADDR = 1 << 60
+"""Bound on a region's address and length (user-space and CUDA addresses lie far below; sums cannot overflow)."""
+AGENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+"""What a transfer agent's name may be (it is part of a store key and of the session ``nixl:{name}``)."""
 
 
 def _int(name: str, v: int, lo: int, hi: int) -> int:
@@ -442,4 +452,55 @@ class OpenList:
                 (_text("request_id", r, nonempty=True, limit=256), _epoch(e), int(p), int(d))
                 for r, e, p, d in zip(rids, epochs, num_p, num_d)
             )
+        )
+
+
+# ---------------------------------------------------------------------------------------------------- agents
+@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
+class AgentRecord:
+    """A NIXL agent's metadata, as a rank publishes it under ``{role}/{rank}/agent`` (NIXL engines only).
+
+    ``metadata`` is NIXL's own serialization of the agent (``nixl_agent.get_agent_metadata()``: its UCX worker
+    address and the remote keys of its registered memory); dtkv hands it to ``add_remote_agent`` only after the
+    record's fields checked out (and, with a secret, its signature). ``regions`` is the same memory in dtkv's terms,
+    so that the writer checks every destination against it before NIXL sees the request.
+    """
+
+    KIND = Kind.AGENT
+    name: str
+    generation: int
+    """Counts the engine's registrations and unregistrations: a reader reloads a record of a newer generation."""
+    metadata: bytes
+    region_addr: np.ndarray
+    """int64 ``[num_regions]``: base address of each registered region, ascending."""
+    region_bytes: np.ndarray
+    """int64 ``[num_regions]``: its length in bytes (> 0)."""
+    region_device: np.ndarray
+    """int64 ``[num_regions]``: -1 for host memory, else the CUDA device index."""
+
+    def to_fields(self) -> list:
+        return [self.name, self.generation, self.metadata, self.region_addr, self.region_bytes, self.region_device]
+
+    @classmethod
+    def from_fields(cls, f: list) -> AgentRecord:
+        name, generation, metadata, addr, nbytes, device = f
+        if not AGENT_NAME.fullmatch(name):
+            raise WireError(f"agent name must match {AGENT_NAME.pattern}, got {name[:40]!r}")
+        if not 1 <= len(metadata) <= MAX_AGENT_METADATA:
+            raise WireError(f"agent metadata must hold 1..{MAX_AGENT_METADATA} bytes, got {len(metadata)}")
+        n = addr.shape[0]
+        if n > MAX_REGIONS or not nbytes.shape[0] == device.shape[0] == n:
+            raise WireError(f"regions must be at most {MAX_REGIONS} with an address, a length and a device each")
+        _arr("region_addr", addr, 1, MAX_REGION_ADDR)
+        _arr("region_bytes", nbytes, 1, MAX_REGION_ADDR)
+        _arr("region_device", device, -1, 1 << 10)
+        if n and (np.any(np.diff(addr) <= 0) or np.any(addr[:-1] + nbytes[:-1] > addr[1:])):
+            raise WireError("regions must be ascending and disjoint")
+        return cls(
+            name=name,
+            generation=_int("generation", generation, 0, 1 << 62),
+            metadata=bytes(metadata),
+            region_addr=addr,
+            region_bytes=nbytes,
+            region_device=device,
         )

@@ -76,7 +76,8 @@ class PrefillSender(ClaimSteps, TransferSide):
     Args:
         shards: this process's prefill ranks (:class:`dtkv.transfer.KVShard`, e.g. ``KVShard.from_pool(pool)``).
         bootstrap: the rendezvous store shared with decode.
-        engine: a :class:`MooncakeEngine` (default: a new one on 127.0.0.1) or :class:`LocalEngine`.
+        engine: an engine, or the name of one to create (``"mooncake"``, the default, ``"nixl"``, ``"local"``;
+            :class:`dtkv.transfer.TransferSide`).
         options: planner options (staging policy, metadata sender, layer groups).
         timeout_s: bound on every wait (default ``DTKV_TRANSFER_TIMEOUT_S``).
         max_entries_per_call: entries per engine call (<= 1024 for Mooncake 0.3.13 TCP).

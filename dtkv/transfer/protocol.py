@@ -10,6 +10,8 @@ key                            value                                         wri
 =============================  ============================================  ======================================
 ``{role}/{rank}``              :class:`RankEndpoint` (with an incarnation)   the rank (a restart replaces it)
 ``{role}/{rank}/open``         the attempts the rank holds open              the rank (adopted by its restart)
+``{role}/{rank}/agent``        :class:`AgentRecord`: the rank's NIXL agent   the rank, before its endpoint (NIXL
+                                                                             only; a restart replaces it)
 ``req/{request_id}``           :class:`DstRequest`: the current attempt      decode rank 0
 ``E/prefill/{r}``              slot: OPEN -> CLAIM (r, fresh nonce) or       decode rank 0 / prefill rank r / a
                                ABORTED                                       failing decode
@@ -55,8 +57,9 @@ Prefill checks the value it gets back for :data:`ABORT` between layer groups and
 **Quarantine.** When an attempt fails on decode, its decode pages, metadata slot and staging region stay out of
 use until every claimed prefill rank is DRAINED, or until a grace period has passed since the abort: the
 prefill rank's send window (it issues no engine call after its own deadline, announced in its claim) plus its
-engine's longest call (``MC_TRANSFER_TIMEOUT`` + 1 ns per byte) plus :data:`GRACE_MARGIN_S`. Late bytes of an
-abandoned call can therefore never land in pages handed to another request.
+engine's longest call (Mooncake's ``MC_TRANSFER_TIMEOUT`` or NIXL's own timeout, + 1 ns per byte) plus
+:data:`GRACE_MARGIN_S`. Late bytes of an abandoned call can therefore never land in pages handed to another
+request.
 
 **Late binds.** A decode rank other than 0 takes part with a compare-and-set (OPEN -> READY) on the store worker;
 when the store is slow past the caller's deadline, the call keeps running and may still land. The failing
@@ -101,6 +104,7 @@ __all__ = [
     "AttemptKeys",
     "Backoff",
     "SendProgress",
+    "agent_key",
     "check_request_id",
     "deadline_after",
     "endpoint_key",
@@ -266,6 +270,11 @@ def check_nonce(nonce: str) -> bool:
 
 def endpoint_key(role: str, rank: int) -> str:
     return f"{role}/{rank}"
+
+
+def agent_key(role: str, rank: int) -> str:
+    """Where a rank publishes its NIXL agent's record (:class:`dtkv.transfer.messages.AgentRecord`)."""
+    return f"{role}/{rank}/agent"
 
 
 def open_key(role: str, rank: int) -> str:

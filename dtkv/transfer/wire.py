@@ -16,6 +16,7 @@ Nothing read from the store is ever unpickled or evaluated. A value is::
   ``a`` int64 count ``n``, then ``n`` int64 (an int64 array)
   ``s`` int64 length ``n``, then ``n`` bytes of UTF-8 (a string)
   ``S`` int64 count ``n``, then ``n`` strings (a list of strings)
+  ``b`` int64 length ``n``, then ``n`` raw bytes (an opaque blob: a NIXL agent's metadata)
   ====  ===================================================================
 
 - tag: ``HMAC-SHA256(secret, key | 0x00 | header | body)`` when a shared secret is configured
@@ -66,6 +67,7 @@ class Kind(IntEnum):
     OUTCOME = 8
     OPEN_LIST = 9
     ANSWER = 10
+    AGENT = 11
 
 
 SCHEMAS: dict[Kind, str] = {
@@ -79,6 +81,7 @@ SCHEMAS: dict[Kind, str] = {
     Kind.OUTCOME: "iisiiiii",
     Kind.OPEN_LIST: "SSaa",
     Kind.ANSWER: "siisii",
+    Kind.AGENT: "sibaaa",
 }
 """Field codes of each kind (field meanings in :mod:`dtkv.transfer.messages`)."""
 
@@ -92,7 +95,7 @@ def _tag(secret: bytes, key: str, signed_part: bytes) -> bytes:
 
 
 def pack(kind: Kind, fields: Sequence[object], *, key: str, secret: bytes | None) -> bytes:
-    """Encode ``fields`` (ints, int arrays, strings, lists of strings per the kind's schema) for ``key``."""
+    """Encode ``fields`` (ints, int arrays, strings, lists of strings, bytes per the kind's schema) for ``key``."""
     schema = SCHEMAS[kind]
     if len(fields) != len(schema):
         raise ValueError(f"fields must hold {len(schema)} values for kind {kind.name}, got {len(fields)}")
@@ -105,6 +108,9 @@ def pack(kind: Kind, fields: Sequence[object], *, key: str, secret: bytes | None
             parts += [_INT.pack(arr.shape[0]), arr.tobytes()]
         elif code == "s":
             raw = str(value).encode()
+            parts += [_INT.pack(len(raw)), raw]
+        elif code == "b":
+            raw = bytes(value)
             parts += [_INT.pack(len(raw)), raw]
         else:  # "S"
             items = [str(v).encode() for v in value]
@@ -194,5 +200,10 @@ class _Reader:
             return arr
         if code == "s":
             return self._str()
+        if code == "b":
+            n = self._count(1)
+            raw = bytes(self.data[self.pos : self.pos + n])
+            self.pos += n
+            return raw
         n = self._count(8)
         return [self._str() for _ in range(n)]
