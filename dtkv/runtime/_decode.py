@@ -168,7 +168,10 @@ class ShardedDecodeAttention:
                 qs = step.attn.cast_queries(torch.cat((q.q_nope, q.q_rope), dim=-1))
                 x = StepInputs(iq=q.iq, iw=q.iw, q=qs, kv_row=kv_row, index_k=index_k)
                 got = step.layer(layer, x)  # writes the rows (owner filter), selects, attends, merges
-                res = DecodeLayerOutput(out=got.out, lse=got.lse, positions=DecodeStep.positions(got))
+                # the layer's output in the queries' compute dtype (the contract of DecodeLayerOutput): FlashMLA's
+                # partial is bf16 and, with nothing to merge (one rank), would reach the model as it is
+                dt = q.q_nope.dtype
+                res = DecodeLayerOutput(out=got.out.to(dt), lse=got.lse.to(dt), positions=DecodeStep.positions(got))
                 out_isz, lse_isz = _partial_itemsizes(step.attn.name, qs.dtype)
             else:
                 self.flush(layer)
