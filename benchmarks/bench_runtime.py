@@ -26,8 +26,11 @@ full, sharded) with ``Runtime.decode(steps)`` over requests whose KV is already 
 (:func:`_runtime_models.synthetic_requests`: as a PD decode runtime receives them), ``steps`` from the case's time
 budget after two warm-up steps; decode of a ``--long-layers`` (61) model at 32K / batch 1; the reference model's
 prefill at 32K / chunk 8192 and decode at 32K / batch 1; and the indexer op alone (``bench_indexer_logits``'s
-``run_cases`` at ``--indexer-cases``). ``--graph`` passes the runtime's CUDA-graph switch where it has one
-(``Runtime(cuda_graphs=...)``); rows say ``graph: false`` otherwise.
+``run_cases`` at ``--indexer-cases``). ``--graph`` passes the runtime's CUDA-graph switch
+(``Runtime(cuda_graphs=True)``; ``"emulate"`` on a CPU, where nothing is captured: the graph path run eagerly);
+without it ``cuda_graphs=False`` (eager decode). Rows say ``graph`` (steps captured and replayed), ``graph_mode``
+(``capture`` / ``emulate`` / ``off``) and ``graph_eager_steps`` (decode steps that ran eager instead, with
+``graph_reason``).
 
 **Row keys** (``runtime_<hw>_<date>.jsonl``, one row per case, printed as each finishes): ``phase`` (``prefill`` /
 ``decode`` / ``indexer``), ``adapter``, ``layers``, ``hidden``, ``attention`` (the resolved backend), ``kv_dtype``,
@@ -265,7 +268,9 @@ class Bench:
             adapter = TransformersAdapter(m, kv_dtype=self.ns.kv_dtype, page_size=self.page_size)
         else:
             adapter = m
-        kw = {self.switch: bool(self.ns.graph)} if self.switch else {}
+        kw = {}
+        if self.switch:  # on a CPU the graph path runs eagerly ("emulate"): nothing to capture
+            kw = {self.switch: ("emulate" if self.dev.type != "cuda" else True) if self.ns.graph else False}
         return Runtime(adapter, num_pages=num_pages, group=self.g.group, mode=case.kv_mode,
                        decode_mode=case.decode_mode or "full", attention=self.ns.attention, **kw)  # fmt: skip
 
@@ -371,7 +376,8 @@ class Bench:
         rt = self.runtime(case, pages)
         try:
             out["attention"], out["kv_mode"] = rt.attention.name, rt.mode
-            out["graph"] = bool(ns.graph) and self.switch is not None
+            mode = getattr(rt, "graph_mode", "off")
+            out.update(graph=mode == "capture", graph_mode=mode)
             reqs = models.synthetic_requests(rt, batch=b, context=t, seed=ns.seed)
             rt.decode(warm)
             deadline = time.perf_counter() + budget_s  # the budget starts after the warm-up (kernel compiles)
@@ -382,6 +388,10 @@ class Bench:
             self._peak_reset()
             wall = self._timed(lambda: rt.decode(steps))
             out.update(step_ms=_sig(wall / steps * 1e3), steps=steps, peak_mem_gb=self._peak())
+            graphs = getattr(rt, "graphs", None)
+            if graphs is not None:
+                out.update(graph_eager_steps=graphs.stats["eager_steps"], graph_reason=graphs.reason or None,
+                           graph_captures=graphs.stats["captures"])  # fmt: skip
             if not ns.no_profile and self.g.all(time.perf_counter() + 3 * prof * one < deadline):
                 self._profile(out, rt, lambda: rt.decode(prof), layers=case.layers, per=prof,
                               name=f"decode_{case.adapter}_{case.layers}_{t}_{b}_{case.decode_mode}")  # fmt: skip

@@ -39,6 +39,10 @@ Errors raised:
   first differing field and each rank's value (dict values), or each rank's digest (other values).
 
 With ``group=None`` or a group of one rank nothing is exchanged: a local error is re-raised unchanged.
+
+:func:`agree_async` is the same agreement with its header all-gather started and waited for later
+(:meth:`PendingAgreement.wait`), so that it overlaps other work (the runtime's decode loop votes on a step while the
+GPU runs it): the same collectives in the same order, the same verdicts on every rank.
 """
 
 from __future__ import annotations
@@ -58,7 +62,9 @@ __all__ = [
     "MAX_PAYLOAD_BYTES",
     "Agreement",
     "ConfigMismatchError",
+    "PendingAgreement",
     "agree",
+    "agree_async",
     "agreement",
     "digest_of",
     "register_error",
@@ -168,12 +174,70 @@ def agree(
     Raises:
         The first failing rank's exception type (see the module docstring), or ``mismatch_error``.
     """
+    agree_async(error, group, what=what, value=value, mismatch_error=mismatch_error, keep_common=keep_common).wait()
+
+
+class PendingAgreement:
+    """An agreement whose header all-gather is under way (:func:`agree_async`): :meth:`wait` finishes it."""
+
+    def __init__(self, *, error, group, world: int, payload: bytes, work, out, what: str, value, mismatch_error,
+                 keep_common: bool) -> None:  # fmt: skip
+        self._error, self._group, self._world, self._payload = error, group, world, payload
+        self._work, self._out, self._what, self._value = work, out, what, value
+        self._mismatch, self._keep_common = mismatch_error, keep_common
+        self._done = False
+
+    def wait(self) -> None:
+        """Return on every rank, or raise on every rank (as :func:`agree`); collective when a rank failed or the
+        values differ (the payloads' all-gather). Idempotent once it returned."""
+        if self._done:
+            return
+        self._done = True
+        error = self._error
+        if self._group is None:
+            if error is not None:
+                raise error
+            return
+        self._work.wait()  # the group's timeout bounds it
+        world = self._world
+        rows = self._out.view(world, _HEADER_BYTES).cpu().numpy()
+        headers = [bytes(rows[r]) for r in range(world)]
+        failed = [r for r in range(world) if headers[r][0]]
+        digests = [headers[r][16:] for r in range(world)]
+        if not failed and all(d == digests[0] for d in digests):
+            return
+        size = max(int.from_bytes(h[8:16], "little") for h in headers)  # announced lengths: bounded below
+        payloads = _all_gather_bytes(self._payload, max(1, min(size, MAX_PAYLOAD_BYTES)), self._group, world)
+        lengths = [min(int.from_bytes(h[8:16], "little"), MAX_PAYLOAD_BYTES) for h in headers]
+        raw = [payloads[r][: lengths[r]] for r in range(world)]
+        if failed:
+            texts = [b.decode("utf-8", errors="replace").rstrip("\x00") for b in raw]
+            if self._keep_common and error is not None and len(failed) == world and len(set(texts)) == 1:
+                raise error
+            raise _failure(self._what, failed, texts, world) from error
+        raise _mismatch(self._what, raw, digests, isinstance(self._value, bytes), self._mismatch)
+
+
+def agree_async(
+    error: BaseException | None,
+    group: dist.ProcessGroup | None,
+    *,
+    what: str,
+    value: object = None,
+    mismatch_error: type[Exception] = ConfigMismatchError,
+    keep_common: bool = False,
+) -> PendingAgreement:
+    """:func:`agree`, with its header all-gather started and not waited for: the caller overlaps it with other work
+    and calls :meth:`PendingAgreement.wait` (which returns or raises on every rank, as :func:`agree` does).
+
+    Collective like :func:`agree`: every rank starts it, in the same order as its other collectives on ``group``,
+    and every rank waits for it before its next collective on ``group``.
+    """
     if error is not None and not isinstance(error, Exception):
         raise error  # KeyboardInterrupt and friends are never swallowed into a message
     if group is None or dist.get_world_size(group) == 1:
-        if error is not None:
-            raise error
-        return
+        return PendingAgreement(error=error, group=None, world=1, payload=b"", work=None, out=None, what=what,
+                                value=value, mismatch_error=mismatch_error, keep_common=keep_common)  # fmt: skip
     world = dist.get_world_size(group)
     if error is None:
         try:  # a value that cannot be serialized is this rank's failure, not a reason to skip the collective
@@ -186,21 +250,12 @@ def agree(
         payload, digest = _cut(canonical), hashlib.sha256(canonical).digest()
     header = bytes([0 if error is None else 1]) + bytes(7) + len(payload).to_bytes(8, "little") + digest
     assert len(header) == _HEADER_BYTES, "agreement header size"
-    headers = _all_gather_bytes(header, _HEADER_BYTES, group, world)
-    failed = [r for r in range(world) if headers[r][0]]
-    digests = [headers[r][16:] for r in range(world)]
-    if not failed and all(d == digests[0] for d in digests):
-        return
-    size = max(int.from_bytes(h[8:16], "little") for h in headers)  # announced lengths: bounded below
-    payloads = _all_gather_bytes(payload, max(1, min(size, MAX_PAYLOAD_BYTES)), group, world)
-    lengths = [min(int.from_bytes(h[8:16], "little"), MAX_PAYLOAD_BYTES) for h in headers]
-    raw = [payloads[r][: lengths[r]] for r in range(world)]
-    if failed:
-        texts = [b.decode("utf-8", errors="replace").rstrip("\x00") for b in raw]
-        if keep_common and error is not None and len(failed) == world and len(set(texts)) == 1:
-            raise error
-        raise _failure(what, failed, texts, world) from error
-    raise _mismatch(what, raw, digests, isinstance(value, bytes), mismatch_error)
+    dev = _device(group)
+    mine = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+    out = torch.empty(world * _HEADER_BYTES, dtype=torch.uint8, device=dev)
+    work = all_gather_into(out, mine.to(dev), group, async_op=True)
+    return PendingAgreement(error=error, group=group, world=world, payload=payload, work=work, out=out, what=what,
+                            value=value, mismatch_error=mismatch_error, keep_common=keep_common)  # fmt: skip
 
 
 def _failure(what: str, failed: list[int], texts: list[str], world: int) -> Exception:

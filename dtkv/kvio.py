@@ -43,22 +43,27 @@ def write_rows(
     rank: int,
     *,
     direct: bool = False,
+    validate: bool | None = None,
 ) -> None:
     """Write ``rows`` ``[N, C]`` (any float dtype) at logical ``locs`` int64 ``[N]`` (``-1`` skipped) into ``pool``.
 
     ``direct=True`` is the compute-owner write of a page-aligned split (every location on a page ``rank`` stores;
-    validated on the host in eager mode, see :func:`dtkv.ops.direct_write`).
+    validated on the host in eager mode, see :func:`dtkv.ops.direct_write`). ``validate``: the ops' host check of
+    ``locs`` (one sync; ``None``: their default, on in eager mode); ``False`` for locations the caller planned
+    itself (the runtime's decode steps), which are written the same way.
     """
     if isinstance(layout, MLALatentLayout):
         rows = rows.to(layout.dtype)
         if direct:
-            ops.direct_write(pool, rows, locs, ownership, rank)
+            ops.direct_write(pool, rows, locs, ownership, rank, validate=validate)
         else:
-            ops.write_owned(pool, rows, locs, ownership, rank)
+            ops.write_owned(pool, rows, locs, ownership, rank, validate=validate)
     elif isinstance(layout, MLAFp8Layout):
-        ops.quantize_write_mla_fp8(pool, rows, locs, ownership, rank, layout=layout, direct=direct)
+        ops.quantize_write_mla_fp8(pool, rows, locs, ownership, rank, layout=layout, direct=direct, validate=validate)
     elif isinstance(layout, IndexerFp8Layout):
-        ops.quantize_write_indexer_fp8(pool, rows, locs, ownership, rank, layout=layout, direct=direct)
+        ops.quantize_write_indexer_fp8(
+            pool, rows, locs, ownership, rank, layout=layout, direct=direct, validate=validate
+        )
     else:
         raise _bad_layout(layout)
 

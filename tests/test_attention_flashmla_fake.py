@@ -15,6 +15,7 @@ and a loose logit bound (see the transformers test).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 
@@ -186,6 +187,44 @@ def test_transformers_run_the_flashmla_path(flashmla, name):
     # 0.12 of the logits' scale here; the absorbed math itself matches the expanded form to 1e-4 in float32
     # (tests/test_attention_models.py, Triton). This bound only catches plumbing that is wrong, not rounding.
     assert float(diff) <= 0.3, diff
+
+
+@pytest.mark.parametrize(
+    "model",
+    [pytest.param("bfloat16", id="transformers-bf16"), pytest.param("float32", id="transformers-fp32"),
+     pytest.param("reference", id="reference")],
+)  # fmt: skip
+def test_sharded_decode_on_one_rank_hands_the_model_its_compute_dtype(flashmla, model):
+    """Sharded decode on FlashMLA with one rank (nothing to merge): the layer's output reaches the model in the
+    queries' compute dtype (FlashMLA's partial is bf16; a one-rank step used to hand it on as it was, and the
+    transformers model's ``W_UV`` product raised "expected scalar type Float but found BFloat16"), and the greedy
+    tokens equal the torch backend's sharded decode (fp8 indexer math on both; margins are wide in this run)."""
+    from dtkv.runtime import Runtime, num_pages_for
+
+    outs = {}
+    for attention in ("torch", "flashmla"):
+        if model == "reference":
+            from dtkv.model import ReferenceAdapter
+
+            adapter, vocab, precision = ReferenceAdapter(_fitting_reference_cfg("fp8")), 97, contextlib.nullcontext()
+        else:
+            pytest.importorskip("transformers", reason="the hf extra (transformers==5.17.0)")
+            from dtkv.integrations.transformers import TransformersAdapter, indexer_precision, tiny_model
+
+            lm = tiny_model("deepseek-v32", num_attention_heads=64, num_key_value_heads=64, kv_lora_rank=512,
+                            qk_rope_head_dim=64, index_head_dim=128, num_hidden_layers=2, index_topk=64,
+                            dtype=getattr(torch, model))  # fmt: skip
+            adapter, vocab = TransformersAdapter(lm, kv_dtype="fp8", page_size=64), 256
+            precision = indexer_precision("fp8")  # the fp8 indexer on both backends: the same selections
+        g = torch.Generator().manual_seed(3)
+        prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (150, 20)]  # one longer than top-k
+        pages = num_pages_for([len(p) for p in prompts], page_size=64, decode_steps=3)
+        with precision, Runtime(adapter, num_pages=pages, attention=attention, decode_mode="sharded") as rt:
+            for p in prompts:
+                rt.add_request(p)
+            rt.prefill(64)
+            outs[attention] = rt.decode(2)
+    assert outs["flashmla"] == outs["torch"]
 
 
 def test_empty_query_rewrite_is_robust_to_either_convention(flashmla, monkeypatch):

@@ -151,29 +151,33 @@ def test_a_run_cut_short_keeps_the_rows_that_ran(tmp_path, monkeypatch):
     assert "**partial**: 1 rows so far" in next(tmp_path.glob("runtime_cpux1_*.md")).read_text()
 
 
-def test_graph_reaches_a_runtime_switch_when_the_runtime_has_one(monkeypatch):
-    """Today ``Runtime`` has no CUDA-graph switch: rows say ``graph: false``. A runtime with ``cuda_graphs=`` gets
-    ``--graph``'s value."""
+def test_graph_reaches_the_runtime_switch(monkeypatch):
+    """``--graph`` passes ``Runtime(cuda_graphs=...)``: ``"emulate"`` on a CPU (the graph path run eagerly: rows say
+    ``graph: false``, ``graph_mode: emulate``), ``False`` without the flag."""
     bench = _load("bench_runtime")
-    assert bench.graph_switch() is None
-    seen = {}
-
-    class WithGraphs(bench.Runtime):
-        def __init__(self, adapter, *, cuda_graphs: bool = True, **kwargs):
-            seen["cuda_graphs"] = cuda_graphs
-            super().__init__(adapter, **kwargs)
-
-    monkeypatch.setattr(bench, "Runtime", WithGraphs)
     assert bench.graph_switch() == "cuda_graphs"
+    seen = []
+
+    class Recording(bench.Runtime):
+        def __init__(self, adapter, *, cuda_graphs=None, **kwargs):
+            seen.append(cuda_graphs)
+            super().__init__(adapter, cuda_graphs=cuda_graphs, **kwargs)
+
+    monkeypatch.setattr(bench, "Runtime", Recording)
     parser = bench._parser()
-    ns = parser.parse_args([*SMOKE, "--graph"])
-    bench._defaults(ns, parser)
     import torch
 
-    b = bench.Bench(ns, bench.Group(None, torch.device("cpu")), torch.device("cpu"))
-    case = bench.Case(phase="decode", adapter="reference", layers=1, context=40, batch=1, decode_mode="full")
-    out = b.decode(case, budget_s=float("inf"))
-    assert seen == {"cuda_graphs": True} and out["graph"] is True and out["step_ms"] > 0
+    outs = []
+    for flags in ([*SMOKE, "--graph"], SMOKE):
+        ns = parser.parse_args(flags)
+        bench._defaults(ns, parser)
+        b = bench.Bench(ns, bench.Group(None, torch.device("cpu")), torch.device("cpu"))
+        case = bench.Case(phase="decode", adapter="reference", layers=1, context=40, batch=1, decode_mode="full")
+        outs.append(b.decode(case, budget_s=float("inf")))
+    assert seen == ["emulate", False]
+    assert outs[0]["graph"] is False and outs[0]["graph_mode"] == "emulate" and outs[0]["step_ms"] > 0
+    assert outs[0]["graph_eager_steps"] == 0 and outs[0]["graph_captures"] >= 1
+    assert outs[1]["graph_mode"] == "off" and outs[1]["graph"] is False
 
 
 # ------------------------------------------------------------------------------------------- the pieces

@@ -248,3 +248,47 @@ def test_rejects_bad_configs_plans_and_calls():
         st.capture()
     with pytest.raises(RuntimeError, match="replay\\(\\) needs capture\\(\\) first"):
         st.replay()
+
+
+@pytest.mark.parametrize("cp", [1, 3])
+def test_row_by_row_plans_equal_plans_built_whole(cp):
+    """A bucket's plan kept row by row (:class:`dtkv.decode._bucket_plan.RowCache`, what ``set_plan(..., keys=)``
+    uses) rebuilds only the rows whose request or pages changed; over steps that grow requests across page
+    boundaries, swap a request in, shrink and regrow the batch, every plan equals the plan built whole, on every rank
+    of the ownership. A bad plan raises as the whole build does, and the next call rebuilds every row."""
+    from dtkv import PageAllocator
+    from dtkv.decode import alloc_decode_pages
+    from dtkv.decode._bucket_plan import BucketLayout, RowCache, build_bucket_plan
+
+    own = PageOwnership(cp, NUM_PAGES)
+    alloc = PageAllocator(own)
+    layout = BucketLayout(batch=BUCKET, max_pages=16, scored_pages=16, send_pages=0)
+    caches = [RowCache(layout, "sharded") for _ in range(cp)]
+    t = [alloc.alloc_balanced(-(-n // PS)).tolist() for n in LENS]
+    n_, k = list(LENS), list(range(len(LENS)))
+    spare = [list(p) for p in t]
+    for step in range(10):
+        if step == 4:  # request 1 leaves, a new one takes its row
+            t[1], n_[1], k[1] = alloc.alloc_balanced(2).tolist(), 6, 99
+        if step == 6:  # the batch shrinks, then regrows
+            t, n_, k = t[:2], n_[:2], k[:2]
+        if step == 8:
+            t, n_, k = [*t, spare[3]], [*n_, LENS[3]], [*k, 3]
+        n_ = [x + 1 for x in n_]
+        needs = [max(0, -(-x // PS) - len(p)) for x, p in zip(n_, t)]
+        for p, new in zip(t, alloc_decode_pages(alloc, t, needs)):
+            p.extend(new)
+        for rank, cache in enumerate(caches):
+            got = cache.update(t, n_, k, own, rank, page_size=PS, topk=TOPK)
+            want = build_bucket_plan(layout, "sharded", t, n_, own, rank, page_size=PS, topk=TOPK)
+            assert torch.equal(got, want), (rank, step)
+        if step not in (0, 4, 8):  # only the rows that took a page are rebuilt
+            assert caches[0].rebuilt == sum(1 for x in needs if x), (step, needs)
+    cache = caches[0]
+    with pytest.raises(ValueError, match="must not repeat a page"):
+        cache.update([[t[0][0]] * len(t[0]), *t[1:]], n_, [1000, *k[1:]], own, 0, page_size=PS, topk=TOPK)
+    with pytest.raises(ValueError, match=r"page_tables\[0\] must hold ceil\(seq_lens\[0\] / page_size\)"):
+        cache.update(t, [n_[0] + 10 * PS, *n_[1:]], k, own, 0, page_size=PS, topk=TOPK)
+    got = cache.update(t, n_, k, own, 0, page_size=PS, topk=TOPK)  # dropped: rebuilt whole, still right
+    assert cache.rebuilt == len(t)
+    assert torch.equal(got, build_bucket_plan(layout, "sharded", t, n_, own, 0, page_size=PS, topk=TOPK))

@@ -220,3 +220,122 @@ def test_ranks_whose_requests_stand_at_different_positions_fail_before_any_colle
         assert k3 == "ConfigMismatchError" and "Runtime.kv_bytes" in m3, m3
         assert k4 == "ConfigMismatchError" and "field 'free_pages' differs (rank 0: 17, rank 1: 16)" in m4, m4
     assert results[0]["unchanged"]
+
+
+# ------------------------------------------------------------------------------------------- the decode loop
+def _counting_gathers():
+    """Count the agreement headers (48-byte all-gathers of :mod:`dtkv._agree`)."""
+    import dtkv._agree as agree_mod
+
+    seen: list[bool] = []
+    real = agree_mod.all_gather_into
+
+    def counted(out, x, group, *, async_op=False):
+        if x.numel() == 48:
+            seen.append(async_op)
+        return real(out, x, group, async_op=async_op)
+
+    agree_mod.all_gather_into = counted
+    return seen, lambda: setattr(agree_mod, "all_gather_into", real)
+
+
+def _loop(rank, world, decode_mode: str, mode: str, fault: str | None) -> dict:
+    """``decode(6)`` on every rank: the headers it sends, and (``fault``) what a fault at its fourth step does:
+    ``"lm_head"`` raises in the last rank's LM head, ``"diverge"`` commits an extra token of request 0 on the last
+    rank, ``"progress"`` lets the last rank's progress callback move request 0 (a broken SPMD contract)."""
+    import torch.distributed as dist
+
+    rt = Runtime(ReferenceAdapter(CFG), num_pages=12 * world, group=dist.group.WORLD, decode_mode=decode_mode,
+                 mode=mode)  # fmt: skip
+    for p in _prompts(CFG.vocab_size):
+        rt.add_request(p)
+    rt.prefill(CHUNK)
+    rt.decode(1)
+    seen, restore = _counting_gathers()
+    out: dict = {}
+    steps = {"n": 0}
+    progress = None
+    last = rank == world - 1
+    if fault == "lm_head" and last:
+        rt.adapter.logits = _FailOnce(rt.adapter.logits, at=4)
+    if fault == "diverge" and last:
+        real_commit = rt._commit
+
+        def commit(reqs, lens):
+            real_commit(reqs, lens)
+            steps["n"] += 1
+            if steps["n"] == 4:
+                reqs[0].num_computed += 1
+
+        rt._commit = commit
+    if fault == "progress":
+
+        def progress(k, n):
+            if k == 3 and last:
+                rt.requests[0].num_computed -= 1
+
+    snaps: list[dict] = []
+    real_step = rt._decode_step
+
+    def snap_step(reqs, **kw):
+        snaps.append(_host(rt))
+        return real_step(reqs, **kw)
+
+    rt._decode_step = snap_step
+    try:
+        out["error"] = _refused(lambda: rt.decode(6, progress=progress))
+    finally:
+        restore()
+    out["headers"] = seen
+    out["rolled_back"] = _host(rt) == snaps[3] if len(snaps) > 3 else None
+    if fault in (None, "lm_head"):
+        rt._decode_step = real_step
+        rt.decode(6 - (len(rt.requests[0].output) - 2))  # the loop goes on to the same tokens
+        out["outputs"] = [list(r.output) for r in rt.requests]
+    rt.close()
+    return out
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(("decode_mode", "mode"), [("sharded", None), ("full", None), ("full", "replicated")])
+def test_the_decode_loop_votes_while_a_step_runs_and_agrees_on_inputs_once_a_call(ranks234, decode_mode, mode):
+    """Six steps of one ``decode()`` call send seven agreement headers, not twelve: the first step's input
+    agreement, then one vote a step (started as the step leaves its block: it travels while the step runs and is
+    awaited before the step's tokens are taken), standing for the next step's input agreement. (Full-view decode
+    over page-sharded pools also agrees on each step's view plan, a digest of the pages themselves: six more.)"""
+    results = ranks234.run(_loop, decode_mode, mode, None)
+    views = 6 if decode_mode == "full" and mode is None else 0
+    for res in results:
+        assert res["error"] == ("", "")
+        assert len(res["headers"]) == 7 + views, res["headers"]
+        assert res["outputs"] == results[0]["outputs"]
+
+
+@pytest.mark.multirank
+def test_a_fault_inside_a_decode_call_fails_every_rank_and_the_loop_goes_on(ranks3):
+    """A fault in the last rank's LM head at the fourth step of a call (a step with no input agreement of its own):
+    every rank raises it at the step's vote, every rank undoes the step, and the loop goes on to the tokens of a
+    fault-free run."""
+    faulty = ranks3.run(_loop, "sharded", None, "lm_head")
+    clean = ranks3.run(_loop, "sharded", None, None)
+    for res, ok in zip(faulty, clean):
+        kind, message = res["error"]
+        assert kind == "RuntimeError" and "Runtime decode step failed on 1 of 3 ranks; rank 2" in message, message
+        assert res["rolled_back"] and res["outputs"] == ok["outputs"]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("fault", ["diverge", "progress"])
+def test_ranks_that_diverge_inside_a_decode_call_raise_on_every_rank(ranks2, fault):
+    """State that parts ways inside a call -- a rank committing what the others did not (caught by the step's vote,
+    which names the field), or a progress callback moving a request on one rank (with ``progress`` every step agrees
+    on its inputs first: caught before the step runs) -- raises on every rank, and every rank is back where the
+    step began."""
+    for res in ranks2.run(_loop, "sharded", None, fault):
+        kind, message = res["error"]
+        assert kind == "ConfigMismatchError", message
+        if fault == "diverge":  # the vote compares the committed state
+            assert "Runtime decode step" in message and "field 'num_computed[0]' differs" in message, message
+            assert res["rolled_back"]
+        else:  # the moved request is not in the last rank's batch: the input agreement sees another batch
+            assert "Runtime step configuration: field 'extend_lens.len' differs (rank 0: 3, rank 1: 2)" in message

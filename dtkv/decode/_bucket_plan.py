@@ -24,6 +24,12 @@ does not fit raises on every rank together, before any collective.
 
 Modes: ``sharded`` (and ``replicated``, a pool every rank holds whole: ``cp_size`` 1) score the rank's own pages;
 ``full_view`` scores every page of the view, whose rows are rank ``c``'s send list at ``[c * V, (c + 1) * V)``.
+
+**Row by row** (:class:`RowCache`, ``sharded`` and ``replicated``): a decode step's requests keep their pages from
+one step to the next and gain one every ``S`` tokens, so a plan whose rows carry an identity (``keys``: the
+runtime's request ids) rebuilds only the rows whose request or page count changed (through
+:func:`build_bucket_plan` over those rows, checked alike) and writes every row's position and new location: host
+work in the rows that changed, not in the batch's pages (a 16 x 128K-token batch holds 32K of them).
 """
 
 from __future__ import annotations
@@ -33,10 +39,12 @@ from dataclasses import dataclass
 
 import torch
 
+from dtkv._checks import check_int
 from dtkv.decode.plan import _page_table, plan_decode
+from dtkv.decode.topk import MAX_POSITION
 from dtkv.ownership import PageOwnership
 
-__all__ = ["BucketLayout", "build_bucket_plan"]
+__all__ = ["BucketLayout", "RowCache", "build_bucket_plan"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -168,3 +176,97 @@ def build_bucket_plan(
     mine = uniq[owners == rank]
     f["send_idx"][: mine.numel()] = ownership.local_index(mine).to(torch.int32)
     return buf
+
+
+class RowCache:
+    """The plan image of a bucket, kept between steps and rebuilt row by row (see the module docstring)."""
+
+    def __init__(self, layout: BucketLayout, mode: str) -> None:
+        if mode not in ("sharded", "replicated"):
+            raise ValueError(f"mode must be 'sharded' or 'replicated' (row by row), got mode={mode!r}")
+        self.layout, self.mode = layout, mode
+        self.image = torch.full((layout.numel,), -1, dtype=torch.int32)
+        self.fields = layout.views(self.image)
+        self._rows: list[tuple | None] = [None] * layout.batch
+        self.rebuilt = 0
+        """Rows rebuilt by the last :meth:`update` (the others kept their page fields)."""
+
+    def update(
+        self,
+        page_tables: Sequence[Sequence[int]],
+        seq_lens: Sequence[int],
+        keys: Sequence[object],
+        ownership: PageOwnership,
+        rank: int,
+        *,
+        page_size: int,
+        topk: int,
+    ) -> torch.Tensor:
+        """The plan of this step (int32 ``[layout.numel]``, the cache's own image: copy it before the next call).
+
+        Row ``b`` keeps its page fields when ``keys[b]``, its page count, its last page and the pages its length
+        needs equal those of the row the last call built there (a request's pages only grow between decode steps);
+        it is rebuilt otherwise.
+
+        Raises:
+            ValueError / TypeError: as :func:`build_bucket_plan` (rows rebuilt), a length that its pages do not
+            cover or that exceeds the key format, a step larger than the bucket; the image is then rebuilt whole at
+            the next call.
+        """
+        lay, f, ps = self.layout, self.fields, page_size
+        n = len(seq_lens)
+        _fit("len(seq_lens)", n, lay.batch, "batch bucket")
+        if len(page_tables) != n or len(keys) != n:
+            raise ValueError(
+                f"page_tables, seq_lens and keys must have one entry per request, got {len(page_tables)}, {n} and "
+                f"{len(keys)}"
+            )
+        try:
+            lens = [check_int(f"seq_lens[{b}]", x, min_value=1) for b, x in enumerate(seq_lens)]
+            ident = [(keys[b], len(page_tables[b]), page_tables[b][-1] if len(page_tables[b]) else -1,
+                      -(-lens[b] // ps)) for b in range(n)]  # fmt: skip
+            changed = [b for b in range(n) if self._rows[b] != ident[b]]
+            for b, x in enumerate(lens):
+                if x - 1 > MAX_POSITION:
+                    raise ValueError(
+                        f"seq_lens[{b}] must be <= {MAX_POSITION + 1} (positions travel in 32 bits), got {x}"
+                    )
+                if -(-x // ps) > len(page_tables[b]):
+                    raise ValueError(
+                        f"page_tables[{b}] must hold ceil(seq_lens[{b}] / page_size) = {-(-x // ps)} pages for "
+                        f"seq_lens[{b}]={x}, got {len(page_tables[b])}"
+                    )
+            pmap = f["page_map"].view(lay.batch, lay.max_pages)
+            if changed:
+                sub_layout = BucketLayout(batch=len(changed), max_pages=lay.max_pages, scored_pages=lay.scored_pages,
+                                          send_pages=0)  # fmt: skip
+                sub = build_bucket_plan(
+                    sub_layout, self.mode, [page_tables[b] for b in changed], [lens[b] for b in changed], ownership,
+                    rank, page_size=ps, topk=topk,
+                )  # fmt: skip
+                sf = sub_layout.views(sub)
+                idx = torch.tensor(changed, dtype=torch.int64)
+                f["page_ids"][idx] = sf["page_ids"]
+                f["page_slots"][idx] = sf["page_slots"]
+                pmap[idx] = sf["page_map"].view(len(changed), lay.max_pages)
+            for b in range(n, lay.batch):  # rows no request holds now: padding
+                if self._rows[b] is not None:
+                    f["page_ids"][b] = -1
+                    f["page_slots"][b] = -1
+                    pmap[b] = -1
+        except BaseException:
+            self._rows = [None] * lay.batch
+            raise
+        for b in changed:
+            self._rows[b] = ident[b]
+        for b in range(n, lay.batch):
+            self._rows[b] = None
+        pos = [x - 1 for x in lens]
+        f["query_pos"][:n] = torch.tensor(pos, dtype=torch.int32)
+        f["new_locs"][:n] = torch.tensor(
+            [page_tables[b][p // ps] * ps + p % ps for b, p in enumerate(pos)], dtype=torch.int32
+        )
+        f["query_pos"][n:] = -1
+        f["new_locs"][n:] = -1
+        self.rebuilt = len(changed)
+        return self.image

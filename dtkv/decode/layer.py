@@ -52,6 +52,9 @@ class DecodeQueries(NamedTuple):
     """Absorbed attention queries ``[N, H, R]``."""
     q_rope: torch.Tensor
     """Roped attention queries ``[N, H, E]``."""
+    iq_fp8: bool = False
+    """``iq`` holds DeepSeek-V3.2's fp8 indexer queries (each row e4m3 codes times its scale, given as floats): the
+    runtime's decode step may then score them with fp8 dots (Triton's indexer on a GPU)."""
 
 
 class DecodeLayerOutput(NamedTuple):

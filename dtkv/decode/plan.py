@@ -185,6 +185,8 @@ def alloc_decode_pages(
     owners: list[int] = []
     for b, (req_pages, n) in enumerate(zip(pages, needs)):
         check_int(f"needs[{b}]", n, min_value=0)
+        if not n:  # most requests of a step take no page: their pages are not counted (a 128K request has 2048)
+            continue
         counts = [0] * cp
         for p in req_pages:
             counts[own.owner(int(p))] += 1

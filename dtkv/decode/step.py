@@ -48,7 +48,7 @@ from dtkv._checks import check_int
 from dtkv._collectives import group_size
 from dtkv._util import cdiv
 from dtkv.attention import AttentionSpec, resolve_attention
-from dtkv.decode._bucket_plan import BucketLayout, build_bucket_plan
+from dtkv.decode._bucket_plan import BucketLayout, RowCache, build_bucket_plan
 from dtkv.decode._exchange import COMMS, Exchange
 from dtkv.decode._step_layer import LayerResult, StepInputs, attend, gather_view, select, write_rows
 from dtkv.decode.cost import DecodeCommBytes, full_view_comm_bytes, sharded_decode_comm_bytes
@@ -160,6 +160,7 @@ class DecodeStep:
         self._plan_host = torch.empty((self.plan_layout.numel,), dtype=torch.int32, pin_memory=cuda)
         self._copied = torch.cuda.Event() if cuda else None
         self.fields = self.plan_layout.views(self._plan_dev)
+        self._rows: RowCache | None = None
         self.rowbase = (torch.arange(b, dtype=torch.int64, device=self.device) * (m * ps)).view(b, 1)
         self.num_queries = 0
         # kernels: attention through the seam, the indexer op, the writes and packs
@@ -186,19 +187,34 @@ class DecodeStep:
         self._graph_out: list[LayerResult] | None = None
 
     # ------------------------------------------------------------------------------------------ plan
-    def set_plan(self, page_tables: Sequence[Sequence[int]] | torch.Tensor, seq_lens: Sequence[int]) -> None:
+    def set_plan(
+        self,
+        page_tables: Sequence[Sequence[int]] | torch.Tensor,
+        seq_lens: Sequence[int],
+        *,
+        keys: Sequence[object] | None = None,
+    ) -> None:
         """The next step's requests (plan phase, host): pages and lengths (counting the token decoded) of each.
 
         Builds the padded plan (:func:`dtkv.decode._bucket_plan.build_bucket_plan`: checks like
         :func:`dtkv.decode.plan_decode`) and copies it to the device buffers every layer reads (one copy, no
-        synchronization). Rows past ``len(seq_lens)`` decode nothing.
+        synchronization). Rows past ``len(seq_lens)`` decode nothing. With ``keys`` (an identity per row, e.g. request
+        ids; page tables as lists; not in a full view across ranks) only the rows whose request or pages changed
+        since the last call are rebuilt (:class:`dtkv.decode._bucket_plan.RowCache`).
 
         Raises:
             ValueError / TypeError: bad requests, or a step larger than the bucket (naming the capacity).
         """
         mode = "sharded" if self.mode == "full_view" and not self.gathers else self.mode
-        plan = build_bucket_plan(self.plan_layout, mode, page_tables, seq_lens, self.pool.ownership, self.rank,
-                               page_size=self.page_size, topk=self.topk)  # fmt: skip
+        if keys is not None and mode != "full_view" and not isinstance(page_tables, torch.Tensor):
+            if self._rows is None:
+                self._rows = RowCache(self.plan_layout, mode)
+            plan = self._rows.update(page_tables, seq_lens, keys, self.pool.ownership, self.rank,
+                                     page_size=self.page_size, topk=self.topk)  # fmt: skip
+        else:
+            self._rows = None
+            plan = build_bucket_plan(self.plan_layout, mode, page_tables, seq_lens, self.pool.ownership, self.rank,
+                                     page_size=self.page_size, topk=self.topk)  # fmt: skip
         if self._copied is not None:
             self._copied.synchronize()  # the previous copy has left the pinned buffer
         self._plan_host.copy_(plan)

@@ -78,8 +78,12 @@ class ReferenceAdapter(ModelAdapter):
             start = plan.key_indptr[req_i]
             rows = plan.key_slots[start : start + kv_len]
             qs = {k: v[lo:hi] for k, v in queries.items()}
+            schedule = None
+            if ctx.decoding:  # one query per request: the backend's decode kernel, its schedule kept across steps
+                width = ctx.attention.index_width(min(cfg.index_topk, kv_len))
+                schedule = ctx.decode_schedule(hi - lo, width)
             attn[lo:hi] = self.model.attend_view(
-                qs, plan.positions[lo:hi], views["kv"], rows, index_keys[rows], ctx.attention
+                qs, plan.positions[lo:hi], views["kv"], rows, index_keys[rows], ctx.attention, schedule
             )
         return attn
 

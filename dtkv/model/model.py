@@ -222,6 +222,7 @@ class TinyDSA:
         key_slots_S: torch.Tensor,
         index_keys_SJ: torch.Tensor,
         backend: AttentionBackend,
+        schedule=None,
     ) -> torch.Tensor:
         """:meth:`attend` through an attention backend reading the stored pages themselves (no dequantized copy).
 
@@ -236,6 +237,8 @@ class TinyDSA:
             key_slots_S: int64 ``[S]`` token slot in ``kv_pages`` of key positions ``0..S-1``.
             index_keys_SJ: float64 ``[S, J]`` stored indexer keys (dequantized).
             backend: from :func:`dtkv.attention.resolve_attention` for this model's :class:`AttentionSpec`.
+            schedule: a decode step's schedule (:meth:`dtkv.runtime.StepContext.decode_schedule` for these ``N``
+                queries and the index width): the backend's decode kernel instead of its prefill kernel.
 
         Returns:
             float64 ``[N, H * R]``.
@@ -243,7 +246,11 @@ class TinyDSA:
         top_idx_NK, valid_NK = self.select(q, pos_N, index_keys_SJ)
         slots = torch.where(valid_NK, key_slots_S[top_idx_NK.clamp(min=0)], torch.full_like(top_idx_NK, -1))
         idx = backend.indices(slots, kv_pages)
-        out, _ = backend.prefill(backend.cast_queries(self.queries(q)), kv_pages, idx, softmax_scale=self.softmax_scale)
+        qs, scale = backend.cast_queries(self.queries(q)), self.softmax_scale
+        if schedule is not None:
+            out, _ = backend.decode(qs, kv_pages, idx, softmax_scale=scale, schedule=schedule)
+        else:
+            out, _ = backend.prefill(qs, kv_pages, idx, softmax_scale=scale)
         return out.to(F64).reshape(top_idx_NK.shape[0], -1)
 
     @property

@@ -30,6 +30,12 @@ head, after the step's last collective -- raises the same error on every rank, a
 reference counts, ``num_computed``, the allocator's cursor, the prefix cache's evictions (with the bytes of the
 evicted pages the step overwrote) and insertions, ``stats``. The serving loop goes on from there.
 
+**Decode as CUDA graphs** (``cuda_graphs=``, :mod:`dtkv.runtime._graphs`; on by default on CUDA): decode steps run
+in batch buckets captured at their first use and replayed after, their host plans copied into static buffers, in
+both decode modes and for every adapter; what a graph cannot hold runs eager, saying why. In :meth:`Runtime.decode`
+a step's vote travels while the step runs and stands for the next step's input agreement (no agreement collective
+on the critical path after a call's first step); the rule above holds unchanged.
+
 **Prefill queues requests that do not fit together**: each ``prefill()`` step runs the requests whose remaining
 prompt pages fit beside each other (those under way first, then in request order); the others wait, holding no
 page, until pages free up -- in a later step of the same call, or a later call after ``finish_request``. A call

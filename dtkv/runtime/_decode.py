@@ -15,6 +15,15 @@ the step's :class:`dtkv.decode.DecodePlan`. Run phase: every rank runs the dense
 - otherwise :func:`dtkv.decode.decode_layer` (index pages stored as bf16/fp32 rows, or a layer that reuses the
   previous layer's selection: GLM-5's shared indexers), after the layer's rows are written (owner-filtered).
 
+The indexer of the production step is Triton's (:func:`dtkv.ops.indexer_scores`, fp8 x fp8 dots) on a GPU where the
+model's indexer queries are DeepSeek-V3.2's fp8 ones (:attr:`dtkv.decode.DecodeQueries.iq_fp8`), the torch
+reference otherwise (CPUs, exact queries, the float64 reference model).
+
+**CUDA graphs** (:mod:`dtkv.runtime._graphs`): a captured step's attention is a :class:`ShardedDecodeAttention`
+over a graph bucket instead of a plan: the bucket's persistent :class:`dtkv.decode.DecodeStep` (its plan copied in
+by the host before each replay), its static positions. Only the production step captures; the float64 path raises
+:class:`GraphUnsupported` (its shapes come from a plan of the step), and the step runs eager.
+
 A request that crosses a page boundary gets its next page on the rank holding the fewest of its pages
 (:func:`dtkv.decode.alloc_decode_pages`). Under ``DTKV_DEBUG`` each selection is checked against the top-k of the
 gathered full view (:func:`dtkv.decode.check_selection`, on every rank together).
@@ -45,12 +54,28 @@ from dtkv.decode import (
 )
 from dtkv.kvio import read_rows, write_rows
 from dtkv.layouts import IndexerFp8Layout, MLAFp8Layout, MLALatentLayout
+from dtkv.ops import HAS_TRITON
 from dtkv.ownership import OwnershipSpec, PageOwnership
 from dtkv.pool import ShardedKVPool
 from dtkv.runtime._invariant import suspended
 from dtkv.runtime._request import Request
 
-__all__ = ["ShardedDecodeAttention", "plan_sharded_step"]
+__all__ = ["GraphUnsupported", "ShardedDecodeAttention", "alloc_sharded_pages", "plan_sharded_step"]
+
+
+class GraphUnsupported(RuntimeError):
+    """A decode step's forward reached a piece a CUDA graph cannot hold (raised while a bucket warms up; the step
+    then runs eager)."""
+
+
+def alloc_sharded_pages(reqs: Sequence[Request], *, allocator: PageAllocator, page_size: int) -> None:
+    """Give each request its next page if its new token needs one (host; SPMD; all or nothing:
+    :class:`dtkv.AllocationError` leaves every request's pages as they were)."""
+    needs = [max(0, cdiv(r.num_computed + 1, page_size) - len(r.pages)) for r in reqs]
+    if not any(needs):
+        return
+    for r, new in zip(reqs, alloc_decode_pages(allocator, [r.pages for r in reqs], needs)):
+        r.pages.extend(new)
 
 
 def plan_sharded_step(
@@ -67,10 +92,8 @@ def plan_sharded_step(
 
     All or nothing: :class:`dtkv.AllocationError` leaves every request's pages as they were.
     """
+    alloc_sharded_pages(reqs, allocator=allocator, page_size=page_size)
     seq_lens = [r.num_computed + 1 for r in reqs]
-    needs = [max(0, cdiv(n, page_size) - len(r.pages)) for r, n in zip(reqs, seq_lens)]
-    for r, new in zip(reqs, alloc_decode_pages(allocator, [r.pages for r in reqs], needs)):
-        r.pages.extend(new)
     return plan_decode([r.pages for r in reqs], seq_lens, ownership, rank, page_size=page_size, topk=topk,
                        device=device)  # fmt: skip
 
@@ -83,8 +106,13 @@ class ShardedDecodeAttention:
         pool: the runtime's pools; ``spec``: their ownership as plain ints.
         attention: the name of the runtime's attention backend (the production step's).
         stats: the runtime's counters (``decode_comm_bytes``, ``topk_checks`` are added to).
-        plan: the step's :class:`dtkv.decode.DecodePlan` (:func:`plan_sharded_step`).
-        page_tables: every request's pages, in the plan's order (after the step's allocation).
+        plan: the step's :class:`dtkv.decode.DecodePlan` (:func:`plan_sharded_step`), or
+        bucket: a graph bucket of :mod:`dtkv.runtime._graphs` (its ``decode_step(num_heads, softmax_scale)``, its
+            static ``positions``, ``num_queries`` and ``topk``): exactly one of the two.
+        page_tables: with ``plan``, every request's pages, in the plan's order (after the step's allocation).
+
+    Attributes:
+        positions: int64 ``[N]`` the queries' positions (a graph bucket's static buffer, padding rows 0).
     """
 
     def __init__(
@@ -94,19 +122,30 @@ class ShardedDecodeAttention:
         spec: OwnershipSpec,
         attention: str,
         stats: dict[str, int],
-        plan: DecodePlan,
-        page_tables: Sequence[Sequence[int]],
+        plan: DecodePlan | None = None,
+        page_tables: Sequence[Sequence[int]] = (),
+        bucket=None,
     ) -> None:
+        if (plan is None) == (bucket is None):
+            raise ValueError("ShardedDecodeAttention needs a plan (eager) or a graph bucket, exactly one of the two")
         self.pool, self.spec, self.attention_name, self.stats = pool, spec, attention, stats
-        self.plan, self.page_tables = plan, [list(p) for p in page_tables]
+        self.plan, self.bucket, self.page_tables = plan, bucket, [list(p) for p in page_tables]
+        self.positions: torch.Tensor = plan.query_pos if plan is not None else bucket.positions
+        self.num_queries = plan.num_queries if plan is not None else bucket.num_queries
+        self.topk = plan.topk if plan is not None else bucket.topk
         lays = pool.layouts
         self.kv_layout, self.index_layout = lays["kv"], lays["index"]
-        # the production step takes fp8 indexer pages (its indexer op and its one-launch row write)
-        self.fused = isinstance(self.index_layout, IndexerFp8Layout) and isinstance(
-            self.kv_layout, (MLAFp8Layout, MLALatentLayout)
-        )
+        self.fused = self.takes(lays)
         self._step: DecodeStep | None = None
         self._held: dict[tuple[str, int], torch.Tensor] = {}
+
+    @staticmethod
+    def takes(layouts) -> bool:
+        """Whether the production step takes pools of these layouts: fp8 indexer pages (its indexer op and its
+        one-launch row write) beside MLA rows."""
+        return isinstance(layouts["index"], IndexerFp8Layout) and isinstance(
+            layouts["kv"], (MLAFp8Layout, MLALatentLayout)
+        )
 
     # ------------------------------------------------------------------------------------------ writes
     def write(self, name: str, layer: int, rows: torch.Tensor) -> None:
@@ -118,8 +157,12 @@ class ShardedDecodeAttention:
         self._write_now(name, layer, rows)
 
     def _write_now(self, name: str, layer: int, rows: torch.Tensor) -> None:
+        if self.plan is None:
+            raise GraphUnsupported(f"a write of pool {name!r} outside the decode step's fused write")
         pool = self.pool
-        write_rows(pool.local(name, layer), pool.layouts[name], rows, self.plan.new_locs, self.spec, pool.rank)
+        # the runtime planned these locations itself: no host validation (one sync a write) unless DTKV_DEBUG
+        write_rows(pool.local(name, layer), pool.layouts[name], rows, self.plan.new_locs, self.spec, pool.rank,
+                   validate=_env.debug_enabled())  # fmt: skip
 
     def flush(self, layer: int | None = None) -> None:
         """Write the held rows (of ``layer``, or all) the way :meth:`write` writes rows that are not held."""
@@ -127,20 +170,23 @@ class ShardedDecodeAttention:
             self._write_now(key[0], key[1], self._held.pop(key))
 
     # ------------------------------------------------------------------------------------------ attention
-    def _decode_step(self, num_heads: int, softmax_scale: float) -> DecodeStep:
-        """The step's :class:`dtkv.decode.DecodeStep` (built at the first layer: eager, sized for this batch, the
-        runtime's attention backend, the torch indexer), its plan set (host)."""
+    def _decode_step(self, num_heads: int, softmax_scale: float, iq_fp8: bool) -> DecodeStep:
+        """The step's :class:`dtkv.decode.DecodeStep`: a graph bucket's, or (eager) one built at the first layer,
+        sized for this batch, on the runtime's attention backend, its plan set (host)."""
+        if self.bucket is not None:
+            return self.bucket.decode_step(num_heads, softmax_scale, iq_fp8)
         if (
             self._step is None
             or self._step.config.num_heads != num_heads
             or (self._step.softmax_scale != float(softmax_scale))
         ):
+            assert self.plan is not None, "an eager sharded decode step has a plan"
             plan = self.plan
             width = max(len(p) for p in self.page_tables)
-            config = DecodeStepConfig(
-                mode="sharded", num_heads=num_heads, topk=plan.topk, softmax_scale=softmax_scale,
-                max_batch=plan.num_queries, max_pages=width, scored_pages=width, attention=self.attention_name,
-                indexer="torch",
+            config = step_config(
+                num_heads=num_heads, topk=plan.topk, softmax_scale=softmax_scale, batch=plan.num_queries,
+                max_pages=width, scored_pages=width, attention=self.attention_name, device=self.pool.device,
+                iq_fp8=iq_fp8,
             )  # fmt: skip
             step = DecodeStep(self.pool, config)
             step.set_plan(self.page_tables, (plan.query_pos + 1).tolist())
@@ -152,10 +198,13 @@ class ShardedDecodeAttention:
         self, layer: int, q: DecodeQueries, *, softmax_scale: float, positions: torch.Tensor | None = None
     ) -> DecodeLayerOutput:
         """One layer of the step (collective; :meth:`dtkv.runtime.StepContext.decode_attention`)."""
-        plan = self.plan
         kv_lay = self.kv_layout
         select = positions is None
         heads = q.q_nope.shape[1]
+        if self.bucket is not None and not (select and self.fused):
+            raise GraphUnsupported(
+                "a layer that reuses the previous layer's selection" if self.fused else "index pages stored as rows"
+            )
         with suspended():  # not batch-invariant by design: the merge sums in page-placement order
             if select and self.fused:
                 kv_row, index_k = self._held.pop(("kv", layer), None), self._held.pop(("index", layer), None)
@@ -164,30 +213,57 @@ class ShardedDecodeAttention:
                         f"layer {layer}: a sharded decode step's attention reads the layer's 'kv' and 'index' rows; "
                         "write both (ctx.write) before ctx.decode_attention"
                     )
-                step = self._decode_step(heads, softmax_scale)
+                step = self._decode_step(heads, softmax_scale, q.iq_fp8)
                 qs = step.attn.cast_queries(torch.cat((q.q_nope, q.q_rope), dim=-1))
                 x = StepInputs(iq=q.iq, iw=q.iw, q=qs, kv_row=kv_row, index_k=index_k)
                 got = step.layer(layer, x)  # writes the rows (owner filter), selects, attends, merges
-                res = DecodeLayerOutput(out=got.out, lse=got.lse, positions=DecodeStep.positions(got))
+                # the layer's output in the queries' compute dtype (the contract of DecodeLayerOutput): FlashMLA's
+                # partial is bf16 and, with nothing to merge (one rank), would reach the model as it is
+                dt = q.q_nope.dtype
+                res = DecodeLayerOutput(out=got.out.to(dt), lse=got.lse.to(dt), positions=DecodeStep.positions(got))
                 out_isz, lse_isz = _partial_itemsizes(step.attn.name, qs.dtype)
             else:
+                assert self.plan is not None, "the float64 path runs eager, over a plan"
                 self.flush(layer)
                 pool = self.pool
                 res = decode_layer(
-                    pool.local("kv", layer), pool.local("index", layer), kv_lay, self.index_layout, plan, q,
+                    pool.local("kv", layer), pool.local("index", layer), kv_lay, self.index_layout, self.plan, q,
                     softmax_scale=softmax_scale, group=pool.group, positions=positions,
                 )  # fmt: skip
                 out_isz = lse_isz = q.q_nope.element_size()
         comm = sharded_decode_comm_bytes(
-            num_queries=plan.num_queries, topk=plan.topk if select else 0, num_heads=heads,
-            kv_lora_rank=q.q_nope.shape[-1], cp_size=plan.cp_size, partial_itemsize=out_isz, lse_itemsize=lse_isz,
+            num_queries=self.num_queries, topk=self.topk if select else 0, num_heads=heads,
+            kv_lora_rank=q.q_nope.shape[-1], cp_size=self.pool.ownership.cp_size, partial_itemsize=out_isz,
+            lse_itemsize=lse_isz,
         )  # fmt: skip
         self.stats["decode_comm_bytes"] += comm.sent
-        if select and _env.debug_enabled():
+        if select and self.plan is not None and _env.debug_enabled():
             with suspended():
-                _check_against_full_view(self.pool, layer, plan, q, res.positions, self.page_tables)
+                _check_against_full_view(self.pool, layer, self.plan, q, res.positions, self.page_tables)
             self.stats["topk_checks"] += 1
         return res
+
+
+def step_config(
+    *,
+    num_heads: int,
+    topk: int,
+    softmax_scale: float,
+    batch: int,
+    max_pages: int,
+    scored_pages: int,
+    attention: str,
+    device: torch.device,
+    iq_fp8: bool,
+) -> DecodeStepConfig:
+    """The :class:`dtkv.decode.DecodeStepConfig` of the runtime's sharded decode (eager and graph buckets alike):
+    the runtime's attention backend; Triton's fp8 indexer on a GPU for fp8 indexer queries, else the torch one."""
+    triton = torch.device(device).type == "cuda" and HAS_TRITON and bool(iq_fp8)
+    return DecodeStepConfig(
+        mode="sharded", num_heads=num_heads, topk=topk, softmax_scale=softmax_scale, max_batch=batch,
+        max_pages=max_pages, scored_pages=scored_pages, attention=attention,
+        indexer="triton" if triton else "torch", q_fp8=triton,
+    )  # fmt: skip
 
 
 def _partial_itemsizes(backend: str, q_dtype: torch.dtype) -> tuple[int, int]:

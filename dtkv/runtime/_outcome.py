@@ -20,9 +20,16 @@ every later step). :class:`StepOutcome` wraps a step (plan, run, commit) instead
 
 **The vote** is one collective per step: the 48-byte header all-gather of :func:`dtkv._agree.agree` on the CP
 group's CPU channel (a status byte and a digest of the committed state; the payloads travel only when a rank
-failed or the digests differ). It is a separate call so that a later change can carry the same header in the
-step's own last collective (the gathered hidden rows of an extend step, the LSE merge of a sharded decode step)
-and take it off the decode critical path; the rule stays the same: no rank keeps a step that another undoes.
+failed or the digests differ); the rule: no rank keeps a step that another undoes.
+
+**Off the decode critical path** (``StepOutcome(..., defer=True)``, what :meth:`dtkv.runtime.Runtime.decode` uses):
+a step that succeeded locally starts its vote on leaving the block and returns at once
+(:func:`dtkv._agree.agree_async`); the GPU runs the step (a CUDA graph's replay is asynchronous) while the header
+all-gather travels, and :meth:`StepOutcome.settle` waits for the verdict before the step's tokens are taken: on a
+failure or a mismatch every rank rolls back and raises there, as above. A step that failed locally votes at once
+(its peers, deferred, meet it in the same collective). The vote also carries the batch's request ids, so that it
+compares exactly what the next step's input agreement would (:func:`dtkv.runtime._batch.batch_value`): the decode
+loop skips that agreement for the steps it runs next, whose inputs follow from the voted state on every rank alike.
 
 Limits: an error *before* the step's last collective leaves the other ranks waiting in that collective (until the
 process group's timeout, like any collective a rank never joins); ``KeyboardInterrupt`` and other non-``Exception``
@@ -35,11 +42,11 @@ from collections.abc import Sequence
 
 import torch
 
-from dtkv._agree import agree
+from dtkv._agree import PendingAgreement, agree, agree_async
 from dtkv._collectives import cpu_channel
 from dtkv._journal import Journal
 
-__all__ = ["StepOutcome", "vote"]
+__all__ = ["StepOutcome", "committed_state", "vote", "vote_async"]
 
 
 def vote(group, error: BaseException | None, *, what: str, value: object = None) -> None:
@@ -56,9 +63,17 @@ def vote(group, error: BaseException | None, *, what: str, value: object = None)
     agree(error, channel, what=what, value=value, keep_common=True)
 
 
+def vote_async(group, error: BaseException | None, *, what: str, value: object = None) -> PendingAgreement:
+    """:func:`vote` started and not waited for (:meth:`dtkv._agree.PendingAgreement.wait` gives the verdict)."""
+    return agree_async(error, None if group is None else cpu_channel(group), what=what, value=value,
+                       keep_common=True)  # fmt: skip
+
+
 def committed_state(runtime, reqs: Sequence) -> dict[str, object]:
-    """What every rank must hold after a step: each request's ``num_computed`` and page count, the free pages."""
+    """What every rank must hold after a step: the requests, each one's ``num_computed`` and page count, the free
+    pages (what the next step's input agreement compares: :func:`dtkv.runtime._batch.batch_value`)."""
     return {
+        "rids": [int(r.rid) for r in reqs],
         "num_computed": [int(r.num_computed) for r in reqs],
         "num_pages": [len(r.pages) for r in reqs],
         "free_pages": runtime.allocator.num_free(),
@@ -72,8 +87,11 @@ class StepOutcome:
     (collective) and raises on every rank when the step failed on any.
     """
 
-    def __init__(self, runtime, reqs: Sequence, *, what: str) -> None:
+    def __init__(self, runtime, reqs: Sequence, *, what: str, defer: bool = False) -> None:
         self.runtime, self.reqs, self.what = runtime, list(reqs), what
+        self.defer = bool(defer)
+        """A step that succeeded locally votes asynchronously: :meth:`settle` gives the verdict."""
+        self._pending: PendingAgreement | None = None
         self.journal = Journal()
         self.evicted: list[int] = []
         """Pages the step's evictions freed (the runtime's :mod:`dtkv.runtime._prefix` adds them)."""
@@ -138,7 +156,23 @@ class StepOutcome:
             return
         try:
             value = committed_state(self.runtime, self.reqs) if exc is None else None
+            if self.defer and exc is None:
+                self._pending = vote_async(self.runtime.group, None, what=self.what, value=value)
+                return
             vote(self.runtime.group, exc, what=self.what, value=value)
+        except BaseException:
+            self._rollback()
+            raise
+        self._kept = []
+
+    def settle(self) -> None:
+        """Wait for a deferred vote (collective, every rank): return when the step stands on every rank, else roll
+        it back and raise on every rank (what leaving the block does without ``defer``). A no-op otherwise."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            pending.wait()
         except BaseException:
             self._rollback()
             raise

@@ -25,7 +25,7 @@ from dtkv.materialize import MaterializePlan, plan_materialize
 from dtkv.ownership import PageOwnership
 from dtkv.split import CPSplit, allocate_for_split, plan_cp_split
 
-__all__ = ["ExtendPlan", "plan_extend"]
+__all__ = ["ExtendPlan", "alloc_pages", "plan_extend"]
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -81,6 +81,11 @@ class ExtendPlan:
     page_aligned: bool
     """Every request of the step was split on page edges (host)."""
 
+    @property
+    def decoding(self) -> bool:
+        """One token per request: a decode step (each query its own request's last position)."""
+        return all(n == 1 for n in self.extend_lens)
+
 
 def _locs(pages: list[int], lo: int, hi: int, page_size: int) -> torch.Tensor:
     pos = torch.arange(lo, hi)
@@ -100,7 +105,14 @@ def _allocate(allocator: PageAllocator, reqs: Sequence, split: CPSplit, *, direc
         for r, new in zip(reqs, allocate_for_split(allocator, split, table).new_pages):
             r.pages.extend(new.tolist())
         return
-    needs = [max(0, cdiv(r.num_computed + n, page_size) - len(r.pages)) for r, n in zip(reqs, split.extend_lens)]
+    alloc_pages(allocator, reqs, split.extend_lens, page_size)
+
+
+def alloc_pages(allocator: PageAllocator, reqs: Sequence, lens: Sequence[int], page_size: int) -> None:
+    """Balanced pages for ``reqs`` extended by ``lens``, in request order (host; all or nothing)."""
+    needs = [max(0, cdiv(r.num_computed + n, page_size) - len(r.pages)) for r, n in zip(reqs, lens)]
+    if not any(needs):
+        return
     pages = allocator.alloc_balanced(sum(needs)).tolist()  # the same pages as one call per request, in order
     for r, n in zip(reqs, needs):
         r.pages.extend(pages[:n])
@@ -147,7 +159,8 @@ def plan_extend(
     if make_room is not None:
         make_room(split)
     _allocate(allocator, reqs, split, direct=mode == "sharded_direct", page_size=ps)
-    ids_nat = torch.cat([torch.tensor(r.tokens[p : p + n], dtype=torch.int64) for r, p, n in zip(reqs, prefix, lens)])
+    ids_nat = torch.tensor([t for r, p, n in zip(reqs, prefix, lens) for t in r.token_range(p, p + n)],
+                           dtype=torch.int64)  # fmt: skip
     locs_nat = torch.cat([_locs(r.pages, p, p + n, ps) for r, p, n in zip(reqs, prefix, lens)])
     loc = split.local(rank)
     tok = loc.token_index.cpu()

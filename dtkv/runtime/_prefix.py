@@ -84,7 +84,7 @@ def cache_computed(runtime, reqs: Sequence) -> None:
     for r in reqs:
         n = r.num_computed // ps
         if n:
-            cache.insert(r.tokens[: n * ps], r.pages[:n])
+            cache.insert(r.token_range(0, n * ps), r.pages[:n])
 
 
 def release_request(runtime, req) -> None:

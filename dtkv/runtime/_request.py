@@ -31,5 +31,25 @@ class Request:
 
     @property
     def tokens(self) -> list[int]:
-        """Prompt then generated tokens."""
+        """Prompt then generated tokens (a new list: :meth:`token`, :meth:`token_range` and :attr:`num_tokens` read
+        them without copying the prompt)."""
         return self.prompt + self.output
+
+    @property
+    def num_tokens(self) -> int:
+        """``len(tokens)``."""
+        return len(self.prompt) + len(self.output)
+
+    def token(self, i: int) -> int:
+        """``tokens[i]`` for ``0 <= i < num_tokens``."""
+        n = len(self.prompt)
+        return self.prompt[i] if i < n else self.output[i - n]
+
+    def token_range(self, lo: int, hi: int) -> list[int]:
+        """``tokens[lo:hi]`` for ``0 <= lo <= hi <= num_tokens``."""
+        n = len(self.prompt)
+        if hi <= n:
+            return self.prompt[lo:hi]
+        if lo >= n:
+            return self.output[lo - n : hi - n]
+        return self.prompt[lo:] + self.output[: hi - n]

@@ -97,6 +97,11 @@ class ModelAdapter(ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         """Detach from the model (the runtime's ``close``); default: nothing to do."""
 
+    def graph_reason(self, decode_mode: str) -> str:
+        """Why this model's decode steps cannot be captured as CUDA graphs in ``decode_mode`` (``""``: they can;
+        :mod:`dtkv.runtime._graphs`), e.g. a module that synchronizes with the host. Default: ``""``."""
+        return ""
+
     def describe(self) -> dict[str, object]:
         """What the ranks of a CP group must agree on about the model (JSON-able)."""
         s = self.spec

@@ -50,10 +50,17 @@ class StepContext:
         attention: the attention backend.
         plan: an extend step's :class:`dtkv.runtime.ExtendPlan`, or
         sharded: a sharded decode step's attention (and ``ids``, its token ids): exactly one of the two.
+        decoding: an extend plan that is a decode step (one new token per request, one query per request in
+            request order): attention may take the backend's decode kernel (:meth:`decode_schedule`).
+        schedules: the runtime's decode schedules by ``(num_queries, width)`` (kept across steps).
+        validate: the host check of the writes' locations (``None``: the ops' default; ``False`` in decode steps,
+            whose locations the runtime planned itself: no sync a write; ``DTKV_DEBUG`` checks them).
 
     Attributes:
         plan: the extend step's :class:`dtkv.runtime.ExtendPlan` (``None`` in a sharded decode step).
-        decode: the sharded decode step's :class:`dtkv.decode.DecodePlan` (``None`` in an extend step).
+        decode: the sharded decode step's :class:`dtkv.decode.DecodePlan` (``None`` in an extend step and in a
+            captured sharded decode step, whose plan is its graph bucket's).
+        decoding: the step is a decode step (``sharded_decode``, or a full-view decode step's extend plan).
         materializer: the extend step's :class:`dtkv.materialize.Materializer` when it prefetches, else ``None``.
         attention: the runtime's :class:`dtkv.attention.AttentionBackend` (``name``: ``"torch"``, ``"triton"`` or
             ``"flashmla"``).
@@ -73,6 +80,9 @@ class StepContext:
         plan: ExtendPlan | None = None,
         sharded: ShardedDecodeAttention | None = None,
         ids: torch.Tensor | None = None,
+        decoding: bool = False,
+        schedules: dict | None = None,
+        validate: bool | None = None,
     ) -> None:
         if (plan is None) == (sharded is None):
             raise ValueError(
@@ -91,6 +101,9 @@ class StepContext:
         self.attention = attention
         self.layouts = pool.layouts
         self.page_size = next(iter(pool.layouts.values())).page_size
+        self.decoding = bool(decoding) or sharded is not None
+        self.validate = False if self.decoding and validate is None and not _env.debug_enabled() else validate
+        self._schedules = {} if schedules is None else schedules
 
     # ------------------------------------------------------------------------------------------ rows
     @property
@@ -106,13 +119,24 @@ class StepContext:
         """int64 ``[n]``: their absolute positions."""
         if self.plan is not None:
             return self.plan.positions
-        assert self.decode is not None, "a step's context holds an extend plan or a decode plan"
-        return self.decode.query_pos
+        assert self._sharded is not None, "a step's context holds an extend plan or a sharded decode step"
+        return self._sharded.positions
 
     @property
     def sharded_decode(self) -> bool:
         """Whether this is a sharded decode step (every rank runs every query; attention on the shards)."""
-        return self.decode is not None
+        return self._sharded is not None
+
+    def decode_schedule(self, num_queries: int, width: int):
+        """The attention backend's :class:`dtkv.attention.DecodeSchedule` for decode calls of ``num_queries`` rows
+        and index width ``width`` in a full-view decode step (plan: built once per shape and kept by the runtime
+        across steps, so FlashMLA builds its tile-scheduler metadata once and a CUDA graph can capture the call).
+        Its ``lse`` is not for merging (nothing is merged in a full view)."""
+        key = (int(num_queries), int(width))
+        schedule = self._schedules.get(key)
+        if schedule is None:
+            schedule = self._schedules[key] = self.attention.plan_decode(key[0], key[1], merge_lse=False)
+        return schedule
 
     # ------------------------------------------------------------------------------------------ writes
     def _gather(self, x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -134,19 +158,20 @@ class StepContext:
             return
         plan, mode = self.plan, self.mode
         assert plan is not None, "a step's context holds an extend plan or a decode plan"
+        check = self.validate
         if mode == "single":
-            write_rows(pool, lay, rows, plan.locs, spec, 0)
+            write_rows(pool, lay, rows, plan.locs, spec, 0, validate=check)
         elif mode in ("replicated", "sharded"):
-            write_rows(pool, lay, self._gather(rows, plan.max_local), plan.locs_gathered, spec, rank)
+            write_rows(pool, lay, self._gather(rows, plan.max_local), plan.locs_gathered, spec, rank, validate=check)
         else:
             locs = plan.locs[plan.direct_rows]
             if _env.debug_enabled():
                 what = f"direct write of {name!r}, layer {layer}"
                 check_write_ownership(locs, self.ownership, rank, self.page_size, self.group, what=what)
-            write_rows(pool, lay, rows[plan.direct_rows], locs, spec, rank, direct=True)
+            write_rows(pool, lay, rows[plan.direct_rows], locs, spec, rank, direct=True, validate=check)
             if plan.max_handoff:
                 gathered = self._gather(rows[plan.handoff_rows], plan.max_handoff)
-                write_rows(pool, lay, gathered, plan.handoff_locs_gathered, spec, rank)
+                write_rows(pool, lay, gathered, plan.handoff_locs_gathered, spec, rank, validate=check)
 
     # ------------------------------------------------------------------------------------------ reads
     def views(self, layer: int, names: tuple[str, ...] = ("index", "kv")) -> dict[str, torch.Tensor]:

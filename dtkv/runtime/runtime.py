@@ -23,6 +23,7 @@ from dtkv.pool import ShardedKVPool, gather_pages
 from dtkv.prefix_cache import PrefixCache
 from dtkv.runtime import _batch, _prefix
 from dtkv.runtime._decode import ShardedDecodeAttention, plan_sharded_step
+from dtkv.runtime._graphs import CudaGraphs, DecodeGraphs, resolve_cuda_graphs
 from dtkv.runtime._invariant import _BatchInvariant
 from dtkv.runtime._outcome import StepOutcome
 from dtkv.runtime._plan import ExtendPlan, plan_extend
@@ -77,6 +78,10 @@ class Runtime:
             name (fp8 index pages; :mod:`dtkv.runtime._decode`).
         batch_invariant: run every step under :func:`dtkv.runtime.batch_invariant`, so a token's results do not
             depend on the tokens sharing its step (what bitwise prefix-cache parity needs from float32 models).
+        cuda_graphs: decode steps as CUDA graphs, one per batch bucket (:mod:`dtkv.runtime._graphs`): ``True``
+            (CUDA only), ``False``, ``"emulate"`` (the graph path's buckets and static buffers run eagerly, on any
+            device), ``None`` (default: ``True`` on CUDA unless ``batch_invariant``, else ``False``). The resolved
+            mode is :attr:`graph_mode`; :attr:`graphs` has the buckets and says why a step ran eager.
 
     Attributes:
         requests: the :class:`Request` objects, in the order they were added (``requests[rid]``).
@@ -84,13 +89,17 @@ class Runtime:
         allocator: the SPMD :class:`dtkv.PageAllocator` (over the CP group's ownership in the sharded modes).
         prefix_cache: the :class:`dtkv.PrefixCache`, or None.
         attention: the resolved :class:`dtkv.attention.AttentionBackend`.
+        graph_mode: ``"capture"``, ``"emulate"`` or ``"off"`` (from ``cuda_graphs``).
+        graphs: the :class:`dtkv.runtime._graphs.DecodeGraphs` of the decode steps (``None`` when ``"off"``).
         stats: counters: ``steps``, ``direct_rows``, ``handoff_rows``, ``scratch_bytes`` (largest materialization
             scratch per rank), ``prefix_prompt_tokens``, ``prefix_hit_tokens``, ``sharded_decode_steps``,
             ``decode_comm_bytes``, ``topk_checks``.
 
     Raises:
         ValueError: a bad ``mode``, ``split``, ``decode_mode`` or ``scheme``, ``sharded_direct`` with round-robin,
-            sharded decode over a replicated pool; a configuration the ranks do not share (every rank).
+            sharded decode over a replicated pool, ``cuda_graphs=True`` off CUDA or with ``batch_invariant``; a
+            configuration the ranks do not share (every rank).
+        TypeError: ``cuda_graphs`` is not a bool, ``"emulate"`` or None.
     """
 
     def __init__(
@@ -106,6 +115,7 @@ class Runtime:
         prefix_cache: bool = False,
         attention: AttentionName | AttentionBackend = "auto",
         batch_invariant: bool = False,
+        cuda_graphs: CudaGraphs = None,
     ) -> None:
         for name in ("spec", "device", "forward", "logits"):
             if not hasattr(adapter, name):
@@ -131,6 +141,7 @@ class Runtime:
         self.adapter, self.model_spec, self.device = adapter, adapter.spec, torch.device(adapter.device)
         self.mode, self.split_mode, self.decode_mode = mode, split, decode_mode
         self.batch_invariant = bool(batch_invariant)
+        self.graph_mode = resolve_cuda_graphs(cuda_graphs, self.device, batch_invariant=self.batch_invariant)
         if isinstance(attention, AttentionBackend):
             self.attention = attention
         else:
@@ -165,9 +176,11 @@ class Runtime:
             config = {
                 "mode": mode, "split": split, "scheme": scheme, "decode_mode": decode_mode, "num_pages": num_pages,
                 "prefix_cache": bool(prefix_cache), "batch_invariant": self.batch_invariant,
-                "attention": self.attention.name, "model": adapter.describe(),
+                "attention": self.attention.name, "model": adapter.describe(), "cuda_graphs": self.graph_mode,
             }  # fmt: skip
             agree(None, cpu_channel(self.group), what="Runtime", value=config)
+        self._schedules: dict = {}  # the attention backend's decode schedules of full-view decode steps, by shape
+        self.graphs = DecodeGraphs(self, self.graph_mode) if self.graph_mode != "off" else None
         adapter.bind()
 
     @property
@@ -239,9 +252,11 @@ class Runtime:
 
     # ------------------------------------------------------------------------------------------ plan
     def _check_step(
-        self, reqs: Sequence[Request], extend_lens, *, decode: bool = False, what: str = "step"
+        self, reqs: Sequence[Request], extend_lens, *, decode: bool = False, what: str = "step", agreed: bool = False
     ) -> list[int]:
-        """The step's input rules and its page budget, on every rank together (nothing changes)."""
+        """The step's input rules and its page budget, on every rank together (nothing changes). ``agreed``: the
+        previous step's vote compared the state these inputs follow from (the decode loop), so the rules run
+        locally: a function of that state, they give every rank the same verdict with no collective."""
         cache = self.prefix_cache
 
         def check() -> list[int]:
@@ -253,6 +268,8 @@ class Runtime:
             )  # fmt: skip
             return lens
 
+        if agreed:
+            return check()
         value = functools.partial(_batch.batch_value, reqs, allocator=self.allocator)
         return _batch.agreed_step(self.group, what="Runtime step", check=check, value=value)
 
@@ -287,6 +304,8 @@ class Runtime:
         return self._context(plan=plan)
 
     def _context(self, **step) -> StepContext:
+        if step.get("plan") is not None:  # a decode-shaped extend step reads the backend's decode kernel
+            step.update(decoding=step["plan"].decoding, schedules=self._schedules)
         return StepContext(pool=self.pool, mode=self.mode, group=self.group, ownership=self.ownership,
                            spec=self.ownership_spec, attention=self.attention, **step)  # fmt: skip
 
@@ -346,21 +365,29 @@ class Runtime:
 
     def _run_step(self, reqs, lens: list[int], *, prefetch: bool, all_logits: bool = False) -> torch.Tensor:
         with StepOutcome(self, reqs, what="Runtime step") as outcome:  # every rank keeps it, or every rank undoes it
-            plan = self._plan(reqs, lens)
-            outcome.keep_pages()
-            logits = self.forward(plan, prefetch=prefetch, all_logits=all_logits)
-            for r, n in zip(reqs, lens):
-                r.num_computed += n
-            if self.prefix_cache is not None:
-                _prefix.cache_computed(self, reqs)
-                self._check_cache()
-            self.stats["steps"] += 1
-            self.stats["direct_rows"] += int(plan.direct_rows.numel())
-            self.stats["handoff_rows"] += int(plan.handoff_rows.numel())
-            if plan.mat_plan is not None:
-                scratch = plan.mat_plan.scratch_pages * self.model_spec.page_bytes * (2 if prefetch else 1)
-                self.stats["scratch_bytes"] = max(self.stats["scratch_bytes"], scratch)
+            logits = self._extend(reqs, lens, outcome, prefetch=prefetch, all_logits=all_logits)
         return logits
+
+    def _extend(self, reqs, lens: list[int], outcome: StepOutcome, *, prefetch: bool, all_logits: bool = False):
+        """Plan, run and commit one extend step inside its :class:`StepOutcome`."""
+        plan = self._plan(reqs, lens)
+        outcome.keep_pages()
+        logits = self.forward(plan, prefetch=prefetch, all_logits=all_logits)
+        self._commit(reqs, lens)
+        self.stats["steps"] += 1
+        self.stats["direct_rows"] += int(plan.direct_rows.numel())
+        self.stats["handoff_rows"] += int(plan.handoff_rows.numel())
+        if plan.mat_plan is not None:
+            scratch = plan.mat_plan.scratch_pages * self.model_spec.page_bytes * (2 if prefetch else 1)
+            self.stats["scratch_bytes"] = max(self.stats["scratch_bytes"], scratch)
+        return logits
+
+    def _commit(self, reqs, lens: Sequence[int]) -> None:
+        for r, n in zip(reqs, lens):
+            r.num_computed += n
+        if self.prefix_cache is not None:
+            _prefix.cache_computed(self, reqs)
+            self._check_cache()
 
     # ------------------------------------------------------------------------------------------ driver
     def prefill(
@@ -431,38 +458,60 @@ class Runtime:
         """Run each request's last generated token through the model in ``decode_mode``: logits ``[len(reqs), V]``.
 
         Writes the token's KV rows and advances ``num_computed``; the caller appends the next token to ``output``.
+        With CUDA graphs (:attr:`graph_mode`) the step runs in its batch bucket (:mod:`dtkv.runtime._graphs`:
+        captured at its first use, replayed after), else eagerly; the results are those of the eager step.
 
         Raises:
             TypeError / ValueError: as :meth:`step` (also a request with no token to decode), nothing changed.
             A run that fails on any rank: as :meth:`step`, on every rank, the step undone everywhere.
         """
-        if self.decode_mode != "sharded":
-            return self._run_step(reqs, self._check_step(reqs, None, decode=True), prefetch=False)
-        self._check_step(reqs, None, decode=True)
-        with StepOutcome(self, reqs, what="Runtime decode step") as outcome:
-            if self.prefix_cache is not None:
-                _prefix.make_room_for_decode(self, reqs)
-            plan = plan_sharded_step(
-                reqs, allocator=self.allocator, ownership=self.ownership, rank=self.pool.rank,
-                page_size=self.page_size, topk=self.model_spec.index_topk, device=self.device,
-            )  # fmt: skip
-            outcome.keep_pages()
-            ids = torch.tensor([r.tokens[r.num_computed] for r in reqs], dtype=torch.int64, device=self.device)
-            sharded = ShardedDecodeAttention(
-                pool=self.pool, spec=self.ownership_spec, attention=self.attention.name, stats=self.stats, plan=plan,
-                page_tables=[r.pages for r in reqs],
-            )  # fmt: skip
-            ctx = self._context(sharded=sharded, ids=ids)
-            with torch.no_grad():
-                hidden = self._run_model(ctx)
-                ctx.finish()
-                logits = self._logits(hidden)
-            for r in reqs:
-                r.num_computed += 1
-            self.stats["sharded_decode_steps"] += 1
-            if self.prefix_cache is not None:
-                _prefix.cache_computed(self, reqs)
-                self._check_cache()
+        return self._decode_step(reqs)[0]
+
+    def _decode_step(self, reqs: Sequence[Request], *, agreed: bool = False, defer: bool = False):
+        """One decode step: ``(logits, outcome)``; with ``defer`` the caller settles the outcome's vote."""
+        lens = self._check_step(reqs, None, decode=True, agreed=agreed)
+        graphs = self.graphs
+        reason = graphs.reason_for(reqs) if graphs is not None else "cuda_graphs is off"
+        with StepOutcome(self, reqs, what="Runtime decode step", defer=defer) as outcome:
+            logits = None
+            if graphs is not None and not reason:
+                graphs.allocate(reqs)
+                outcome.keep_pages()
+                logits = graphs.run(reqs)
+                if logits is None:
+                    reason = graphs.refused
+                else:
+                    self._commit(reqs, lens)
+            if logits is None:
+                if graphs is not None:
+                    graphs.note_eager(reason)
+                if self.decode_mode == "sharded":
+                    logits = self._sharded_decode(reqs, outcome)
+                else:
+                    logits = self._extend(reqs, lens, outcome, prefetch=False)
+        return logits, outcome
+
+    def _sharded_decode(self, reqs: Sequence[Request], outcome: StepOutcome) -> torch.Tensor:
+        """The eager sharded decode step (plan, run, commit) inside its :class:`StepOutcome`."""
+        if self.prefix_cache is not None:
+            _prefix.make_room_for_decode(self, reqs)
+        plan = plan_sharded_step(
+            reqs, allocator=self.allocator, ownership=self.ownership, rank=self.pool.rank,
+            page_size=self.page_size, topk=self.model_spec.index_topk, device=self.device,
+        )  # fmt: skip
+        outcome.keep_pages()
+        ids = torch.tensor([r.token(r.num_computed) for r in reqs], dtype=torch.int64, device=self.device)
+        sharded = ShardedDecodeAttention(
+            pool=self.pool, spec=self.ownership_spec, attention=self.attention.name, stats=self.stats, plan=plan,
+            page_tables=[r.pages for r in reqs],
+        )  # fmt: skip
+        ctx = self._context(sharded=sharded, ids=ids)
+        with torch.no_grad():
+            hidden = self._run_model(ctx)
+            ctx.finish()
+            logits = self._logits(hidden)
+        self._commit(reqs, [1] * len(reqs))
+        self.stats["sharded_decode_steps"] += 1
         return logits
 
     def decode(self, steps: int, *, return_logits: bool = False, progress: Callable[[int, int], object] | None = None):
@@ -473,6 +522,12 @@ class Runtime:
         Requests without a first token (not prefilled yet) are not decoded. With nothing to decode the call is a
         no-op on every rank -- no step, no collective -- and returns the outputs as they are.
 
+        In a CP group the step's vote (:mod:`dtkv.runtime._outcome`) travels while the step runs (its result is
+        awaited before the step's tokens are appended), and it stands for the next step's input agreement: without
+        ``progress`` the steps after the first of a call run no agreement collective of their own (their inputs
+        follow from the voted state, the same on every rank; the input rules still run, with the same verdict
+        everywhere). With ``progress`` every step agrees on its inputs first, as :meth:`decode_step` does.
+
         Returns:
             Every request's generated tokens; with ``return_logits``, also per step the logits
             ``[num_decoding, V]`` that chose the next tokens.
@@ -480,14 +535,20 @@ class Runtime:
         self._check_open("decode")
         check_int("steps", steps, min_value=0)
         step_logits = []
+        agreed = False
         for _ in range(steps):
-            reqs = [r for r in self.requests if r.output and not r.finished and r.num_computed == len(r.tokens) - 1]
+            reqs = [r for r in self.requests if r.output and not r.finished and r.num_computed == r.num_tokens - 1]
             if not reqs:
                 break
-            out = self.decode_step(reqs)
+            out, outcome = self._decode_step(reqs, agreed=agreed, defer=True)
+            try:
+                tokens = out.argmax(dim=-1).tolist()  # one sync for the batch (the vote travels meanwhile)
+            finally:
+                outcome.settle()
             step_logits.append(out)
-            for r, row in zip(reqs, out):
-                r.output.append(int(row.argmax()))
+            for r, t in zip(reqs, tokens):
+                r.output.append(t)
+            agreed = progress is None and self.group is not None
             if progress is not None:
                 progress(len(step_logits), steps)
         outputs = [list(r.output) for r in self.requests]

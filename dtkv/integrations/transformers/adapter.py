@@ -61,6 +61,25 @@ class TransformersAdapter(ModelAdapter):
     def describe(self) -> dict[str, object]:
         return {**super().describe(), "model_type": self.family.model_type, "kv_dtype": self.kv_dtype}
 
+    def graph_reason(self, decode_mode: str) -> str:
+        """Why decode steps cannot be CUDA graphs (``""``: they can). transformers' ``"eager"`` MoE experts walk
+        the hit experts on the host (a ``nonzero`` and a loop: a sync); ``"grouped_mm"``, transformers 5.17's
+        default, and ``"batched_mm"`` are sync-free (``model.set_experts_implementation("grouped_mm")``). Dynamic
+        and long RoPE read the largest position on the host. GLM-5 layers that reuse the previous layer's selection
+        run sharded decode's float64 path, planned on the host."""
+        impl = getattr(self.model.config, "_experts_implementation", None)
+        if impl == "eager" and any(hasattr(layer.mlp, "experts") for layer in self.model.model.layers):
+            return (
+                "the model's MoE experts run transformers' 'eager' implementation, which synchronizes with the host: "
+                "model.set_experts_implementation('grouped_mm') (transformers' sync-free default) lets them capture"
+            )
+        rope = getattr(getattr(self.model.model, "rotary_emb", None), "rope_type", "default")
+        if isinstance(rope, str) and ("dynamic" in rope or rope == "longrope"):
+            return f"the model's rotary embedding ({rope!r}) reads the largest position on the host"
+        if decode_mode == "sharded" and not all(self.geometry.indexer_layers):
+            return "sharded decode of layers that reuse the previous layer's selection runs the float64 path"
+        return ""
+
     def bind(self) -> None:
         """Bind the replacement attention to the model's attention modules."""
         install(self.model, self)

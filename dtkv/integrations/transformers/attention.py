@@ -163,7 +163,7 @@ def _extend_attention(attn, ctx, hidden_states, q_resid, query_HNC, cos, sin, pr
     if n == 0:  # no local rows (e.g. decode steps on other ranks): the collectives above were all this rank owed
         return attn.o_proj(hidden_states.new_zeros((1, 0, h * attn.v_head_dim))), topk_NK
     if ctx.attention is not None and ctx.attention.name != "torch":
-        out = _absorbed_attention(attn, ctx.attention, query_HNC, views["kv"], topk_NK, absorbed)
+        out = _absorbed_attention(attn, ctx.attention, query_HNC, views["kv"], topk_NK, absorbed, ctx=ctx)
         return attn.o_proj(out.to(hidden_states.dtype).reshape(1, n, h * attn.v_head_dim)), topk_NK
     latent_VC = read_rows(views["kv"], ctx.layouts["kv"], hidden_states.dtype)
     sel = latent_VC[topk_NK.clamp(min=0)].reshape(1, 1, n * k, r + e)  # [1, 1, N*k, R + E]
@@ -180,14 +180,16 @@ def _extend_attention(attn, ctx, hidden_states, q_resid, query_HNC, cos, sin, pr
     return attn.o_proj(out.reshape(1, n, h * attn.v_head_dim)), topk_NK
 
 
-def _absorbed_attention(attn, backend, query_HNC, kv_view, topk_NK, absorbed=None) -> torch.Tensor:
+def _absorbed_attention(attn, backend, query_HNC, kv_view, topk_NK, absorbed=None, ctx=None) -> torch.Tensor:
     """MLA in the absorbed form through a :mod:`dtkv.attention` kernel: ``[N, H, v_head_dim]``.
 
     The latent query is ``q_nope @ W_UK`` (``[N, H, R]``, then the rope query: ``[N, H, R + E]``), the kernel attends
     over the stored latent rows (keys: latent and rope; values: the latent), and ``W_UV`` maps its latent output to
     the value heads: the same attention as the expanded form, other roundings. The products run in the dtype the
     backend takes queries in, or the weight's where wider (:class:`AbsorbedWeights`; Triton: float32; FlashMLA: bf16
-    for a bf16 model, as its kernel, float32 for a float32 one).
+    for a bf16 model, as its kernel, float32 for a float32 one). A decode step (``ctx.decoding``: one query per
+    request) takes the backend's decode kernel with the step's schedule (FlashMLA: ``N`` sequences of one query and
+    tile-scheduler metadata built once per shape, capturable); other steps its prefill kernel.
     """
     nope = attn.qk_nope_head_dim
     dtype = _backend_dtype(backend, attn, absorbed)
@@ -195,7 +197,11 @@ def _absorbed_attention(attn, backend, query_HNC, kv_view, topk_NK, absorbed=Non
     q_lat = torch.matmul(query_HNC[..., :nope].to(dtype), w_uk).transpose(0, 1)  # [N, H, R]
     q = torch.cat((q_lat, query_HNC[..., nope:].transpose(0, 1).to(dtype)), dim=-1)  # [N, H, R + E]
     idx = backend.indices(topk_NK, kv_view)
-    o_lat, _ = backend.prefill(backend.cast_queries(q), kv_view, idx, softmax_scale=attn.scaling)
+    if ctx is not None and ctx.decoding:
+        schedule = ctx.decode_schedule(idx.shape[0], idx.shape[1])
+        o_lat, _ = backend.decode(backend.cast_queries(q), kv_view, idx, softmax_scale=attn.scaling, schedule=schedule)
+    else:
+        o_lat, _ = backend.prefill(backend.cast_queries(q), kv_view, idx, softmax_scale=attn.scaling)
     return torch.matmul(o_lat.to(dtype).transpose(0, 1), w_uv_t).transpose(0, 1)  # [N, H, v]
 
 
@@ -214,12 +220,13 @@ def _decode_attention(attn, ctx, hidden_states, q_resid, q_pass, q_rot, cos, sin
         iq = fp8_indexer_queries(iq) if fp8 else iq.float()  # the extend steps' indexer math, whatever kernel
         iw, positions = w_NI * indexer.softmax_scale, None  # relu(s * x) = s * relu(x), s > 0
     else:  # GLM: reuse the previous layer's selection (the indexer queries are not read)
+        fp8 = False
         if prev_topk is None:
             raise ValueError(f"layer {layer} shares the previous layer's top-k, but got prev_topk_indices=None")
         iq = torch.zeros((n, 1, 1), dtype=torch.float32, device=hidden_states.device)
         iw, positions = iq[:, :, 0], prev_topk
     q_rope = q_rot[0].float().transpose(0, 1).contiguous()  # [N, H, E]
-    queries = DecodeQueries(iq=iq, iw=iw, q_nope=q_abs.transpose(0, 1).contiguous(), q_rope=q_rope)
+    queries = DecodeQueries(iq=iq, iw=iw, q_nope=q_abs.transpose(0, 1).contiguous(), q_rope=q_rope, iq_fp8=fp8)
     res = ctx.decode_attention(layer, queries, softmax_scale=attn.scaling, positions=positions)
     out_HNV = torch.matmul(res.out.transpose(0, 1), w_uv_t)  # [H, N, R] @ [H, R, v]
     out = out_HNV.transpose(0, 1).to(hidden_states.dtype).reshape(1, n, h * v)
