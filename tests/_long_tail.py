@@ -62,6 +62,19 @@ LONG_TAIL: dict[str, str] = {
 }
 
 
+ENGINE_IDS = ("mooncake", "nixl")
+
+
+def _without_engine(nodeid: str) -> str:
+    """``nodeid`` less the ``transfer_engine`` parameter's id (``[mooncake-a-b]`` -> ``[a-b]``): an entry of a test
+    that runs once per engine names every engine's case."""
+    base, sep, params = nodeid.partition("[")
+    if not sep:
+        return nodeid
+    ids = [i for i in params.rstrip("]").split("-") if i not in ENGINE_IDS]
+    return f"{base}[{'-'.join(ids)}]" if ids else base
+
+
 def mark(items: list[pytest.Item], args: list[str]) -> None:
     """Mark every item :data:`LONG_TAIL` names ``slow``; raise ``pytest.UsageError`` for an entry that names no
     collected test of a collected file (when ``args``, the command line's paths, name whole files or folders)."""
@@ -69,7 +82,7 @@ def mark(items: list[pytest.Item], args: list[str]) -> None:
     used = set()
     for item in items:
         base = item.nodeid.split("[", 1)[0]
-        key = item.nodeid if item.nodeid in LONG_TAIL else base if base in LONG_TAIL else None
+        key = next((k for k in (item.nodeid, _without_engine(item.nodeid), base) if k in LONG_TAIL), None)
         if key is not None:
             item.add_marker(pytest.mark.slow)
             used.add(key)
