@@ -26,7 +26,7 @@ from tests._runtime import adapter as make_adapter
 from tests._runtime import refused
 
 CUDA = torch.cuda.is_available()
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+needs_cuda = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
 
 def _hf():
@@ -102,11 +102,15 @@ def _scenario_steps(rt: Runtime) -> dict:
             "graphs": None if rt.graphs is None else dict(rt.graphs.stats), "reason": rt.graphs and rt.graphs.reason}  # fmt: skip
 
 
-def _same(a: dict, b: dict) -> None:
+def _same(a: dict, b: dict, *, logits_rtol: float = 0.0) -> None:
+    """Tokens and KV bytes equal; logits bitwise, or within ``logits_rtol`` of their largest magnitude (a captured
+    step on a GPU: cuBLAS may pick another GEMM algorithm under stream capture; 5e-7 seen on an H200)."""
     assert a["outputs"] == b["outputs"]
     assert len(a["logits"]) == len(b["logits"])
     for i, (x, y) in enumerate(zip(a["logits"], b["logits"])):
-        assert torch.equal(x, y), f"step {i}: logits differ by {float((x - y).abs().max())}"
+        diff = float((x.float() - y.float()).abs().max())
+        ok = torch.equal(x, y) if logits_rtol == 0 else diff <= logits_rtol * float(x.float().abs().max())
+        assert ok, f"step {i}: logits differ by {diff}"
     assert sorted(a["kv"]) == sorted(b["kv"])
     for rid in a["kv"]:
         for name in a["kv"][rid]:
@@ -276,17 +280,18 @@ def test_full_view_decode_over_sharded_pools_runs_eager(ranks2):
 @pytest.mark.parametrize("decode_mode", ["full", "sharded"])
 @pytest.mark.parametrize("model", ["reference", "deepseek-v32"])
 def test_captured_decode_equals_the_emulated_graph_path(model, decode_mode):
-    """On a GPU: the captured and replayed steps equal the graph path run eagerly over the same buffers, bitwise
-    (the same kernels at the same shapes), and most steps replay."""
+    """On a GPU: the captured and replayed steps equal the graph path run eagerly over the same buffers (tokens and
+    KV bitwise, logits to 1e-5 of their scale: cuBLAS may choose other algorithms under capture), and most steps
+    replay."""
     if model != "reference":
         _hf()
     runs = {}
     for graphs in (True, "emulate"):
         runs[graphs] = _scenario(_runtime(model, graphs, decode_mode=decode_mode, device="cuda",
                                           batch_invariant=False))  # fmt: skip
-    _same(runs[True], runs["emulate"])
+    _same(runs[True], runs["emulate"], logits_rtol=1e-5)
     st = runs[True]["graphs"]
-    assert st["eager_steps"] == 0 and st["replays"] >= 10, st
+    assert st["eager_steps"] == 0 and st["replays"] >= 10, (st, runs[True]["reason"])
 
 
 @needs_cuda
