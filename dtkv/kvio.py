@@ -41,22 +41,26 @@ def write_rows(
     rank: int,
     *,
     direct: bool = False,
+    validate: bool | None = None,
 ) -> None:
     """Write ``rows`` ``[N, C]`` (any float dtype) at logical ``locs`` int64 ``[N]`` (``-1`` skipped) into ``pool``.
 
-    ``direct=True`` is the compute-owner write of a page-aligned split (every location on a page ``rank`` stores;
-    validated on the host in eager mode, see :func:`dtkv.ops.direct_write`).
+    ``direct=True`` is the compute-owner write of a page-aligned split (every location on a page ``rank`` stores,
+    see :func:`dtkv.ops.direct_write`). ``validate`` is the write ops' switch: ``None`` validates the locations on
+    the host in eager mode (one synchronization); ``False`` skips it (invalid locations are skipped by the kernels,
+    never written), for locations that are valid by construction (a runtime step's plan).
     """
     if isinstance(layout, MLALatentLayout):
         rows = rows.to(layout.dtype)
         if direct:
-            ops.direct_write(pool, rows, locs, ownership, rank)
+            ops.direct_write(pool, rows, locs, ownership, rank, validate=validate)
         else:
-            ops.write_owned(pool, rows, locs, ownership, rank)
+            ops.write_owned(pool, rows, locs, ownership, rank, validate=validate)
     elif isinstance(layout, MLAFp8Layout):
-        ops.quantize_write_mla_fp8(pool, rows, locs, ownership, rank, layout=layout, direct=direct)
+        ops.quantize_write_mla_fp8(pool, rows, locs, ownership, rank, layout=layout, direct=direct, validate=validate)
     elif isinstance(layout, IndexerFp8Layout):
-        ops.quantize_write_indexer_fp8(pool, rows, locs, ownership, rank, layout=layout, direct=direct)
+        ops.quantize_write_indexer_fp8(pool, rows, locs, ownership, rank, layout=layout, direct=direct,
+                                       validate=validate)  # fmt: skip
     else:
         raise _bad_layout(layout)
 

@@ -125,7 +125,9 @@ class StepContext:
 
         In a sharded decode step every rank holds every row: each keeps the rows of the pages it stores
         (owner-filtered, no collective; with fp8 index pages the layer's rows are written by the decode step's one
-        launch, at its attention: every row once).
+        launch, at its attention: every row once). An extend step's writes are not validated on the host (no
+        synchronization in the run phase): the plan's locations come from the allocator's pages; ``DTKV_DEBUG=1``
+        validates them (one synchronization a write).
         """
         lay, pool = self.layouts[name], self.pool.local(name, layer)
         spec, rank = self.spec, self.pool.rank
@@ -134,19 +136,20 @@ class StepContext:
             return
         plan, mode = self.plan, self.mode
         assert plan is not None, "a step's context holds an extend plan or a decode plan"
+        check = None if _env.debug_enabled() else False  # the plan's locations are valid by construction
         if mode == "single":
-            write_rows(pool, lay, rows, plan.locs, spec, 0)
+            write_rows(pool, lay, rows, plan.locs, spec, 0, validate=check)
         elif mode in ("replicated", "sharded"):
-            write_rows(pool, lay, self._gather(rows, plan.max_local), plan.locs_gathered, spec, rank)
+            write_rows(pool, lay, self._gather(rows, plan.max_local), plan.locs_gathered, spec, rank, validate=check)
         else:
             locs = plan.locs[plan.direct_rows]
             if _env.debug_enabled():
                 what = f"direct write of {name!r}, layer {layer}"
                 check_write_ownership(locs, self.ownership, rank, self.page_size, self.group, what=what)
-            write_rows(pool, lay, rows[plan.direct_rows], locs, spec, rank, direct=True)
+            write_rows(pool, lay, rows[plan.direct_rows], locs, spec, rank, direct=True, validate=check)
             if plan.max_handoff:
                 gathered = self._gather(rows[plan.handoff_rows], plan.max_handoff)
-                write_rows(pool, lay, gathered, plan.handoff_locs_gathered, spec, rank)
+                write_rows(pool, lay, gathered, plan.handoff_locs_gathered, spec, rank, validate=check)
 
     # ------------------------------------------------------------------------------------------ reads
     def views(self, layer: int, names: tuple[str, ...] = ("index", "kv")) -> dict[str, torch.Tensor]:
