@@ -55,7 +55,9 @@ from dtkv.ops._tuned import DEFAULTS, TUNED, override  # noqa: E402
 CANNOT = 2
 """Exit status when nothing can be compiled here."""
 OPS = list(DEFAULTS)
-EXTRA_OPS = ["quantize_write_mla_indexer_fp8", "indexer_scores", "sparse_indices", "sparse_mla"]
+EXTRA_OPS = [
+    "quantize_write_mla_indexer_fp8", "indexer_scores", "sparse_indices", "sparse_mla", "logits_topk",
+]  # fmt: skip
 """Ops with launch choices of their own (not in ``ops/_tuned.py``): compiled at their own launches."""
 OWN_GEOMETRY_OPS = ["indexer_logits"]
 """Ops of ``ops/_tuned.py`` without ``bench_ops`` scenarios: their geometries are :func:`_extra`'s, compiled under
@@ -304,6 +306,21 @@ def _extra(op: str) -> list[tuple[str, Callable[[], object]]]:
                                                        width=64, backend="triton")))  # fmt: skip
         out.append(("page table", lambda: sparse_indices(locs, num_slots=640, page_table=torch.zeros(4, 3, dtype=i32),
                                                          page_size=64, width=64, backend="triton")))  # fmt: skip
+    elif op == "logits_topk":
+        from dtkv.ops.logits_topk import logits_topk
+
+        for k, idx, ranged, slotted in (
+            (2048, torch.int64, True, True),
+            (16, i32, False, False),
+            (100, i32, True, False),
+        ):
+
+            def topk(k=k, idx=idx, ranged=ranged, slotted=slotted):
+                rng = dict(key_start=z(3, dtype=idx), key_end=torch.full((3,), 300, dtype=idx)) if ranged else {}
+                slots = torch.arange(300, dtype=idx) if slotted else None
+                return logits_topk(z(3, 300), k, key_slots=slots, backend="triton", **rng)
+
+            out.append((f"k {k}, {idx} indices, range={ranged}, slots={slotted}", topk))
     elif op == "sparse_mla":
         idx = torch.zeros(3, 64, dtype=i32)
         out.append(("fp8 rows", lambda: sparse_mla(z(3, 64, 576, dtype=torch.bfloat16), z(128, 656, dtype=u8), idx,

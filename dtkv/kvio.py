@@ -47,10 +47,10 @@ def write_rows(
 ) -> None:
     """Write ``rows`` ``[N, C]`` (any float dtype) at logical ``locs`` int64 ``[N]`` (``-1`` skipped) into ``pool``.
 
-    ``direct=True`` is the compute-owner write of a page-aligned split (every location on a page ``rank`` stores;
-    validated on the host in eager mode, see :func:`dtkv.ops.direct_write`). ``validate``: the ops' host check of
-    ``locs`` (one sync; ``None``: their default, on in eager mode); ``False`` for locations the caller planned
-    itself (the runtime's decode steps), which are written the same way.
+    ``direct=True`` is the compute-owner write of a page-aligned split (every location on a page ``rank`` stores,
+    see :func:`dtkv.ops.direct_write`). ``validate`` is the write ops' switch: ``None`` validates the locations on
+    the host in eager mode (one synchronization); ``False`` skips it (invalid locations are skipped by the kernels,
+    never written), for locations that are valid by construction (a runtime step's plan).
     """
     if isinstance(layout, MLALatentLayout):
         rows = rows.to(layout.dtype)
@@ -61,9 +61,8 @@ def write_rows(
     elif isinstance(layout, MLAFp8Layout):
         ops.quantize_write_mla_fp8(pool, rows, locs, ownership, rank, layout=layout, direct=direct, validate=validate)
     elif isinstance(layout, IndexerFp8Layout):
-        ops.quantize_write_indexer_fp8(
-            pool, rows, locs, ownership, rank, layout=layout, direct=direct, validate=validate
-        )
+        ops.quantize_write_indexer_fp8(pool, rows, locs, ownership, rank, layout=layout, direct=direct,
+                                       validate=validate)  # fmt: skip
     else:
         raise _bad_layout(layout)
 

@@ -23,8 +23,10 @@ Entry points (each takes ``backend="auto" | "torch" | "triton"``):
   selection keys (``dtkv::indexer_scores``).
 - :func:`indexer_logits` -- DSA indexer logits ``[N, K]`` of an extend step's fp8 queries over the fp8 keys of its
   key table, request and causal visibility as per-query column ranges (``dtkv::indexer_logits``; float32 or packed
-  selection keys), with :func:`quantize_indexer_queries` (its fp8 queries) and :func:`indexer_topk` (the stable
-  lowest-position top-k of packed keys).
+  selection keys), with :func:`quantize_indexer_queries` (its fp8 queries and weights in one launch:
+  ``dtkv::quantize_indexer_queries``) and :func:`indexer_topk` (the stable lowest-position top-k of packed keys).
+- :func:`logits_topk` -- that top-k straight from the float32 logits and their column ranges, bit for bit, in one
+  kernel (``dtkv::logits_topk``; the slots of the kept columns).
 - :func:`remap` -- logical indices to gathered-buffer coordinates (``dtkv::remap``).
 - :func:`sparse_indices` -- logical token locations to a sparse-attention kernel's int32 token slots (remap,
   bound, pad: ``dtkv::sparse_indices``); :func:`sparse_mla` -- MLA attention over selected rows (``dtkv::sparse_mla``).
@@ -42,10 +44,12 @@ from __future__ import annotations
 
 from dtkv.ops._common import HAS_TRITON, OwnershipSpec, ownership_spec
 from dtkv.ops.direct_write import direct_write
-from dtkv.ops.indexer_logits import indexer_logits, indexer_topk, quantize_indexer_queries
+from dtkv.ops.indexer_logits import indexer_logits, indexer_topk
 from dtkv.ops.indexer_scores import indexer_scores
+from dtkv.ops.logits_topk import logits_topk
 from dtkv.ops.pack_layer_pages import pack_layer_pages, pack_layer_pages_into
 from dtkv.ops.pack_owned_pages import PackPlan, gathered_page_table, pack_owned_pages, plan_pack
+from dtkv.ops.quantize_indexer_queries import quantize_indexer_queries
 from dtkv.ops.quantize_write_indexer_fp8 import (
     dequantize_indexer_pages,
     quantize_indexer_fp8,
@@ -69,6 +73,7 @@ __all__ = [
     "indexer_logits",
     "indexer_scores",
     "indexer_topk",
+    "logits_topk",
     "ownership_spec",
     "pack_layer_pages",
     "pack_layer_pages_into",

@@ -56,8 +56,9 @@ from dtkv._util import cdiv
 from dtkv.layouts import IndexerFp8Layout
 
 from . import _tuned
-from ._common import device_ctx, e4m3_blocks_torch, index_arg, pow2_at_least, resolve_backend, tl, triton
+from ._common import device_ctx, index_arg, pow2_at_least, resolve_backend, tl, triton
 from ._common import num_sms as _num_sms  # a module attribute: tests size the grid through it
+from .quantize_indexer_queries import quantize_indexer_queries
 from .selection_keys import INVALID_KEY, MAX_POSITION, pack_selection_key, selection_keys
 
 __all__ = [
@@ -75,24 +76,6 @@ _REF_BLOCK_BYTES = 1 << 28
 
 
 # ----------------------------------------------------------------------------------------- torch side
-def quantize_indexer_queries(
-    q: torch.Tensor, w: torch.Tensor, *, scale: float = 1.0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3.2's fp8 indexer queries: each (query, head) row of ``q`` ``[N, I, J]`` (floating) in e4m3 with
-    the scale ``amax / 448`` (round to nearest even, saturating: :func:`dtkv.ops.quantize_indexer_fp8`'s rule), the
-    scale folded into the head weights: ``(codes float8_e4m3fn [N, I, J], w * q_scale * scale float32 [N, I])``.
-
-    ``scale`` (``> 0``, e.g. the indexer's ``softmax_scale``) is folded into the weights as well:
-    ``sum_i w_i * relu(scale * q_i . k) = sum_i (w_i * scale) * relu(q_i . k)``.
-    """
-    check_tensor("q", q, ndim=3)
-    check_tensor("w", w, shape=tuple(q.shape[:2]), device=q.device)
-    if not scale > 0:
-        raise ValueError(f"scale must be > 0 (relu commutes only with a positive scale), got scale={scale}")
-    codes, q_scale = e4m3_blocks_torch(q.float())
-    return codes.view(torch.float8_e4m3fn), w.float() * q_scale * scale
-
-
 def indexer_logits_torch(
     q: torch.Tensor,  # [N, I, J] e4m3 codes, uint8
     w: torch.Tensor,  # [N, I] float32

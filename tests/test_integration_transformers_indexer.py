@@ -159,7 +159,7 @@ def test_fp8_kernel_selects_what_the_torch_fp8_math_selects(name, monkeypatch):
     (the kernel applies the key scale after the head sum), far below these random keys' gaps."""
     rt, ctx, indexer, iq, iw, view = _layer_inputs(name, "fp8", attention="triton")
     assert A.uses_fp8_indexer(ctx.attention.name, ctx.layouts["index"])
-    monkeypatch.setattr(X, "FP8_BLOCK_BYTES", 8 * 5 * ctx.plan.key_slots.shape[0])  # blocks of 5 queries
+    monkeypatch.setattr(X, "FP8_BLOCK_BYTES", 4 * 5 * ctx.plan.key_slots.shape[0])  # blocks of 5 queries (float32)
     calls = []
     real = X.ops.indexer_logits
     monkeypatch.setattr(X.ops, "indexer_logits", lambda *a, **k: calls.append(k["backend"]) or real(*a, **k))

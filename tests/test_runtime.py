@@ -49,6 +49,47 @@ def test_the_key_table_lists_every_readable_position_of_each_request_in_order():
     assert all(kv == int(plan.positions[hi - 1]) + 1 for _, _, hi, kv in plan.groups)  # ... each reads up to its last
 
 
+def test_each_row_reads_its_request_up_to_its_position():
+    """``key_start``/``key_end``: row ``r`` reads exactly the key-table entries of its request at positions up to its
+    own (what :func:`dtkv.ops.indexer_logits` and :func:`dtkv.ops.logits_topk` take), here for two requests with
+    history and one without, in a sharded pool's plan too."""
+    for mode in ("single", "sharded"):
+        rt = Runtime(ReferenceAdapter(CFG), num_pages=48, mode=mode)
+        a, b, c = rt.add_request(list(range(13))), rt.add_request(list(range(20, 29))), rt.add_request([5, 6, 7])
+        rt.step([a, b], [6, 4])
+        plan = rt.plan_step([a, b, c], [7, 5, 3])
+        cols = torch.arange(plan.key_slots.shape[0])
+        sees = (cols[None, :] >= plan.key_start[:, None]) & (cols[None, :] < plan.key_end[:, None])
+        want = (plan.key_req[None, :] == plan.req_idx[:, None]) & (plan.key_pos[None, :] <= plan.positions[:, None])
+        assert plan.key_start.dtype == plan.key_end.dtype == torch.int64 and torch.equal(sees, want), mode
+        rt.close()
+
+
+@pytest.mark.parametrize("adapter", ["reference", "transformers"])
+@pytest.mark.parametrize("mode", ["single", "sharded", "sharded_direct"])
+def test_extend_steps_write_without_a_host_check(monkeypatch, adapter, mode):
+    """A step's KV writes skip the write ops' host validation (one synchronization each on a GPU, two a layer): the
+    plan's locations are valid by construction. ``DTKV_DEBUG`` (``debug_mode``) validates them again; the stored
+    bytes and the logits are the same either way."""
+    import dtkv.ops._row_write as row_write
+    from dtkv import _env
+    from tests._runtime import make_runtime
+
+    calls = []
+    real = row_write.validate_locs
+    monkeypatch.setattr(row_write, "validate_locs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    out = []
+    for debug in (False, True):
+        with _env.debug_mode(debug), make_runtime(adapter, num_pages=24, mode=mode) as rt:
+            req = rt.add_request(list(range(3, 14)))
+            _, logits = rt.prefill(4, return_logits=True)
+            out.append((logits[0], rt.kv_bytes(req.rid)))
+        if not debug:
+            assert calls == [], f"{len(calls)} validated writes"
+    assert len(calls) >= 2 * 3  # two pools, three steps
+    assert torch.equal(out[0][0], out[1][0]) and all(torch.equal(out[0][1][k], out[1][1][k]) for k in out[0][1])
+
+
 def _two_ranks_disagree(rank, world):
     import torch.distributed as dist
 

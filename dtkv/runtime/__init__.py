@@ -55,8 +55,8 @@ Inside ``forward``, every layer's attention calls the runtime through the :class
    ``"index"``: the indexer key ``[n, J]``) -- the runtime picks owner-filtered, direct or replicated writes;
 2. an extend step (prefill, or a full-view decode step) reads ``ctx.views(layer, names)``: full views of the pages
    the step reads, and the step's key table (``ctx.plan.key_slots`` / ``key_req`` / ``key_pos`` / ``key_indptr``:
-   every position each request's queries may read, as a row of the view), through which the model's own top-k
-   and attention read KV;
+   every position each request's queries may read, as a row of the view; ``key_start`` / ``key_end``: the entries
+   each row may read), through which the model's own top-k and attention read KV;
 3. a sharded decode step calls ``ctx.decode_attention(layer, queries)`` with the absorbed-MLA queries of every
    request (:class:`dtkv.decode.DecodeQueries`): the runtime scores each rank's own index pages, agrees on the
    global top-k, attends over the selected rows each rank owns and merges the partials; the model turns the merged

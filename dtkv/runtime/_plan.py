@@ -7,7 +7,11 @@ The *key table* lists, request by request, every position the step's queries may
 ``prefix_len + extend_len - 1``) with its logical token location (:mod:`dtkv.page_table`) and its row in the view
 the step reads (``key_slots``: remapped with :func:`dtkv.ops.remap` when the pool is sharded, the location itself
 when it is whole). Request ``i``'s entries are ``[key_indptr[i], key_indptr[i + 1])`` in position order, so a
-model's top-k over them breaks ties by position.
+model's top-k over them breaks ties by position; local row ``r`` reads ``[key_start[r], key_end[r])``.
+
+The plan's index tensors are built on the host and reach the device in one copy: packed into one pinned buffer,
+copied without blocking, each field a view of the device buffer (:func:`_to_device`), so planning a step never
+waits for the previous step's kernels.
 """
 
 from __future__ import annotations
@@ -72,6 +76,11 @@ class ExtendPlan:
     """int64 ``[K]``: position of each key-table entry."""
     key_slots: torch.Tensor
     """int64 ``[K]``: view row (token slot) of each key-table entry."""
+    key_start: torch.Tensor
+    """int64 ``[n]``: the first key-table entry each local row may read (its request's first entry)."""
+    key_end: torch.Tensor
+    """int64 ``[n]``: one past the last (its request's entry at the row's own position): a row reads the entries
+    ``[key_start, key_end)``, its request's keys up to its position (request and causal visibility in one range)."""
     mat_plan: MaterializePlan | None
     """Full-view plan (None when the pool is whole: ``single`` and ``replicated``)."""
     restore_rows: torch.Tensor
@@ -85,6 +94,19 @@ class ExtendPlan:
     def decoding(self) -> bool:
         """One token per request: a decode step (each query its own request's last position)."""
         return all(n == 1 for n in self.extend_lens)
+
+
+def _to_device(fields: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """The int64 1-D host tensors of ``fields`` on ``device``: on CUDA one pinned buffer, one non-blocking copy,
+    each field a view of the device buffer (no host synchronization: a pageable ``.to(device)`` waits for the
+    stream); elsewhere each field as it is."""
+    if torch.device(device).type != "cuda":
+        return {name: t.to(device) for name, t in fields.items()}
+    sizes = [t.numel() for t in fields.values()]
+    host = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=True)
+    torch.cat([t.reshape(-1).to(torch.int64) for t in fields.values()], out=host)
+    dev = host.to(device, non_blocking=True)  # the pinned block is not reused before the copy ends
+    return dict(zip(fields, torch.split(dev, sizes)))
 
 
 def _locs(pages: list[int], lo: int, hi: int, page_size: int) -> torch.Tensor:
@@ -184,13 +206,9 @@ def plan_extend(
     key_indptr = [0]
     for k in kv_lens:
         key_indptr.append(key_indptr[-1] + k)
-    mat_plan = None
-    key_slots = key_locs.to(device)
-    if mode in ("sharded", "sharded_direct"):  # history pages (before each prefix end) and pages written now
-        hist = [pg for r, p in zip(reqs, prefix) for pg in r.pages[: p // ps]]
-        cur = [pg for r, p, k in zip(reqs, prefix, kv_lens) for pg in r.pages[p // ps : cdiv(k, ps)]]
-        mat_plan = plan_materialize(hist, cur, ownership, rank, device=device, group=group)
-        key_slots = ops.remap(key_slots, mat_plan.page_map, page_size=ps)
+    row_req = loc.req_idx.cpu().to(torch.int64)
+    key_start = torch.tensor(key_indptr[:-1], dtype=torch.int64)[row_req]
+    key_end = key_start + loc.positions.cpu().to(torch.int64) + 1
     direct_rows = handoff_rows = handoff_locs = torch.zeros(0, dtype=torch.int64)
     max_handoff = 0
     if mode == "sharded_direct":  # rows of aligned requests on pages this rank stores go straight in
@@ -209,28 +227,30 @@ def plan_extend(
         handoff_locs = handoff_locs.flatten()
     restore = split.restore_index.cpu()
     last_nat = torch.tensor(split.extend_indptr[1:], dtype=torch.int64) - 1
-    dev = device
+    t = _to_device({
+        "ids": ids_nat[tok], "positions": loc.positions.cpu(), "req_idx": loc.req_idx.cpu(), "locs": locs_nat[tok],
+        "locs_gathered": locs_gathered, "direct_rows": direct_rows, "handoff_rows": handoff_rows,
+        "handoff_locs_gathered": handoff_locs, "key_locs": key_locs, "key_req": key_req, "key_pos": key_pos,
+        "key_start": key_start, "key_end": key_end, "restore_rows": restore, "last_rows": restore[last_nat],
+    }, device)  # fmt: skip
+    mat_plan, key_slots = None, t["key_locs"]
+    if mode in ("sharded", "sharded_direct"):  # history pages (before each prefix end) and pages written now
+        hist = [pg for r, p in zip(reqs, prefix) for pg in r.pages[: p // ps]]
+        cur = [pg for r, p, k in zip(reqs, prefix, kv_lens) for pg in r.pages[p // ps : cdiv(k, ps)]]
+        mat_plan = plan_materialize(hist, cur, ownership, rank, device=device, group=group)
+        key_slots = ops.remap(key_slots, mat_plan.page_map, page_size=ps)
     return ExtendPlan(
         num_reqs=len(reqs),
         extend_lens=tuple(lens),
-        ids=ids_nat[tok].to(dev),
-        positions=loc.positions.to(dev),
-        req_idx=loc.req_idx.to(dev),
-        locs=locs_nat[tok].to(dev),
-        locs_gathered=locs_gathered.to(dev),
         max_local=split.max_local_tokens,
-        direct_rows=direct_rows.to(dev),
-        handoff_rows=handoff_rows.to(dev),
-        handoff_locs_gathered=handoff_locs.to(dev),
         max_handoff=max_handoff,
         groups=tuple(groups),
         key_indptr=tuple(key_indptr),
-        key_locs=key_locs.to(dev),
-        key_req=key_req.to(dev),
-        key_pos=key_pos.to(dev),
         key_slots=key_slots.to(torch.int64),
         mat_plan=mat_plan,
-        restore_rows=restore.to(dev),
-        last_rows=restore[last_nat].to(dev),
         page_aligned=split.all_page_aligned,
-    )
+        ids=t["ids"], positions=t["positions"], req_idx=t["req_idx"], locs=t["locs"], locs_gathered=t["locs_gathered"],
+        direct_rows=t["direct_rows"], handoff_rows=t["handoff_rows"], handoff_locs_gathered=t["handoff_locs_gathered"],
+        key_locs=t["key_locs"], key_req=t["key_req"], key_pos=t["key_pos"], key_start=t["key_start"],
+        key_end=t["key_end"], restore_rows=t["restore_rows"], last_rows=t["last_rows"],
+    )  # fmt: skip

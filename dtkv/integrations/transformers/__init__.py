@@ -55,9 +55,10 @@ parity tests compare dtkv with a well-defined forward of the unmodified model, n
 order. It does so without a sort: each score (rounded to float32; ``-0.0`` as ``+0.0``) and its position travel
 as one int64 key, ``ord32(score) * 2**32 + (2**32 - 1 - position)`` (:func:`dtkv.decode.selection_keys`), so every
 key is distinct and ``torch.topk`` of the keys is the stable sort's selection, in its order, in blocks of queries
-of bounded memory (:func:`dtkv.integrations.transformers.attention.select_topk`; the same keys on the ``torch``
-backend and from the fp8 kernel :func:`dtkv.ops.indexer_logits`, whose "position" is the key-table column: within
-a request the columns are in position order). The reference model (:meth:`dtkv.model.TinyDSA.select`) and sharded
+of bounded memory (:func:`dtkv.integrations.transformers.attention.select_topk`; on the ``torch`` backend). The fp8
+kernels select the same keys without them: :func:`dtkv.ops.logits_topk` of :func:`dtkv.ops.indexer_logits`'
+float32 logits, whose "position" is the key-table column (within a request the columns are in position order),
+bit for bit the packed keys' ``torch.topk``. The reference model (:meth:`dtkv.model.TinyDSA.select`) and sharded
 decode (:mod:`dtkv.decode`) keep the same rule with the same keys.
 
 **Indexer precision.** With fp8 index pages (``kv_dtype="fp8"``) on the ``triton`` and ``flashmla`` backends the

@@ -2,7 +2,8 @@
 math a run takes (:mod:`dtkv.integrations.transformers.attention` calls it; the names are re-exported there).
 
 - :func:`select_topk`: view slots ``[N, k]`` of each query's ``index_topk`` best keys, in bounded blocks of
-  queries, ties to the lowest position (int64 selection keys and ``torch.topk``).
+  queries, ties to the lowest position (the fp8 kernels: float32 logits and :func:`dtkv.ops.logits_topk`; the
+  exact formula: int64 selection keys and ``torch.topk``).
 - :func:`indexer_precision` (a switch) and :func:`uses_fp8_indexer`: DeepSeek-V3.2's fp8 indexer (the kernel
   :func:`dtkv.ops.indexer_logits` on the fast backends) or the model's exact formula.
 - :func:`fp8_indexer_queries`: the fp8 rounding of the queries (the ``torch`` backend's fp8 math, sharded decode).
@@ -41,7 +42,7 @@ TORCH_BLOCK_BYTES = 1 << 28
 """The ``torch`` indexer's temporaries per block of queries (``[B, I, K]`` float32 products, ``[B, K]`` keys)."""
 
 FP8_BLOCK_BYTES = 1 << 31
-"""The fp8 indexer's ``[B, K]`` int64 keys per block of queries (the kernel keeps nothing else per key)."""
+"""The fp8 indexer's ``[B, K]`` float32 logits per block of queries (the kernels keep nothing else per key)."""
 
 _PRECISION: list[str] = []
 
@@ -93,11 +94,14 @@ def select_topk(indexer, ctx: StepContext, q_NIJ, w_NI, view_index) -> torch.Ten
     """View slots ``[N, k]`` (int64, ``-1`` = none) of each query's ``index_topk`` best keys of the step's key table,
     best first, ties to the lower position (run phase: no host sync).
 
-    Query ``n`` sees the key-table entries ``[start, start + positions[n] + 1)`` of its request (``start``: the
-    request's first entry). The fp8 indexer (:func:`uses_fp8_indexer`) runs :func:`dtkv.ops.indexer_logits` on the
-    ``triton`` and ``flashmla`` backends (packed keys, blocks of queries within :data:`FP8_BLOCK_BYTES`); otherwise
+    Query ``n`` sees the key-table entries ``[plan.key_start[n], plan.key_end[n])``: its request's entries up to
+    its position. The fp8 indexer (:func:`uses_fp8_indexer`) on the ``triton`` and ``flashmla`` backends runs
+    :func:`dtkv.ops.quantize_indexer_queries`, :func:`dtkv.ops.indexer_logits` (float32 logits, blocks of queries
+    within :data:`FP8_BLOCK_BYTES`) and :func:`dtkv.ops.logits_topk` (the same selection as packed keys and
+    :func:`dtkv.ops.indexer_topk`, bit for bit, reading each query's range only and giving its slots); otherwise
     the model's formula ``relu(q . k * softmax_scale)`` summed with the head weights in float32 does (on
-    :func:`fp8_indexer_queries` for the fp8 indexer on ``torch``; blocks within :data:`TORCH_BLOCK_BYTES`).
+    :func:`fp8_indexer_queries` for the fp8 indexer on ``torch``; blocks within :data:`TORCH_BLOCK_BYTES`), then
+    selection keys and :func:`dtkv.ops.indexer_topk`.
 
     Args:
         indexer: the layer's indexer module (``softmax_scale``, ``index_topk``).
@@ -109,34 +113,38 @@ def select_topk(indexer, ctx: StepContext, q_NIJ, w_NI, view_index) -> torch.Ten
     assert plan is not None, "an extend step's context holds its plan"
     n, heads, _ = q_NIJ.shape
     num_keys, k = plan.key_slots.shape[0], indexer.index_topk
-    start = torch.searchsorted(plan.key_req, plan.req_idx)  # key_req is sorted: the request's first entry
-    end = start + plan.positions + 1
+    start, end = plan.key_start, plan.key_end
     name = ctx.attention.name if ctx.attention is not None else "torch"
     fp8 = uses_fp8_indexer(name, lay)
-    kernel = fp8 and name != "torch"
-    if kernel:
+    if fp8 and name != "torch":
+        assert isinstance(lay, IndexerFp8Layout), "the fp8 indexer reads fp8 index pages"
         backend = "triton" if name == "triton" else "auto"
-        block = max(1, FP8_BLOCK_BYTES // max(1, 8 * num_keys))
-    else:
-        keys_JK = read_rows(view_index, lay, q_NIJ.dtype, slots=plan.key_slots).transpose(0, 1).float()
-        cols = torch.arange(num_keys, device=q_NIJ.device)
-        block = max(1, TORCH_BLOCK_BYTES // max(1, (4 * heads + 48) * num_keys))
+        q8, w8 = ops.quantize_indexer_queries(q_NIJ, w_NI, scale=indexer.softmax_scale, backend=backend)
+        block = max(1, FP8_BLOCK_BYTES // max(1, 4 * num_keys))
+        out = []
+        for b0 in range(0, n, block):
+            sl = slice(b0, min(n, b0 + block))
+            logits = ops.indexer_logits(q8[sl], w8[sl], view_index, plan.key_slots, start[sl], end[sl], layout=lay,
+                                        backend=backend)  # fmt: skip
+            out.append(ops.logits_topk(logits, k, key_start=start[sl], key_end=end[sl], key_slots=plan.key_slots,
+                                       backend=backend))  # fmt: skip
+        return _joined(out, k, q_NIJ.device)
+    keys_JK = read_rows(view_index, lay, q_NIJ.dtype, slots=plan.key_slots).transpose(0, 1).float()
+    cols = torch.arange(num_keys, device=q_NIJ.device)
+    block = max(1, TORCH_BLOCK_BYTES // max(1, (4 * heads + 48) * num_keys))
     out = []
     for b0 in range(0, n, block):
         sl = slice(b0, min(n, b0 + block))
-        if kernel:
-            assert isinstance(lay, IndexerFp8Layout), "the fp8 indexer reads fp8 index pages"
-            q8, w8 = ops.quantize_indexer_queries(q_NIJ[sl], w_NI[sl], scale=indexer.softmax_scale)
-            keys = ops.indexer_logits(q8, w8, view_index, plan.key_slots, start[sl], end[sl], layout=lay,
-                                      packed=True, backend=backend)  # fmt: skip
-        else:
-            q = fp8_indexer_queries(q_NIJ[sl]) if fp8 else q_NIJ[sl].float()
-            scores = torch.matmul(q, keys_JK).mul_(indexer.softmax_scale).relu_()  # [B, I, K]
-            index_BK = torch.matmul(w_NI[sl].unsqueeze(-2), scores).squeeze(-2)
-            visible = (cols[None, :] >= start[sl, None]) & (cols[None, :] < end[sl, None])
-            keys = selection_keys(index_BK, cols.expand_as(index_BK), visible)
-        top, valid = ops.indexer_topk(keys, k)
+        q = fp8_indexer_queries(q_NIJ[sl]) if fp8 else q_NIJ[sl].float()
+        scores = torch.matmul(q, keys_JK).mul_(indexer.softmax_scale).relu_()  # [B, I, K]
+        index_BK = torch.matmul(w_NI[sl].unsqueeze(-2), scores).squeeze(-2)
+        visible = (cols[None, :] >= start[sl, None]) & (cols[None, :] < end[sl, None])
+        top, valid = ops.indexer_topk(selection_keys(index_BK, cols.expand_as(index_BK), visible), k)
         out.append(torch.where(valid, plan.key_slots[top.clamp(min=0)], torch.full_like(top, -1)))
-    if not out:
-        return torch.full((0, k), -1, dtype=torch.int64, device=q_NIJ.device)
-    return out[0] if len(out) == 1 else torch.cat(out)
+    return _joined(out, k, q_NIJ.device)
+
+
+def _joined(blocks: list[torch.Tensor], k: int, device: torch.device) -> torch.Tensor:
+    if not blocks:
+        return torch.full((0, k), -1, dtype=torch.int64, device=device)
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks)

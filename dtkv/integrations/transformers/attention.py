@@ -21,14 +21,17 @@ transformers forward does (``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``, ``kv_a
    backend (the parity reference) the scores are the model's own float32 formula; on ``triton`` and ``flashmla``
    with fp8 index pages the indexer is DeepSeek-V3.2's fp8 one: fp8 queries (per (query, head) scale folded into the
    head weight, :func:`dtkv.ops.quantize_indexer_queries`) against the fp8 keys of the view in one kernel
-   (:func:`dtkv.ops.indexer_logits`). bf16/fp32 index rows take the exact formula on every backend.
+   (:func:`dtkv.ops.indexer_logits`, float32 logits), then :func:`dtkv.ops.logits_topk` over each query's range
+   (the packed keys' selection, bit for bit, without them). bf16/fp32 index rows take the exact formula on every
+   backend.
    :func:`indexer_precision` switches this (``"fp8"``: the fp8 math on the ``torch`` backend too, what checks a
    fast run on a CPU), :func:`uses_fp8_indexer` says which a run takes, and the parity reference mirrors it
    (``reference_logits(..., fp8_indexer=True)``). Attention runs over the selected latent rows: expanded by
    ``kv_b_proj`` as the model does (``torch`` backend), or in the absorbed form through the runtime's attention
    backend (``triton``, ``flashmla``: ``q_nope`` through ``kv_b_proj``'s key half into the latent, the output through
-   its value half; the two halves are taken once per bind, in the dtype the backend takes queries in or the
-   weight's where wider: :class:`AbsorbedWeights`).
+   its value half, each product writing in place into the kernel's query and ``o_proj``'s input; the two halves are
+   taken once per bind, in the dtype the backend takes queries in or the weight's where wider:
+   :class:`AbsorbedWeights`).
 3. Sharded decode steps: the queries are absorbed into the latent space (``q_nope @ W_UK`` per head, the MLA
    identity) and the runtime attends where the pages are (:meth:`dtkv.runtime.StepContext.decode_attention`: exact
    global top-k, LSE merge of the ranks' partials); the merged latent output is expanded by ``W_UV`` and ``o_proj``.
@@ -144,8 +147,9 @@ def _backend_dtype(backend, attn, absorbed: AbsorbedWeights | None = None) -> to
     return torch.promote_types(backend.cast_queries(torch.zeros((), dtype=torch.float32)).dtype, weight)
 
 
-def _extend_attention(attn, ctx, hidden_states, q_resid, query_HNC, cos, sin, prev_topk, rope, absorbed=None):
-    """Prefill / full-view decode: the model's own top-k and expanded attention over the step's full views."""
+def _extend_attention(attn, ctx, hidden_states, q_resid, q_pass, q_rot, cos, sin, prev_topk, rope, absorbed=None):
+    """Prefill / full-view decode: the model's own top-k and the attention over the step's full views (expanded on
+    the ``torch`` backend, absorbed on the others); ``q_pass`` ``[H, N, nope]``, ``q_rot`` ``[H, N, E]``."""
     layer, n = attn.layer_idx, hidden_states.shape[1]
     h, r, e = attn.num_heads, attn.kv_lora_rank, attn.qk_rope_head_dim
     indexer = attn.indexer
@@ -163,8 +167,9 @@ def _extend_attention(attn, ctx, hidden_states, q_resid, query_HNC, cos, sin, pr
     if n == 0:  # no local rows (e.g. decode steps on other ranks): the collectives above were all this rank owed
         return attn.o_proj(hidden_states.new_zeros((1, 0, h * attn.v_head_dim))), topk_NK
     if ctx.attention is not None and ctx.attention.name != "torch":
-        out = _absorbed_attention(attn, ctx.attention, query_HNC, views["kv"], topk_NK, absorbed, ctx=ctx)
-        return attn.o_proj(out.to(hidden_states.dtype).reshape(1, n, h * attn.v_head_dim)), topk_NK
+        out = _absorbed_attention(attn, ctx.attention, q_pass, q_rot, views["kv"], topk_NK, absorbed, ctx=ctx)
+        return attn.o_proj(out.to(hidden_states.dtype).view(1, n, h * attn.v_head_dim)), topk_NK
+    query_HNC = torch.cat((q_pass, q_rot), dim=-1)
     latent_VC = read_rows(views["kv"], ctx.layouts["kv"], hidden_states.dtype)
     sel = latent_VC[topk_NK.clamp(min=0)].reshape(1, 1, n * k, r + e)  # [1, 1, N*k, R + E]
     # the class's expand_kv (kv_b_proj), never an instance wrap such as the reference's key rounding
@@ -180,29 +185,39 @@ def _extend_attention(attn, ctx, hidden_states, q_resid, query_HNC, cos, sin, pr
     return attn.o_proj(out.reshape(1, n, h * attn.v_head_dim)), topk_NK
 
 
-def _absorbed_attention(attn, backend, query_HNC, kv_view, topk_NK, absorbed=None, ctx=None) -> torch.Tensor:
-    """MLA in the absorbed form through a :mod:`dtkv.attention` kernel: ``[N, H, v_head_dim]``.
+def _absorbed_attention(attn, backend, q_pass, q_rot, kv_view, topk_NK, absorbed=None, ctx=None) -> torch.Tensor:
+    """MLA in the absorbed form through a :mod:`dtkv.attention` kernel: ``[N, H, v_head_dim]``, contiguous.
 
     The latent query is ``q_nope @ W_UK`` (``[N, H, R]``, then the rope query: ``[N, H, R + E]``), the kernel attends
     over the stored latent rows (keys: latent and rope; values: the latent), and ``W_UV`` maps its latent output to
     the value heads: the same attention as the expanded form, other roundings. The products run in the dtype the
     backend takes queries in, or the weight's where wider (:class:`AbsorbedWeights`; Triton: float32; FlashMLA: bf16
-    for a bf16 model, as its kernel, float32 for a float32 one). A decode step (``ctx.decoding``: one query per
+    for a bf16 model, as its kernel, float32 for a float32 one). Both products write their results in place: the
+    latent query into the kernel's ``[N, H, R + E]`` query beside the rope part, the value heads as ``[N, H, v]``
+    (no concatenation, no transposed copy for ``o_proj``). A decode step (``ctx.decoding``: one query per
     request) takes the backend's decode kernel with the step's schedule (FlashMLA: ``N`` sequences of one query and
     tile-scheduler metadata built once per shape, capturable); other steps its prefill kernel.
+
+    Args:
+        q_pass: ``[H, N, nope]`` (any strides with a contiguous last dim: a view of ``q_b_proj``'s output).
+        q_rot: ``[H, N, E]`` the rotated rope query.
     """
-    nope = attn.qk_nope_head_dim
+    h, n, nope = q_pass.shape
+    r, e = attn.kv_lora_rank, q_rot.shape[-1]
     dtype = _backend_dtype(backend, attn, absorbed)
     w_uk, w_uv_t = _factors(attn, absorbed, dtype)
-    q_lat = torch.matmul(query_HNC[..., :nope].to(dtype), w_uk).transpose(0, 1)  # [N, H, R]
-    q = torch.cat((q_lat, query_HNC[..., nope:].transpose(0, 1).to(dtype)), dim=-1)  # [N, H, R + E]
+    q = torch.empty((n, h, r + e), dtype=dtype, device=q_pass.device)
+    torch.bmm(q_pass.to(dtype), w_uk, out=q[..., :r].transpose(0, 1))  # [H, N, nope] @ [H, nope, R]
+    q[..., r:].copy_(q_rot.transpose(0, 1))
     idx = backend.indices(topk_NK, kv_view)
     if ctx is not None and ctx.decoding:
         schedule = ctx.decode_schedule(idx.shape[0], idx.shape[1])
         o_lat, _ = backend.decode(backend.cast_queries(q), kv_view, idx, softmax_scale=attn.scaling, schedule=schedule)
     else:
         o_lat, _ = backend.prefill(backend.cast_queries(q), kv_view, idx, softmax_scale=attn.scaling)
-    return torch.matmul(o_lat.to(dtype).transpose(0, 1), w_uv_t).transpose(0, 1)  # [N, H, v]
+    out = torch.empty((n, h, w_uv_t.shape[-1]), dtype=dtype, device=q_pass.device)
+    torch.bmm(o_lat.to(dtype).transpose(0, 1), w_uv_t, out=out.transpose(0, 1))  # [H, N, R] @ [H, R, v]
+    return out
 
 
 def _decode_attention(attn, ctx, hidden_states, q_resid, q_pass, q_rot, cos, sin, prev_topk, rope, absorbed=None):
@@ -270,8 +285,8 @@ def dsa_attention(
     if ctx.sharded_decode:
         return _decode_attention(attn, ctx, hidden_states, q_resid, q_pass, q_rot, cos, sin, prev_topk, indexer_rope,
                                  absorbed)  # fmt: skip
-    query_HNC = torch.cat((q_pass, q_rot), dim=-1)[0]
-    return _extend_attention(attn, ctx, hidden_states, q_resid, query_HNC, cos, sin, prev_topk, indexer_rope, absorbed)
+    return _extend_attention(attn, ctx, hidden_states, q_resid, q_pass[0], q_rot[0], cos, sin, prev_topk, indexer_rope,
+                             absorbed)  # fmt: skip
 
 
 def check_unbound(model: torch.nn.Module) -> None:

@@ -1,0 +1,345 @@
+"""``dtkv::logits_topk``: the torch reference against a per-row Python sort of the rule, the kernel (interpreter)
+against the reference on every kind of row (ties at the ``k``-th best, constant rows, ``-inf``, NaN, ``+inf``,
+``-0.0``, logits spread over 240 octaves, logits near ``-3e38``, a threshold bin just below ``k``), launches that
+take every path of the kernel (tiles of 16 columns, threshold bins of 1 to 8 keys, coarse windows of 2**8 to 2**24
+order keys), ranges that are empty, clamped or cover everything, slots, ``k`` past the columns, strided logits,
+opcheck, a fullgraph compile with the indexer, the errors, the kernel's address bounds under the interpreter, the
+sm_90 build without a GPU and, on a GPU, the selection of the packed-key path it replaces, bit for bit.
+
+No tolerances: the results are columns and slots, compared exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dtkv import IndexerFp8Layout
+from dtkv.ops import indexer_logits, indexer_topk, logits_topk, quantize_indexer_fp8, quantize_indexer_queries
+from dtkv.ops.logits_topk import logits_topk_torch, scratch_columns
+from tests.ops_reference import BACKENDS, address_check, skip_unless
+
+_mod = sys.modules["dtkv.ops.logits_topk"]
+ROOT = Path(__file__).resolve().parent.parent
+
+LAUNCHES = {
+    "default": {},
+    "tiles16_cap2": {"block": 16, "cap": 2},  # many tiles a pass; nearly every row refines its threshold bin
+    "tiles64_cap1_coarse8": {"block": 64, "cap": 1, "coarse": 8},  # refines to exact keys: every bit
+    "tiles32_cap8_coarse24": {"block": 32, "cap": 8, "coarse": 24},  # a bin is a whole octave: large bins
+    "warps4": {"block": 128, "num_warps": 4, "cap": 4},
+}
+KINDS = ("normal", "ties", "constant", "sparse", "specials", "spread", "very_negative", "near_threshold")
+
+
+def _python_topk(logits, k, start=None, end=None, slots=None) -> torch.Tensor:
+    """The rule row by row in Python: candidates in range and not ``-inf``, sorted by (NaN first, then larger value,
+    ``-0.0 == +0.0``), then by lower column; the first ``k`` as columns or slots, ``-1`` padded."""
+    n, num_keys = logits.shape
+    out = torch.full((n, k), -1, dtype=torch.int64)
+    for i in range(n):
+        lo = 0 if start is None else min(max(int(start[i]), 0), num_keys)
+        hi = num_keys if end is None else max(min(int(end[i]), num_keys), lo)
+        row = logits[i].tolist()
+        cands = [c for c in range(lo, hi) if row[c] != -math.inf]
+        cands.sort(key=lambda c: (0, 0.0, c) if math.isnan(row[c]) else (1, -row[c], c))
+        for j, c in enumerate(cands[:k]):
+            out[i, j] = int(slots[c]) if slots is not None else c
+    return out
+
+
+def _logits(kind: str, n: int, num_keys: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    x = torch.randn(n, num_keys, generator=gen)
+    if kind == "ties":  # five values: thousands of exact ties at the k-th best
+        x = torch.randint(-2, 3, (n, num_keys), generator=gen).float()
+    elif kind == "constant":
+        x = torch.full((n, num_keys), 0.75)
+    elif kind == "sparse":
+        x[torch.rand(n, num_keys, generator=gen) < 0.8] = float("-inf")
+    elif kind == "specials":
+        pick = torch.randint(0, 6, (n, num_keys), generator=gen)
+        vals = torch.tensor([float("nan"), float("inf"), float("-inf"), -0.0, 0.0, 1e-42])
+        x = torch.where(pick < 6, vals[pick], x)
+        x[:, ::7] = torch.randn(n, x[:, ::7].shape[1], generator=gen)
+    elif kind == "spread":  # one octave in 240: the k-th best sits far below the row's largest
+        x = torch.sign(x) * torch.exp2(torch.rand(n, num_keys, generator=gen) * 240 - 120)
+    elif kind == "very_negative":  # order keys below 255 * 2**18: the coarse window starts at 0
+        x = -3e38 * (1 + torch.rand(n, num_keys, generator=gen) * 1e-2)
+    elif kind == "near_threshold":  # k - 1 keys far above, then k + 1 keys within a part per million, then the rest
+        x = torch.rand(n, num_keys, generator=gen)
+        top, close = min(k - 1, num_keys), min(k + 1, max(0, num_keys - k + 1))
+        x[:, :top] += 100.0
+        x[:, top : top + close] = 50.0 + torch.rand(n, close, generator=gen) * 1e-4
+    return x
+
+
+def _ranges(n: int, num_keys: int, gen: torch.Generator, dtype=torch.int64):
+    start = torch.randint(-3, max(1, num_keys), (n,), generator=gen)
+    end = start + torch.randint(-2, num_keys + 4, (n,), generator=gen)
+    start[0], end[0] = 0, num_keys  # one row sees everything
+    if n > 2:
+        start[1], end[1] = 5, 5  # one row sees nothing
+    return start.to(dtype), end.to(dtype)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_reference_is_the_rule(kind):
+    g = torch.Generator().manual_seed(len(kind))
+    x = _logits(kind, 6, 53, 9, g)
+    start, end = _ranges(6, 53, g)
+    slots = torch.randperm(53, generator=g) * 3 + 1
+    assert torch.equal(logits_topk_torch(x, 9, None, None, None), _python_topk(x, 9))
+    assert torch.equal(logits_topk_torch(x, 9, start, end, slots), _python_topk(x, 9, start, end, slots))
+
+
+def _check_triton(monkeypatch, kind, launch, n, num_keys, k):
+    monkeypatch.setattr(_mod, "KERNEL_CONFIG", {**_mod.KERNEL_CONFIG, **LAUNCHES[launch]})
+    g = torch.Generator().manual_seed(n * num_keys + k + len(kind))
+    x = _logits(kind, n, num_keys, k, g)
+    start, end = _ranges(n, num_keys, g, dtype=torch.int32 if k % 2 else torch.int64)
+    slots = torch.randperm(num_keys, generator=g) + 7
+    for kw in ({}, {"key_start": start, "key_end": end, "key_slots": slots}):
+        want = logits_topk(x, k, backend="torch", **kw)
+        got = logits_topk(x, k, backend="triton", **kw)
+        assert torch.equal(got, want), (kind, launch, list(kw), got, want)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("launch", list(LAUNCHES))
+def test_triton_vs_reference(monkeypatch, kind, launch):
+    """Every kind of row under every launch, 5 rows of 97 columns, ``k = 12``."""
+    skip_unless("triton", "cpu")
+    _check_triton(monkeypatch, kind, launch, 5, 97, 12)
+
+
+@pytest.mark.parametrize(("n", "num_keys", "k"), [(3, 1, 1), (4, 7, 16), (3, 300, 31), (2, 1031, 64)])
+@pytest.mark.parametrize("launch", ["default", "tiles64_cap1_coarse8"])
+def test_triton_vs_reference_sizes(monkeypatch, launch, n, num_keys, k):
+    """One column, ``k`` past the columns, several tiles, a thousand columns: ties and spread rows."""
+    skip_unless("triton", "cpu")
+    for kind in ("ties", "spread", "near_threshold"):
+        _check_triton(monkeypatch, kind, launch, n, num_keys, k)
+
+
+def test_kernel_paths_each_run(monkeypatch):
+    """The kinds of rows above take every path of the kernel (traced under the interpreter, which runs it as
+    Python): the coarse window, the restart from the top bit and the refinement loop (``spread``), the sort of a
+    threshold bin larger than what is needed (``near_threshold``: 9 keys in one bin, 1 needed), and rows kept whole
+    (``sparse``: fewer candidates than ``k``)."""
+    skip_unless("triton", "cpu")
+    src = Path(_mod.__file__).read_text().splitlines()
+    marks = {what: next(i + 1 for i, line in enumerate(src) if line.strip().startswith(what)) for what in (
+        "shift = zero + COARSE", "cand = count", "prefix = (prefix << width) | b", "_keep_best(sel + num_above",
+        "base = tl.maximum(")}  # fmt: skip
+    paths = {_mod.__file__, os.path.realpath(_mod.__file__)}
+    runs: dict[str, set[int]] = {}
+    for kind, cap in (("spread", 4), ("near_threshold", 16), ("sparse", 4)):
+        monkeypatch.setattr(_mod, "KERNEL_CONFIG", {**_mod.KERNEL_CONFIG, "block": 16, "cap": cap})
+        seen: set[int] = set()
+
+        def trace(frame, event, arg, seen=seen):
+            if frame.f_code.co_filename in paths:
+                seen.add(frame.f_lineno)
+                return trace
+            return None
+
+        x = _logits(kind, 1, 40, 8, torch.Generator().manual_seed(1))
+        sys.settrace(trace)
+        try:
+            got = logits_topk(x, 8, backend="triton")
+        finally:
+            sys.settrace(None)
+        assert torch.equal(got, _python_topk(x, 8)), kind
+        runs[kind] = seen
+    hit = {what: any(line in r for r in runs.values()) for what, line in marks.items()}
+    assert all(hit.values()), hit
+    assert marks["cand = count"] in runs["spread"] and marks["_keep_best(sel + num_above"] in runs["near_threshold"]
+    assert marks["base = tl.maximum("] not in runs["sparse"]  # 40 columns, about 8 candidates: kept whole
+
+
+def test_ties_go_to_the_lowest_column():
+    """Every logit of a row equal: the ``k`` lowest columns of its range, in order, on both backends."""
+    x = torch.full((3, 40), 2.5)
+    start, end = torch.tensor([0, 7, 30]), torch.tensor([40, 20, 33])
+    for backend in BACKENDS:
+        skip_unless(backend, "cpu")
+        got = logits_topk(x, 5, key_start=start, key_end=end, backend=backend)
+        assert got.tolist() == [[0, 1, 2, 3, 4], [7, 8, 9, 10, 11], [30, 31, 32, -1, -1]]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_is_indexer_topk_of_the_packed_logits(backend):
+    """With the indexer: the selection of its float32 logits is the packed path's (``packed=True`` keys, then
+    :func:`indexer_topk`, columns mapped through the slots), on the same queries."""
+    skip_unless(backend, "cpu")
+    g = torch.Generator().manual_seed(3)
+    lay = IndexerFp8Layout(page_size=4, head_dim=32)
+    codes, scales = quantize_indexer_fp8(torch.randn(24, 32, generator=g))
+    pages = torch.cat((codes.view(6, -1), scales.view(torch.uint8).view(6, -1)), dim=1)
+    q, w = quantize_indexer_queries(torch.randn(9, 4, 32, generator=g), torch.rand(9, 4, generator=g) - 0.3)
+    slots = torch.randint(0, 24, (70,), generator=g)  # repeated slots: exact ties
+    start, end = torch.zeros(9, dtype=torch.int64), torch.arange(61, 70)
+    logits = indexer_logits(q, w, pages, slots, start, end, layout=lay, backend=backend)
+    keys = indexer_logits(q, w, pages, slots, start, end, layout=lay, backend=backend, packed=True)
+    cols, valid = indexer_topk(keys, 16)
+    want = torch.where(valid, slots[cols.clamp(min=0)], torch.full_like(cols, -1))
+    got = logits_topk(logits, 16, key_start=start, key_end=end, key_slots=slots, backend=backend)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_and_empty_inputs(backend):
+    skip_unless(backend, "cpu")
+    g = torch.Generator().manual_seed(5)
+    wide = torch.randn(4, 50, generator=g)
+    x = wide[:, 3:40]  # row stride 50
+    assert torch.equal(logits_topk(x, 6, backend=backend), _python_topk(x.contiguous(), 6))
+    cols = torch.randn(40, 4, generator=g).t()  # column stride 4: copied first
+    assert torch.equal(logits_topk(cols, 3, backend=backend), _python_topk(cols.contiguous(), 3))
+    assert logits_topk(x[:0], 6, backend=backend).shape == (0, 6)
+    assert logits_topk(x[:, :0], 2, backend=backend).tolist() == [[-1, -1]] * 4
+    ranges = torch.stack((torch.tensor([0, 2, 4, 1]), torch.tensor([37, 9, 4, 30])), 1)
+    got = logits_topk(x, 6, key_start=ranges[:, 0], key_end=ranges[:, 1], backend=backend)
+    assert torch.equal(got, _python_topk(x, 6, ranges[:, 0], ranges[:, 1]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_opcheck(backend):
+    skip_unless(backend, "cpu")
+    g = torch.Generator().manual_seed(6)
+    x = _logits("ties", 3, 29, 4, g)
+    start, end = _ranges(3, 29, g)
+    for args in ((x, None, None, None, 4, backend), (x, start, end, torch.arange(29) * 2, 40, backend)):
+        torch.library.opcheck(torch.ops.dtkv.logits_topk.default, args)
+
+
+def test_compiles_fullgraph_with_the_indexer():
+    """Query quantization, the float32 logits and this top-k trace into one graph and give the eager result."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    backend = "triton" if _triton_here() else "torch"
+    g = torch.Generator().manual_seed(7)
+    lay = IndexerFp8Layout(page_size=4, head_dim=32)
+    codes, scales = quantize_indexer_fp8(torch.randn(20, 32, generator=g))
+    pages = torch.cat((codes.view(5, -1), scales.view(torch.uint8).view(5, -1)), dim=1)
+    slots, start, end = torch.arange(20), torch.zeros(3, dtype=torch.int64), torch.tensor([5, 12, 20])
+
+    def select(q, w):
+        q8, w8 = quantize_indexer_queries(q, w, scale=0.5)
+        logits = indexer_logits(q8, w8, pages, slots, start, end, layout=lay, backend=backend)
+        return logits_topk(logits, 8, key_start=start, key_end=end, key_slots=slots, backend=backend)
+
+    q, w = torch.randn(3, 2, 32, generator=g), torch.rand(3, 2, generator=g)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(select, backend=counter, fullgraph=True)(q, w)
+    assert counter.frame_count == 1 and torch.equal(compiled, select(q, w))
+
+
+def _triton_here() -> bool:
+    try:
+        skip_unless("triton", "cpu")
+    except pytest.skip.Exception:
+        return False
+    return True
+
+
+def test_rejects_bad_input():
+    x = torch.zeros(2, 5)
+
+    def call(**kw):
+        a = {"logits": x, "k": 3} | kw
+        return logits_topk(**a, backend="torch")
+
+    with pytest.raises(ValueError, match="k must be >= 1, got k=0"):
+        call(k=0)
+    with pytest.raises(
+        TypeError, match=re.escape("logits must have dtype torch.float32, got logits.dtype=torch.int64")
+    ):
+        call(logits=torch.zeros(2, 5, dtype=torch.int64))
+    with pytest.raises(ValueError, match=re.escape("logits must have 2 dims, got logits.shape=(10,)")):
+        call(logits=torch.zeros(10))
+    with pytest.raises(ValueError, match="key_start and key_end go together"):
+        call(key_start=torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match=re.escape("key_end must have shape [2], got key_end.shape=[3]")):
+        call(key_start=torch.zeros(2, dtype=torch.int64), key_end=torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(TypeError, match=re.escape("key_start must have dtype [torch.int32, torch.int64]")):
+        call(key_start=torch.zeros(2), key_end=torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match=re.escape("key_slots must have shape [5], got key_slots.shape=[4]")):
+        call(key_slots=torch.arange(4))
+
+
+def test_scratch_columns():
+    assert scratch_columns(2048) == (2048, 1024)
+    assert scratch_columns(100) == (128, 64)
+    assert scratch_columns(1) == (1, 1)
+
+
+def test_kernel_stays_in_bounds(monkeypatch):
+    """Every launch of :data:`LAUNCHES` on guard-banded inputs under the interpreter's address check: only the
+    tensors' own bytes are read and written (the scratch rows included), and the result is the reference's."""
+    skip_unless("triton", "cpu")
+    from tests.ops_reference import benchmark
+
+    M = benchmark("memcheck_ops")
+    problems = []
+    for kind, seed in (("near_threshold", 0), ("ties", 1), ("spread", 2)):
+        g = torch.Generator().manual_seed(seed)
+        x = _logits(kind, 3, 70, 8, g)
+        start, end = _ranges(3, 70, g)
+        bands = M.Bands(seed)
+        args = [bands.put("logits", x)]
+        kw = {"key_start": bands.put("start", start, poison=0), "key_end": bands.put("end", end, poison=70),
+              "key_slots": bands.put("slots", torch.arange(70) * 5, poison=0)}  # fmt: skip
+        want = logits_topk(*args, 8, backend="torch", **kw)
+        for name, launch in LAUNCHES.items():
+            monkeypatch.setattr(_mod, "KERNEL_CONFIG", {**_mod.KERNEL_CONFIG, **launch})
+            with address_check():
+                got = logits_topk(*args, 8, backend="triton", **kw)
+            if not torch.equal(got, want):
+                problems.append(f"{kind} {name}: differs from the torch backend")
+            if bands.changed():
+                problems.append(f"{kind} {name}: bands written next to {bands.changed()}")
+    assert problems == []
+
+
+@pytest.mark.slow  # two launches through Triton's sm_90 pipeline and ptxas: ~60 s on 2 cores
+def test_kernel_builds_for_sm90_without_spills(tmp_path):
+    """``benchmarks/compile_ops.py --ops logits_topk --sass`` (no GPU): every launch compiles with no local memory
+    (spills); DeepSeek-V3.2's (``k = 2048``) fits two programs of 8 warps an SM (at most 128 registers)."""
+    out = tmp_path / "compile.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compile_ops.py"), "--ops", "logits_topk",
+                           "--sass", "--json", str(out)], env=env, capture_output=True, text=True, timeout=1200)  # fmt: skip
+    if proc.returncode == 2:
+        pytest.skip(f"Triton cannot compile for sm_90 here: {proc.stdout.strip().splitlines()[-1]}")
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
+    records = json.loads(out.read_text())["records"]
+    assert records and all(r["ok"] and r.get("local", 0) == 0 for r in records), records
+    deepseek = [r for r in records if r["constexprs"]["KP"] == "2048"]
+    assert deepseek and all(r["registers"] <= 128 and r["num_warps"] == 8 for r in deepseek), deepseek
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", ["normal", "ties", "near_threshold", "spread"])
+def test_cuda_kernel_vs_reference_at_deepseek_dims(kind):
+    """On a GPU, ``k = 2048`` over causal rows of a 32K key table (the last chunk of a 32K prompt, every 97th query
+    of it): the reference's columns and slots exactly."""
+    g = torch.Generator().manual_seed(11)
+    n, num_keys = 85, 32768
+    x = _logits(kind, n, num_keys, 2048, g).cuda()
+    end = (torch.arange(n) * 97 + num_keys - 8192 + 1).cuda()
+    start = torch.zeros_like(end)
+    slots = (torch.randperm(num_keys, generator=g) * 2).cuda()
+    want = logits_topk(x, 2048, key_start=start, key_end=end, key_slots=slots, backend="torch")
+    got = logits_topk(x, 2048, key_start=start, key_end=end, key_slots=slots, backend="triton")
+    assert torch.equal(got, want)
