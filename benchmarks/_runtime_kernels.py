@@ -8,9 +8,10 @@ behind a spin kernel that hides the host's launches, as ``bench_flashmla.py`` ti
   :func:`dtkv.ops.quantize_write_indexer_fp8` for fp8 pages, :func:`dtkv.ops.write_owned` for bf16 rows), no host
   validation (what the op's kernel costs);
 - ``indexer`` (models whose indexer is dtkv's: the transformers adapter): :func:`dtkv.ops.quantize_indexer_queries`
-  and :func:`dtkv.ops.indexer_logits` (packed keys) of every query over its request's keys up to its position, in
-  blocks of queries whose ``[B, K]`` int64 keys stay within 2 GiB (as the adapter bounds them);
-- ``topk``: :func:`dtkv.ops.indexer_topk` of those keys (``index_topk``) and the kept keys' token slots;
+  and :func:`dtkv.ops.indexer_logits` (float32 logits) of every query over its request's keys up to its position, in
+  blocks of queries whose ``[B, K]`` logits stay within 2 GiB (as the adapter bounds them);
+- ``topk``: :func:`dtkv.ops.logits_topk` of those logits (``index_topk``, the queries' column ranges), the kept
+  keys' token slots;
 - ``indices``: the backend's :meth:`~dtkv.attention.AttentionBackend.indices` (``dtkv::sparse_indices``);
 - ``attention``: FlashMLA called directly on those indices (``flash_mla_with_kvcache`` over fp8 pages as one
   sequence of the chunk's queries, ``flash_mla_sparse_fwd`` over bf16 latent pages: the calls the seam makes), or
@@ -41,7 +42,7 @@ from dtkv import IndexerFp8Layout, MLAFp8Layout, PageOwnership, ops
 __all__ = ["decode_kernels", "prefill_kernels"]
 
 KEYS_BLOCK_BYTES = 1 << 31
-"""Largest ``[B, K]`` int64 block of packed keys per indexer call (the transformers adapter's bound)."""
+"""Largest ``[B, K]`` float32 block of logits per indexer call (the transformers adapter's bound)."""
 
 
 def _slots(pages: torch.Tensor, pos: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -162,8 +163,9 @@ def _indexer_parts(parts, ix, lay_ix, key_slots, pos, heads, k, g, reps) -> torc
 
     dev, n, dim = pos.device, pos.numel(), _row_dim(lay_ix)
     backend = "triton" if (dev.type == "cuda" and ops.HAS_TRITON) else "torch"
-    start, cols = torch.zeros_like(pos), torch.arange(key_slots.numel(), device=dev)
-    block = max(1, KEYS_BLOCK_BYTES // max(1, 8 * key_slots.numel()))
+    start, end, cols = torch.zeros_like(pos), pos + 1, torch.arange(key_slots.numel(), device=dev)
+    fp8 = isinstance(lay_ix, IndexerFp8Layout)
+    block = max(1, KEYS_BLOCK_BYTES // max(1, (4 if fp8 else 8) * key_slots.numel()))
     out = []
     for b0 in range(0, n, block):
         b1 = min(n, b0 + block)
@@ -171,25 +173,28 @@ def _indexer_parts(parts, ix, lay_ix, key_slots, pos, heads, k, g, reps) -> torc
         w = torch.rand(b1 - b0, heads, generator=g, device=dev)
 
         def score(q=q, w=w, b0=b0, b1=b1):
-            if isinstance(lay_ix, IndexerFp8Layout):  # DeepSeek-V3.2's fp8 indexer
-                q8, w8 = ops.quantize_indexer_queries(q, w, scale=dim**-0.5)
-                return ops.indexer_logits(q8, w8, ix, key_slots, start[b0:b1], pos[b0:b1] + 1, layout=lay_ix,
-                                          packed=True, backend=backend)  # fmt: skip
+            if fp8:  # DeepSeek-V3.2's fp8 indexer
+                q8, w8 = ops.quantize_indexer_queries(q, w, scale=dim**-0.5, backend=backend)
+                return ops.indexer_logits(q8, w8, ix, key_slots, start[b0:b1], end[b0:b1], layout=lay_ix,
+                                          backend=backend)  # fmt: skip
             keys_KJ = ix.reshape(-1, dim)[key_slots].float()  # bf16 / fp32 index rows: the exact formula
             logits = torch.matmul(w[:, None, :], torch.matmul(q, keys_KJ.t()).relu_())[:, 0]
             return selection_keys(logits, cols.expand_as(logits), cols[None, :] <= pos[b0:b1, None])
 
-        ms, keys = _device_ms(score, dev, reps)
+        ms, scores = _device_ms(score, dev, reps)
         parts["indexer"] += ms
 
-        def select(keys=keys):
-            top, valid = ops.indexer_topk(keys, k)
+        def select(scores=scores, b0=b0, b1=b1):
+            if fp8:
+                return ops.logits_topk(scores, k, key_start=start[b0:b1], key_end=end[b0:b1], key_slots=key_slots,
+                                       backend=backend)  # fmt: skip
+            top, valid = ops.indexer_topk(scores, k)
             return torch.where(valid, key_slots[top.clamp(min=0)], torch.full_like(top, -1))
 
         ms, slots = _device_ms(select, dev, reps)
         parts["topk"] += ms
         out.append(slots)
-        del keys
+        del scores
     return torch.cat(out)
 
 

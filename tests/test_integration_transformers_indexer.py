@@ -18,9 +18,13 @@ on its row count, which the blocks change). Logit tolerances are those of ``test
 
 from __future__ import annotations
 
+import math
+import traceback
+
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("transformers", reason="the hf extra (transformers==5.17.0)")
 
@@ -285,3 +289,60 @@ def test_absorbed_products_run_in_the_backends_query_dtype_or_the_weights_if_wid
     lm16 = tiny_model("deepseek-v32", dtype=torch.bfloat16)
     assert A._backend_dtype(Backend(torch.bfloat16), lm16.model.layers[0].self_attn) == torch.bfloat16
     assert A._backend_dtype(Backend(torch.float32), lm16.model.layers[0].self_attn) == torch.float32
+
+
+class _Ops(TorchDispatchMode):
+    """Records ``(function of dsa_attention's modules, aten op, output shapes and dtypes)`` of every op a function
+    of ``attention.py`` / ``_indexer.py`` runs itself inside the block (a registered dtkv op counts once, not its
+    internals, its wrapper is transparent; what the attention backend or the kernel it calls runs is not
+    recorded)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[tuple[str, str, list[tuple[tuple[int, ...], torch.dtype]]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        frame = next((f for f in reversed(traceback.extract_stack()) if ("/dtkv/" in f.filename
+                      and "/dtkv/ops/" not in f.filename) or f.filename.endswith("fake_flash_mla.py")), None)  # fmt: skip
+        if frame is not None and frame.filename.endswith(("transformers/attention.py", "transformers/_indexer.py")):
+            where = frame.name
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            shapes = [(tuple(t.shape), t.dtype) for t in outs if isinstance(t, torch.Tensor)]
+            self.ops.append((where, func.overloadpacket.__name__, shapes))
+        return out
+
+
+def test_fast_path_keeps_no_int64_keys_and_copies_no_queries(monkeypatch):
+    """A step on the FlashMLA path (a CPU stand-in of ``flash_mla``, ``tests/fake_flash_mla.py``; the ops on their
+    torch backend) with fp8 KV, a bf16 model at FlashMLA's dims: the top-k makes no int64 tensor of ``N x K`` keys
+    and calls no ``torch.topk`` (one ``dtkv::logits_topk`` a block), and the absorbed attention concatenates
+    nothing and copies only the rope part of the queries (the latent query and the value heads are written in
+    place)."""
+    import dtkv.attention._flashmla as fm
+    import dtkv.attention._resolve as res
+    import tests.fake_flash_mla as fake
+
+    monkeypatch.setattr(fm, "availability", lambda name, device: "")
+    monkeypatch.setattr(res, "availability", lambda name, device: "")
+    monkeypatch.setattr(fm, "flashmla_module", lambda: (fake, ""))
+    lm = tiny_model("deepseek-v32", seed=1, dtype=torch.bfloat16, num_attention_heads=64, num_key_value_heads=64,
+                    kv_lora_rank=512, qk_rope_head_dim=64, index_head_dim=128, index_topk=64)  # fmt: skip
+    rt = Runtime(TransformersAdapter(lm, kv_dtype="fp8", page_size=64), num_pages=8, attention="flashmla")
+    rt.add_request(list(range(100, 210)))
+    rt.step(rt.requests, [70])
+    plan = rt.plan_step(rt.requests, [40])
+    n, num_keys = plan.ids.shape[0], plan.key_slots.shape[0]
+    mode = _Ops()
+    with torch.no_grad(), mode:
+        rt.forward(plan)
+    rt.close()
+    by = lambda fn: [(op, shapes) for where, op, shapes in mode.ops if where == fn]  # noqa: E731
+    topk_ops, attn_ops = by("select_topk"), by("_absorbed_attention")
+    layers = lm.config.num_hidden_layers
+    assert [op for op, _ in topk_ops].count("logits_topk") == layers and "topk" not in {op for op, _ in topk_ops}
+    assert not [s for _, shapes in topk_ops for s in shapes if s[1] == torch.int64 and math.prod(s[0]) >= n * num_keys]
+    assert not {"cat", "clone", "contiguous"} & {op for op, _ in attn_ops}
+    heads, rope = lm.config.num_attention_heads, lm.config.qk_rope_head_dim
+    copies = [(op, shapes[0]) for op, shapes in attn_ops if op in ("copy_", "_to_copy")]
+    assert copies == [("copy_", ((n, heads, rope), torch.bfloat16))] * layers, copies  # the rope part, once a layer
