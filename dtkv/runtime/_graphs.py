@@ -416,12 +416,16 @@ class _FullBucket(_Bucket):
         self._page_of_col = (self._col // ps).expand(b, c)
         self._key_slots = torch.full((b * c,), -1, dtype=torch.int64, device=dev)
         empty = torch.zeros(0, dtype=torch.int64, device=dev)
+        # each row's key-table range [i * C, i * C + its length): the end is set on the device in forward
+        self._key_start = rows * c
+        self._key_end = self._key_start + 1
         self.plan = ExtendPlan(
             num_reqs=b, extend_lens=(1,) * b, ids=ids, positions=pos, req_idx=rows, locs=locs, locs_gathered=locs,
             max_local=b, direct_rows=empty, handoff_rows=empty, handoff_locs_gathered=empty, max_handoff=0,
             groups=tuple((i, i, i + 1, c) for i in range(b)), key_indptr=tuple(i * c for i in range(b + 1)),
             key_locs=self._key_slots, key_req=rows.repeat_interleave(c), key_pos=self._col.repeat(b),
-            key_slots=self._key_slots, mat_plan=None, restore_rows=rows, last_rows=rows, page_aligned=False,
+            key_slots=self._key_slots, key_start=self._key_start, key_end=self._key_end, mat_plan=None,
+            restore_rows=rows, last_rows=rows, page_aligned=False,
         )  # fmt: skip
         self._rows: list[object] = ["unset"] * b
 
@@ -461,6 +465,7 @@ class _FullBucket(_Bucket):
         valid = (self._col[None, :] < self.lens[:, None]) & (page >= 0)
         slots = torch.where(valid, page * ps + self._col % ps, torch.full_like(page, -1))
         self._key_slots.copy_(slots.view(-1))
+        torch.add(self._key_start, self.lens, out=self._key_end)
         ctx = StepContext(pool=rt.pool, mode="single", group=None, ownership=rt.ownership, spec=rt.ownership_spec,
                           attention=rt.attention, plan=self.plan, decoding=True,
                           schedules=self.graphs.schedules)  # fmt: skip

@@ -2,8 +2,8 @@
 math a run takes (:mod:`dtkv.integrations.transformers.attention` calls it; the names are re-exported there).
 
 - :func:`select_topk`: view slots ``[N, k]`` of each query's ``index_topk`` best keys, in bounded blocks of
-  queries, ties to the lowest position (the fp8 kernels: float32 logits and :func:`dtkv.ops.logits_topk`; the
-  exact formula: int64 selection keys and ``torch.topk``).
+  queries, ties to the lowest position (int64 selection keys and ``torch.topk``: packed by the fp8 kernel, or
+  built from the exact formula's scores).
 - :func:`indexer_precision` (a switch) and :func:`uses_fp8_indexer`: DeepSeek-V3.2's fp8 indexer (the kernel
   :func:`dtkv.ops.indexer_logits` on the fast backends) or the model's exact formula.
 - :func:`fp8_indexer_queries`: the fp8 rounding of the queries (the ``torch`` backend's fp8 math, sharded decode).
@@ -42,7 +42,7 @@ TORCH_BLOCK_BYTES = 1 << 28
 """The ``torch`` indexer's temporaries per block of queries (``[B, I, K]`` float32 products, ``[B, K]`` keys)."""
 
 FP8_BLOCK_BYTES = 1 << 31
-"""The fp8 indexer's ``[B, K]`` float32 logits per block of queries (the kernels keep nothing else per key)."""
+"""The fp8 indexer's ``[B, K]`` int64 keys per block of queries (the kernel keeps nothing else per key)."""
 
 _PRECISION: list[str] = []
 
@@ -96,9 +96,9 @@ def select_topk(indexer, ctx: StepContext, q_NIJ, w_NI, view_index) -> torch.Ten
 
     Query ``n`` sees the key-table entries ``[plan.key_start[n], plan.key_end[n])``: its request's entries up to
     its position. The fp8 indexer (:func:`uses_fp8_indexer`) on the ``triton`` and ``flashmla`` backends runs
-    :func:`dtkv.ops.quantize_indexer_queries`, :func:`dtkv.ops.indexer_logits` (float32 logits, blocks of queries
-    within :data:`FP8_BLOCK_BYTES`) and :func:`dtkv.ops.logits_topk` (the same selection as packed keys and
-    :func:`dtkv.ops.indexer_topk`, bit for bit, reading each query's range only and giving its slots); otherwise
+    :func:`dtkv.ops.quantize_indexer_queries` once and :func:`dtkv.ops.indexer_logits` (packed keys, blocks of
+    queries within :data:`FP8_BLOCK_BYTES`), then :func:`dtkv.ops.indexer_topk` (:func:`dtkv.ops.logits_topk`
+    selects the same slots from float32 logits, bit for bit, but is slower on an H200 today); otherwise
     the model's formula ``relu(q . k * softmax_scale)`` summed with the head weights in float32 does (on
     :func:`fp8_indexer_queries` for the fp8 indexer on ``torch``; blocks within :data:`TORCH_BLOCK_BYTES`), then
     selection keys and :func:`dtkv.ops.indexer_topk`.
@@ -120,14 +120,16 @@ def select_topk(indexer, ctx: StepContext, q_NIJ, w_NI, view_index) -> torch.Ten
         assert isinstance(lay, IndexerFp8Layout), "the fp8 indexer reads fp8 index pages"
         backend = "triton" if name == "triton" else "auto"
         q8, w8 = ops.quantize_indexer_queries(q_NIJ, w_NI, scale=indexer.softmax_scale, backend=backend)
-        block = max(1, FP8_BLOCK_BYTES // max(1, 4 * num_keys))
+        # packed int64 keys and torch.topk: on an H200 (4 layers, chunk 8192) dtkv.ops.logits_topk took 31 ms a
+        # layer at 32K and 391 ms at 128K against 21 and 227 for this path, so the packed keys stay the default
+        block = max(1, FP8_BLOCK_BYTES // max(1, 8 * num_keys))
         out = []
         for b0 in range(0, n, block):
             sl = slice(b0, min(n, b0 + block))
-            logits = ops.indexer_logits(q8[sl], w8[sl], view_index, plan.key_slots, start[sl], end[sl], layout=lay,
-                                        backend=backend)  # fmt: skip
-            out.append(ops.logits_topk(logits, k, key_start=start[sl], key_end=end[sl], key_slots=plan.key_slots,
-                                       backend=backend))  # fmt: skip
+            keys = ops.indexer_logits(q8[sl], w8[sl], view_index, plan.key_slots, start[sl], end[sl], layout=lay,
+                                      packed=True, backend=backend)  # fmt: skip
+            top, valid = ops.indexer_topk(keys, k)
+            out.append(torch.where(valid, plan.key_slots[top.clamp(min=0)], torch.full_like(top, -1)))
         return _joined(out, k, q_NIJ.device)
     keys_JK = read_rows(view_index, lay, q_NIJ.dtype, slots=plan.key_slots).transpose(0, 1).float()
     cols = torch.arange(num_keys, device=q_NIJ.device)
