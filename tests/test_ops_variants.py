@@ -320,9 +320,9 @@ def test_int64_offsets_give_the_same_bytes(monkeypatch):
         # the modules (dtkv.ops exports functions of the same names)
         monkeypatch.setattr(importlib.import_module(f"dtkv.ops.{name}"), "needs_int64", lambda *extents: True)
     v = VARIANTS
-    test_owner_filter_variants_vs_reference(v["write_owned"][2], "cp4-random", "fp8row")
-    test_owner_filter_variants_vs_reference(v["write_owned"][3], "cp4-runs", "3words")
-    test_owner_filter_variants_vs_reference(v["write_owned"][0], "cp3-block-emptyrank", "5bytes")
+    test_owner_filter_variants_vs_reference(v["write_owned"][2], ("cp4-random", "fp8row"))
+    test_owner_filter_variants_vs_reference(v["write_owned"][3], ("cp4-runs", "3words"))
+    test_owner_filter_variants_vs_reference(v["write_owned"][0], ("cp3-block-emptyrank", "5bytes"))
     test_direct_write_variants_vs_reference(v["direct_write"][0], "bf16row", torch.int64)
     for direct in (False, True):
         test_quantize_write_mla_fp8_variants_vs_reference(v["quantize_write_mla_fp8"][1], direct)
