@@ -329,7 +329,7 @@ def test_kernel_builds_for_sm90_without_spills(tmp_path):
     assert deepseek and all(r["registers"] <= 128 and r["num_warps"] == 8 for r in deepseek), deepseek
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["normal", "ties", "near_threshold", "spread"])
 def test_cuda_kernel_vs_reference_at_deepseek_dims(kind):
     """On a GPU, ``k = 2048`` over causal rows of a 32K key table (the last chunk of a 32K prompt, every 97th query

@@ -103,7 +103,7 @@ def test_rejects_bad_input():
         quantize_indexer_queries(q, torch.zeros(2, 4))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 def test_cuda_kernel_vs_reference_at_deepseek_dims():
     """On a GPU, 8192 queries x 64 heads x 128 dims in bf16 (a prefill chunk's indexer queries): the reference's
     bits (the hardware e4m3 conversion against torch's)."""

@@ -18,10 +18,9 @@ import torch
 from dtkv.attention import availability
 from dtkv.runtime import Runtime, StepContext, num_pages_for
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-BACKENDS = ["triton", pytest.param("flashmla", marks=pytest.mark.skipif(
-    bool(torch.cuda.is_available() and availability("flashmla", "cuda")) or not torch.cuda.is_available(),
-    reason="needs FlashMLA"))]  # fmt: skip
+pytestmark = pytest.mark.gpu
+_NO_FLASHMLA = bool(torch.cuda.is_available() and availability("flashmla", "cuda"))
+BACKENDS = ["triton", pytest.param("flashmla", marks=pytest.mark.skipif(_NO_FLASHMLA, reason="needs FlashMLA"))]
 
 
 @contextlib.contextmanager

@@ -465,9 +465,7 @@ def test_a_verbose_nixl_log_level_shows_nixls_log_again():
     assert "NIXL INFO" in out.stdout and "Initialized NIXL agent" in out.stdout
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA device (the NIXL wheel is not on the GPU image)"
-)
+@pytest.mark.gpu  # (the NIXL wheel is not on the GPU image)
 def test_cuda_tensors_register_as_vram_and_transfer():
     """CUDA pools: registered as VRAM_SEG with their device index; a write between two agents lands bitwise."""
     a, b = _pair()
