@@ -61,12 +61,13 @@ CASES = [(8192, 8192), (8192, 32768), (8192, 65536), (8192, 131072), (16, 32768)
 SMOKE_CASES = [(5, 70), (33, 200)]
 SMOKE_TOPK = 16
 CANDIDATES = [
-    {"block": 512, "num_warps": 4}, {"block": 2048, "num_warps": 8}, {"block": 2048, "num_warps": 16},
-    {"block": 4096, "num_warps": 16}, {"cap": 2048}, {"cap": 512}, {"coarse": 16}, {"coarse": 20},
+    {"block": 2048, "num_warps": 16}, {"block": 4096, "num_warps": 16}, {"num_stages": 3}, {"num_stages": 1},
+    {"cap": 2048}, {"coarse": 20},
 ]  # fmt: skip
 """Launches of ``--sweep`` (each over :data:`dtkv.ops.logits_topk.KERNEL_CONFIG`, one knob at a time): columns a
-step and warps, the largest threshold bin gathered, the coarse window (each a separate build: about 10 s of
-compilation)."""
+step and warps (sm_90 builds: 117 and 128 registers, one program of 16 warps an SM, against the default's 114, two
+of 8), pipeline stages of the passes, the largest threshold bin gathered, the coarse window (each a separate build:
+seconds of compilation)."""
 SWEEP_CASES = [(8192, 32768), (8192, 131072)]
 SMOKE_CANDIDATES = [{"block": 16, "cap": 2}, {"block": 64, "coarse": 8}]
 

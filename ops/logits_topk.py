@@ -43,7 +43,7 @@ from dtkv._checks import check_int, check_tensor
 
 from ._common import device_ctx, index_arg, resolve_backend, tl, triton
 from .indexer_logits import indexer_topk
-from .selection_keys import MAX_POSITION, selection_keys
+from .selection_keys import selection_keys
 
 __all__ = ["KERNEL_CONFIG", "logits_topk", "logits_topk_torch", "scratch_columns"]
 
@@ -51,11 +51,13 @@ _IDX_DTYPES = (torch.int32, torch.int64)
 _REF_BLOCK_BYTES = 1 << 28
 """The reference's ``[B, K]`` int64 keys per block of rows (bounded whatever ``N``)."""
 
-KERNEL_CONFIG: dict[str, int] = {"block": 1024, "num_warps": 8, "cap": 0, "coarse": 18}
-"""Launch of the kernel: ``block`` columns a step of each pass, ``num_warps``, ``cap`` (the most keys of the
+KERNEL_CONFIG: dict[str, int] = {"block": 1024, "num_warps": 8, "cap": 0, "coarse": 18, "num_stages": 2}
+"""Launch of the kernel: ``block`` columns a step of each pass, ``num_warps``, ``num_stages`` (of the passes'
+loops), ``cap`` (the most keys of the
 threshold's bin gathered without another histogram pass, a power of two; ``0``: ``KP // 2``), ``coarse`` (the
-coarse window's shift: a bin is ``2**coarse`` order keys). The default builds for sm_90 in 128 registers a thread
-(two programs an SM), without spills (``benchmarks/compile_ops.py --sass``); not timed yet."""
+coarse window's shift: a bin is ``2**coarse`` order keys). The default builds for sm_90 in 114 registers a thread
+(two programs an SM), the passes' loads pipelined (``cp.async``), without spills (``benchmarks/compile_ops.py
+--sass``); not timed yet."""
 
 
 # ----------------------------------------------------------------------------------------- torch reference
@@ -91,20 +93,26 @@ def logits_topk_torch(
 # ----------------------------------------------------------------------------------------- Triton kernel
 @triton.jit
 def _order_key(s):
-    """float32 logits -> int64 order keys in ``[0, 2**32)``: ``ord32(s) + 2**31``, the score field of
+    """float32 logits -> uint32 order keys: ``ord32(s) + 2**31``, the score field of
     :func:`dtkv.ops.selection_keys.pack_selection_key` made unsigned (``-0.0`` as ``+0.0``, one NaN above
     ``+inf``)."""
     s = tl.where(s == 0.0, 0.0, s)
     s = tl.where(s != s, float("nan"), s)
     bits = s.to(tl.int32, bitcast=True)
-    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) + 2147483648
+    return (tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits) ^ -2147483648).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _top_bits(u, shift):
+    """``u >> shift`` for a shift in ``[0, 32]`` (a shift by 32 is 0, not undefined)."""
+    return tl.where(shift >= 32, 0, u >> tl.minimum(shift, 31).to(tl.uint32))
 
 
 @triton.jit
 def _row_keys(src, c0, lo, hi, BLOCK: tl.constexpr):
-    """One step of a pass: columns ``[c0, c0 + BLOCK)``, their order keys and which are candidates (in ``[lo, hi)``,
-    not ``-inf``). ``c0`` is a multiple of ``BLOCK`` (aligned, vectorizable loads)."""
-    cols = c0 + tl.arange(0, BLOCK).to(tl.int64)
+    """One step of a pass: int32 columns ``[c0, c0 + BLOCK)``, their order keys and which are candidates (in
+    ``[lo, hi)``, not ``-inf``)."""
+    cols = c0 + tl.arange(0, BLOCK)
     s = tl.load(src + cols, mask=(cols >= lo) & (cols < hi), other=float("-inf"))
     return cols, _order_key(s), s != float("-inf")
 
@@ -112,13 +120,12 @@ def _row_keys(src, c0, lo, hi, BLOCK: tl.constexpr):
 @triton.jit
 def _threshold_bin(hist, need):
     """The bin of a 256-bin histogram that holds the ``need``-th largest key (``need <= hist.sum()``): ``(bin, keys
-    in higher bins, keys in it)``, int64."""
+    in higher bins, keys in it)``, int32."""
     bins = tl.arange(0, 256)
-    h = hist.to(tl.int64)
-    at_or_above = tl.sum(h, axis=0) - (tl.cumsum(h, axis=0) - h)  # keys in bins >= b (non-increasing in b)
-    b = tl.sum((at_or_above >= need).to(tl.int64), axis=0) - 1
-    above = tl.sum(tl.where(bins > b, h, 0), axis=0)
-    cand = tl.sum(tl.where(bins == b, h, 0), axis=0)
+    at_or_above = tl.sum(hist, axis=0) - (tl.cumsum(hist, axis=0) - hist)  # keys in bins >= b (non-increasing)
+    b = tl.sum((at_or_above >= need).to(tl.int32), axis=0) - 1
+    above = tl.sum(tl.where(bins > b, hist, 0), axis=0)
+    cand = tl.sum(tl.where(bins == b, hist, 0), axis=0)
     return b, above, cand
 
 
@@ -156,7 +163,7 @@ def _logits_topk_kernel(
     start_ptr,  # [N] int32/int64, contiguous (HAS_RANGE): first column in range
     end_ptr,  # [N] int32/int64, contiguous (HAS_RANGE): one past the last
     slots_ptr,  # [K] int32/int64, contiguous (HAS_SLOTS): what each column maps to
-    num_keys,  # K
+    num_keys,  # K (< 2**31)
     k,
     l_sn,
     HAS_RANGE: tl.constexpr,
@@ -165,71 +172,74 @@ def _logits_topk_kernel(
     KP: tl.constexpr,
     CAP: tl.constexpr,
     COARSE: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
-    """Program ``n``: row ``n`` (module docstring's passes)."""
+    """Program ``n``: row ``n`` (module docstring's passes). Columns, counts and order keys are 32-bit."""
     row = tl.program_id(0).to(tl.int64)
-    zero = row * 0
-    lo = zero
-    hi = zero + num_keys
+    lo = num_keys * 0
+    hi = lo + num_keys
     if HAS_RANGE:
-        lo = tl.minimum(tl.maximum(tl.load(start_ptr + row).to(tl.int64), 0), num_keys)
-        hi = tl.maximum(tl.minimum(tl.load(end_ptr + row).to(tl.int64), num_keys), lo)
+        lo = tl.minimum(tl.maximum(tl.load(start_ptr + row), 0), num_keys).to(tl.int32)
+        hi = tl.maximum(tl.minimum(tl.load(end_ptr + row), num_keys).to(tl.int32), lo)
     first = lo // BLOCK * BLOCK
     src = logits_ptr + row * l_sn
+    zero = lo * 0
     # the selection: candidates whose key has (u >> shift) above prefix (k - need of them), and `need` of those at
     # prefix -- the best (all of them while shift > 0, sorted after), the lowest columns once shift == 0 (exact
     # ties); shift 32 with prefix 0 and need k: every candidate (at most k)
     shift = zero + 32
-    prefix = zero
+    prefix = zero.to(tl.uint32)
     need = zero + k
     if hi - lo > k:
-        umax = zero
+        umax = zero.to(tl.uint32)
         count = zero
-        for c0 in range(first, hi, BLOCK):  # pass 1: the largest key, the candidates
+        for c0 in tl.range(first, hi, BLOCK, num_stages=NUM_STAGES):  # pass 1: the largest key, the candidates
             cols, u, ok = _row_keys(src, c0, lo, hi, BLOCK)
             umax = tl.maximum(umax, tl.max(tl.where(ok, u, 0), axis=0))
-            count += tl.sum(ok.to(tl.int64), axis=0)
+            count += tl.sum(ok.to(tl.int32), axis=0)
         if count > k:
-            base = tl.maximum((umax >> COARSE) - 255, 0)
+            base = tl.maximum((umax >> COARSE).to(tl.int32) - 255, 0)
             hist = tl.zeros([256], dtype=tl.int32)
-            for c0 in range(first, hi, BLOCK):  # pass 2: the coarse window below the largest key
+            for c0 in tl.range(first, hi, BLOCK, num_stages=NUM_STAGES):  # pass 2: the coarse window below the max
                 cols, u, ok = _row_keys(src, c0, lo, hi, BLOCK)
-                d = tl.minimum(tl.maximum((u >> COARSE) - base, 0), 255).to(tl.int32)
+                d = tl.minimum(tl.maximum((u >> COARSE).to(tl.int32) - base, 0), 255)
                 hist += tl.histogram(d, 256, mask=ok)
             b, above, cand = _threshold_bin(hist, need)
             if (b > 0) | (base == 0):  # bin b is the keys with (u >> COARSE) == base + b
                 shift = zero + COARSE
-                prefix = base + b
+                prefix = (base + b).to(tl.uint32)
                 need = need - above
             else:  # bin 0 also holds every key further below: the radix select starts at the top bit
                 cand = count
             while (cand > CAP) & (shift > 0):  # 8 more bits among the keys at the prefix
                 width = tl.minimum(shift, 8)
                 nshift = shift - width
+                digit = ((1 << width) - 1).to(tl.uint32)
                 hist = tl.zeros([256], dtype=tl.int32)
-                for c0 in range(first, hi, BLOCK):
+                for c0 in tl.range(first, hi, BLOCK, num_stages=NUM_STAGES):
                     cols, u, ok = _row_keys(src, c0, lo, hi, BLOCK)
-                    d = ((u >> nshift) & ((1 << width) - 1)).to(tl.int32)
-                    hist += tl.histogram(d, 256, mask=ok & ((u >> shift) == prefix))
+                    d = ((u >> nshift.to(tl.uint32)) & digit).to(tl.int32)
+                    hist += tl.histogram(d, 256, mask=ok & (_top_bits(u, shift) == prefix))
                 b, above, cand = _threshold_bin(hist, need)
                 need = need - above
-                prefix = (prefix << width) | b
+                prefix = (prefix << width.to(tl.uint32)) | b.to(tl.uint32)
                 shift = nshift
     # pass 3: the keys above the prefix to the scratch row's front, those at it after them (column order)
     sel = scratch_ptr + row * (KP + CAP)
     num_above = k - need
-    limit = tl.where(shift == 0, need, num_keys + 1)
+    limit = tl.where(shift == 0, need, 2147483647)
     seen = zero
     put = zero
-    for c0 in range(first, hi, BLOCK):
+    for c0 in tl.range(first, hi, BLOCK, num_stages=NUM_STAGES):
         cols, u, ok = _row_keys(src, c0, lo, hi, BLOCK)
-        key = (u - 2147483648) * 4294967296 + (4294967295 - cols)
-        top = u >> shift
+        top = _top_bits(u, shift)
         gt = ok & (top > prefix)
         at = ok & (top == prefix)
-        g = gt.to(tl.int64)
-        a = at.to(tl.int64)
+        g = gt.to(tl.int32)
+        a = at.to(tl.int32)
         rank = seen + tl.cumsum(a, axis=0) - a
+        ordered = (u ^ 2147483648).to(tl.int32, bitcast=True).to(tl.int64)
+        key = ordered * 4294967296 + (4294967295 - cols.to(tl.int64))
         tl.store(sel + put + tl.cumsum(g, axis=0) - g, key, mask=gt)
         tl.store(sel + num_above + rank, key, mask=at & (rank < limit))
         put += tl.sum(g, axis=0)
@@ -265,7 +275,8 @@ def _launch(out, logits, start, end, slots, k: int) -> None:
             out if start is None else start, out if end is None else end, out if slots is None else slots,
             num_keys, k, logits.stride(0),
             HAS_RANGE=start is not None, HAS_SLOTS=slots is not None, BLOCK=int(KERNEL_CONFIG["block"]), KP=kp,
-            CAP=cap, COARSE=int(KERNEL_CONFIG["coarse"]), num_warps=int(KERNEL_CONFIG["num_warps"]),
+            CAP=cap, COARSE=int(KERNEL_CONFIG["coarse"]), NUM_STAGES=int(KERNEL_CONFIG["num_stages"]),
+            num_warps=int(KERNEL_CONFIG["num_warps"]),
         )  # fmt: skip
 
 
@@ -274,8 +285,8 @@ def _check(logits, key_start, key_end, key_slots, k) -> None:
     check_tensor("logits", logits, dtype=torch.float32, ndim=2)
     n, num_keys = logits.shape
     dev = logits.device
-    if num_keys > MAX_POSITION:  # a column is a selection key's position
-        raise ValueError(f"logits must have fewer than 2**32 - 1 columns, got {num_keys}")
+    if num_keys >= 2**31 - 1:  # a column is a selection key's position; the kernel counts columns in 32 bits
+        raise ValueError(f"logits must have fewer than 2**31 - 1 columns, got {num_keys}")
     if (key_start is None) != (key_end is None):
         which = "key_start" if key_end is None else "key_end"
         raise ValueError(f"key_start and key_end go together (a column range per row), got only {which}")

@@ -137,7 +137,7 @@ def test_kernel_paths_each_run(monkeypatch):
     skip_unless("triton", "cpu")
     src = Path(_mod.__file__).read_text().splitlines()
     marks = {what: next(i + 1 for i, line in enumerate(src) if line.strip().startswith(what)) for what in (
-        "shift = zero + COARSE", "cand = count", "prefix = (prefix << width) | b", "_keep_best(sel + num_above",
+        "shift = zero + COARSE", "cand = count", "prefix = (prefix << width", "_keep_best(sel + num_above",
         "base = tl.maximum(")}  # fmt: skip
     paths = {_mod.__file__, os.path.realpath(_mod.__file__)}
     runs: dict[str, set[int]] = {}
