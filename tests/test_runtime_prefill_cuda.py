@@ -55,16 +55,31 @@ def _runtime(attention: str, prompts: list[int]) -> Runtime:
 
 
 @pytest.mark.parametrize("attention", BACKENDS)
-def test_planning_a_step_does_not_synchronize(attention):
-    rt = _runtime(attention, [700, 300])
-    a, b = rt.add_request(list(range(700))), rt.add_request(list(range(300)))
-    rt.step([a, b], [256, 256])
-    with _no_sync():
-        plan = rt.plan_step([a, b], [256, 44])
+def test_planning_a_step_does_not_synchronize(monkeypatch, attention):
+    """The plan's fields (one pinned buffer, one copy) equal those of a field-by-field ``.to(device)`` of the same
+    step on a twin runtime."""
+    import dataclasses
+
+    import dtkv.runtime._plan as P
+
+    plans = []
+    for one_copy in (True, False):
+        if not one_copy:
+            monkeypatch.setattr(P, "_to_device", lambda fields, device: {k: t.to(device) for k, t in fields.items()})
+        rt = _runtime(attention, [700, 300])
+        a, b = rt.add_request(list(range(700))), rt.add_request(list(range(300)))
+        rt.step([a, b], [256, 256])
+        with _no_sync() if one_copy else contextlib.nullcontext():
+            plans.append(rt.plan_step([a, b], [256, 44]))
+        rt.close()
+    plan, want = plans
     assert plan.key_start.is_cuda and plan.key_end.device == plan.locs.device == torch.device("cuda", 0)
-    want_start = torch.searchsorted(plan.key_req, plan.req_idx)
-    assert torch.equal(plan.key_start, want_start) and torch.equal(plan.key_end, want_start + plan.positions + 1)
-    rt.close()
+    for f in dataclasses.fields(plan):
+        got, ref = getattr(plan, f.name), getattr(want, f.name)
+        if isinstance(got, torch.Tensor):
+            assert got.dtype == ref.dtype and torch.equal(got, ref), f.name
+    start = torch.searchsorted(plan.key_req, plan.req_idx)
+    assert torch.equal(plan.key_start, start) and torch.equal(plan.key_end, start + plan.positions + 1)
 
 
 @pytest.mark.parametrize("attention", BACKENDS)
