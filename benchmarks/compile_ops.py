@@ -57,6 +57,7 @@ CANNOT = 2
 OPS = list(DEFAULTS)
 EXTRA_OPS = [
     "quantize_write_mla_indexer_fp8", "indexer_scores", "sparse_indices", "sparse_mla", "logits_topk",
+    "quantize_indexer_queries",
 ]  # fmt: skip
 """Ops with launch choices of their own (not in ``ops/_tuned.py``): compiled at their own launches."""
 OWN_GEOMETRY_OPS = ["indexer_logits"]
@@ -306,6 +307,12 @@ def _extra(op: str) -> list[tuple[str, Callable[[], object]]]:
                                                        width=64, backend="triton")))  # fmt: skip
         out.append(("page table", lambda: sparse_indices(locs, num_slots=640, page_table=torch.zeros(4, 3, dtype=i32),
                                                          page_size=64, width=64, backend="triton")))  # fmt: skip
+    elif op == "quantize_indexer_queries":
+        from dtkv.ops import quantize_indexer_queries
+
+        for dtype, heads, dim in ((torch.bfloat16, 64, 128), (torch.float32, 3, 48)):
+            out.append((f"{dtype} queries, {heads} x {dim}", lambda dtype=dtype, heads=heads, dim=dim:
+                        quantize_indexer_queries(z(5, heads, dim, dtype=dtype), z(5, heads), backend="triton")))  # fmt: skip
     elif op == "logits_topk":
         from dtkv.ops.logits_topk import logits_topk
 

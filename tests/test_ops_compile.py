@@ -53,14 +53,15 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     records = json.loads(out.read_text())["records"]
     kernels = {r["kernel"] for r in records}
     want = {"_write_owned_kernel", "_write_owned_window_kernel", "_quantize_write_mla_fp8_kernel",
-            "_quantize_write_indexer_fp8_kernel", "_pack_layer_pages_kernel", "_remap_kernel", "_map16_kernel"}  # fmt: skip
+            "_quantize_write_indexer_fp8_kernel", "_pack_layer_pages_kernel", "_remap_kernel", "_map16_kernel",
+            "_logits_topk_kernel", "_quantize_indexer_queries_kernel"}  # fmt: skip
     assert want <= kernels, sorted(want - kernels)
     assert all(r["ok"] for r in records)
     constants = [r["constexprs"] for r in records if r["kernel"] == "_pack_layer_pages_kernel"]
     assert any(c["OFF64"] == "True" for c in constants) and any(c["PARTS"] == "4" for c in constants)
     # the quantizers leave saturation at +-448 to the conversion (ops/_common.py e4m3_bits): it must saturate
     for r in records:
-        if r["kernel"].startswith("_quantize_write"):
+        if r["kernel"].startswith(("_quantize_write", "_quantize_indexer_queries")):
             assert r["fp8_converts"] == ["cvt.rn.satfinite.e4m3x2.f32"], (r["kernel"], r["fp8_converts"])
 
 
