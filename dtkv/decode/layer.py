@@ -64,8 +64,9 @@ class DecodeLayerOutput(NamedTuple):
     """Attention output ``[N, H, R]`` (compute dtype)."""
     lse: torch.Tensor
     """Log-sum-exp of each query's selected logits ``[N, H]``."""
-    positions: torch.Tensor
-    """int64 ``[N, K]`` the selected positions in selection order (score desc, position asc); ``-1`` padding."""
+    positions: torch.Tensor | None
+    """int64 ``[N, K]`` the selected positions in selection order (score desc, position asc); ``-1`` padding
+    (``None`` from a runtime step asked for no positions: :meth:`dtkv.runtime.StepContext.decode_attention`)."""
 
 
 def _check(kv_local, index_local, kv_layout: KVLayout, index_layout: KVLayout, plan: DecodePlan, q) -> None:

@@ -57,7 +57,7 @@ class ReferenceAdapter(ModelAdapter):
             ctx.write("index", layer, q["index_k"])
             if ctx.sharded_decode:
                 queries = DecodeQueries(iq=q["iq"], iw=q["iw"], q_nope=q["q_nope"], q_rope=q["q_rope"])
-                res = ctx.decode_attention(layer, queries, softmax_scale=self.softmax_scale)
+                res = ctx.decode_attention(layer, queries, softmax_scale=self.softmax_scale, return_positions=False)
                 attn = res.out.reshape(h.shape[0], -1)
             else:
                 attn = self._attend(ctx, layer, q, h)

@@ -195,7 +195,13 @@ class ShardedDecodeAttention:
         return self._step
 
     def attention(
-        self, layer: int, q: DecodeQueries, *, softmax_scale: float, positions: torch.Tensor | None = None
+        self,
+        layer: int,
+        q: DecodeQueries,
+        *,
+        softmax_scale: float,
+        positions: torch.Tensor | None = None,
+        return_positions: bool = True,
     ) -> DecodeLayerOutput:
         """One layer of the step (collective; :meth:`dtkv.runtime.StepContext.decode_attention`)."""
         kv_lay = self.kv_layout
@@ -220,7 +226,10 @@ class ShardedDecodeAttention:
                 # the layer's output in the queries' compute dtype (the contract of DecodeLayerOutput): FlashMLA's
                 # partial is bf16 and, with nothing to merge (one rank), would reach the model as it is
                 dt = q.q_nope.dtype
-                res = DecodeLayerOutput(out=got.out.to(dt), lse=got.lse.to(dt), positions=DecodeStep.positions(got))
+                listed = return_positions or _env.debug_enabled()  # a sort of the keys: only where read
+                res = DecodeLayerOutput(
+                    out=got.out.to(dt), lse=got.lse.to(dt), positions=DecodeStep.positions(got) if listed else None
+                )
                 out_isz, lse_isz = _partial_itemsizes(step.attn.name, qs.dtype)
             else:
                 assert self.plan is not None, "the float64 path runs eager, over a plan"

@@ -204,6 +204,7 @@ class StepContext:
         *,
         softmax_scale: float,
         positions: torch.Tensor | None = None,
+        return_positions: bool = True,
     ) -> DecodeLayerOutput:
         """A sharded decode step's sparse attention of one layer (collective; run phase).
 
@@ -214,6 +215,9 @@ class StepContext:
             softmax_scale: attention logit scale.
             positions: int64 ``[N, K]`` a selection to reuse (a layer without its own indexer reuses the previous
                 layer's ``positions``); ``None`` runs the layer's indexer over the ranks' own index pages.
+            return_positions: list the selected positions in the result (a sort of the keys a layer); ``False``
+                when nothing reads them (no later layer reuses the selection): the result's ``positions`` is then
+                ``None`` (and ``-1`` padded positions are not built).
 
         Returns:
             :class:`dtkv.decode.DecodeLayerOutput` (merged latent output, LSE, selected positions), the same on
@@ -221,7 +225,8 @@ class StepContext:
         """
         if self._sharded is None:
             raise RuntimeError("decode_attention() belongs to a sharded decode step; an extend step reads views()")
-        return self._sharded.attention(layer, queries, softmax_scale=softmax_scale, positions=positions)
+        return self._sharded.attention(layer, queries, softmax_scale=softmax_scale, positions=positions,
+                                       return_positions=return_positions)  # fmt: skip
 
     def finish(self) -> None:
         """End of the model's forward: rows a sharded decode step still holds are written (run phase)."""

@@ -79,6 +79,8 @@ __all__ = [
 
 _ROPES: dict[type, tuple] = {}
 """Attention class -> its family's ``(mla_rope, indexer_rope)`` (filled by :func:`install`, outside compiled code)."""
+_SHARES: dict[type, bool] = {}
+"""Attention class -> whether its family's layers may reuse the previous layer's selection (GLM-5)."""
 
 
 def _ropes(attn) -> tuple:
@@ -89,6 +91,7 @@ def _ropes(attn) -> tuple:
         if fam is None:
             raise TypeError(f"attn must be the attention module of a transformers DSA model, got {type(attn).__name__}")
         ropes = _ROPES[type(attn)] = (fam.mla_rope, fam.indexer_rope)
+        _SHARES[type(attn)] = fam.returns_topk
     return ropes
 
 
@@ -242,7 +245,9 @@ def _decode_attention(attn, ctx, hidden_states, q_resid, q_pass, q_rot, cos, sin
         iw, positions = iq[:, :, 0], prev_topk
     q_rope = q_rot[0].float().transpose(0, 1).contiguous()  # [N, H, E]
     queries = DecodeQueries(iq=iq, iw=iw, q_nope=q_abs.transpose(0, 1).contiguous(), q_rope=q_rope, iq_fp8=fp8)
-    res = ctx.decode_attention(layer, queries, softmax_scale=attn.scaling, positions=positions)
+    # only a model whose layers share selections (GLM-5) reads the positions: the others skip their sort
+    reuse = _SHARES.get(type(attn), True)
+    res = ctx.decode_attention(layer, queries, softmax_scale=attn.scaling, positions=positions, return_positions=reuse)
     out_HNV = torch.matmul(res.out.transpose(0, 1), w_uv_t)  # [H, N, R] @ [H, R, v]
     out = out_HNV.transpose(0, 1).to(hidden_states.dtype).reshape(1, n, h * v)
     return attn.o_proj(out), res.positions
