@@ -131,7 +131,8 @@ class DecodeGraphs:
     Attributes:
         mode: ``"capture"`` or ``"emulate"``.
         reason: why the last step ran eager (``""`` when it ran in a bucket).
-        stats: ``captures`` (buckets built), ``replays`` (steps a bucket ran after its first), ``eager_steps``
+        stats: ``captures`` (buckets built: captured, or emulated), ``replays`` (steps a bucket ran after its
+            first), ``eager_steps``
             (decode steps that ran eager instead), ``recaptures`` (buckets dropped for a pool's new geometry).
     """
 
@@ -210,7 +211,8 @@ class DecodeGraphs:
     # ------------------------------------------------------------------------------------------ run
     def run(self, reqs: Sequence[Request]) -> torch.Tensor | None:
         """The step's logits ``[n, V]`` from its bucket (run phase; collective like the eager step), or None when
-        the bucket refused the step at its first run (nothing written: the caller runs it eager)."""
+        the model's forward refused the bucket at its first run (:class:`GraphUnsupported`: the caller runs the step
+        eager, which writes its rows again)."""
         rt = self.rt
         geometry = _geometry(rt.pool)
         if geometry != self._geometry:
@@ -425,7 +427,7 @@ class _FullBucket(_Bucket):
             groups=tuple((i, i, i + 1, c) for i in range(b)), key_indptr=tuple(i * c for i in range(b + 1)),
             key_locs=self._key_slots, key_req=rows.repeat_interleave(c), key_pos=self._col.repeat(b),
             key_slots=self._key_slots, key_start=self._key_start, key_end=self._key_end, mat_plan=None,
-            restore_rows=rows, last_rows=rows, page_aligned=False,
+            restore_rows=rows, last_rows=rows, page_aligned=False, key_stride=c,
         )  # fmt: skip
         self._rows: list[object] = ["unset"] * b
 

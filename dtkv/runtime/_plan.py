@@ -89,6 +89,11 @@ class ExtendPlan:
     """int64 ``[num_reqs]``: gathered row of each request's last token of the step."""
     page_aligned: bool
     """Every request of the step was split on page edges (host)."""
+    key_stride: int = 0
+    """Host. ``> 0``: a decode plan whose request ``i`` holds key-table entries ``[i * key_stride, (i + 1) *
+    key_stride)`` (positions ``0, 1, ...``; slots past its length ``-1``) and whose row ``i`` is request ``i``'s query
+    (a CUDA-graph bucket's, :mod:`dtkv.runtime._graphs`): a model's top-k may score each query's block alone, linear
+    in the batch. ``0``: one flat key table."""
 
     @property
     def decoding(self) -> bool:

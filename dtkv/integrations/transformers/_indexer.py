@@ -111,6 +111,8 @@ def select_topk(indexer, ctx: StepContext, q_NIJ, w_NI, view_index) -> torch.Ten
     """
     plan, lay = ctx.plan, ctx.layouts["index"]
     assert plan is not None, "an extend step's context holds its plan"
+    if plan.key_stride:
+        return _select_blocks(indexer, ctx, q_NIJ, w_NI, view_index)
     n, heads, _ = q_NIJ.shape
     num_keys, k = plan.key_slots.shape[0], indexer.index_topk
     start, end = plan.key_start, plan.key_end
@@ -150,3 +152,44 @@ def _joined(blocks: list[torch.Tensor], k: int, device: torch.device) -> torch.T
     if not blocks:
         return torch.full((0, k), -1, dtype=torch.int64, device=device)
     return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+
+
+def _select_blocks(indexer, ctx: StepContext, q_NIJ, w_NI, view_index) -> torch.Tensor:
+    """:func:`select_topk` of a decode plan with a key stride (:attr:`dtkv.runtime.ExtendPlan.key_stride`): query
+    ``n`` scores only its own request's block of ``C`` entries, visible up to its position, so the work and the
+    ``[N, C]`` keys are linear in the batch (one flat table would be ``[N, N * C]``). The same logits, the same
+    selection in the same order (a request's columns are its positions)."""
+    plan, lay = ctx.plan, ctx.layouts["index"]
+    assert plan is not None, "an extend step's context holds its plan"
+    n, heads, _ = q_NIJ.shape
+    c, k = plan.key_stride, indexer.index_topk
+    slots_NC = plan.key_slots.view(-1, c)[:n]
+    end = plan.positions + 1
+    name = ctx.attention.name if ctx.attention is not None else "torch"
+    fp8 = uses_fp8_indexer(name, lay)
+    cols = torch.arange(c, device=q_NIJ.device)
+    if fp8 and name != "torch":
+        assert isinstance(lay, IndexerFp8Layout), "the fp8 indexer reads fp8 index pages"
+        backend = "triton" if name == "triton" else "auto"
+        q8, w8 = ops.quantize_indexer_queries(q_NIJ, w_NI, scale=indexer.softmax_scale, backend=backend)
+        zero = torch.zeros(1, dtype=end.dtype, device=end.device)
+        keys = torch.cat([
+            ops.indexer_logits(q8[i : i + 1], w8[i : i + 1], view_index, slots_NC[i], zero, end[i : i + 1],
+                               layout=lay, packed=True, backend=backend)
+            for i in range(n)
+        ])  # fmt: skip
+    else:
+        q = fp8_indexer_queries(q_NIJ) if fp8 else q_NIJ.float()
+        block = max(1, TORCH_BLOCK_BYTES // max(1, (4 * heads + 48) * c))
+        parts = []
+        for b0 in range(0, n, block):
+            rows = range(b0, min(n, b0 + block))
+            # the flat table's products, query by query ([I, J] @ [J, C]), then the head sum as one batched product
+            keys_JC = [read_rows(view_index, lay, q_NIJ.dtype, slots=slots_NC[i]).transpose(0, 1).float() for i in rows]
+            scores = torch.stack([torch.matmul(q[i], kj) for i, kj in zip(rows, keys_JC)])
+            scores = scores.mul_(indexer.softmax_scale).relu_()  # [B, I, C]
+            parts.append(torch.matmul(w_NI[b0 : b0 + len(rows)].unsqueeze(-2), scores).squeeze(-2))
+        index_NC = torch.cat(parts) if parts else w_NI.new_zeros((0, c))
+        keys = selection_keys(index_NC, cols.expand_as(index_NC), cols[None, :] < end[:, None])
+    top, valid = ops.indexer_topk(keys, k)
+    return torch.where(valid, slots_NC.gather(1, top.clamp(min=0)), torch.full_like(top, -1))
