@@ -22,7 +22,7 @@ What is NIXL's own:
   Within a host UCX moves host memory by CMA, one ``process_vm_writev`` per descriptor made by the posting thread
   inside NIXL's ``transfer``: a request is done when it is posted, so the cost of a call is its descriptors' (about
   4 us each on CPU loopback, on top of the bytes) and requests in flight overlap nothing there. The UCX backend
-  runs without NIXL's thread pool (``num_threads``): it shared the descriptors between threads (1.6x the GB/s on
+  runs without NIXL's thread pool (``num_threads``): it shared the descriptors between threads (1.4-1.8x the GB/s on
   2 cores), but with NIXL 1.5.1 a pooled request to a dead peer left the agent aborting the process when
   destroyed (``std::terminate``, 2 runs of 3).
 - **Bounded.** A call that has not finished ``timeout_s`` (>= 5 s) + 1 ns per byte after it started, or whose
@@ -71,7 +71,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 BATCH_ENTRIES = 1024
-"""Descriptors per NIXL transfer request (measured on CPU loopback: 64 loses 20-45%, 256 and 4096 are level)."""
+"""Descriptors per NIXL transfer request (measured on CPU loopback: 64 loses 0-35%, 256 and 4096 are level)."""
 INFLIGHT_PER_PEER = 2
 """Transfer requests of one call posted at once (measured on CPU loopback, CMA and ``UCX_TLS=tcp,self``: 1, 2 and
 4 are level within the noise; a CMA request is done when posted)."""
