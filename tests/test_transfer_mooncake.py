@@ -28,6 +28,9 @@ PAGE_SIZE = 16
 P_PREFILL = 64
 P_DECODE = 57
 TIMEOUT_S = 10.0
+CONNECT_S = 120.0
+"""The rendezvous's deadline: every process starting its engine can take longer than a transfer's deadline on a busy
+machine (and a torch import on the oldest torch tested); the transfers keep ``TIMEOUT_S``."""
 
 
 def _layouts():
@@ -82,8 +85,8 @@ def _prefill_rank(rank, world, kind, port, namespace, num_pages, staging_bytes, 
     src, _ = _request(num_pages)
     t0 = None
     try:
-        sender.connect(60)  # the rendezvous waits for the spawned decode process to start (slow on a loaded machine)
-        t0 = time.monotonic()
+        sender.connect(CONNECT_S)
+        t0 = time.monotonic()  # the transfer's deadline counts from here
         report = sender.send_request("req-0", src, meta=b"hello" if rank == 0 else None)
         error = None
     except Exception as e:  # noqa: BLE001 - the fault test inspects it
@@ -108,7 +111,8 @@ def _decode_main(conn, kind, port, namespace, cp_d, layout_d, num_pages, staging
         shards = [KVShard.allocate(_layouts(), own, d, num_layers=num_layers, **kw) for d in range(cp_d)]
     boot = Bootstrap(create_store(port=port, is_master=False), namespace=namespace)
     receiver = DecodeReceiver(shards, boot, engine=kind, timeout_s=TIMEOUT_S)
-    receiver.connect(60)
+    conn.send(("started",))  # torch imported, the engine up: the prefill side's deadlines may start now
+    receiver.connect(CONNECT_S)
     conn.send(("ready",))
     _, dst = _request(num_pages)
     if die_mid_transfer:
@@ -145,6 +149,11 @@ def _start_decode(kind, store, namespace, *, cp_d=1, layout_d="interleave", num_
     args = (child, kind, store.port, namespace, cp_d, layout_d, num_pages, staging_bytes, die, num_layers)
     proc = ctx.Process(target=_decode_main, args=args, daemon=True)
     proc.start()
+    try:  # a process importing torch can take longer than a transfer deadline on a busy machine: wait it out first
+        assert _recv(parent, proc) == ("started",)
+    except BaseException:
+        proc.kill()
+        raise
     return proc, parent
 
 
