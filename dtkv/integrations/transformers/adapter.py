@@ -20,6 +20,31 @@ from dtkv.runtime import ModelAdapter, ModelSpec, StepContext
 __all__ = ["TransformersAdapter"]
 
 
+def _experts_graph_reason(impl: str | None, weight) -> str:
+    """Why MoE experts of transformers' implementation ``impl`` with parameter ``weight`` (any of theirs; ``None``:
+    no experts) cannot be captured in a CUDA graph (``""``: they can).
+
+    ``"eager"`` walks the hit experts on the host. ``"grouped_mm"`` calls torch's grouped GEMM, whose CUDA kernels
+    take bf16 only: with other weights its fallback copies the group offsets to the host (``offs.cpu()``), which a
+    capture refuses ("Cannot copy between CPU and CUDA tensors during CUDA graph capture", measured on an H200 with
+    torch 2.11 and float32 weights). ``"batched_mm"`` gathers each token's expert weights on the device.
+    """
+    if weight is None:
+        return ""
+    if impl == "eager":
+        return (
+            "the model's MoE experts run transformers' 'eager' implementation, which synchronizes with the host: "
+            "model.set_experts_implementation('batched_mm') (sync-free) lets them capture"
+        )
+    if impl == "grouped_mm" and weight.device.type == "cuda" and weight.dtype != torch.bfloat16:
+        return (
+            f"the model's MoE experts run transformers' 'grouped_mm' with {weight.dtype} weights, whose CUDA "
+            "fallback copies the group offsets to the host (torch's grouped GEMM kernels take bf16 only): bf16 "
+            "weights or model.set_experts_implementation('batched_mm') let them capture"
+        )
+    return ""
+
+
 class TransformersAdapter(ModelAdapter):
     """A ``DeepseekV32ForCausalLM`` / ``GlmMoeDsaForCausalLM`` (on this rank's device, eval mode, any dtype).
 
@@ -63,16 +88,15 @@ class TransformersAdapter(ModelAdapter):
 
     def graph_reason(self, decode_mode: str) -> str:
         """Why decode steps cannot be CUDA graphs (``""``: they can). transformers' ``"eager"`` MoE experts walk
-        the hit experts on the host (a ``nonzero`` and a loop: a sync); ``"grouped_mm"``, transformers 5.17's
-        default, and ``"batched_mm"`` are sync-free (``model.set_experts_implementation("grouped_mm")``). Dynamic
+        the hit experts on the host (a ``nonzero`` and a loop: a sync); ``"batched_mm"`` is sync-free, and so is
+        ``"grouped_mm"`` (transformers 5.17's default) with bf16 weights only (:func:`_experts_graph_reason`). Dynamic
         and long RoPE read the largest position on the host. GLM-5 layers that reuse the previous layer's selection
         run sharded decode's float64 path, planned on the host."""
         impl = getattr(self.model.config, "_experts_implementation", None)
-        if impl == "eager" and any(hasattr(layer.mlp, "experts") for layer in self.model.model.layers):
-            return (
-                "the model's MoE experts run transformers' 'eager' implementation, which synchronizes with the host: "
-                "model.set_experts_implementation('grouped_mm') (transformers' sync-free default) lets them capture"
-            )
+        experts = [layer.mlp.experts for layer in self.model.model.layers if hasattr(layer.mlp, "experts")]
+        why = _experts_graph_reason(impl, next(experts[0].parameters(), None) if experts else None)
+        if why:
+            return why
         rope = getattr(getattr(self.model.model, "rotary_emb", None), "rope_type", "default")
         if isinstance(rope, str) and ("dynamic" in rope or rope == "longrope"):
             return f"the model's rotary embedding ({rope!r}) reads the largest position on the host"
