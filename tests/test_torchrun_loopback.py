@@ -5,6 +5,7 @@ host's FQDN and the torchrun demo test hung in gloo's rendezvous for 300 s on a 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 
 import pytest
@@ -16,7 +17,8 @@ import os, torch, torch.distributed as dist
 dist.init_process_group("gloo")
 t = torch.ones(1)
 dist.all_reduce(t)
-print(f"rank {dist.get_rank()} master {os.environ['MASTER_ADDR']} gloo {os.environ['GLOO_SOCKET_IFNAME']} sum {int(t)}")
+line = f"rank {dist.get_rank()} master {os.environ['MASTER_ADDR']} gloo {os.environ['GLOO_SOCKET_IFNAME']} sum {int(t)}"
+os.write(1, (line + "\\n").encode())  # one write: print's text and newline are two, and the ranks share the pipe
 dist.destroy_process_group()
 """
 
@@ -29,7 +31,8 @@ def test_a_torchrun_job_of_a_test_rendezvouses_on_loopback(tmp_path):
     out = subprocess.run(torchrun(2, str(script)), capture_output=True, text=True, timeout=180, check=False,
                          env=loopback_env(env))  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
-    lines = sorted(ln for ln in out.stdout.splitlines() if ln.startswith("rank "))
+    # the ranks share one stdout pipe: read the lines by pattern, so two lines that met mid-line still count
+    lines = sorted(re.findall(r"rank \d+ master \S+ gloo \S+ sum \d+", out.stdout))
     assert lines == ["rank 0 master 127.0.0.1 gloo lo sum 2", "rank 1 master 127.0.0.1 gloo lo sum 2"], out.stdout
 
 
