@@ -160,6 +160,26 @@ def test_buckets_round_up_within_their_rules():
     assert page_bucket(513) == 544 and page_bucket(2049) == 2176 and page_bucket(7) == 7
 
 
+def test_a_capture_after_the_last_graph_is_gone_takes_a_new_pool(monkeypatch):
+    """Buckets share one pool handle while a graph holds it; once none does, the next capture takes a new handle (a
+    capture into a pool whose last graph was destroyed, while a tensor of it lives, fails torch's allocator assert
+    ``use_count > 0``: ``test_captured_decode_recaptures_after_its_only_graph_was_dropped`` on a GPU)."""
+    from types import SimpleNamespace
+
+    from dtkv.runtime._graphs import DecodeGraphs
+
+    handles = iter(range(100))
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: ("pool", next(handles)))
+    graphs = DecodeGraphs.__new__(DecodeGraphs)
+    graphs.buckets, graphs.pool_handle = {}, None
+    first = graphs.capture_pool()
+    graphs.buckets["a"] = SimpleNamespace(_graph=object())  # a captured bucket holds the pool
+    graphs.buckets["b"] = SimpleNamespace(_graph=None)  # the one being captured
+    assert graphs.capture_pool() == first
+    del graphs.buckets["a"]  # its batch moved to a larger bucket
+    assert graphs.capture_pool() != first
+
+
 # ------------------------------------------------------------------------------------------- one process
 @pytest.mark.parametrize("decode_mode", ["full", "sharded"])
 @pytest.mark.parametrize("model", ["reference", "deepseek-v32"])
@@ -320,6 +340,27 @@ def test_captured_decode_equals_the_emulated_graph_path(model, decode_mode):
     st = runs[True]["graphs"]  # first: a capture that failed leaves eager steps, which need not match bit for bit
     assert st["eager_steps"] == 0 and st["replays"] >= 10, (st, runs[True]["reason"])
     _same(runs[True], runs["emulate"], logits_rtol=1e-5)
+
+
+@needs_cuda
+def test_captured_decode_recaptures_after_its_only_graph_was_dropped():
+    """One request decodes past its page bucket twice: each time its only bucket is dropped and the next captured.
+    A tensor of the first bucket's pool outlives its graph (as a backend's cached decode schedule can): a capture
+    into that pool's handle then fails torch's allocator assert (``use_count > 0``, seen on an H200 under
+    ``-n auto``; ``benchmarks/scripts/graph_pool_probe.py``), so it takes a new one."""
+    rt = _runtime("reference", True, decode_mode="full", device="cuda", batch_invariant=False)
+    try:
+        rt.add_request(_prompts((7,), rt.model_spec.vocab_size)[0])  # 2 pages of 4
+        rt.prefill(8)
+        rt.decode(2)  # captured, then replayed
+        (bucket,) = rt.graphs.buckets.values()
+        held = bucket._out
+        rt.decode(8)  # 9..16 tokens: pages 3 and 4, each a new bucket of batch 1
+        st = rt.graphs.stats
+        assert st["eager_steps"] == 0 and st["captures"] >= 3, (st, rt.graphs.reason, rt.graphs.refused)
+        assert held.is_cuda
+    finally:
+        rt.close()
 
 
 @needs_cuda

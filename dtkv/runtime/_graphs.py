@@ -26,8 +26,10 @@ built, communicators start), once more on a side stream, then the capture; later
 host plan into the buffers (one pinned copy each) and replay. A longer request than a bucket holds moves the batch
 to a larger bucket (the old one of that batch size is dropped: its memory goes back to the pool); buckets share one
 graph memory pool (:func:`torch.cuda.graph_pool_handle`; one step replays at a time, and every output is copied
-out before the next). A pool whose buffers moved or changed shape (its geometry) drops every bucket: they are
-captured again over the new buffers.
+out before the next). Once the last graph of that pool is gone (every bucket dropped), the next capture takes a new
+handle: the caching allocator asserts on a capture into a pool that no graph holds any more (``use_count > 0``).
+A pool whose buffers moved or changed shape (its geometry) drops every bucket: they are captured again over the new
+buffers.
 
 **Modes** (``cuda_graphs=``): ``True`` captures (CUDA only), ``"emulate"`` runs every step of the graph path --
 buckets, padding, static buffers, host plans copied in, lazy builds, geometry checks -- eagerly instead of replaying
@@ -141,7 +143,8 @@ class DecodeGraphs:
             raise ValueError(f"mode must be 'capture' or 'emulate', got mode={mode!r}")
         self.rt, self.mode = runtime, mode
         self.buckets: OrderedDict[tuple, _Bucket] = OrderedDict()
-        self.pool_handle = torch.cuda.graph_pool_handle() if mode == "capture" else None
+        self.pool_handle = None
+        """The buckets' graph memory pool (:meth:`capture_pool` takes it)."""
         self.reason = ""
         self.stats = {"captures": 0, "replays": 0, "eager_steps": 0, "recaptures": 0}
         self.schedules: dict = {}
@@ -153,6 +156,14 @@ class DecodeGraphs:
         self._logged: set[str] = set()
         self._shape_key: tuple | None = None
         self._shape: tuple[int, int] = (0, 0)
+
+    def capture_pool(self):
+        """The memory pool handle of the next capture: the buckets' shared one while a graph holds it, else a new
+        one (a handle whose last graph was destroyed is released by the allocator, and a capture into it fails
+        torch's ``use_count > 0`` assert; seen on an H200 after a batch moved to a larger bucket)."""
+        if not any(b._graph is not None for b in self.buckets.values()):
+            self.pool_handle = torch.cuda.graph_pool_handle()
+        return self.pool_handle
 
     # ------------------------------------------------------------------------------------------ plan
     def _static_reason(self) -> str:
@@ -312,7 +323,7 @@ class _Bucket:
             self.forward()
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.graphs.pool_handle, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self.graphs.capture_pool(), capture_error_mode="thread_local"):
             out = self.forward()
         self._graph, self._out = graph, out
 
