@@ -467,16 +467,24 @@ def test_dtkv_demo_names_itself_in_help_and_usage_errors():
 @pytest.mark.slow  # the demo's default sizes: 20-60 s each on 2 cores
 @pytest.mark.parametrize("model", ["deepseek-v32", "glm5"])
 def test_default_transformers_runs_say_where_their_worst_difference_comes_from(model):
-    """The default run's worst logit difference (1.0e-1 / 1.7e-1, above the grid's 1.3e-4) is attributed, and the
-    docs show what the run prints: one process (cp=1) has the same worst value at the same position and the sharded
-    logits equal its own, so it is the reference's rounding, not the sharding."""
+    """The default run's worst logit difference (1.0e-1 / 1.7e-1 on one machine, above the grid's 1.3e-4) is
+    attributed, and the docs show what the run prints: one process (cp=1) has the same worst value at the same
+    position and the sharded logits equal its own, so it is the reference's rounding, not the sharding.
+
+    Whether a near tie flips depends on the machine's float summation: where none does, the worst stays within the
+    tolerance, the reason says so, nothing is attributed, and the docs name that case too."""
     pytest.importorskip("transformers", reason="the hf extra (transformers==5.17.0)")
     out = _demo("--model", model, "--json", timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     c = json.loads(out.stdout)["checks"]["prefill_decode"]
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "transformers.md").read_text()
+    if c["worst"] <= c["tolerance"]:  # no near tie flipped on this machine
+        assert c["ok"] and c["reason"].startswith("within "), c["reason"]
+        assert not any(k.startswith("one_process") for k in c), sorted(c)
+        assert "met no flip" in docs and "carries no one-process fields" in docs
+        return
     assert c["ok"] and c["one_process_where"] == c["where"] and c["one_process_worst"] == pytest.approx(c["worst"])
     assert c["sharded_vs_one_process"] <= c["tolerance"] and "not the sharding" in c["reason"], c["reason"]
-    docs = (Path(__file__).resolve().parent.parent / "docs" / "transformers.md").read_text()
     row = next(ln for ln in docs.splitlines() if ln.startswith(f"| `--model {model}` |"))
     assert f"{c['worst']:.1e} ({c['where']})" in row, (row, c["worst"], c["where"])
     assert f"{100 * (1 - c['within_tolerance']):.1f}%" in row

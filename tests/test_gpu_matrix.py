@@ -58,11 +58,12 @@ LOGIT_TOL = {"reference": 0.05, "transformers": 0.15}
 MAX_FLIP_FRACTION = 0.05
 FLASHMLA_BOUNDS = {  # (max, mean, flip margin) relative to the logits' scale; flip fraction
     "reference": (0.12, 0.012, 0.06, 0.05),
-    "transformers": (0.45, 0.06, 0.04, 0.12),
+    "transformers": (0.45, 0.06, 0.07, 0.12),
 }
 """FlashMLA cells (see the module docstring): measured on an H200 (2026-12-02) at 5.8-7.9% max / 0.3-0.6% mean
-(reference model, 0-1 flips in 227 positions, margin 3.1%) and 31.6% max / 3.0% mean (the float32 transformers
-model with fp8 pages, 19 flips, margins at most 1.9%); Triton at the same dims: 7e-5 and 6.6%."""
+(reference model, 0-1 flips in 227 positions, largest margin 3.1%) and 11.2-31.6% max / 1.1-3.0% mean (the float32
+transformers model: 5 flips with bf16 pages, largest margin 4.75%; 19 with fp8 pages, largest margin 5.90%);
+Triton at the same dims: 7e-5 and 6.6%."""
 ROUNDED_NOISE_RATIO = 1.5
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -204,8 +205,8 @@ def _check_flashmla(ref: torch.Tensor, got: torch.Tensor, bounds: tuple[float, f
     diffs, _, margins = _compare(ref, got)
     diff, mean, scale = float(diffs.max()), float(diffs.mean()), float(ref.abs().max())
     print(f"\n{what}: max |logit diff| {diff:.3e} ({diff / scale:.2%} of {scale:.3f}), mean {mean:.3e} "
-          f"({mean / scale:.2%}), {len(margins)} flips in {ref.shape[0]} positions, margins "
-          f"{[round(m, 4) for m in margins[:8]]}")  # fmt: skip
+          f"({mean / scale:.2%}), {len(margins)} flips in {ref.shape[0]} positions, largest margin "
+          f"{max(margins, default=0.0) / scale:.2%}, margins {[round(m, 4) for m in margins[:8]]}")  # fmt: skip
     assert diff <= max_rel * scale, (what, diff, scale)
     assert mean <= mean_rel * scale, (what, mean, scale)
     assert len(margins) <= max(1, flip_fraction * ref.shape[0]), (what, margins)

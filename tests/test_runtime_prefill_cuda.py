@@ -43,6 +43,14 @@ def _guarded(fn, calls: list[str], name: str):
     return call
 
 
+VOCAB = 256  # tiny_model's vocabulary
+
+
+def _ids(start: int, stop: int) -> list[int]:
+    """Token ids ``start..stop-1`` wrapped into the vocabulary (prompts longer than it)."""
+    return [t % VOCAB for t in range(start, stop)]
+
+
 def _runtime(attention: str, prompts: list[int]) -> Runtime:
     pytest.importorskip("transformers", reason="the hf extra (transformers==5.17.0)")
     from dtkv.integrations.transformers import TransformersAdapter, tiny_model
@@ -50,6 +58,7 @@ def _runtime(attention: str, prompts: list[int]) -> Runtime:
     lm = tiny_model("deepseek-v32", device="cuda", dtype=torch.bfloat16, num_attention_heads=64,
                     num_key_value_heads=64, kv_lora_rank=512, qk_rope_head_dim=64, index_n_heads=64,
                     index_head_dim=128, index_topk=128)  # fmt: skip
+    assert lm.config.vocab_size == VOCAB, lm.config.vocab_size
     pages = num_pages_for(prompts, page_size=64)
     return Runtime(TransformersAdapter(lm, kv_dtype="fp8", page_size=64), num_pages=pages, attention=attention)
 
@@ -67,7 +76,7 @@ def test_planning_a_step_does_not_synchronize(monkeypatch, attention):
         if not one_copy:
             monkeypatch.setattr(P, "_to_device", lambda fields, device: {k: t.to(device) for k, t in fields.items()})
         rt = _runtime(attention, [700, 300])
-        a, b = rt.add_request(list(range(700))), rt.add_request(list(range(300)))
+        a, b = rt.add_request(_ids(0, 700)), rt.add_request(_ids(0, 300))
         rt.step([a, b], [256, 256])
         with _no_sync() if one_copy else contextlib.nullcontext():
             plans.append(rt.plan_step([a, b], [256, 44]))
@@ -89,7 +98,7 @@ def test_dtkv_calls_of_prefill_steps_do_not_synchronize(monkeypatch, attention):
     import dtkv.integrations.transformers.attention as A
 
     rt = _runtime(attention, [700])
-    warm = rt.add_request(list(range(3, 300)))
+    warm = rt.add_request(_ids(3, 300))
     rt.prefill(256)  # kernel compiles and caches first
     rt.finish_request(warm.rid)
     calls: list[str] = []
@@ -98,7 +107,7 @@ def test_dtkv_calls_of_prefill_steps_do_not_synchronize(monkeypatch, attention):
     monkeypatch.setattr(A, "select_topk", _guarded(A.select_topk, calls, "select_topk"))
     for name in ("indices", "prefill"):
         monkeypatch.setattr(rt.attention, name, _guarded(getattr(rt.attention, name), calls, name))
-    req = rt.add_request(list(range(700)))
+    req = rt.add_request(_ids(0, 700))
     rt.prefill(256)
     assert req.num_computed == 700 and len(req.output) == 1
     layers = rt.model_spec.num_layers
