@@ -12,7 +12,8 @@
 # (pip --target /tmp/site, dpkg -x into /tmp/ibverbs).
 # FlashMLA is the PyPI wheel sgl-flash-mla==1.0.0, installed with --no-deps: its metadata asks for torch>=2.14.1, which
 # would replace the image's torch; the wheel loads on torch 2.11 through the stable ABI. Without an importable
-# flash_mla, a wheel in .whl/ is installed to /tmp/site first. Logs and results go to $OUT (default
+# flash_mla, a wheel in .whl/ is installed to /tmp/site first; likewise expecttest and pytest-xdist (with execnet:
+# pyproject's addopts run the tests in xdist workers) where the image lacks them. Logs and results go to $OUT (default
 # benchmarks/results/run-<date>/flashmla); each step has a deadline; a short summary is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +28,9 @@ if ! python -c "import flash_mla" 2>/dev/null; then
   export PYTHONPATH=/tmp/site:$PYTHONPATH
 fi
 python -c "import expecttest" 2>/dev/null || for whl in .whl/expecttest-*.whl; do  # torch.library.opcheck needs it
+  [ -e "$whl" ] && pip install -q --no-deps --target /tmp/site "$whl" && export PYTHONPATH=/tmp/site:${PYTHONPATH#/tmp/site:}
+done
+python -c "import xdist" 2>/dev/null || for whl in .whl/pytest_xdist-*.whl .whl/execnet-*.whl; do  # pyproject's -n auto
   [ -e "$whl" ] && pip install -q --no-deps --target /tmp/site "$whl" && export PYTHONPATH=/tmp/site:${PYTHONPATH#/tmp/site:}
 done
 if ! python -c "import mooncake.engine" 2>/dev/null; then  # PD: the non-cuda wheel and libibverbs1, no network needed

@@ -1,7 +1,8 @@
 """The quick subset's long tail: tests the quick subset (``python -m pytest -m "not slow"``) leaves out, each with why.
 
 Each entry is a test id (``path::name``, a class's ``path::Class::name``) or one parametrization of it
-(``...[id]``); :func:`mark` (``tests/conftest.py``) gives every collected test it names the ``slow`` marker. Each
+(``...[id]``); :func:`mark` (``tests/conftest.py``) gives every collected test it names the ``slow`` marker, and
+every 3- and 4-rank case whose 2-rank twin is collected (:data:`LARGER_WORLDS`). Each
 takes several seconds on 2 cores and shares its code paths with a cheaper test that stays quick (named in the
 reason). The full suite runs them all. An entry that names no collected test fails the run once its file is
 collected whole (a renamed test must not rejoin the quick subset unnoticed, nor an entry outlive its test).
@@ -59,10 +60,41 @@ LONG_TAIL: dict[str, str] = {
     "tests/test_transfer_prefilled.py::test_a_prompt_that_is_not_the_prefilled_one_is_a_transfer_error[another_order-transformers]": "as above",
     "tests/test_transfer_prefilled.py::test_a_prompt_that_is_not_the_prefilled_one_is_a_transfer_error[same_length-transformers]": "as above",
     "tests/test_agree.py::test_agreeing_ranks_all_return[world4]": "4 ranks; [world2] stays quick",
+    "tests/test_transfer_faults.py::TestConstruction::test_failed_construction_unwinds_its_registration[nixl]": "NIXL agents started and failed in turn; the local engine's case stays quick",
+    "tests/test_attention_flashmla_fake.py::test_sharded_decode_on_one_rank_hands_the_model_its_compute_dtype[transformers-bf16]": "a bfloat16 transformers model on the CPU; [transformers-fp32] and the reference model's case stay quick",
+    "tests/test_integration_transformers_indexer.py::test_fp8_kernel_selects_what_the_torch_fp8_math_selects[deepseek-v32]": "the interpreted indexer kernel at the model's sizes; tests/test_ops_indexer_logits.py checks the kernel against its reference at awkward sizes in the quick subset",
+    "tests/test_bench_indexer_logits.py::test_smoke_kernel_sweep_and_table": "the benchmark's sweep under the interpreter; its pieces are tested in tests/test_ops_indexer_logits.py",
+    "tests/test_repo.py::test_the_nixl_check_can_be_turned_off_explicitly[env]": "pytest in a subprocess; [marker] stays quick",
+    "tests/test_integration_transformers.py::test_cp_prefill_and_decode_match_the_models_own_forward[glm5-zigzag-fp8-1-4-scheme]": "4 ranks at page size 1; [glm5-zigzag-bf16-64-3-prefetch] keeps GLM-5 quick",
+    "tests/test_attention_models.py::test_transformers_absorbed_triton_vs_expanded_torch[glm5-bf16]": "interpreted sparse MLA for GLM-5; [deepseek-v32-bf16] stays quick",
+    "tests/test_transfer_nixl.py::test_a_successful_start_and_transfer_print_nothing[WARN]": "a NIXL engine in a subprocess at another log level; [default] stays quick",
+    "tests/test_ops_logits_topk.py::test_triton_vs_reference_sizes[tiles64_cap1_coarse8-3-300-31]": "the interpreted kernel at more sizes; [default-*] and the small sizes stay quick",
+    "tests/test_ops_logits_topk.py::test_triton_vs_reference_sizes[tiles64_cap1_coarse8-2-1031-64]": "as above",
 }
+LONG_TAIL.update(
+    {
+        f"tests/test_ops_logits_topk.py::test_triton_vs_reference[{launch}-{kind}]": (
+            "another launch of the interpreted kernel on another input kind; every kind stays quick on the "
+            "default launch, and every launch on ties and specials"
+        )
+        for launch in ("tiles16_cap2", "tiles64_cap1_coarse8", "tiles32_cap8_coarse24", "warps4")
+        for kind in ("normal", "constant", "sparse", "spread", "very_negative", "near_threshold")
+    }
+)
 
 
 ENGINE_IDS = ("mooncake", "nixl")
+LARGER_WORLDS = ("world3", "world4")
+"""A multi-rank case at 3 or 4 ranks is slow when the same test's case at 2 ranks (the id with ``world2`` in its
+place) is collected: that one stays quick, and the full suite runs every world size."""
+
+
+def _two_rank_twin(nodeid: str) -> str | None:
+    base, sep, params = nodeid.partition("[")
+    ids = params.rstrip("]").split("-") if sep else []
+    if not any(i in LARGER_WORLDS for i in ids):
+        return None
+    return f"{base}[{'-'.join('world2' if i in LARGER_WORLDS else i for i in ids)}]"
 
 
 def _without_engine(nodeid: str) -> str:
@@ -79,6 +111,7 @@ def mark(items: list[pytest.Item], args: list[str]) -> None:
     """Mark every item :data:`LONG_TAIL` names ``slow``; raise ``pytest.UsageError`` for an entry that names no
     collected test of a collected file (when ``args``, the command line's paths, name whole files or folders)."""
     files = {item.nodeid.split("::", 1)[0] for item in items}
+    ids = {item.nodeid for item in items}
     used = set()
     for item in items:
         base = item.nodeid.split("[", 1)[0]
@@ -86,6 +119,8 @@ def mark(items: list[pytest.Item], args: list[str]) -> None:
         if key is not None:
             item.add_marker(pytest.mark.slow)
             used.add(key)
+        elif _two_rank_twin(item.nodeid) in ids:
+            item.add_marker(pytest.mark.slow)
     stale = [k for k in LONG_TAIL if k not in used and k.split("::", 1)[0] in files]
     if stale and not any("::" in a for a in args):  # a run of chosen tests names only some
         raise pytest.UsageError(f"tests/_long_tail.py names tests that were not collected: {stale}")

@@ -85,11 +85,23 @@ def pytest_configure(config):
 GPU_SKIP_REASON = "needs a CUDA device (the gpu marker: python -m pytest -m gpu on a GPU machine)"
 
 
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (``pyproject.toml``'s addopts): ``DTKV_TEST_WORKERS`` if set, else the CPUs this process may use,
+    at most 4 (each worker starts its own gloo rank groups; past 4 the multi-rank tests only queue for cores)."""
+    raw = os.environ.get("DTKV_TEST_WORKERS", "").strip()
+    if raw:
+        if not raw.isdigit():
+            raise pytest.UsageError(f"DTKV_TEST_WORKERS must be a count of worker processes (0: none), got {raw!r}")
+        return int(raw)
+    return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
 def pytest_collection_modifyitems(config, items):
     _mark_long_tail(items, list(config.args))  # the quick subset's long tail (tests/_long_tail.py): slow
-    config._dtkv_per_engine = {
-        item.nodeid for item in items if "transfer_engine" in getattr(getattr(item, "callspec", None), "params", {})
-    }
+    for item in items:  # reports carry user_properties to the controller, also from xdist workers
+        engine = getattr(getattr(item, "callspec", None), "params", {}).get("transfer_engine")
+        if engine is not None:
+            item.user_properties.append(("dtkv_pd_suite", engine))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason=GPU_SKIP_REASON)
@@ -109,14 +121,14 @@ def pytest_report_header(config):
 def pytest_terminal_summary(terminalreporter, config):
     """Two lines: the PD tests run once per engine (``transfer_engine``) and the engine-specific ones, by engine and
     outcome (CI's log shows both counts)."""
-    per_engine = getattr(config, "_dtkv_per_engine", set())
     counts: dict[str, dict[str, dict[str, int]]] = {"the PD suite": {}, "engine-specific tests": {}}
     for outcome in ("passed", "failed", "skipped", "error"):
         for rep in terminalreporter.stats.get(outcome, []):
             keywords = getattr(rep, "keywords", {})
             if not (rep.when == "call" or outcome in ("skipped", "error")):
                 continue
-            group = counts["the PD suite" if rep.nodeid in per_engine else "engine-specific tests"]
+            pd_suite = any(k == "dtkv_pd_suite" for k, _ in getattr(rep, "user_properties", ()))
+            group = counts["the PD suite" if pd_suite else "engine-specific tests"]
             for name in ("mooncake", "nixl"):
                 if name in keywords:
                     c = group.setdefault(name, {})

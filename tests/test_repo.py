@@ -158,7 +158,8 @@ def _pytest_with_a_broken_mooncake(tmp_path, *args, env_extra=None, package="moo
     env.pop("DTKV_TEST_NO_MOONCAKE", None)
     env.pop("DTKV_TEST_NO_NIXL", None)
     env.update(PYTHONPATH=os.pathsep.join([str(fake.parent), str(ROOT)]), **(env_extra or {}))
-    cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests/test_util.py"]
+    pytest = [sys.executable, "-m", "pytest", "-n", "0", "-p", "no:cacheprovider"]  # -n 0: no xdist workers
+    cmd = [*pytest, "--collect-only", "-q", "tests/test_util.py"]
     return subprocess.run(cmd + list(args), cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
