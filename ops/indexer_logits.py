@@ -6,7 +6,9 @@ Entry point: :func:`indexer_logits`; reference :func:`indexer_logits_torch`; the
 ``key_slots[c]`` of ``pages`` (a full view or a pool of :class:`dtkv.IndexerFp8Layout` pages: token ``t`` of page
 ``p`` is slot ``p * S + t``), and query ``n`` sees columns ``key_start[n] <= c < key_end[n]`` (its request's keys up
 to its own position: request and causal visibility in one range, as :attr:`dtkv.runtime.ExtendPlan`'s key table lays
-them out)::
+them out). A key table with a row per query (``key_slots`` ``[N, K]``: full-view decode, where each request scores
+only its own block of keys) maps query ``n``'s column ``c`` to slot ``key_slots[n, c]`` instead: one launch for the
+batch, the output ``[N, K]`` linear in it::
 
     logits[n, c] = sum_i w[n, i] * relu(q[n, i] . codes(c)) * scale(c)        for visible c, else -inf
 
@@ -29,7 +31,8 @@ relu, head weights, the head sum, the key scale, the visibility mask and the sto
 keys on the dot's M dimension and ``block_q * heads`` on N (the head sum is a reduction along N, in registers and
 lane shuffles: DeepGEMM's ``fp8_mqa_logits`` arrangement); ``variant="queries"`` puts queries x heads on M and keys
 on N (the head sum crosses warps). Programs start with the query blocks that see the most keys (the last rows of a
-causal chunk); the key range of a block is split over programs only when the blocks alone do not fill the GPU.
+causal chunk); the key range of a block is split over programs only when the blocks alone do not fill the GPU. With
+a key table per query a block is one query (``block_q`` 1: the keys of the dot are that query's).
 
 **Launch.** ``ops/_tuned.py`` op ``"indexer_logits"``, size = queries per call: ``variant``, ``block_q``,
 ``block_k``, ``num_warps``, ``num_stages``, ``ctas_per_sm`` (grid target for the key split), ``maxnreg``.
@@ -80,7 +83,7 @@ def indexer_logits_torch(
     q: torch.Tensor,  # [N, I, J] e4m3 codes, uint8
     w: torch.Tensor,  # [N, I] float32
     pages: torch.Tensor,  # uint8 [P, S*(J+4)]
-    key_slots: torch.Tensor,  # [K] int32/int64
+    key_slots: torch.Tensor,  # [K] or [N, K] int32/int64
     key_start: torch.Tensor,  # [N] int32/int64
     key_end: torch.Tensor,  # [N] int32/int64
     page_size: int,
@@ -89,18 +92,19 @@ def indexer_logits_torch(
     """Reference of :func:`indexer_logits`: dequantized keys (float32), products and head sums per block of queries
     (at most :data:`_REF_BLOCK_BYTES` of ``[B, I, K]`` products at a time), the visibility mask, the packing."""
     n, heads, hd = q.shape
-    num_keys = key_slots.shape[0]
+    num_keys = key_slots.shape[-1]
     dev = q.device
     slots = key_slots.to(torch.int64)
-    ok = (slots >= 0) & (slots < pages.shape[0] * page_size)
+    ok = (slots >= 0) & (slots < pages.shape[0] * page_size)  # [K] or [N, K]
     if pages.shape[0]:
         codes = pages[:, : page_size * hd].contiguous().view(torch.float8_e4m3fn).view(-1, hd)
         scales = pages[:, page_size * hd :].contiguous().view(torch.float32).reshape(-1)
         at = torch.where(ok, slots, torch.zeros_like(slots))
-        keys_KJ = codes[at].float() * scales[at][:, None]
-        keys_KJ = torch.where(ok[:, None], keys_KJ, torch.zeros_like(keys_KJ))
+        keys = codes[at].float() * scales[at][..., None]
+        keys = torch.where(ok[..., None], keys, torch.zeros_like(keys))  # [K, J] or [N, K, J]
     else:
-        keys_KJ = torch.zeros((num_keys, hd), dtype=torch.float32, device=dev)
+        keys = torch.zeros((*slots.shape, hd), dtype=torch.float32, device=dev)
+    per_query = slots.ndim == 2
     qf, wf = q.view(torch.float8_e4m3fn).float(), w.float()
     cols = torch.arange(num_keys, device=dev)
     lo, hi = key_start.to(torch.int64), key_end.to(torch.int64)
@@ -108,9 +112,11 @@ def indexer_logits_torch(
     block = max(1, _REF_BLOCK_BYTES // max(1, heads * num_keys * 4))
     for b0 in range(0, n, block):
         b1 = min(n, b0 + block)
-        prod = torch.matmul(qf[b0:b1], keys_KJ.t()).relu_()  # [B, I, K]
+        keys_JK = keys[b0:b1].transpose(1, 2) if per_query else keys.t()  # [B, J, K] or [J, K]
+        prod = torch.matmul(qf[b0:b1], keys_JK).relu_()  # [B, I, K]
         logits = torch.matmul(wf[b0:b1, None, :], prod)[:, 0]  # [B, K]
-        vis = (cols[None, :] >= lo[b0:b1, None]) & (cols[None, :] < hi[b0:b1, None]) & ok[None, :]
+        ok_BK = ok[b0:b1] if per_query else ok[None, :]
+        vis = (cols[None, :] >= lo[b0:b1, None]) & (cols[None, :] < hi[b0:b1, None]) & ok_BK
         logits = torch.where(vis, logits, torch.full_like(logits, float("-inf")))
         out[b0:b1] = selection_keys(logits, cols) if packed else logits
     return out
@@ -162,7 +168,7 @@ def _indexer_logits_kernel(
     q_ptr,  # [N, I, J] e4m3 codes as uint8; strides (q_sn, q_si, 1)
     w_ptr,  # [N, I] float32; strides (w_sn, 1)
     pages_ptr,  # uint8 [P, S*(J+4)]; page stride page_stride (bytes), pages contiguous
-    slots_ptr,  # [K] int32/int64, contiguous: token slot of each key column
+    slots_ptr,  # [K] int32/int64 (or [N, K] with row stride slots_sn; BQ == 1): token slot of each key column
     start_ptr,  # [N] int32/int64, contiguous: first visible column of each query
     end_ptr,  # [N] int32/int64, contiguous: one past its last visible column
     num_queries,  # N
@@ -173,6 +179,7 @@ def _indexer_logits_kernel(
     q_si,
     w_sn,
     out_sn,
+    slots_sn,
     tiles_per_prog,
     S: tl.constexpr,
     NH: tl.constexpr,
@@ -186,8 +193,10 @@ def _indexer_logits_kernel(
     NUM_STAGES: tl.constexpr,
 ):
     """Program ``(b, c)``: query block ``cdiv(N, BQ) - 1 - b`` over the key tiles ``[c * tiles_per_prog, +
-    tiles_per_prog)``; tiles outside the block's visible columns are only stored (``-inf``)."""
+    tiles_per_prog)``; tiles outside the block's visible columns are only stored (``-inf``). A key table per query
+    (``slots_sn`` its row stride, 0 for one shared table) comes with one query a block."""
     qb = tl.cdiv(num_queries, BQ) - 1 - tl.program_id(0)
+    slots_ptr += qb.to(tl.int64) * slots_sn
     rows = qb * BQ + tl.arange(0, BQ)
     row_ok = rows < num_queries
     lo = tl.maximum(tl.load(start_ptr + rows, mask=row_ok, other=0).to(tl.int64), 0)
@@ -271,14 +280,19 @@ def _launch(out, q, w, pages, slots, start, end, page_size: int, packed: bool) -
     cfg = _tuned.launch_config("indexer_logits", n, q.device)
     if cfg["variant"] not in _VARIANTS:
         raise ValueError(f"indexer_logits variant must be one of {_VARIANTS}, got variant={cfg['variant']!r}")
-    blocks, splits, per = launch_grid(n, slots.shape[0], cfg, q.device)
+    slots_sn = 0
+    if slots.ndim == 2:  # a key table per query: one query a block
+        cfg = {**cfg, "block_q": 1}
+        slots = slots if slots.stride(1) == 1 else slots.contiguous()
+        slots_sn = slots.stride(0)
+    blocks, splits, per = launch_grid(n, slots.shape[-1], cfg, q.device)
     q = q if q.stride(2) == 1 else q.contiguous()
     w = w if w.stride(1) == 1 else w.contiguous()
     with device_ctx(q.device):
         _indexer_logits_kernel[(blocks, splits)](
             out, q, w, pages, slots, start, end,
-            n, slots.shape[0], pages.shape[0] * page_size, pages.stride(0), q.stride(0), q.stride(1), w.stride(0),
-            out.stride(0), per,
+            n, slots.shape[-1], pages.shape[0] * page_size, pages.stride(0), q.stride(0), q.stride(1), w.stride(0),
+            out.stride(0), slots_sn, per,
             S=page_size, NH=heads, NHP=pow2_at_least(heads, 16), J=hd, JP=pow2_at_least(hd, 32),
             BQ=int(cfg["block_q"]), BK=int(cfg["block_k"]), KEYS_M=cfg["variant"] == "keys", PACKED=packed,
             NUM_STAGES=int(cfg["num_stages"]), num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
@@ -296,9 +310,14 @@ def _check(q, w, pages, key_slots, key_start, key_end, page_size) -> None:
     check_tensor("pages", pages, dtype=torch.uint8, shape=(None, page_size * (hd + 4)), device=dev)
     if pages.shape[0] and pages.stride(1) != 1:
         raise ValueError(f"pages must be contiguous within a page (stride 1 in dim 1), got {pages.stride()}")
-    check_tensor("key_slots", key_slots, dtype=_IDX_DTYPES, ndim=1, device=dev)
-    if key_slots.shape[0] > MAX_POSITION:  # a column is a selection key's position
-        raise ValueError(f"key_slots must have fewer than 2**32 - 1 columns, got {key_slots.shape[0]}")
+    check_tensor("key_slots", key_slots, dtype=_IDX_DTYPES, device=dev)
+    if key_slots.ndim not in (1, 2) or (key_slots.ndim == 2 and key_slots.shape[0] != n):
+        raise ValueError(
+            f"key_slots must be [K] (one key table) or [N, K] with N = {n} queries (a table per query), got "
+            f"shape {list(key_slots.shape)}"
+        )
+    if key_slots.shape[-1] > MAX_POSITION:  # a column is a selection key's position
+        raise ValueError(f"key_slots must have fewer than 2**32 - 1 columns, got {key_slots.shape[-1]}")
     check_tensor("key_start", key_start, dtype=_IDX_DTYPES, shape=(n,), device=dev)
     check_tensor("key_end", key_end, dtype=_IDX_DTYPES, shape=(n,), device=dev)
 
@@ -323,7 +342,7 @@ def _indexer_logits_op(
     why = _triton_takes(pages, page_size, q.shape[2])
     if why:
         raise NotImplementedError(f"backend='triton' for indexer_logits cannot run: {why}; use backend='torch'")
-    out = torch.empty((q.shape[0], slots.shape[0]), dtype=torch.int64 if packed else torch.float32, device=q.device)
+    out = torch.empty((q.shape[0], slots.shape[-1]), dtype=torch.int64 if packed else torch.float32, device=q.device)
     if out.numel():
         _launch(out, q, w, pages, slots, start, end, page_size, packed)
     return out
@@ -332,7 +351,7 @@ def _indexer_logits_op(
 @_indexer_logits_op.register_fake
 def _fake_indexer_logits(q, w, pages, key_slots, key_start, key_end, page_size, packed, backend):
     _check(q, w, pages, key_slots, key_start, key_end, page_size)
-    return q.new_empty((q.shape[0], key_slots.shape[0]), dtype=torch.int64 if packed else torch.float32)
+    return q.new_empty((q.shape[0], key_slots.shape[-1]), dtype=torch.int64 if packed else torch.float32)
 
 
 # ----------------------------------------------------------------------------------------- public wrapper
@@ -359,7 +378,7 @@ def indexer_logits(
         pages: uint8 ``[P, layout.page_size * (layout.head_dim + 4)]`` fp8 indexer pages of one layer (a full view
             or a pool; pages contiguous, any page stride).
         key_slots: int32/int64 ``[K]`` token slot in ``pages`` of each key column (outside ``[0, P * S)``: never
-            visible).
+            visible), or ``[N, K]``: a key table per query (row ``n`` is query ``n``'s columns).
         key_start, key_end: int32/int64 ``[N]`` the visible columns ``[key_start[n], key_end[n])`` of each query
             (clamped to ``[0, K]``; empty when ``key_end <= key_start``).
         layout: the pages' layout.

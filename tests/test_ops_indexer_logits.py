@@ -125,6 +125,60 @@ def test_triton_vs_reference(monkeypatch, launch, geom, sms):
     assert torch.equal(packed, selection_keys(got, cols, torch.isfinite(got)))
 
 
+def _per_query_tables(n, cols, num_slots, seed):
+    """``[n, cols]`` key tables, each row its own slots (invalid ones included), as full-view decode's requests."""
+    g = torch.Generator().manual_seed(seed)
+    tables = torch.randint(0, num_slots, (n, cols), generator=g)
+    tables[:, 2::9] = -1
+    tables[1:, 4::7] = num_slots
+    return tables
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["logits", "packed"])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("geom", GEOMS[1:], ids=lambda g: "n{}_i{}_j{}_s{}_p{}_k{}".format(*g))
+def test_a_key_table_per_query_scores_each_query_against_its_own_row(geom, backend, packed):
+    """``key_slots`` ``[N, K]`` (one launch for a full-view decode batch): row ``n`` of the output is query ``n``
+    over row ``n`` of the tables -- the per-key float64 loop of that row, and the one-query call over it (the
+    Triton kernel bit for bit: a block is one query either way)."""
+    skip_unless(backend, "cpu")
+    lay, q, w, pages, _, start, end = _case(*geom, seed=3 * sum(geom))
+    tables = _per_query_tables(q.shape[0], geom[5], pages.shape[0] * lay.page_size, seed=sum(geom))
+    got = indexer_logits(q, w, pages, tables, start, end, layout=lay, backend=backend, packed=packed)
+    assert got.shape == tables.shape and got.dtype == (torch.int64 if packed else torch.float32)
+    with _tuned.override("indexer_logits", block_q=1):
+        for i in range(q.shape[0]):
+            one = indexer_logits(q[i : i + 1], w[i : i + 1], pages, tables[i], start[i : i + 1], end[i : i + 1],
+                                 layout=lay, backend=backend, packed=packed)  # fmt: skip
+            assert torch.equal(got[i : i + 1], one), i
+            if not packed:
+                want, _ = _loop_reference(q[i : i + 1], w[i : i + 1], pages, tables[i], start[i : i + 1],
+                                          end[i : i + 1], lay)  # fmt: skip
+                _close(got[i : i + 1], want)
+
+
+def test_a_key_table_per_query_stays_in_bounds_and_takes_strided_tables():
+    """Under the interpreter's address check, per-query tables read only their own rows (a transposed view of the
+    tables is normalized, not read with the wrong strides), with the defaults and a launch of wide blocks."""
+    skip_unless("triton", "cpu")
+    M = benchmark("memcheck_ops")
+    lay, q, w, pages, _, start, end = _case(5, 3, 48, 5, 7, 29, seed=4)
+    tables = _per_query_tables(5, 29, pages.shape[0] * lay.page_size, seed=4).to(torch.int32)
+    want = indexer_logits(q, w, pages, tables, start, end, layout=lay, backend="torch")
+    bands = M.Bands(4)
+    args = [bands.put("q", q.view(torch.uint8)).view(torch.float8_e4m3fn), bands.put("w", w),
+            bands.put("pages", pages), bands.put("tables", tables, poison=0), bands.put("start", start, poison=0),
+            bands.put("end", end, poison=29)]  # fmt: skip
+    for cfg in ({}, {"block_q": 8, "block_k": 16}):
+        with _tuned.override("indexer_logits", **cfg), address_check():
+            got = indexer_logits(*args, layout=lay, backend="triton")
+        _close(got, want)
+        assert not bands.changed(), cfg
+    strided = tables.t().contiguous().t()
+    assert not strided.is_contiguous()
+    _close(indexer_logits(q, w, pages, strided, start, end, layout=lay, backend="triton"), want)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_packed_keys_are_selection_keys_of_the_logits(backend):
     """``packed=True`` is :func:`dtkv.decode.selection_keys` of the float32 logits with the columns as positions,
@@ -232,11 +286,14 @@ def test_empty_inputs(backend):
     assert no_pages.shape == (3, 10) and bool(torch.isneginf(no_pages).all())  # no slot points into a page
 
 
+@pytest.mark.parametrize("table", ["shared", "per_query"])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("packed", [False, True])
-def test_opcheck(backend, packed):
+def test_opcheck(backend, packed, table):
     skip_unless(backend, "cpu")
     lay, q, w, pages, slots, start, end = _case(3, 2, 32, 4, 5, 20, seed=5)
+    if table == "per_query":
+        slots = _per_query_tables(3, 20, pages.shape[0] * lay.page_size, seed=5)
     args = (q.view(torch.uint8), w, pages, slots, start, end, lay.page_size, packed, backend)
     torch.library.opcheck(torch.ops.dtkv.indexer_logits.default, args)
 
@@ -290,8 +347,10 @@ def test_rejects_bad_input():
         call(pages=pages[:, :143])
     with pytest.raises(TypeError, match=re.escape("key_slots must have dtype [torch.int32, torch.int64]")):
         call(key_slots=slots.float())
-    with pytest.raises(ValueError, match=re.escape("key_slots must have 1 dims, got key_slots.shape=(9, 1)")):
-        call(key_slots=slots[:, None])
+    with pytest.raises(ValueError, match=re.escape("key_slots must be [K] (one key table) or [N, K] with N = 2")):
+        call(key_slots=slots[:, None])  # [9, 1]: 9 rows for 2 queries
+    with pytest.raises(ValueError, match=re.escape("got shape [2, 9, 1]")):
+        call(key_slots=torch.stack((slots, slots))[..., None])
     with pytest.raises(ValueError, match=re.escape("key_start must have shape [2], got key_start.shape=[3]")):
         call(key_start=torch.zeros(3, dtype=torch.int64))
     with pytest.raises(ValueError, match=re.escape("key_end must have shape [2], got key_end.shape=[1]")):

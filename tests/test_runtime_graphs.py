@@ -42,12 +42,12 @@ def _prompts(lens, vocab, seed=0):
 
 
 def _runtime(model, graphs, *, decode_mode, group=None, mode=None, kv_dtype="fp8", device="cpu", num_pages=None,
-             batch_invariant=None) -> Runtime:  # fmt: skip
+             batch_invariant=None, attention="auto") -> Runtime:  # fmt: skip
     ad = make_adapter(model, kv_dtype=kv_dtype, page_size=4) if device == "cpu" else _on(model, device, kv_dtype)
     bi = model != "reference" if batch_invariant is None else batch_invariant
     pages = num_pages or num_pages_for([*LENS, 11, 6], page_size=4, decode_steps=30, cp_size=4) + 8
     return Runtime(ad, num_pages=pages, group=group, mode=mode, decode_mode=decode_mode, cuda_graphs=graphs,
-                   batch_invariant=bi)  # fmt: skip
+                   batch_invariant=bi, attention=attention)  # fmt: skip
 
 
 def _on(model, device, kv_dtype):
@@ -193,6 +193,42 @@ def test_graph_path_equals_the_eager_path(model, decode_mode):
     assert st["eager_steps"] == 0 and graphs["reason"] == ""
     # batches 5, 4, 2, 1, 2 over growing pages: several buckets, most steps in a bucket built before
     assert st["captures"] >= 5 and st["replays"] >= 10
+
+
+def test_full_view_buckets_score_the_batch_in_one_indexer_launch(monkeypatch):
+    """A full-view bucket on the fp8 indexer kernel (``attention="triton"``, the interpreter) scores every request
+    against its own block of the key table in one ``dtkv::indexer_logits`` launch a layer (a key table per query),
+    and selects what the eager step's flat table selects: tokens, logits and stored KV of the eager path, bitwise."""
+    _hf()
+    from dtkv import ops
+    from tests.ops_reference import skip_unless
+
+    skip_unless("triton", "cpu")
+    calls = []
+    real = ops.indexer_logits
+
+    def counted(q, w, pages, key_slots, *args, **kw):
+        calls.append((q.shape[0], tuple(key_slots.shape)))
+        return real(q, w, pages, key_slots, *args, **kw)
+
+    monkeypatch.setattr(ops, "indexer_logits", counted)
+    out = {}
+    for graphs in (False, "emulate"):
+        rt = _runtime("deepseek-v32", graphs, decode_mode="full", attention="triton")
+        for p in _prompts((9, 6, 3), rt.model_spec.vocab_size):
+            rt.add_request(p)
+        rt.prefill(9)
+        calls.clear()
+        outputs, logits = rt.decode(1, return_logits=True)
+        out[graphs] = (outputs, logits, rt.kv_bytes(0), list(calls), rt.graphs and dict(rt.graphs.stats))
+        rt.close()
+    assert out["emulate"][0] == out[False][0]
+    assert all(torch.equal(a, b) for a, b in zip(out["emulate"][1], out[False][1]))
+    assert all(torch.equal(out["emulate"][2][n], out[False][2][n]) for n in out[False][2])
+    assert len(out["emulate"][3]) >= 1 and out["emulate"][4]["eager_steps"] == 0
+    # the bucket (batch 3 -> 4 rows): one launch a layer of 4 queries over [4, C] tables; eager: one flat table
+    assert all(n == 4 and len(shape) == 2 and shape[0] == 4 for n, shape in out["emulate"][3]), out["emulate"][3]
+    assert all(len(shape) == 1 for _, shape in out[False][3]), out[False][3]
 
 
 def test_a_pool_whose_buffers_moved_is_captured_again():

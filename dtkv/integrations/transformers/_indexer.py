@@ -172,12 +172,9 @@ def _select_blocks(indexer, ctx: StepContext, q_NIJ, w_NI, view_index) -> torch.
         assert isinstance(lay, IndexerFp8Layout), "the fp8 indexer reads fp8 index pages"
         backend = "triton" if name == "triton" else "auto"
         q8, w8 = ops.quantize_indexer_queries(q_NIJ, w_NI, scale=indexer.softmax_scale, backend=backend)
-        zero = torch.zeros(1, dtype=end.dtype, device=end.device)
-        keys = torch.cat([
-            ops.indexer_logits(q8[i : i + 1], w8[i : i + 1], view_index, slots_NC[i], zero, end[i : i + 1],
-                               layout=lay, packed=True, backend=backend)
-            for i in range(n)
-        ])  # fmt: skip
+        # one launch for the batch: a key table per query (its request's block), the visible columns [0, end)
+        keys = ops.indexer_logits(q8, w8, view_index, slots_NC, torch.zeros_like(end), end, layout=lay, packed=True,
+                                  backend=backend)  # fmt: skip
     else:
         q = fp8_indexer_queries(q_NIJ) if fp8 else q_NIJ.float()
         block = max(1, TORCH_BLOCK_BYTES // max(1, (4 * heads + 48) * c))
