@@ -156,6 +156,41 @@ def test_torchrun_demo_of_a_transformers_model_with_the_prefix_cache_and_sharded
     assert res["prefix_hit_rate"] > 0.4 and res["decode"] == "sharded"
 
 
+def test_ranks_fork_from_a_server_that_imported_the_models_modules_once(monkeypatch):
+    """The demo's ranks (prefill and decode) start from a fork server that preloads torch and dtkv's runtime, and
+    transformers for a transformers model (each rank forks instead of importing them again: the torchrun PD demo
+    of a transformers model went from 35 to 16 s of CPU); spawn where the platform has no fork server. A rank takes
+    one intra-op thread unless ``OMP_NUM_THREADS`` is set, also where torch was loaded before it was set."""
+    import multiprocessing as mp
+
+    import torch
+
+    from dtkv.demo import _procs
+
+    seen = []
+    monkeypatch.setattr(mp.context.ForkServerContext, "set_forkserver_preload", lambda self, mods: seen.append(mods))
+    ctx = _procs.process_context({"model": "reference"})
+    assert ctx.get_start_method() == "forkserver" and seen[-1] == list(_procs.PRELOAD)
+    _procs.process_context({"model": "glm5"})
+    assert seen[-1] == [*_procs.PRELOAD, "transformers", "dtkv.integrations.transformers"]
+    _procs.process_context({"model": "/some/checkpoint"})
+    assert "transformers" in seen[-1]
+    monkeypatch.setattr(mp, "get_all_start_methods", lambda: ["spawn"])
+    assert _procs.process_context({"model": "glm5"}).get_start_method() == "spawn"
+
+    threads = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        torch.set_num_threads(2)
+        _procs.rank_threads()
+        assert torch.get_num_threads() == 2  # the user's setting stands
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        _procs.rank_threads()
+        assert torch.get_num_threads() == 1 and os.environ["OMP_NUM_THREADS"] == "1"
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_demo_package_modules_import_no_circle():
     """Each ``dtkv/demo`` module imports (at any depth of its code) only demo modules that do not import it back."""
     import ast

@@ -3,6 +3,9 @@
 :func:`spawn` starts the ranks (FileStore rendezvous, no ports) and collects each one's result; :func:`join_torchrun`
 runs this process as one rank of a torchrun job and gathers every rank's result as JSON (no pickle on received
 data). Each rank runs :func:`dtkv.demo._run.run_rank`.
+
+The ranks, and ``--pd``'s decode ranks (:mod:`dtkv.demo._pd`), start from
+:func:`dtkv.demo._procs.process_context` (a fork server that imported torch and the model's modules once).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import tempfile
 import time
 
 from dtkv._log import phase, progress, setup_cli_logging
+from dtkv.demo._procs import process_context, rank_threads
 
 __all__ = ["join_torchrun", "json_all_gather", "rank_error", "spawn"]
 
@@ -58,7 +62,7 @@ def rank_error(rank: int, e: BaseException) -> dict:
 
 
 def _worker(rank: int, world: int, args: dict, init_file: str, out) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    rank_threads()
     setup_cli_logging(rank=rank, side="prefill" if args.get("pd") else None)
     try:
         out.put(_rank_main(rank, world, args, init_file))
@@ -74,11 +78,9 @@ def spawn(args: dict, watch=None) -> list[dict]:
     :meth:`dtkv.demo._pd.DecodeGroup.failure`) is polled meanwhile: once it names a failure the ranks, which could
     only wait for a decode group that is gone, are stopped at once and the failure is their result.
     """
-    import multiprocessing as mp
-
     world = args["cp"]
     args = {**args, "deadline_unix": time.time() + args["timeout"]}
-    ctx = mp.get_context("spawn")
+    ctx = process_context(args)
     results = ctx.Queue()
     fd, init_file = tempfile.mkstemp(prefix="dtkv_demo_")
     os.close(fd)

@@ -16,7 +16,6 @@ parent stop the prefill ranks waiting on it.
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
 import queue as queue_mod
 import tempfile
@@ -27,6 +26,7 @@ from typing import Any
 
 from dtkv._log import progress, setup_cli_logging
 from dtkv.demo import _verdict as verdict
+from dtkv.demo._procs import process_context, rank_threads
 
 __all__ = ["DecodeGroup", "handoff_shard", "send_from_rank", "start_decode_group", "transfer_timeout"]
 
@@ -159,7 +159,7 @@ def decode_device(args: dict, rank: int):
 
 
 def _worker(rank: int, world: int, args: dict, prompts, port: int, namespace: str, init_file: str, out) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    rank_threads()
     setup_cli_logging(rank=rank, side="decode")
     try:
         device = decode_device(args, rank)
@@ -279,7 +279,7 @@ def start_decode_group(args: dict, prompts: list[list[int]]) -> DecodeGroup:
     world = int(args.get("decode_cp") or 1)
     store = create_store(port=0, is_master=True, timeout_s=args.get("timeout", 300.0))
     namespace = uuid.uuid4().hex
-    ctx = mp.get_context("spawn")
+    ctx = process_context(args)
     results = ctx.Queue()
     fd, init_file = tempfile.mkstemp(prefix="dtkv_decode_")
     os.close(fd)
