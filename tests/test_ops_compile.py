@@ -10,7 +10,9 @@ for CUDA at all; any kernel that does not compile, or that no case reaches, fail
 message.
 
 Contract: ``test_every_kernel_compiles_for_sm90`` fails when any kernel of ``ops/`` does not compile for sm_90, or
-when a quantizer's fp8 conversion is not the saturating one its missing clamp relies on;
+when a quantizer's fp8 conversion is not the saturating one its missing clamp relies on, or when a kernel breaks
+its op's build rules (``check_sm90_build`` of ``test_ops_indexer_logits.py`` and ``test_ops_logits_topk.py``:
+wgmma, registers, no spills);
 ``test_the_offline_compiler_reports_a_kernel_that_does_not_compile`` shows that the harness fails on the exact
 pattern of the pack kernel's error and passes its fix.
 """
@@ -63,6 +65,11 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     for r in records:
         if r["kernel"].startswith(("_quantize_write", "_quantize_indexer_queries")):
             assert r["fp8_converts"] == ["cvt.rn.satfinite.e4m3x2.f32"], (r["kernel"], r["fp8_converts"])
+    # the ops' own build rules (wgmma, registers, no spills), checked on this one build of every kernel
+    from tests import test_ops_indexer_logits, test_ops_logits_topk
+
+    test_ops_indexer_logits.check_sm90_build(records)
+    test_ops_logits_topk.check_sm90_build(records)
 
 
 BROKEN = """
@@ -124,3 +131,30 @@ def test_the_offline_compiler_reports_a_kernel_that_does_not_compile(tmp_path):
     innermost = broken["error"].split("--- raised from ---")[0]  # the helper's error comes first
     assert "if C + CW > SPAN:" in innermost and "Mismatched type for m between then block" in innermost
     assert (fixed["kernel"], fixed["ok"]) == ("fixed_kernel", True)
+
+
+def test_the_ops_build_rules_refuse_what_breaks_them():
+    """``check_sm90_build`` of the op tests (called on the one build above) fails on a spilling kernel, a dot
+    that is not a ``wgmma`` and too many registers, and passes records that keep every rule."""
+    from tests import test_ops_indexer_logits, test_ops_logits_topk
+
+    def logits(**kw):
+        rec = {"kernel": "_indexer_logits_kernel", "where": "indexer_logits defaults | case", "ok": True, "local": 0,
+               "wgmma": 4, "registers": 160, "smem": 40000, "num_warps": 4,
+               "constexprs": {"NH": "64", "J": "128", "BQ": "2", "KEYS_M": "True"}}  # fmt: skip
+        return {**rec, **kw}
+
+    def topk(**kw):
+        return {"kernel": "_logits_topk_kernel", "where": "logits_topk defaults | case", "ok": True, "local": 0,
+                "registers": 114, "num_warps": 8, "constexprs": {"KP": "2048"}, **kw}  # fmt: skip
+
+    test_ops_indexer_logits.check_sm90_build([logits(), logits(where="x | int64 offsets", local=8)])
+    test_ops_logits_topk.check_sm90_build([topk(), topk(where="x | int64 offsets", registers=200)])
+    for bad in (logits(local=16), logits(wgmma=0), logits(registers=200), logits(ok=False)):
+        with pytest.raises(AssertionError):
+            test_ops_indexer_logits.check_sm90_build([bad])
+    for bad in (topk(local=16), topk(registers=130), topk(num_warps=4)):
+        with pytest.raises(AssertionError):
+            test_ops_logits_topk.check_sm90_build([bad])
+    with pytest.raises(AssertionError):
+        test_ops_logits_topk.check_sm90_build([])  # a build without the kernel proves nothing
