@@ -424,3 +424,88 @@ class TestKeyCleanup:
             side.close()
         boot.flush(5)
         assert store.num_keys() == empty
+
+
+_DIES_MID_DELETION = """
+import sys, time
+import numpy as np
+from dtkv import PageOwnership
+from dtkv.transfer import Bootstrap, DecodeReceiver, LocalEngine, TransferError, create_store
+from tests._transfer import shards
+
+boot = Bootstrap(create_store(port=int(sys.argv[1]), is_master=False, timeout_s=30), namespace="die")
+rx = DecodeReceiver(shards(PageOwnership(1, 8), staging_bytes=1 << 16)[0], boot, engine=LocalEngine(), timeout_s=5)
+rx.connect(30)
+
+
+class DiesMidDeletion:  # the store calls of this process, which stops for good after one delete of an attempt key
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        fn = getattr(self.inner, name)
+        if name != "delete_key":
+            return fn
+
+        def delete_key(key):
+            out = fn(key)
+            if key.count("/") >= 3:  # req/{id}/{epoch}/...: the attempt's keys, not req/{id}
+                print("DELETING", key, flush=True)
+                time.sleep(600)  # killed here
+            return out
+
+        return delete_key
+
+
+boot.store = DiesMidDeletion(boot.store)
+try:
+    rx.receive_request("late", np.array([0, 1]), timeout_s=0.2)  # prefill never sends: decode gives it up
+except TransferError:
+    pass
+rx.reclaim(timeout_s=5)  # the release finishes the attempt: the count completes, the deletion begins
+time.sleep(600)
+"""
+
+
+class TestDeathMidCleanup:
+    def test_a_rank_killed_while_it_deletes_an_attempt_leaves_the_deletion_to_its_restart(self):
+        """The rank whose finish completes an attempt's count deletes its keys, one call each; killed in the middle
+        (here: after the first), the rest stayed in the store for good (the NIXL soak's leftover keys). The attempt
+        stays among the rank's open ones while it deletes, and the restart of the rank completes the deletion: the
+        store's key count returns to where it was."""
+        import os
+        import subprocess
+        import sys
+        from pathlib import Path
+
+        root = Path(__file__).resolve().parent.parent
+        host = StoreHost()
+        proc = None
+        try:
+            client = host.client()
+            empty = client.num_keys()
+            boot = Bootstrap(host.client(), namespace="die")
+            sender = PrefillSender(shards(PageOwnership(2, 8), staging_bytes=1 << 16), boot, engine=LocalEngine(),
+                                   timeout_s=5)  # fmt: skip
+            boot.flush(5)
+            env = {**os.environ, "PYTHONPATH": str(root)}
+            proc = subprocess.Popen([sys.executable, "-c", _DIES_MID_DELETION, str(host.port)], stdout=subprocess.PIPE,
+                                    text=True, env=env, cwd=str(root))  # fmt: skip
+            _, line = run_bounded(proc.stdout.readline, limit_s=60)
+            assert isinstance(line, str) and line.startswith("DELETING req/late/"), line
+            proc.kill()
+            proc.wait(10)
+            left = [k for k in client.list_keys() if "/req/late/" in k]
+            assert left, "the killed rank deleted every key of the attempt after all"
+            successor = DecodeReceiver(shards(PageOwnership(1, 8), staging_bytes=1 << 16)[0], Bootstrap(host.client(),
+                                       namespace="die"), engine=LocalEngine(), timeout_s=5)  # fmt: skip
+            successor.bootstrap.flush(5)
+            assert [k for k in client.list_keys() if "/req/late/" in k] == [], "the restart left the deletion undone"
+            successor.close()
+            sender.close()
+            boot.flush(5)
+            assert client.num_keys() == empty, client.list_keys()
+        finally:
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+            host.close()

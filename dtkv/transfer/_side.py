@@ -192,13 +192,35 @@ class TransferSide:
                 keys.request_id,
                 keys.epoch,
             )
-            self.bootstrap.post(lambda s, k=keys, r=ranks: self._finish_dead(s, k, r), what="adopt")
+            self.bootstrap.post(lambda s, k=keys, r=ranks: self._adopt_one(s, k, r), what="adopt")
         if seen:
             self.bootstrap.post(self._write_open, what="open attempts")
+
+    def _adopt_one(self, store: dist.Store, keys: AttemptKeys, ranks: list[int]) -> None:
+        """(On the store worker.) One attempt a dead incarnation of ``ranks`` left open: complete its deletion if
+        that was under way (:meth:`dtkv.transfer.protocol.AttemptKeys.deleting`), else finish it for them."""
+        if keys.deleting(store):
+            keys.delete(store)
+        else:
+            self._finish_dead(store, keys, ranks)
 
     def _finish_dead(self, store: dist.Store, keys: AttemptKeys, ranks: list[int]) -> None:
         """(On the store worker.) Finish ``keys`` for ``ranks`` of a dead incarnation of this side."""
         raise NotImplementedError
+
+    def _finish(self, store: dist.Store, keys: AttemptKeys, weight: int) -> None:
+        """(On the store worker.) Add ``weight`` to ``keys``' finish count, after this side's last write to the
+        attempt. The add that completes the count deletes the attempt's keys; this side lists the attempt among
+        its open ones while it does, so that a restart of a rank that dies in between completes the deletion
+        (:meth:`_adopt_one`) rather than leave the rest of the keys behind."""
+
+        def reopen() -> None:
+            self._hold(keys, True)
+            self._write_open(store)
+
+        if keys.finish(store, weight, before_delete=reopen):
+            self._hold(keys, False)
+            self._write_open(store)
 
     # ------------------------------------------------------------------------------------------ close
     def _release_attempts(self) -> None:

@@ -383,7 +383,7 @@ class DecodeReceiver(ReceiveLoop, TransferSide):
                 self._drop_request_key(s, keys)
             self._hold(keys, False)
             self._write_open(s)
-            keys.finish(s, weight)
+            self._finish(s, keys, weight)
 
         self.bootstrap.post(job, what=f"finish {keys.prefix}")
 
@@ -457,7 +457,7 @@ class DecodeReceiver(ReceiveLoop, TransferSide):
         if self.posts and 0 in parties:
             self._drop_request_key(s, keys)
         if closed:
-            keys.finish(s, closed)
+            self._finish(s, keys, closed)
         return claimed, when
 
     def _drop_request_key(self, s: dist.Store, keys: AttemptKeys) -> None:
@@ -498,7 +498,7 @@ class DecodeReceiver(ReceiveLoop, TransferSide):
             self._hold(keys, False)
             self._write_open(s)
             if weight:
-                keys.finish(s, weight)
+                self._finish(s, keys, weight)
 
         self.bootstrap.post(job, what=f"finish {att.request_id!r}")
 
@@ -543,4 +543,4 @@ class DecodeReceiver(ReceiveLoop, TransferSide):
                 held.add(d)
         self._abort(s, keys, held)
         if held:
-            keys.finish(s, len(held))
+            self._finish(s, keys, len(held))

@@ -320,7 +320,7 @@ class PrefillSender(ClaimSteps, TransferSide):
             self._hold(keys, False)
             self._write_open(s)
             if ranks:
-                keys.finish(s, len(ranks))
+                self._finish(s, keys, len(ranks))
 
         ok = all(o.ok for o in outcomes.values())
 
@@ -397,7 +397,7 @@ class PrefillSender(ClaimSteps, TransferSide):
                 s.set(keys.done(r), raw)
             s.add(keys.progress(r), (0 if progress.done else DONE) + (0 if progress.drained else DRAINED))
         if mine:
-            keys.finish(s, len(mine))
+            self._finish(s, keys, len(mine))
 
 
 def _as_u8(data: bytes) -> torch.Tensor:

@@ -70,11 +70,14 @@ quarantined and :meth:`dtkv.transfer.DecodeReceiver.reclaim` does not list them.
 its caller gave up does nothing.
 
 **Cleanup.** Each party adds its number of ranks to ``E/finished`` after its last write to ``E`` (decode: after
-its quarantine ended); the add that reaches ``P + D`` deletes every key of ``E``; decode rank 0 deletes
-``req/{request_id}`` when its own wait ends. Store calls of one process run in order on one worker thread, so a
-call that timed out during a store stall still lands, in order, when the store answers again; the key count
-returns to its baseline. A rank that dies leaves its open attempts in ``{role}/{rank}/open``; its restart
-finishes them (:meth:`dtkv.transfer.TransferSide.__init__`).
+its quarantine ended); the add that reaches ``P + D`` deletes every key of ``E`` (``E/finished`` last), listing
+``E`` among its rank's open attempts while it does; decode rank 0 deletes ``req/{request_id}`` when its own wait
+ends. Store calls of one process run in order on one worker thread, so a call that timed out during a store stall
+still lands, in order, when the store answers again; the key count returns to its baseline. A rank that dies
+leaves its open attempts in ``{role}/{rank}/open``; its restart finishes them
+(:meth:`dtkv.transfer.TransferSide.__init__`): an attempt whose ``E/finished`` stands at ``P + D`` was being
+deleted when the rank died, and the restart completes the deletion (a process killed between two of its deletes
+left the rest of ``E``'s keys in the store for good before).
 
 **Deadlines.** Every wait is bounded by :func:`deadline_after` and polls with :class:`Backoff`; every store call
 is bounded by the remaining time (:meth:`dtkv.transfer.Bootstrap.call`).
@@ -334,13 +337,31 @@ class AttemptKeys:
             keys += [self.answer(r, d) for d in range(self.num_decode)]
         return [*keys, self.claimed, self.finished]
 
-    def finish(self, store, weight: int) -> bool:
-        """Add ``weight`` parties to ``finished`` (runs on the store worker); the last one deletes every key.
+    def finish(self, store, weight: int, before_delete: Callable[[], object] | None = None) -> bool:
+        """Add ``weight`` parties to ``finished`` (runs on the store worker); the last one deletes every key,
+        calling ``before_delete()`` first (:meth:`dtkv.transfer.TransferSide._finish` lists the attempt open again
+        meanwhile, so that a restart finishes a deletion its rank died in).
 
         Returns whether this call deleted the attempt.
         """
         if store.add(self.finished, weight) < self.num_parties:
             return False
+        if before_delete is not None:
+            before_delete()
+        self.delete(store)
+        return True
+
+    def delete(self, store) -> None:
+        """Delete every key of the attempt, ``finished`` last: while it stands at ``P + D`` (:meth:`deleting`) a
+        deletion began and may not have ended. Deleting a deleted key does nothing, so a deletion can be redone."""
         for key in self.all():
             store.delete_key(key)
-        return True
+
+    def deleting(self, store) -> bool:
+        """Whether the attempt's deletion began and may not have ended: ``finished`` stands at ``P + D``."""
+        if not store.check([self.finished]):
+            return False
+        try:
+            return int(store.get(self.finished)) >= self.num_parties
+        except ValueError:  # not a counter: not ours to judge
+            return False
