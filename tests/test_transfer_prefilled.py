@@ -52,8 +52,8 @@ def _hand_off(prefill, decode, prompts):
 
     def send():
         try:
-            runtime_pd.send_prefilled(prefill, sender, timeout_s=5.0)
-        except TransferError:  # decode gave up on a request: the send of the next one times out
+            runtime_pd.send_prefilled(prefill, sender, timeout_s=2.0)
+        except TransferError:  # decode gave up on a request: the send of the next one times out (2 s, waited out)
             pass
 
     try:
