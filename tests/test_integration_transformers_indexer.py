@@ -246,9 +246,9 @@ def test_absorbed_weights_are_taken_once_per_bind():
 
     for _ in range(2):
         rt = Runtime(TransformersAdapter(lm, kv_dtype="bf16", page_size=16), num_pages=32, attention="triton")
-        rt.add_request(list(range(40)))
+        rt.add_request(list(range(18)))
         with torch.no_grad(), Conversions():
-            rt.prefill(20)
+            rt.prefill(9)
             rt.decode(2)
         rt.close()
     assert Conversions.count == 2 * len(lm.model.layers), Conversions.count
