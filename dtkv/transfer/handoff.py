@@ -60,7 +60,62 @@ __all__ = ["DEFAULT_WINDOW_BYTES", "HandoffReceiver", "HandoffSender", "default_
 logger = logging.getLogger(__name__)
 
 
-class HandoffSender:
+class _HandoffEnd:
+    """What both ends of a hand-off share: the window side (:class:`dtkv.transfer._window.HandoffSide`) and the
+    protocol's sender or receiver over it (``_end``), whose shards, engine and timeout they are."""
+
+    _side: HandoffSide
+    _end: PrefillSender | DecodeReceiver
+
+    def _log_start(self, what: str) -> None:
+        logger.info(
+            "%s %s, in rounds of %d pages%s",
+            what,
+            "through pinned host memory" if self.staged else "in place",
+            self.round_pages,
+            f" ({self._side.window_bytes() / 2**20:.1f} MiB of host windows)" if self.staged else "",
+        )
+
+    @property
+    def staged(self) -> bool:
+        """Whether this end hands over through the host window."""
+        return self._side.staged
+
+    @property
+    def round_pages(self) -> int:
+        return self._side.round_pages
+
+    @property
+    def shards(self) -> dict[int, KVShard]:
+        """The shards the engine registered (the windows when staged: a decode window's metadata row receives the
+        row), by rank."""
+        return self._end.shards
+
+    @property
+    def engine(self):
+        return self._end.engine
+
+    @property
+    def timeout_s(self) -> float:
+        return self._end.timeout_s
+
+    def connect(self, timeout_s: float | None = None) -> None:
+        """Wait for every prefill and decode endpoint (:meth:`dtkv.transfer.TransferSide.connect`)."""
+        self._end.connect(timeout_s)
+
+    def close(self) -> None:
+        """Close the protocol's sender or receiver (unregistering the windows or pools). Idempotent."""
+        self._side.drain()
+        self._end.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class HandoffSender(_HandoffEnd):
     """The prefill side of a hand-off (pools in host or device memory), over a :class:`dtkv.transfer.PrefillSender`.
 
     Args:
@@ -92,39 +147,8 @@ class HandoffSender:
             max_entries_per_call=max_entries_per_call,
         )  # fmt: skip
         """The protocol's sender (over the windows when staged)."""
-        logger.info(
-            "prefill ranks %s hand over %s, in rounds of %d pages%s",
-            sorted(self._side.pools),
-            "through pinned host memory" if self.staged else "in place",
-            self.round_pages,
-            f" ({self._side.window_bytes() / 2**20:.1f} MiB of host windows)" if self.staged else "",
-        )
-
-    @property
-    def staged(self) -> bool:
-        """Whether this side hands over through the host window."""
-        return self._side.staged
-
-    @property
-    def round_pages(self) -> int:
-        return self._side.round_pages
-
-    @property
-    def shards(self) -> dict[int, KVShard]:
-        """The shards the engine registered (the windows when staged), by rank."""
-        return self.sender.shards
-
-    @property
-    def engine(self):
-        return self.sender.engine
-
-    @property
-    def timeout_s(self) -> float:
-        return self.sender.timeout_s
-
-    def connect(self, timeout_s: float | None = None) -> None:
-        """Wait for every prefill and decode endpoint (:meth:`dtkv.transfer.PrefillSender.connect`)."""
-        self.sender.connect(timeout_s)
+        self._end = self.sender
+        self._log_start(f"prefill ranks {sorted(self._side.pools)} hand over")
 
     def send_request(
         self,
@@ -214,19 +238,8 @@ class HandoffSender:
             send_s=sum(r.send_s for r in reports),
         )
 
-    def close(self) -> None:
-        """Close the protocol's sender (unregistering the windows or pools). Idempotent."""
-        self._side.drain()
-        self.sender.close()
 
-    def __enter__(self) -> HandoffSender:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-class HandoffReceiver:
+class HandoffReceiver(_HandoffEnd):
     """The decode side of a hand-off (pools in host or device memory), over a :class:`dtkv.transfer.DecodeReceiver`.
 
     Args:
@@ -251,35 +264,8 @@ class HandoffReceiver:
         self._side = HandoffSide(shards, engine, round_pages, staged)
         self.receiver = DecodeReceiver(self._side.engine_shards(), bootstrap, engine=engine, timeout_s=timeout_s)
         """The protocol's receiver (over the windows when staged)."""
-        logger.info(
-            "decode ranks %s take over %s, in rounds of %d pages%s",
-            sorted(self._side.pools),
-            "through pinned host memory" if self.staged else "in place",
-            self.round_pages,
-            f" ({self._side.window_bytes() / 2**20:.1f} MiB of host windows)" if self.staged else "",
-        )
-
-    @property
-    def staged(self) -> bool:
-        """Whether this side receives through the host window."""
-        return self._side.staged
-
-    @property
-    def round_pages(self) -> int:
-        return self._side.round_pages
-
-    @property
-    def shards(self) -> dict[int, KVShard]:
-        """The shards the engine registered (the windows when staged: their metadata rows receive the row)."""
-        return self.receiver.shards
-
-    @property
-    def engine(self):
-        return self.receiver.engine
-
-    @property
-    def timeout_s(self) -> float:
-        return self.receiver.timeout_s
+        self._end = self.receiver
+        self._log_start(f"decode ranks {sorted(self._side.pools)} take over")
 
     @property
     def quarantined(self) -> dict[str, np.ndarray]:
@@ -297,10 +283,6 @@ class HandoffReceiver:
         staging side it ends the windows' quarantines and lists nothing (the pool pages were never at risk)."""
         released = self.receiver.reclaim(timeout_s)
         return [] if self.staged else released
-
-    def connect(self, timeout_s: float | None = None) -> None:
-        """Wait for every prefill and decode endpoint (:meth:`dtkv.transfer.DecodeReceiver.connect`)."""
-        self.receiver.connect(timeout_s)
 
     def receive_request(
         self,
@@ -406,14 +388,3 @@ class HandoffReceiver:
                     "the host window is still quarantined after a failed transfer (late bytes of its abandoned "
                     "engine calls may land in it)", request_id=request_id, peer="prefill",
                 )  # fmt: skip
-
-    def close(self) -> None:
-        """Close the protocol's receiver (unregistering the windows or pools). Idempotent."""
-        self._side.drain()
-        self.receiver.close()
-
-    def __enter__(self) -> HandoffReceiver:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
