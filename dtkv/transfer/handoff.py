@@ -76,6 +76,25 @@ class _HandoffEnd:
             f" ({self._side.window_bytes() / 2**20:.1f} MiB of host windows)" if self.staged else "",
         )
 
+    def _log_done(self, what: str, request_id: str, pages: int, rounds: int, nbytes: int, dt: float) -> None:
+        """One line per request: INFO where it went through the window or in several rounds (else the protocol's
+        own line of its one round says it), DEBUG otherwise."""
+        staged = self.staged
+        logger.log(
+            logging.INFO if staged or rounds > 1 else logging.DEBUG,
+            "%s %r over (%s ranks %s): %d pages in %d round(s)%s, %d bytes in %.3f s (%.3f GB/s)",
+            what,
+            request_id,
+            "prefill" if isinstance(self._end, PrefillSender) else "decode",
+            sorted(self._side.pools),
+            pages,
+            rounds,
+            " through pinned host memory" if staged else "",
+            nbytes,
+            dt,
+            nbytes / max(dt, 1e-9) / 1e9,
+        )
+
     @property
     def staged(self) -> bool:
         """Whether this end hands over through the host window."""
@@ -211,19 +230,7 @@ class HandoffSender(_HandoffEnd):
             side.drain()
         dt = time.perf_counter() - t0
         nbytes = sum(r.num_bytes for r in reports)
-        level = logging.INFO if side.staged or len(rounds) > 1 else logging.DEBUG  # else the round's line says it
-        logger.log(
-            level,
-            "handed %r over (prefill ranks %s): %d pages in %d round(s)%s, %d bytes in %.3f s (%.3f GB/s)",
-            request_id,
-            sorted(side.pools),
-            int(src.shape[0]),
-            len(rounds),
-            " through pinned host memory" if side.staged else "",
-            nbytes,
-            dt,
-            nbytes / max(dt, 1e-9) / 1e9,
-        )
+        self._log_done("handed", request_id, int(src.shape[0]), len(rounds), nbytes, dt)
         return SendReport(
             request_id=request_id,
             ranks=tuple(sorted(side.pools)),
@@ -344,19 +351,7 @@ class HandoffReceiver(_HandoffEnd):
             tail_s = time.perf_counter() - tc
         dt = time.perf_counter() - t0
         nbytes = sum(r.num_bytes for r in reports)
-        level = logging.INFO if side.staged or len(rounds) > 1 else logging.DEBUG  # else the round's line says it
-        logger.log(
-            level,
-            "took %r over (decode ranks %s): %d pages in %d round(s)%s, %d bytes in %.3f s (%.3f GB/s)",
-            request_id,
-            sorted(side.pools),
-            int(dst.shape[0]),
-            len(rounds),
-            " through pinned host memory" if side.staged else "",
-            nbytes,
-            dt,
-            nbytes / max(dt, 1e-9) / 1e9,
-        )
+        self._log_done("took", request_id, int(dst.shape[0]), len(rounds), nbytes, dt)
         return ReceiveReport(
             request_id=request_id,
             num_positions=int(dst.shape[0]),
