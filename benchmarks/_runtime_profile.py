@@ -10,7 +10,9 @@ the model's: its projections, norms, MoE, the absorbed products, the LM head, an
 
 :func:`profiled` runs a callable once under the profiler (CPU and, on a CUDA device, CUDA activity) inside those
 ranges and reduces its chrome trace with :func:`_trace.device_split` (busy time over every stream merged, dtkv's
-part) and :func:`_trace.trace_summary` (kernel time per category).
+part) and :func:`_trace.trace_summary` (kernel time per category). :func:`device_busy` runs one under device
+activity only: the profiler's host instrumentation (a record for every operator the host plans with) lengthens the
+host's part of a step, so a share taken from the CPU-and-CUDA profile counts the profiler's own overhead as idle.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from pathlib import Path
 import torch
 from _trace import device_split, trace_summary
 
-__all__ = ["dtkv_ranges", "profiled"]
+__all__ = ["device_busy", "dtkv_ranges", "profiled"]
 
 _CONTEXT_CALLS = ("write", "views", "decode_attention", "finish")
 _BACKEND_CALLS = ("indices", "prefill", "decode")
@@ -112,3 +114,30 @@ def profiled(fn: Callable[[], object], device: torch.device, runtime, *, trace_d
         if not keep:
             os.unlink(path)
     return {**out, "wall_ms": wall * 1e3, "ranges": names, "trace": path if keep else None}
+
+
+def device_busy(fn: Callable[[], object], device: torch.device) -> dict:
+    """Run ``fn()`` once under the profiler with CUDA activity only: ``busy_ms`` (every stream merged) and
+    ``wall_ms`` (the call, synchronized), the inputs of the GPU-busy share without the host instrumentation's cost.
+
+    Raises:
+        ValueError: ``device`` is not CUDA.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    if device.type != "cuda":
+        raise ValueError(f"device_busy measures a CUDA device, got device={device}")
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize(device)
+        wall = time.perf_counter() - t0
+    fd, path = tempfile.mkstemp(prefix="dtkv_busy_", suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        events = json.loads(Path(path).read_text()).get("traceEvents", [])
+    finally:
+        os.unlink(path)
+    return {"busy_ms": device_split(events)["busy_ms"], "wall_ms": wall * 1e3}

@@ -37,7 +37,9 @@ without it ``cuda_graphs=False`` (eager decode). Rows say ``graph`` (steps captu
 ``decode_mode``, ``context``, ``chunk``, ``batch``, ``graph``, ``ok``, ``error`` (also names a part that failed in a
 case that ran: ``profile: ...``, ``kernels: ...``), ``tok_s`` (prefill: prompt tokens / wall seconds of
 ``prefill()``), ``step_ms`` (decode: wall ms per ``decode()`` step), ``gpu_busy_share`` (the device's busy time over
-every stream, overlaps merged, / the wall time of a profiled run of the same region: :mod:`_runtime_profile`),
+every stream, overlaps merged, / the wall time of a run of the same region profiled with device activity only:
+:func:`_runtime_profile.device_busy`; ``gpu_busy_share_host_profiled`` is the same share from the profile with host
+activity too, whose instrumentation lengthens the host's part),
 ``peak_mem_gb`` (GiB allocated at the peak of the timed region, weights included), ``dtkv_ms_per_layer`` (device
 time of the kernels dtkv's own calls launched in the profiled run -- KV writes, views, indexer, top-k, index
 translation, attention -- per layer, per prompt for prefill and per step for decode), ``kernel_ms_per_layer`` (the
@@ -55,6 +57,7 @@ without running.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import importlib.util
 import inspect
@@ -79,7 +82,7 @@ import _runtime_models as models  # noqa: E402
 import _runtime_report as report  # noqa: E402
 import bench_indexer_logits as bil  # noqa: E402
 from _runtime_kernels import decode_kernels, prefill_kernels  # noqa: E402
-from _runtime_profile import profiled  # noqa: E402
+from _runtime_profile import device_busy, profiled  # noqa: E402
 
 from dtkv.runtime import Runtime, num_pages_for  # noqa: E402
 
@@ -317,7 +320,9 @@ class Bench:
     def _peak(self) -> float | None:
         return torch.cuda.max_memory_allocated(self.dev) / 2**30 if self.dev.type == "cuda" else None
 
-    def _profile(self, out: dict, rt, fn, *, layers: int, per: int, name: str) -> None:
+    def _profile(self, out: dict, rt, fn, *, layers: int, per: int, name: str, again=None) -> None:
+        """Profile ``fn`` (CPU and CUDA: dtkv's part, the categories), then ``again`` (the same region once more)
+        under device activity only: the busy share (module docstring)."""
         try:
             p = profiled(fn, self.dev, rt, trace_dir=self.ns.trace_dir, name=name)
         except Exception as e:  # noqa: BLE001 - the case keeps its timings
@@ -327,6 +332,16 @@ class Bench:
         out.update(gpu_busy_share=None if busy is None else _sig(busy / p["wall_ms"]), busy_ms=busy,
                    profiled_wall_ms=_sig(p["wall_ms"]), attribution=p["attribution"],
                    dtkv_ms_per_layer=_sig(p["dtkv_ms"] / layers / per), categories_ms=p["categories_ms"])  # fmt: skip
+        if busy is not None and again is not None:
+            out["gpu_busy_share_host_profiled"] = out["gpu_busy_share"]
+            try:
+                d = device_busy(again, self.dev)
+            except Exception as e:  # noqa: BLE001 - the case keeps the share of the full profile
+                out["errors"].append(f"device profile: {type(e).__name__}: {e}"[:300])
+                return
+            if d["busy_ms"] is not None:
+                out.update(gpu_busy_share=_sig(d["busy_ms"] / d["wall_ms"]), busy_ms=_sig(d["busy_ms"]),
+                           profiled_wall_ms=_sig(d["wall_ms"]))  # fmt: skip
 
     # -------------------------------------------------------------------- prefill
     def prefill(self, case: Case, budget_s: float) -> dict:
@@ -349,11 +364,19 @@ class Bench:
             out.update(tok_s=_sig(t / wall), wall_s=_sig(wall), peak_mem_gb=self._peak(),
                        model_tflop=_sig(sum(flops.values()) / 1e12),
                        roofline_share=_sig(models.roofline_s(flops, cp) / wall))  # fmt: skip
-            if not self.ns.no_profile and self.g.all(time.perf_counter() + 2 * wall < deadline):
+            if not self.ns.no_profile and self.g.all(time.perf_counter() + 3 * wall < deadline):
                 again = rt.add_request(prompt)
+                held = [again]
+
+                def third() -> None:  # the prompt once more, in the room the profiled one leaves
+                    rt.finish_request(held.pop().rid)
+                    held.append(rt.add_request(prompt))
+                    rt.prefill(c)
+
                 self._profile(out, rt, lambda: rt.prefill(c), layers=case.layers, per=1,
-                              name=f"prefill_{case.adapter}_{t}_{c}")  # fmt: skip
-                rt.finish_request(again.rid)
+                              name=f"prefill_{case.adapter}_{t}_{c}",
+                              again=third if self.dev.type == "cuda" else None)  # fmt: skip
+                rt.finish_request(held.pop().rid)
             if not self.ns.no_kernels and self.g.all(time.perf_counter() < deadline):
                 heads = self._index_heads(case) if case.adapter == "transformers" else None
                 try:
@@ -372,29 +395,35 @@ class Bench:
         t, b, cp, ns = case.context, case.batch, self.g.world, self.ns
         out: dict = {"errors": []}
         warm, most, prof = (1, ns.decode_steps, 1) if ns.smoke else (2, ns.decode_steps, 2)
-        pages = num_pages_for([t] * b, page_size=self.page_size, decode_steps=warm + most + prof + 2, cp_size=cp)
+        pages = num_pages_for([t] * b, page_size=self.page_size, decode_steps=warm + most + 2 * prof + 2, cp_size=cp)
         rt = self.runtime(case, pages)
         try:
             out["attention"], out["kv_mode"] = rt.attention.name, rt.mode
             mode = getattr(rt, "graph_mode", "off")
             out.update(graph=mode == "capture", graph_mode=mode)
             reqs = models.synthetic_requests(rt, batch=b, context=t, seed=ns.seed)
-            rt.decode(warm)
+            if ns.read_each_step:  # a progress callback: every step's tokens reach the host before the next step
+                dec = functools.partial(rt.decode, progress=lambda k, n: None)
+            else:
+                dec = rt.decode
+            out["read_each_step"] = bool(ns.read_each_step)
+            dec(warm)
             deadline = time.perf_counter() + budget_s  # the budget starts after the warm-up (kernel compiles)
-            one = self.g.max(self._timed(lambda: rt.decode(1)))
+            one = self.g.max(self._timed(lambda: dec(1)))
             left = deadline - time.perf_counter()
             fit = 0.35 * left / max(one, 1e-6)  # steps that fit a third of what is left of the case's budget
             steps = int(self.g.max(max(1, most if fit >= most else int(fit))))
             self._peak_reset()
-            wall = self._timed(lambda: rt.decode(steps))
+            wall = self._timed(lambda: dec(steps))
             out.update(step_ms=_sig(wall / steps * 1e3), steps=steps, peak_mem_gb=self._peak())
             graphs = getattr(rt, "graphs", None)
             if graphs is not None:
                 out.update(graph_eager_steps=graphs.stats["eager_steps"], graph_reason=graphs.reason or None,
                            graph_captures=graphs.stats["captures"])  # fmt: skip
-            if not ns.no_profile and self.g.all(time.perf_counter() + 3 * prof * one < deadline):
-                self._profile(out, rt, lambda: rt.decode(prof), layers=case.layers, per=prof,
-                              name=f"decode_{case.adapter}_{case.layers}_{t}_{b}_{case.decode_mode}")  # fmt: skip
+            if not ns.no_profile and self.g.all(time.perf_counter() + 4 * prof * one < deadline):
+                self._profile(out, rt, lambda: dec(prof), layers=case.layers, per=prof,
+                              name=f"decode_{case.adapter}_{case.layers}_{t}_{b}_{case.decode_mode}",
+                              again=(lambda: dec(prof)) if self.dev.type == "cuda" else None)  # fmt: skip
             if not ns.no_kernels and self.g.all(time.perf_counter() < deadline):
                 try:
                     k = decode_kernels(rt, reqs, index_heads=self._index_heads(case), graph=True)
@@ -457,6 +486,9 @@ def _parser() -> argparse.ArgumentParser:
                    "profiling and kernels are skipped past it (default 75)")  # fmt: skip
     p.add_argument("--no-profile", action="store_true", help="no profiled run (no busy share, no dtkv ms)")
     p.add_argument("--no-kernels", action="store_true", help="no kernels-alone timing (no kernel ms)")
+    p.add_argument("--read-each-step", action="store_true",
+                   help="decode with a progress callback: each step's tokens are read before the next step is "
+                        "planned (the graph path's step-ahead off; a baseline for it)")  # fmt: skip
     p.add_argument("--init", default="skip", choices=("skip", "default"), help="transformers' weight init")
     p.add_argument("--seed", type=int, default=0, help="of the weights, prompts and random KV")
     p.add_argument("--trace-dir", help="keep each profiled run's chrome trace here")

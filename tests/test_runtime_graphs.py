@@ -195,6 +195,91 @@ def test_graph_path_equals_the_eager_path(model, decode_mode):
     assert st["captures"] >= 5 and st["replays"] >= 10
 
 
+@pytest.mark.parametrize("decode_mode", ["full", "sharded"])
+def test_graph_steps_run_a_step_ahead_of_the_host(decode_mode, monkeypatch):
+    """``decode(steps)`` on the graph path reads no step's tokens before it launches the next: each bucket after a
+    call's first step takes its ids from the previous step's argmax on the device, while the requests' outputs hold
+    placeholders, and the values replace them once the next replay is launched (then the prefix cache hashes the
+    computed pages). The tokens, logits and stored KV are the eager runtime's, bitwise; with a progress callback
+    every step's tokens are read before it returns."""
+    from dtkv.runtime._graphs import DecodeGraphs, PendingTokens
+
+    seen = []
+    run = DecodeGraphs.run
+
+    def spy(self, reqs, ids=None):
+        seen.append((ids is not None, [r.output[-1] for r in reqs]))
+        return run(self, reqs, ids)
+
+    def decode_all(graphs, **kw):
+        rt = Runtime(make_adapter("reference", kv_dtype="fp8", page_size=4), num_pages=80, decode_mode=decode_mode,
+                     cuda_graphs=graphs, prefix_cache=True)  # fmt: skip
+        for p in _prompts(LENS, rt.model_spec.vocab_size):
+            rt.add_request(p)
+        rt.prefill(8)
+        _, logits = rt.decode(6, return_logits=True, **kw)
+        out = [list(r.output) for r in rt.requests]
+        cached = [len(rt.prefix_cache.lookup(r.tokens)) for r in rt.requests]  # pages cached under the real tokens
+        rt.close()
+        return out, logits, cached
+
+    eager = decode_all(False)
+    monkeypatch.setattr(DecodeGraphs, "run", spy)
+    ahead = decode_all("emulate")
+    assert ahead[0] == eager[0] and all(torch.equal(a, b) for a, b in zip(ahead[1], eager[1]))
+    assert ahead[2] == eager[2]
+    assert PendingTokens.PLACEHOLDER not in sum(ahead[0], [])
+    # the first step of the call reads the prefill's tokens; the next 5 take theirs from the device
+    assert [device for device, _ in seen] == [False] + [True] * 5
+    assert all(set(last) == {PendingTokens.PLACEHOLDER} for _, last in seen[1:])
+    seen.clear()
+    steps = []
+    shown = decode_all("emulate", progress=lambda k, n: steps.append(k))
+    assert shown[0] == eager[0] and steps == [1, 2, 3, 4, 5, 6]
+    assert [device for device, _ in seen] == [False] * 6
+
+
+def test_pending_tokens_resolve_before_an_eager_step_reads_them(monkeypatch):
+    """A step that falls back to eager inside a call (here: the graphs refuse its batch) resolves the previous
+    step's tokens first, so the eager model reads the real ids."""
+    from dtkv.runtime._graphs import DecodeGraphs
+
+    results = []
+    for graphs in (False, "emulate"):
+        rt = _runtime("reference", graphs, decode_mode="sharded")
+        if graphs:
+
+            def refuse_third(self, reqs, calls=[0], reason=DecodeGraphs.reason_for):  # noqa: B006 - the count
+                calls[0] += 1
+                return "refused for the test" if calls[0] == 3 else reason(self, reqs)
+
+            monkeypatch.setattr(DecodeGraphs, "reason_for", refuse_third)
+        for p in _prompts(LENS, rt.model_spec.vocab_size):
+            rt.add_request(p)
+        rt.prefill(8)
+        results.append(rt.decode(5))
+        if graphs:
+            assert rt.graphs.stats["eager_steps"] == 1
+        rt.close()
+    assert results[0] == results[1]
+
+
+def test_pending_tokens_map_the_next_batch_to_their_rows():
+    from dtkv.runtime._graphs import PendingTokens
+    from dtkv.runtime._request import Request
+
+    reqs = [Request(rid=i, prompt=[1, 2], output=[3]) for i in range(4)]
+    p = PendingTokens(reqs, torch.tensor([10, 11, 12, 13]))
+    assert p.ids_for(reqs) is p.tokens
+    assert p.ids_for([reqs[2], reqs[0]]).tolist() == [12, 10]
+    assert p.ids_for([reqs[1], Request(rid=9, prompt=[1])]) is None
+    p.hold()
+    assert [r.output for r in reqs] == [[3, -1]] * 4
+    p.resolve()
+    p.resolve()  # idempotent
+    assert [r.output for r in reqs] == [[3, 10], [3, 11], [3, 12], [3, 13]]
+
+
 def test_full_view_buckets_score_the_batch_in_one_indexer_launch(monkeypatch):
     """A full-view bucket on the fp8 indexer kernel (``attention="triton"``, the interpreter) scores every request
     against its own block of the key table in one ``dtkv::indexer_logits`` launch a layer (a key table per query),

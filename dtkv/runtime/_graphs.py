@@ -31,6 +31,12 @@ handle: the caching allocator asserts on a capture into a pool that no graph hol
 A pool whose buffers moved or changed shape (its geometry) drops every bucket: they are captured again over the new
 buffers.
 
+**A step ahead of the host.** :meth:`dtkv.runtime.Runtime.decode` does not read a graph step's tokens before it
+plans the next step: the step's argmax stays on the device and becomes the next bucket's ids (a device copy after
+the staged host plan), its values travel back in a pinned copy, and the requests' outputs hold placeholders until
+the next replay is launched (:class:`PendingTokens`). So the host plans step ``t + 1`` while the GPU runs step
+``t``; only a call's first step, an eager step and a call with a ``progress`` callback read the tokens first.
+
 **Modes** (``cuda_graphs=``): ``True`` captures (CUDA only), ``"emulate"`` runs every step of the graph path --
 buckets, padding, static buffers, host plans copied in, lazy builds, geometry checks -- eagerly instead of replaying
 (every device; what the CPU tests check bitwise against the eager path), ``False`` runs the eager path.
@@ -69,7 +75,15 @@ from dtkv.runtime.context import StepContext
 if TYPE_CHECKING:
     from dtkv.decode import DecodeStep
 
-__all__ = ["GRAPH_MODES", "CudaGraphs", "DecodeGraphs", "batch_bucket", "page_bucket", "resolve_cuda_graphs"]
+__all__ = [
+    "GRAPH_MODES",
+    "CudaGraphs",
+    "DecodeGraphs",
+    "PendingTokens",
+    "batch_bucket",
+    "page_bucket",
+    "resolve_cuda_graphs",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -220,10 +234,14 @@ class DecodeGraphs:
             logger.info("decode steps run eager, not as CUDA graphs: %s", reason)
 
     # ------------------------------------------------------------------------------------------ run
-    def run(self, reqs: Sequence[Request]) -> torch.Tensor | None:
+    def run(self, reqs: Sequence[Request], ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """The step's logits ``[n, V]`` from its bucket (run phase; collective like the eager step), or None when
         the model's forward refused the bucket at its first run (:class:`GraphUnsupported`: the caller runs the step
-        eager, which writes its rows again)."""
+        eager, which writes its rows again).
+
+        ``ids``: the step's token ids on the device (int64 ``[n]``, the previous step's argmax that the host has not
+        read yet: :class:`PendingTokens`), copied into the bucket after its host plan; None reads them from
+        ``reqs``."""
         rt = self.rt
         geometry = _geometry(rt.pool)
         if geometry != self._geometry:
@@ -243,6 +261,8 @@ class DecodeGraphs:
         self.buckets.pop(key, None)
         self.buckets[key] = bucket
         bucket.prepare(reqs)
+        if ids is not None:
+            bucket.ids[: len(reqs)].copy_(ids)  # stream-ordered after the staged plan it overwrites
         if bucket.ready:
             logits = bucket.replay()
             self.stats["replays"] += 1
@@ -259,6 +279,57 @@ class DecodeGraphs:
         return logits[: len(reqs)]
 
 
+class PendingTokens:
+    """A decode step's greedy tokens while the host has not read them: the step's argmax stays on the device (the
+    next step's ids copy it there), a pinned copy travels back meanwhile, and :meth:`resolve` writes the values into
+    the requests' outputs once it has arrived.
+
+    :meth:`dtkv.runtime.Runtime.decode` appends a placeholder (``-1``) to each output when the step settles and runs
+    the next step's host plan while the GPU still runs this one; the next step resolves these tokens once its own
+    replay is launched, before anything reads them (its commit: the prefix cache hashes computed tokens), and the
+    eager path resolves them before it reads ids from the requests.
+    """
+
+    PLACEHOLDER = -1
+
+    def __init__(self, reqs: Sequence[Request], tokens: torch.Tensor) -> None:
+        self.reqs = list(reqs)
+        self.tokens = tokens
+        cuda = tokens.device.type == "cuda"
+        self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=cuda)
+        self._host.copy_(tokens, non_blocking=cuda)
+        self._event = torch.cuda.Event() if cuda else None
+        if self._event is not None:
+            self._event.record()
+        self._slots: list[int] = []
+
+    def hold(self) -> None:
+        """Append the placeholder to every request's output (the step settled: its tokens exist)."""
+        for r in self.reqs:
+            self._slots.append(len(r.output))
+            r.output.append(self.PLACEHOLDER)
+
+    def ids_for(self, reqs: Sequence[Request]) -> torch.Tensor | None:
+        """The next step's ids ``[len(reqs)]`` on the device, or None when a request of it was not in this step."""
+        if [r.rid for r in reqs] == [r.rid for r in self.reqs]:
+            return self.tokens
+        where = {r.rid: i for i, r in enumerate(self.reqs)}
+        if any(r.rid not in where for r in reqs):
+            return None
+        index = torch.tensor([where[r.rid] for r in reqs], dtype=torch.int64, device=self.tokens.device)
+        return self.tokens.index_select(0, index)
+
+    def resolve(self) -> None:
+        """Wait for the values and write them over the placeholders (idempotent)."""
+        if not self._slots:
+            return
+        if self._event is not None:
+            self._event.synchronize()
+        for r, slot, t in zip(self.reqs, self._slots, self._host.tolist()):
+            r.output[slot] = t
+        self._slots = []
+
+
 class _Bucket:
     """Static buffers and the captured (or emulated) step of one bucket."""
 
@@ -269,6 +340,8 @@ class _Bucket:
         self.ready = False
         self._graph: torch.cuda.CUDAGraph | None = None
         self._out: torch.Tensor | None = None
+        self.ids: torch.Tensor
+        """The static token ids ``[B]``."""
         dev = self.rt.device
         self._cuda = dev.type == "cuda"
         self._copied = torch.cuda.Event() if self._cuda else None
@@ -423,7 +496,7 @@ class _FullBucket(_Bucket):
         self._host = torch.zeros((4 * b + b * m,), dtype=torch.int64, pin_memory=self._cuda)
         self._dev = torch.zeros_like(self._host, device=dev)
         ids, pos, locs, lens = self._dev[: 4 * b].view(4, b)
-        self.lens, self.table = lens, self._dev[4 * b :].view(b, m)
+        self.ids, self.lens, self.table = ids, lens, self._dev[4 * b :].view(b, m)
         rows = torch.arange(b, dtype=torch.int64, device=dev)
         self._col = torch.arange(c, dtype=torch.int64, device=dev)
         self._page_of_col = (self._col // ps).expand(b, c)

@@ -23,7 +23,7 @@ from dtkv.pool import ShardedKVPool, gather_pages
 from dtkv.prefix_cache import PrefixCache
 from dtkv.runtime import _batch, _prefix
 from dtkv.runtime._decode import ShardedDecodeAttention, plan_sharded_step
-from dtkv.runtime._graphs import CudaGraphs, DecodeGraphs, resolve_cuda_graphs
+from dtkv.runtime._graphs import CudaGraphs, DecodeGraphs, PendingTokens, resolve_cuda_graphs
 from dtkv.runtime._invariant import _BatchInvariant
 from dtkv.runtime._outcome import StepOutcome
 from dtkv.runtime._plan import ExtendPlan, plan_extend
@@ -467,17 +467,29 @@ class Runtime:
         """
         return self._decode_step(reqs)[0]
 
-    def _decode_step(self, reqs: Sequence[Request], *, agreed: bool = False, defer: bool = False):
-        """One decode step: ``(logits, outcome)``; with ``defer`` the caller settles the outcome's vote."""
+    def _decode_step(
+        self, reqs: Sequence[Request], *, agreed: bool = False, defer: bool = False,
+        pending: PendingTokens | None = None,
+    ):  # fmt: skip
+        """One decode step: ``(logits, outcome)``; with ``defer`` the caller settles the outcome's vote.
+
+        ``pending``: the previous step's tokens, not read by the host yet (their outputs hold placeholders): a
+        bucket takes the step's ids from the device and the values are resolved once the replay is launched; the
+        eager path resolves them first."""
         lens = self._check_step(reqs, None, decode=True, agreed=agreed)
         graphs = self.graphs
         reason = graphs.reason_for(reqs) if graphs is not None else "cuda_graphs is off"
+        ids = pending.ids_for(reqs) if pending is not None and not reason else None
+        if pending is not None and ids is None:
+            pending.resolve()
         with StepOutcome(self, reqs, what="Runtime decode step", defer=defer) as outcome:
             logits = None
             if graphs is not None and not reason:
                 graphs.allocate(reqs)
                 outcome.keep_pages()
-                logits = graphs.run(reqs)
+                logits = graphs.run(reqs, ids)
+                if pending is not None:
+                    pending.resolve()  # the replay is launched: the GPU runs it while the host waits for these
                 if logits is None:
                     reason = graphs.refused
                 else:
@@ -536,21 +548,37 @@ class Runtime:
         check_int("steps", steps, min_value=0)
         step_logits = []
         agreed = False
-        for _ in range(steps):
-            reqs = [r for r in self.requests if r.output and not r.finished and r.num_computed == r.num_tokens - 1]
-            if not reqs:
-                break
-            out, outcome = self._decode_step(reqs, agreed=agreed, defer=True)
-            try:
-                tokens = out.argmax(dim=-1).tolist()  # one sync for the batch (the vote travels meanwhile)
-            finally:
-                outcome.settle()
-            step_logits.append(out)
-            for r, t in zip(reqs, tokens):
-                r.output.append(t)
-            agreed = progress is None and self.group is not None
-            if progress is not None:
-                progress(len(step_logits), steps)
+        # Graph steps run one step ahead of the host (no progress callback to show the tokens to): a step's tokens
+        # stay on the device as the next step's ids while the host plans that step (PendingTokens).
+        ahead = self.graphs is not None and progress is None
+        pending: PendingTokens | None = None
+        try:
+            for _ in range(steps):
+                reqs = [r for r in self.requests if r.output and not r.finished and r.num_computed == r.num_tokens - 1]
+                if not reqs:
+                    break
+                out, outcome = self._decode_step(reqs, agreed=agreed, defer=True, pending=pending)
+                try:
+                    best = out.argmax(dim=-1)
+                    if ahead:
+                        step_tokens = PendingTokens(reqs, best)
+                    else:
+                        tokens = best.tolist()  # one sync for the batch (the vote travels meanwhile)
+                finally:
+                    outcome.settle()
+                step_logits.append(out)
+                if ahead:
+                    step_tokens.hold()
+                    pending = step_tokens
+                else:
+                    for r, t in zip(reqs, tokens):
+                        r.output.append(t)
+                agreed = progress is None and self.group is not None
+                if progress is not None:
+                    progress(len(step_logits), steps)
+        finally:
+            if pending is not None:
+                pending.resolve()
         outputs = [list(r.output) for r in self.requests]
         return (outputs, step_logits) if return_logits else outputs
 
