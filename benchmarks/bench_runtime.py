@@ -37,9 +37,14 @@ without it ``cuda_graphs=False`` (eager decode). Rows say ``graph`` (steps captu
 ``decode_mode``, ``context``, ``chunk``, ``batch``, ``graph``, ``ok``, ``error`` (also names a part that failed in a
 case that ran: ``profile: ...``, ``kernels: ...``), ``tok_s`` (prefill: prompt tokens / wall seconds of
 ``prefill()``), ``step_ms`` (decode: wall ms per ``decode()`` step), ``gpu_busy_share`` (the device's busy time over
-every stream, overlaps merged, / the wall time of a run of the same region profiled with device activity only:
-:func:`_runtime_profile.device_busy`; ``gpu_busy_share_host_profiled`` is the same share from the profile with host
-activity too, whose instrumentation lengthens the host's part),
+every stream, overlaps merged, in a run of the same work profiled with device activity only
+(:func:`_runtime_profile.device_busy`), over the wall time of that work in the timed region (``timed_ms``: the
+prompt's ``prefill()``, or as many decode steps at ``step_ms``). A profiled run is slower than the timed one -- the
+host activity's records lengthen the host's part, and CUPTI's tracing of every kernel of a replayed graph lengthens
+the replay (two 4-layer decode steps: 6.6 ms profiled with device activity only, 4.4 ms timed, on an H100) -- so the
+share over a profiled run's own wall counts the profiler's cost as idle; those two are kept as
+``gpu_busy_share_profiled_wall`` (device activity only) and ``gpu_busy_share_host_profiled`` (both activities, the
+run that attributes dtkv's part)),
 ``peak_mem_gb`` (GiB allocated at the peak of the timed region, weights included), ``dtkv_ms_per_layer`` (device
 time of the kernels dtkv's own calls launched in the profiled run -- KV writes, views, indexer, top-k, index
 translation, attention -- per layer, per prompt for prefill and per step for decode), ``kernel_ms_per_layer`` (the
@@ -320,9 +325,10 @@ class Bench:
     def _peak(self) -> float | None:
         return torch.cuda.max_memory_allocated(self.dev) / 2**30 if self.dev.type == "cuda" else None
 
-    def _profile(self, out: dict, rt, fn, *, layers: int, per: int, name: str, again=None) -> None:
-        """Profile ``fn`` (CPU and CUDA: dtkv's part, the categories), then ``again`` (the same region once more)
-        under device activity only: the busy share (module docstring)."""
+    def _profile(self, out: dict, rt, fn, *, layers: int, per: int, name: str, again=None, timed_ms=None) -> None:
+        """Profile ``fn`` (CPU and CUDA: dtkv's part, the categories), then ``again`` (the same work once more)
+        under device activity only: its busy time over ``timed_ms``, the wall of the same work in the timed
+        (unprofiled) region, is the busy share (module docstring)."""
         try:
             p = profiled(fn, self.dev, rt, trace_dir=self.ns.trace_dir, name=name)
         except Exception as e:  # noqa: BLE001 - the case keeps its timings
@@ -332,16 +338,18 @@ class Bench:
         out.update(gpu_busy_share=None if busy is None else _sig(busy / p["wall_ms"]), busy_ms=busy,
                    profiled_wall_ms=_sig(p["wall_ms"]), attribution=p["attribution"],
                    dtkv_ms_per_layer=_sig(p["dtkv_ms"] / layers / per), categories_ms=p["categories_ms"])  # fmt: skip
-        if busy is not None and again is not None:
-            out["gpu_busy_share_host_profiled"] = out["gpu_busy_share"]
-            try:
-                d = device_busy(again, self.dev)
-            except Exception as e:  # noqa: BLE001 - the case keeps the share of the full profile
-                out["errors"].append(f"device profile: {type(e).__name__}: {e}"[:300])
-                return
-            if d["busy_ms"] is not None:
-                out.update(gpu_busy_share=_sig(d["busy_ms"] / d["wall_ms"]), busy_ms=_sig(d["busy_ms"]),
-                           profiled_wall_ms=_sig(d["wall_ms"]))  # fmt: skip
+        if busy is None or again is None or timed_ms is None:
+            return
+        out["gpu_busy_share_host_profiled"] = out["gpu_busy_share"]
+        try:
+            d = device_busy(again, self.dev)
+        except Exception as e:  # noqa: BLE001 - the case keeps the share of the full profile
+            out["errors"].append(f"device profile: {type(e).__name__}: {e}"[:300])
+            return
+        if d["busy_ms"] is not None:
+            out.update(gpu_busy_share=_sig(d["busy_ms"] / timed_ms), busy_ms=_sig(d["busy_ms"]),
+                       gpu_busy_share_profiled_wall=_sig(d["busy_ms"] / d["wall_ms"]),
+                       profiled_wall_ms=_sig(d["wall_ms"]), timed_ms=_sig(timed_ms))  # fmt: skip
 
     # -------------------------------------------------------------------- prefill
     def prefill(self, case: Case, budget_s: float) -> dict:
@@ -375,7 +383,7 @@ class Bench:
 
                 self._profile(out, rt, lambda: rt.prefill(c), layers=case.layers, per=1,
                               name=f"prefill_{case.adapter}_{t}_{c}",
-                              again=third if self.dev.type == "cuda" else None)  # fmt: skip
+                              again=third if self.dev.type == "cuda" else None, timed_ms=wall * 1e3)  # fmt: skip
                 rt.finish_request(held.pop().rid)
             if not self.ns.no_kernels and self.g.all(time.perf_counter() < deadline):
                 heads = self._index_heads(case) if case.adapter == "transformers" else None
@@ -423,7 +431,8 @@ class Bench:
             if not ns.no_profile and self.g.all(time.perf_counter() + 4 * prof * one < deadline):
                 self._profile(out, rt, lambda: dec(prof), layers=case.layers, per=prof,
                               name=f"decode_{case.adapter}_{case.layers}_{t}_{b}_{case.decode_mode}",
-                              again=(lambda: dec(prof)) if self.dev.type == "cuda" else None)  # fmt: skip
+                              again=(lambda: dec(prof)) if self.dev.type == "cuda" else None,
+                              timed_ms=wall / steps * prof * 1e3)  # fmt: skip
             if not ns.no_kernels and self.g.all(time.perf_counter() < deadline):
                 try:
                     k = decode_kernels(rt, reqs, index_heads=self._index_heads(case), graph=True)
