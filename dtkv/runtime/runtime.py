@@ -540,6 +540,11 @@ class Runtime:
         follow from the voted state, the same on every rank; the input rules still run, with the same verdict
         everywhere). With ``progress`` every step agrees on its inputs first, as :meth:`decode_step` does.
 
+        With CUDA graphs (and no ``progress``) the steps run a step ahead of the host: a step's tokens stay on the
+        device as the next step's ids and are read once that step's replay is launched (:mod:`dtkv.runtime._graphs`,
+        :class:`~dtkv.runtime._graphs.PendingTokens`), so the host plans step ``t + 1`` while the GPU runs step ``t``.
+        The tokens are the same; every output holds its values when the call returns.
+
         Returns:
             Every request's generated tokens; with ``return_logits``, also per step the logits
             ``[num_decoding, V]`` that chose the next tokens.
