@@ -420,11 +420,12 @@ def test_demo_refuses_an_attention_backend_or_device_this_machine_cannot_run():
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the interpreter runs Triton on CPUs
     assert "triton needs a CUDA device" in _one_usage_line(_demo("--attention", "triton", "--device", "cpu", env=env))
-    assert "flashmla needs a CUDA device" in _one_usage_line(_demo("--attention", "flashmla", "--device", "cpu"))
+    # the others in this process (the rules run before any rank starts)
+    assert "flashmla needs a CUDA device" in _one_usage_line(_usage("--attention", "flashmla", "--device", "cpu"))
     if not torch.cuda.is_available():
-        assert "--device cuda needs a CUDA device" in _one_usage_line(_demo("--device", "cuda"))
+        assert "--device cuda needs a CUDA device" in _one_usage_line(_usage("--device", "cuda"))
         # --pd decodes in CPU processes: a GPU-only backend cannot run there either
-        assert "--attention flashmla" in _one_usage_line(_demo("--attention", "flashmla", "--pd", "--device", "cpu"))
+        assert "--attention flashmla" in _one_usage_line(_usage("--attention", "flashmla", "--pd", "--device", "cpu"))
 
 
 def test_a_rule_every_rank_meets_is_one_usage_error_not_a_failure_per_rank(capsys):
