@@ -18,8 +18,9 @@ are the float32 logits' selection keys). Rows (``phase: "topk"``), one per case 
 
 - ``packed``: the path the runtime ran before: :func:`dtkv.ops.indexer_topk` of the packed keys (``torch.topk`` of
   int64) and the kept columns' slots;
-- ``logits_topk``: :func:`dtkv.ops.logits_topk` of the float32 logits with the queries' column ranges and slots
-  (``bitwise``: the packed path's result exactly);
+- ``logits_topk``: :func:`dtkv.ops.logits_topk` of the float32 logits with the slots, as the runtime calls it
+  (the logits are ``-inf`` outside each query's range already; ``bitwise``: the packed path's result exactly);
+- ``logits_topk_ranges``: the same with the queries' column ranges passed (the kernel path masks a copy first);
 - ``torch_f32``: ``torch.topk`` of the float32 logits, ``sorted=True`` (a speed reference: its ties are not the
   rule's);
 - ``quantize`` / ``quantize_torch``: the queries' fp8 quantization, the kernel and its torch reference
@@ -61,15 +62,13 @@ CASES = [(8192, 8192), (8192, 32768), (8192, 65536), (8192, 131072), (16, 32768)
 SMOKE_CASES = [(5, 70), (33, 200)]
 SMOKE_TOPK = 16
 CANDIDATES = [
-    {"block": 2048, "num_warps": 16}, {"block": 4096, "num_warps": 16}, {"num_stages": 3}, {"num_stages": 1},
-    {"cap": 2048}, {"coarse": 20},
+    {"block": 1024, "num_warps": 4}, {"block": 1024, "num_warps": 8}, {"block": 4096, "num_warps": 8},
+    {"block": 4096, "num_warps": 16}, {"block": 8192, "num_warps": 16},
 ]  # fmt: skip
-"""Launches of ``--sweep`` (each over :data:`dtkv.ops.logits_topk.KERNEL_CONFIG`, one knob at a time): columns a
-step and warps (sm_90 builds: 117 and 128 registers, one program of 16 warps an SM, against the default's 114, two
-of 8), pipeline stages of the passes, the largest threshold bin gathered, the coarse window (each a separate build:
-seconds of compilation)."""
+"""Launches of ``--sweep`` (each over :data:`dtkv.ops.logits_topk.KERNEL_CONFIG`): columns a step of the kernel's
+pass and warps (each a separate build: seconds of compilation)."""
 SWEEP_CASES = [(8192, 32768), (8192, 131072)]
-SMOKE_CANDIDATES = [{"block": 16, "cap": 2}, {"block": 64, "coarse": 8}]
+SMOKE_CANDIDATES = [{"block": 16}, {"block": 64, "num_warps": 2}]
 
 
 def _case(tokens: int, context: int, device: torch.device, smoke: bool) -> dict:
@@ -91,9 +90,9 @@ def _packed(c: dict, k: int):
     return run
 
 
-def _new(c: dict, k: int, backend: str):
-    return lambda: logits_topk(c["logits"], k, key_start=c["start"], key_end=c["end"], key_slots=c["slots"],
-                               backend=backend)  # fmt: skip
+def _new(c: dict, k: int, backend: str, ranges: bool = False):
+    kw = {"key_start": c["start"], "key_end": c["end"]} if ranges else {}
+    return lambda: logits_topk(c["logits"], k, key_slots=c["slots"], backend=backend, **kw)
 
 
 def _modes(c: dict, k: int, tokens: int, context: int, visible: int, device: torch.device) -> dict:
@@ -107,6 +106,7 @@ def _modes(c: dict, k: int, tokens: int, context: int, visible: int, device: tor
     return {
         "packed": (_packed(c, k), 8 * visible),
         "logits_topk": (_new(c, k, c["backend"]), 4 * visible),
+        "logits_topk_ranges": (_new(c, k, c["backend"], ranges=True), 4 * visible),
         "torch_f32": (lambda: torch.topk(c["logits"], min(k, context), dim=1, sorted=True), 4 * visible),
         "quantize": (lambda: quantize_indexer_queries(q, w, scale=0.1, backend=c["backend"]), qbytes),
         "quantize_torch": (lambda: quantize_indexer_queries(q, w, scale=0.1, backend="torch"), qbytes),
@@ -131,7 +131,7 @@ def run_cases(cases, device: torch.device, *, reps: int, smoke: bool, log=print)
             try:
                 ms, peak, out = bil.timed(fn, device, reps)
                 row |= {"ms": ms, "peak_mem_gb": peak, "gbps": nbytes / (ms * 1e6), "ok": True}
-                if mode == "logits_topk":
+                if mode in ("logits_topk", "logits_topk_ranges"):
                     row |= {"config": dict(_mod.KERNEL_CONFIG), "bitwise": bool(torch.equal(out, results["packed"]))}
                     row["ok"] = row["bitwise"]
                     row["speedup"] = rows_ms(rows, tokens, context, "packed") / ms

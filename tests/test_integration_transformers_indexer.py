@@ -162,7 +162,7 @@ def test_fp8_kernel_selects_what_the_torch_fp8_math_selects(name, monkeypatch):
     (the kernel applies the key scale after the head sum), far below these random keys' gaps."""
     rt, ctx, indexer, iq, iw, view = _layer_inputs(name, "fp8", attention="triton")
     assert A.uses_fp8_indexer(ctx.attention.name, ctx.layouts["index"])
-    monkeypatch.setattr(X, "FP8_BLOCK_BYTES", 8 * 5 * ctx.plan.key_slots.shape[0])  # blocks of 5 queries (int64)
+    monkeypatch.setattr(X, "FP8_BLOCK_BYTES", 4 * 5 * ctx.plan.key_slots.shape[0])  # blocks of 5 queries (float32)
     calls = []
     real = X.ops.indexer_logits
     monkeypatch.setattr(X.ops, "indexer_logits", lambda *a, **k: calls.append(k["backend"]) or real(*a, **k))
@@ -312,10 +312,10 @@ class _Ops(TorchDispatchMode):
         return out
 
 
-def test_fast_path_selects_with_packed_keys_and_copies_no_queries(monkeypatch):
+def test_fast_path_selects_from_float_logits_and_copies_no_queries(monkeypatch):
     """A step on the FlashMLA path (a CPU stand-in of ``flash_mla``, ``tests/fake_flash_mla.py``; the ops on their
-    torch backend) with fp8 KV, a bf16 model at FlashMLA's dims: the top-k runs one ``dtkv::indexer_topk`` of
-    packed keys a block, and the absorbed attention concatenates
+    torch backend) with fp8 KV, a bf16 model at FlashMLA's dims: the top-k runs one ``dtkv::logits_topk`` of the
+    indexer's float32 logits a block (no int64 keys over the key table), and the absorbed attention concatenates
     nothing and copies only the rope part of the queries (the latent query and the value heads are written in
     place)."""
     import dtkv.attention._flashmla as fm
@@ -339,9 +339,9 @@ def test_fast_path_selects_with_packed_keys_and_copies_no_queries(monkeypatch):
     by = lambda fn: [(op, shapes) for where, op, shapes in mode.ops if where == fn]  # noqa: E731
     topk_ops, attn_ops = by("select_topk"), by("_absorbed_attention")
     layers = lm.config.num_hidden_layers
-    # the packed keys and dtkv::indexer_topk (one a block; dtkv::logits_topk is slower on an H200 today)
+    # float32 logits and dtkv::logits_topk, one of each a block (a block here: the whole step)
     names = [op for op, _ in topk_ops]
-    assert names.count("indexer_logits") == layers and "topk" in names and "logits_topk" not in names, names
+    assert names.count("indexer_logits") == names.count("logits_topk") == layers and "topk" not in names, names
     assert not {"cat", "clone", "contiguous"} & {op for op, _ in attn_ops}
     heads, rope = lm.config.num_attention_heads, lm.config.qk_rope_head_dim
     copies = [(op, shapes[0]) for op, shapes in attn_ops if op in ("copy_", "_to_copy")]

@@ -44,10 +44,21 @@ def test_picks_the_nearest_tuned_size_on_a_log_scale(tuned_device, size, want):
 def test_other_devices_and_untuned_ops_get_the_defaults(monkeypatch):
     monkeypatch.setattr(_tuned, "TUNED", {"remap": SIZES})
     assert _tuned.launch_config("remap", 2**24, torch.device("cpu")) == _tuned.DEFAULTS["remap"]
-    monkeypatch.setattr(_tuned, "_device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(_tuned, "_device_name", lambda device: "NVIDIA H100 PCIe")  # other SMs: the defaults
     assert _tuned.launch_config("remap", 2**24, torch.device("cuda", 0)) == _tuned.DEFAULTS["remap"]
     monkeypatch.setattr(_tuned, "_device_name", lambda device: _tuned.TUNED_DEVICE)
     assert _tuned.launch_config("direct_write", 5, torch.device("cuda", 0)) == _tuned.DEFAULTS["direct_write"]
+
+
+def test_a_sibling_of_the_tuned_device_takes_the_table(monkeypatch):
+    """An H100 SXM (the H200's SMs) takes the tuned entries; the table names it."""
+    monkeypatch.setattr(_tuned, "TUNED", {"remap": SIZES})
+    monkeypatch.setattr(_tuned, "_device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    assert "NVIDIA H100 80GB HBM3" in _tuned.TUNED_SIBLINGS
+    assert _tuned.launch_config("remap", 2**24, torch.device("cuda", 0)) == {
+        **_tuned.DEFAULTS["remap"],
+        **SIZES[16777216],
+    }
 
 
 def test_launch_config_returns_a_fresh_dict():

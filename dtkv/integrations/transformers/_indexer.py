@@ -2,8 +2,8 @@
 math a run takes (:mod:`dtkv.integrations.transformers.attention` calls it; the names are re-exported there).
 
 - :func:`select_topk`: view slots ``[N, k]`` of each query's ``index_topk`` best keys, in bounded blocks of
-  queries, ties to the lowest position (int64 selection keys and ``torch.topk``: packed by the fp8 kernel, or
-  built from the exact formula's scores).
+  queries, ties to the lowest position (the fp8 kernel's float32 logits and :func:`dtkv.ops.logits_topk`, or int64
+  selection keys of the exact formula's scores and ``torch.topk``).
 - :func:`indexer_precision` (a switch) and :func:`uses_fp8_indexer`: DeepSeek-V3.2's fp8 indexer (the kernel
   :func:`dtkv.ops.indexer_logits` on the fast backends) or the model's exact formula.
 - :func:`fp8_indexer_queries`: the fp8 rounding of the queries (the ``torch`` backend's fp8 math, sharded decode).
@@ -42,7 +42,7 @@ TORCH_BLOCK_BYTES = 1 << 28
 """The ``torch`` indexer's temporaries per block of queries (``[B, I, K]`` float32 products, ``[B, K]`` keys)."""
 
 FP8_BLOCK_BYTES = 1 << 31
-"""The fp8 indexer's ``[B, K]`` int64 keys per block of queries (the kernel keeps nothing else per key)."""
+"""The fp8 indexer's ``[B, K]`` float32 logits per block of queries (the kernel keeps nothing else per key)."""
 
 _PRECISION: list[str] = []
 
@@ -96,12 +96,12 @@ def select_topk(indexer, ctx: StepContext, q_NIJ, w_NI, view_index) -> torch.Ten
 
     Query ``n`` sees the key-table entries ``[plan.key_start[n], plan.key_end[n])``: its request's entries up to
     its position. The fp8 indexer (:func:`uses_fp8_indexer`) on the ``triton`` and ``flashmla`` backends runs
-    :func:`dtkv.ops.quantize_indexer_queries` once and :func:`dtkv.ops.indexer_logits` (packed keys, blocks of
-    queries within :data:`FP8_BLOCK_BYTES`), then :func:`dtkv.ops.indexer_topk` (:func:`dtkv.ops.logits_topk`
-    selects the same slots from float32 logits, bit for bit, but is slower on an H200 today); otherwise
-    the model's formula ``relu(q . k * softmax_scale)`` summed with the head weights in float32 does (on
-    :func:`fp8_indexer_queries` for the fp8 indexer on ``torch``; blocks within :data:`TORCH_BLOCK_BYTES`), then
-    selection keys and :func:`dtkv.ops.indexer_topk`.
+    :func:`dtkv.ops.quantize_indexer_queries` once and :func:`dtkv.ops.indexer_logits` (float32 logits, ``-inf``
+    where not visible, blocks of queries within :data:`FP8_BLOCK_BYTES`), then :func:`dtkv.ops.logits_topk` (the
+    selection of the packed keys' ``torch.topk``, bit for bit, at half the bytes); otherwise the model's formula
+    ``relu(q . k * softmax_scale)`` summed with the head weights in float32 does (on :func:`fp8_indexer_queries`
+    for the fp8 indexer on ``torch``; blocks within :data:`TORCH_BLOCK_BYTES`), then selection keys and
+    :func:`dtkv.ops.indexer_topk`.
 
     Args:
         indexer: the layer's indexer module (``softmax_scale``, ``index_topk``).
@@ -122,16 +122,14 @@ def select_topk(indexer, ctx: StepContext, q_NIJ, w_NI, view_index) -> torch.Ten
         assert isinstance(lay, IndexerFp8Layout), "the fp8 indexer reads fp8 index pages"
         backend = "triton" if name == "triton" else "auto"
         q8, w8 = ops.quantize_indexer_queries(q_NIJ, w_NI, scale=indexer.softmax_scale, backend=backend)
-        # packed int64 keys and torch.topk: on an H200 (4 layers, chunk 8192) dtkv.ops.logits_topk took 31 ms a
-        # layer at 32K and 391 ms at 128K against 21 and 227 for this path, so the packed keys stay the default
-        block = max(1, FP8_BLOCK_BYTES // max(1, 8 * num_keys))
+        block = max(1, FP8_BLOCK_BYTES // max(1, 4 * num_keys))
         out = []
         for b0 in range(0, n, block):
             sl = slice(b0, min(n, b0 + block))
-            keys = ops.indexer_logits(q8[sl], w8[sl], view_index, plan.key_slots, start[sl], end[sl], layout=lay,
-                                      packed=True, backend=backend)  # fmt: skip
-            top, valid = ops.indexer_topk(keys, k)
-            out.append(torch.where(valid, plan.key_slots[top.clamp(min=0)], torch.full_like(top, -1)))
+            logits = ops.indexer_logits(q8[sl], w8[sl], view_index, plan.key_slots, start[sl], end[sl], layout=lay,
+                                        backend=backend)  # fmt: skip
+            # -inf outside each query's range already: no ranges to mask
+            out.append(ops.logits_topk(logits, k, key_slots=plan.key_slots, backend=backend))
         return _joined(out, k, q_NIJ.device)
     keys_JK = read_rows(view_index, lay, q_NIJ.dtype, slots=plan.key_slots).transpose(0, 1).float()
     cols = torch.arange(num_keys, device=q_NIJ.device)
@@ -167,12 +165,13 @@ def _select_blocks(indexer, ctx: StepContext, q_NIJ, w_NI, view_index) -> torch.
     end = plan.positions + 1
     name = ctx.attention.name if ctx.attention is not None else "torch"
     fp8 = uses_fp8_indexer(name, lay)
-    cols = torch.arange(c, device=q_NIJ.device)
     if fp8 and name != "torch":
         assert isinstance(lay, IndexerFp8Layout), "the fp8 indexer reads fp8 index pages"
         backend = "triton" if name == "triton" else "auto"
         q8, w8 = ops.quantize_indexer_queries(q_NIJ, w_NI, scale=indexer.softmax_scale, backend=backend)
-        # one launch for the batch: a key table per query (its request's block), the visible columns [0, end)
+        # one launch for the batch: a key table per query (its request's block), the visible columns [0, end);
+        # packed keys and torch.topk: at decode's few rows dtkv.ops.logits_topk's one program a row is slower (one
+        # H100: 0.127 / 0.266 ms against 0.115 / 0.167 at 1 x 32K / 16 x 128K, probe of 2026-12-06)
         keys = ops.indexer_logits(q8, w8, view_index, slots_NC, torch.zeros_like(end), end, layout=lay, packed=True,
                                   backend=backend)  # fmt: skip
     else:
@@ -187,6 +186,7 @@ def _select_blocks(indexer, ctx: StepContext, q_NIJ, w_NI, view_index) -> torch.
             scores = scores.mul_(indexer.softmax_scale).relu_()  # [B, I, C]
             parts.append(torch.matmul(w_NI[b0 : b0 + len(rows)].unsqueeze(-2), scores).squeeze(-2))
         index_NC = torch.cat(parts) if parts else w_NI.new_zeros((0, c))
+        cols = torch.arange(c, device=q_NIJ.device)
         keys = selection_keys(index_NC, cols.expand_as(index_NC), cols[None, :] < end[:, None])
     top, valid = ops.indexer_topk(keys, k)
     return torch.where(valid, slots_NC.gather(1, top.clamp(min=0)), torch.full_like(top, -1))
