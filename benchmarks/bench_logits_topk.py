@@ -62,11 +62,13 @@ CASES = [(8192, 8192), (8192, 32768), (8192, 65536), (8192, 131072), (16, 32768)
 SMOKE_CASES = [(5, 70), (33, 200)]
 SMOKE_TOPK = 16
 CANDIDATES = [
-    {"block": 1024, "num_warps": 4}, {"block": 1024, "num_warps": 8}, {"block": 4096, "num_warps": 8},
-    {"block": 4096, "num_warps": 16}, {"block": 8192, "num_warps": 16},
+    {"block": 256, "num_warps": 2}, {"block": 512, "num_warps": 2}, {"block": 512, "num_warps": 4},
+    {"block": 1024, "num_warps": 4}, {"block": 1024, "num_warps": 8}, {"block": 2048, "num_warps": 4},
+    {"block": 4096, "num_warps": 8}, {"block": 1024, "num_warps": 4, "num_stages": 3},
+    {"block": 1024, "num_warps": 4, "num_stages": 4}, {"block": 512, "num_warps": 4, "num_stages": 4},
 ]  # fmt: skip
 """Launches of ``--sweep`` (each over :data:`dtkv.ops.logits_topk.KERNEL_CONFIG`): columns a step of the kernel's
-pass and warps (each a separate build: seconds of compilation)."""
+pass, warps and loads in flight (each a separate build: seconds of compilation)."""
 SWEEP_CASES = [(8192, 32768), (8192, 131072)]
 SMOKE_CANDIDATES = [{"block": 16}, {"block": 64, "num_warps": 2}]
 

@@ -17,17 +17,19 @@ positions (the extend-step indexer's tie rule, :mod:`dtkv.integrations.transform
 
 1. *the threshold*: ``torch.topk`` of the float32 rows (values only, unsorted; with ranges, of a copy that is
    ``-inf`` outside them -- the runtime's indexer logits already are, so it passes none);
-2. *one launch, a program a row* (:func:`_select_kernel`): the smallest kept value under the rule's order (each
-   logit's int32 *order key*, :func:`_order_key`) is the threshold ``t``, and the kept values above it say how many
-   of the row's keys at ``t`` belong in (``need``); one read of the row then writes the candidates above ``t`` and the
-   ``need`` lowest-column candidates at ``t`` as int64 selection keys to an ``[N, k]`` scratch row, in column order,
-   :data:`INVALID_KEY` after them. ``torch.topk`` may break ties of equal values (or of ``-0.0`` and ``+0.0``) its
-   own way: the rule only needs its kept values to hold every candidate above their smallest, which any top-k does;
-3. ``torch.sort`` of the scratch rows, descending (keys are distinct: best first, ties by column), decoded to
-   columns or slots.
+2. *one launch, a program a row* (:func:`_logits_topk_select_kernel`): the smallest kept value under the rule's order
+   (each logit's int32 *order key*, :func:`_order_key`) is the threshold ``t``, and the kept values above it say how
+   many of the row's keys at ``t`` belong in (``need``); one read of the row then writes the candidates above ``t``
+   and the ``need`` lowest-column candidates at ``t`` to ``[N, k]`` scratch rows, in column order: their order keys
+   (int32) and their columns or slots (int64), ``-2**31`` / ``-1`` after them. ``torch.topk`` may break ties of equal
+   values (or of ``-0.0`` and ``+0.0``) its own way: the rule only needs its kept values to hold every candidate
+   above their smallest, which any top-k does;
+3. a stable ``torch.sort`` of the order keys, descending (equal keys stay in column order: best first, ties to
+   the lowest column), and the columns or slots gathered in that order.
 
-Launch: :data:`KERNEL_CONFIG` (``block``: columns a step, ``num_warps``); ``benchmarks/bench_logits_topk.py`` times
-it against the packed path.
+Launch: :data:`KERNEL_CONFIG`; ``benchmarks/bench_logits_topk.py`` times it against the packed path (one H100,
+8192 queries x 8K-128K keys: 1.26-1.55x its speed, 2026-12-06). At decode's few rows a program a row is slower
+than the packed path, which the runtime's decode keeps.
 
 Legend: ``N`` queries (rows), ``K`` key columns, ``k`` kept per row.
 """
@@ -40,7 +42,7 @@ from dtkv._checks import check_int, check_tensor
 
 from ._common import device_ctx, index_arg, resolve_backend, tl, triton
 from .indexer_logits import indexer_topk
-from .selection_keys import INVALID_KEY, key_positions, selection_keys
+from .selection_keys import selection_keys
 
 __all__ = ["KERNEL_CONFIG", "logits_topk", "logits_topk_torch"]
 
@@ -49,8 +51,9 @@ _REF_BLOCK_BYTES = 1 << 28
 """The reference's ``[B, K]`` int64 keys per block of rows (bounded whatever ``N``)."""
 
 KERNEL_CONFIG: dict[str, int] = {"block": 1024, "num_warps": 4, "num_stages": 2}
-"""Launch of :func:`_select_kernel`: ``block`` columns a step of its one pass over a row (and of its passes over
-the kept values; a power of two below ``2**15``), ``num_warps``, ``num_stages`` (loads of the pass in flight)."""
+"""Launch of :func:`_logits_topk_select_kernel`: ``block`` columns a step of its one pass over a row (and of its
+passes over the kept values; a power of two below ``2**15``), ``num_warps``, ``num_stages`` (loads of the pass in
+flight). The default was the fastest of ``bench_logits_topk.py --sweep``'s five on one H100 (2026-12-06)."""
 
 
 # ----------------------------------------------------------------------------------------- torch reference
@@ -96,14 +99,17 @@ def _order_key(s):
 
 
 @triton.jit(do_not_specialize=["num_keys", "k", "kk"])
-def _select_kernel(
-    sel_ptr,  # [N, k] int64, contiguous: each row's selection keys, column order, INVALID_KEY after them
+def _logits_topk_select_kernel(
+    ord_ptr,  # [N, k] int32, contiguous: the kept keys' order keys, column order, -2**31 after them
+    val_ptr,  # [N, k] int64, contiguous: their columns (or slots), -1 after them
     logits_ptr,  # [N, K] float32; row stride l_sn, columns contiguous (-inf outside each row's range)
     kept_ptr,  # [N, kk] float32, contiguous: the values torch.topk kept of each row
+    slots_ptr,  # [K] int32/int64, contiguous (HAS_SLOTS): what each column maps to
     num_keys,  # K (< 2**31)
     k,
     kk,  # min(k, K)
     l_sn,
+    HAS_SLOTS: tl.constexpr,
     BLOCK: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
@@ -124,7 +130,6 @@ def _select_kernel(
     # one read of the row: the keys above t, and the `need` lowest-column keys at t, in column order. One scan a
     # step counts both kinds (keys above t in the low 16 bits, keys at t in the high ones: BLOCK < 2**15)
     src = logits_ptr + row * l_sn
-    dst = sel_ptr + row * k
     put = zero
     seen = zero  # keys at t before this step
     for c0 in tl.range(0, num_keys, BLOCK, num_stages=NUM_STAGES):
@@ -137,14 +142,21 @@ def _select_kernel(
         before = tl.cumsum(both, axis=0) - both
         at_before = seen + (before >> 16)
         # kept before this key: those above t, and those at t up to `need`
-        pos = put + (before & 0xFFFF) + tl.minimum(at_before, need) - tl.minimum(seen, need)
-        key = u.to(tl.int64) * 4294967296 + (4294967295 - cols.to(tl.int64))
-        tl.store(dst + pos, key, mask=gt | (at & (at_before < need)))
+        pos = row * k + put + (before & 0xFFFF) + tl.minimum(at_before, need) - tl.minimum(seen, need)
+        take = gt | (at & (at_before < need))
+        if HAS_SLOTS:
+            val = tl.load(slots_ptr + cols, mask=take, other=-1).to(tl.int64)
+        else:
+            val = cols.to(tl.int64)
+        tl.store(ord_ptr + pos, u, mask=take)
+        tl.store(val_ptr + pos, val, mask=take)
         total = tl.sum(both, axis=0)
         put += (total & 0xFFFF) + tl.minimum(seen + (total >> 16), need) - tl.minimum(seen, need)
         seen += total >> 16
     for c0 in range(0, k, BLOCK):  # the rest of the row: padding
-        tl.store(dst + c0 + j, tl.full([BLOCK], -9223372036854775808, tl.int64), mask=(c0 + j < k) & (c0 + j >= put))
+        pad = (c0 + j < k) & (c0 + j >= put)
+        tl.store(ord_ptr + row * k + c0 + j, tl.full([BLOCK], -2147483648, tl.int32), mask=pad)
+        tl.store(val_ptr + row * k + c0 + j, tl.full([BLOCK], -1, tl.int64), mask=pad)
 
 
 # ----------------------------------------------------------------------------------------- launch
@@ -161,21 +173,21 @@ def _select(logits, start, end, slots, k: int) -> torch.Tensor:
         src = torch.where(inside, logits, torch.full((), float("-inf"), device=dev))
     kk = min(k, num_keys)
     kept = torch.topk(src, kk, dim=1, largest=True, sorted=False).values.contiguous()
-    sel = torch.empty((n, k), dtype=torch.int64, device=dev)
+    order = torch.empty((n, k), dtype=torch.int32, device=dev)
+    vals = torch.empty((n, k), dtype=torch.int64, device=dev)
     block = int(KERNEL_CONFIG["block"])
     if not 0 < block < 2**15 or block & (block - 1):  # the kernel counts two kinds of keys in one int32 scan
         raise ValueError(f"KERNEL_CONFIG['block'] must be a power of two below 2**15, got {block}")
     with device_ctx(dev):
-        _select_kernel[(n,)](
-            sel, src, kept, num_keys, k, kk, src.stride(0),
-            BLOCK=block, NUM_STAGES=int(KERNEL_CONFIG["num_stages"]), num_warps=int(KERNEL_CONFIG["num_warps"]),
+        _logits_topk_select_kernel[(n,)](
+            order, vals, src, kept, vals if slots is None else slots, num_keys, k, kk, src.stride(0),
+            HAS_SLOTS=slots is not None, BLOCK=block, NUM_STAGES=int(KERNEL_CONFIG["num_stages"]),
+            num_warps=int(KERNEL_CONFIG["num_warps"]),
         )  # fmt: skip
-    keys = torch.sort(sel, dim=1, descending=True).values
-    cols = key_positions(keys)
-    valid = keys != INVALID_KEY
-    if slots is not None:
-        cols = slots.to(torch.int64)[cols.clamp(max=num_keys - 1)]
-    return torch.where(valid, cols, torch.full((), -1, dtype=torch.int64, device=dev))
+    # best first: a stable sort of the 32-bit order keys keeps equal ones in column order (ties to the lowest
+    # column); the padding's -2**31 is below every candidate's
+    by = torch.sort(order, dim=1, descending=True, stable=True).indices
+    return torch.gather(vals, 1, by)
 
 
 def _check(logits, key_start, key_end, key_slots, k) -> None:

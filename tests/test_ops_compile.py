@@ -57,7 +57,7 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     kernels = {r["kernel"] for r in records}
     want = {"_write_owned_kernel", "_write_owned_window_kernel", "_quantize_write_mla_fp8_kernel",
             "_quantize_write_indexer_fp8_kernel", "_pack_layer_pages_kernel", "_remap_kernel", "_map16_kernel",
-            "_select_kernel", "_quantize_indexer_queries_kernel"}  # fmt: skip
+            "_logits_topk_select_kernel", "_quantize_indexer_queries_kernel"}  # fmt: skip
     assert want <= kernels, sorted(want - kernels)
     assert all(r["ok"] for r in records)
     constants = [r["constexprs"] for r in records if r["kernel"] == "_pack_layer_pages_kernel"]
@@ -145,16 +145,20 @@ def test_the_ops_build_rules_refuse_what_breaks_them():
                "constexprs": {"NH": "64", "J": "128", "BQ": "2", "KEYS_M": "True"}}  # fmt: skip
         return {**rec, **kw}
 
+    cfg = test_ops_logits_topk._mod.KERNEL_CONFIG
+
     def topk(**kw):
-        return {"kernel": "_logits_topk_kernel", "where": "logits_topk defaults | case", "ok": True, "local": 0,
-                "registers": 114, "num_warps": 8, "constexprs": {"KP": "2048"}, **kw}  # fmt: skip
+        return {"kernel": "_logits_topk_select_kernel", "where": "logits_topk defaults | case", "ok": True,
+                "local": 0, "registers": 60, "num_warps": cfg["num_warps"], "constexprs": {"BLOCK": str(cfg["block"])},
+                **kw}  # fmt: skip
 
     test_ops_indexer_logits.check_sm90_build([logits(), logits(where="x | int64 offsets", local=8)])
     test_ops_logits_topk.check_sm90_build([topk(), topk(where="x | int64 offsets", registers=200)])
     for bad in (logits(local=16), logits(wgmma=0), logits(registers=200), logits(ok=False)):
         with pytest.raises(AssertionError):
             test_ops_indexer_logits.check_sm90_build([bad])
-    for bad in (topk(local=16), topk(registers=130), topk(num_warps=4)):
+    too_many = 65536 // (64 * cfg["num_warps"]) + 1  # registers a thread: fewer than two programs an SM
+    for bad in (topk(local=16), topk(registers=too_many), topk(num_warps=2 * cfg["num_warps"])):
         with pytest.raises(AssertionError):
             test_ops_logits_topk.check_sm90_build([bad])
     with pytest.raises(AssertionError):
