@@ -21,11 +21,11 @@ positions (the extend-step indexer's tie rule, :mod:`dtkv.integrations.transform
    (each logit's int32 *order key*, :func:`_order_key`) is the threshold ``t``, and the kept values above it say how
    many of the row's keys at ``t`` belong in (``need``); one read of the row then writes the candidates above ``t``
    and the ``need`` lowest-column candidates at ``t`` to ``[N, k]`` scratch rows, in column order: their order keys
-   (int32) and their columns or slots (int64), ``-2**31`` / ``-1`` after them. ``torch.topk`` may break ties of equal
+   (int32) and their columns (int32), ``-2**31`` / ``-1`` after them. ``torch.topk`` may break ties of equal
    values (or of ``-0.0`` and ``+0.0``) its own way: the rule only needs its kept values to hold every candidate
    above their smallest, which any top-k does;
 3. a stable ``torch.sort`` of the order keys, descending (equal keys stay in column order: best first, ties to
-   the lowest column), and the columns or slots gathered in that order.
+   the lowest column), the columns gathered in that order, then mapped to their slots.
 
 Launch: :data:`KERNEL_CONFIG`; ``benchmarks/bench_logits_topk.py`` times it against the packed path (one H100,
 8192 queries x 8K-128K keys: 1.26-1.55x its speed, 2026-12-06). At decode's few rows a program a row is slower
@@ -101,15 +101,13 @@ def _order_key(s):
 @triton.jit(do_not_specialize=["num_keys", "k", "kk"])
 def _logits_topk_select_kernel(
     ord_ptr,  # [N, k] int32, contiguous: the kept keys' order keys, column order, -2**31 after them
-    val_ptr,  # [N, k] int64, contiguous: their columns (or slots), -1 after them
+    col_ptr,  # [N, k] int32, contiguous: their columns, -1 after them
     logits_ptr,  # [N, K] float32; row stride l_sn, columns contiguous (-inf outside each row's range)
     kept_ptr,  # [N, kk] float32, contiguous: the values torch.topk kept of each row
-    slots_ptr,  # [K] int32/int64, contiguous (HAS_SLOTS): what each column maps to
     num_keys,  # K (< 2**31)
     k,
     kk,  # min(k, K)
     l_sn,
-    HAS_SLOTS: tl.constexpr,
     BLOCK: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
@@ -144,19 +142,15 @@ def _logits_topk_select_kernel(
         # kept before this key: those above t, and those at t up to `need`
         pos = row * k + put + (before & 0xFFFF) + tl.minimum(at_before, need) - tl.minimum(seen, need)
         take = gt | (at & (at_before < need))
-        if HAS_SLOTS:
-            val = tl.load(slots_ptr + cols, mask=take, other=-1).to(tl.int64)
-        else:
-            val = cols.to(tl.int64)
         tl.store(ord_ptr + pos, u, mask=take)
-        tl.store(val_ptr + pos, val, mask=take)
+        tl.store(col_ptr + pos, cols, mask=take)
         total = tl.sum(both, axis=0)
         put += (total & 0xFFFF) + tl.minimum(seen + (total >> 16), need) - tl.minimum(seen, need)
         seen += total >> 16
     for c0 in range(0, k, BLOCK):  # the rest of the row: padding
         pad = (c0 + j < k) & (c0 + j >= put)
         tl.store(ord_ptr + row * k + c0 + j, tl.full([BLOCK], -2147483648, tl.int32), mask=pad)
-        tl.store(val_ptr + row * k + c0 + j, tl.full([BLOCK], -1, tl.int64), mask=pad)
+        tl.store(col_ptr + row * k + c0 + j, tl.full([BLOCK], -1, tl.int32), mask=pad)
 
 
 # ----------------------------------------------------------------------------------------- launch
@@ -174,20 +168,24 @@ def _select(logits, start, end, slots, k: int) -> torch.Tensor:
     kk = min(k, num_keys)
     kept = torch.topk(src, kk, dim=1, largest=True, sorted=False).values.contiguous()
     order = torch.empty((n, k), dtype=torch.int32, device=dev)
-    vals = torch.empty((n, k), dtype=torch.int64, device=dev)
+    cols = torch.empty((n, k), dtype=torch.int32, device=dev)
     block = int(KERNEL_CONFIG["block"])
     if not 0 < block < 2**15 or block & (block - 1):  # the kernel counts two kinds of keys in one int32 scan
         raise ValueError(f"KERNEL_CONFIG['block'] must be a power of two below 2**15, got {block}")
     with device_ctx(dev):
         _logits_topk_select_kernel[(n,)](
-            order, vals, src, kept, vals if slots is None else slots, num_keys, k, kk, src.stride(0),
-            HAS_SLOTS=slots is not None, BLOCK=block, NUM_STAGES=int(KERNEL_CONFIG["num_stages"]),
-            num_warps=int(KERNEL_CONFIG["num_warps"]),
+            order, cols, src, kept, num_keys, k, kk, src.stride(0),
+            BLOCK=block, NUM_STAGES=int(KERNEL_CONFIG["num_stages"]), num_warps=int(KERNEL_CONFIG["num_warps"]),
         )  # fmt: skip
     # best first: a stable sort of the 32-bit order keys keeps equal ones in column order (ties to the lowest
     # column); the padding's -2**31 is below every candidate's
     by = torch.sort(order, dim=1, descending=True, stable=True).indices
-    return torch.gather(vals, 1, by)
+    best = torch.gather(cols, 1, by).to(torch.int64)
+    if slots is None:
+        return best
+    # the slots after the kernel: a load of them inside it took 148 registers a thread against 63 (sm_90), a third
+    # of the programs an SM, and the pass is latency-bound
+    return torch.where(best >= 0, slots.to(torch.int64)[best.clamp(0, num_keys - 1)], best)
 
 
 def _check(logits, key_start, key_end, key_slots, k) -> None:

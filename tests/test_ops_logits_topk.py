@@ -293,8 +293,8 @@ def test_kernel_stays_in_bounds(monkeypatch):
 def check_sm90_build(records: list[dict]) -> None:
     """The kernel in the run's sm_90 build (``tests/test_ops_compile.py`` builds every kernel once, no GPU, and
     calls this with its records): every launch compiles with no local memory (spills), the default one
-    (:data:`dtkv.ops.logits_topk.KERNEL_CONFIG`; 148 registers a thread with slots, 63 without, Triton 3.7) fits at
-    least two programs an SM (one's scans overlap another's loads). The forced-int64 builds are left out."""
+    (:data:`dtkv.ops.logits_topk.KERNEL_CONFIG`; 61 registers a thread with Triton 3.7) fits at least two programs
+    an SM (one's scans overlap another's loads). The forced-int64 builds are left out."""
     records = [r for r in records if r["kernel"] == "_logits_topk_select_kernel" and "int64 offsets" not in r["where"]]
     assert records and all(r["ok"] and r.get("local", 0) == 0 for r in records), records
     cfg = _mod.KERNEL_CONFIG
