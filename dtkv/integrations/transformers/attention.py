@@ -21,9 +21,9 @@ transformers forward does (``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``, ``kv_a
    backend (the parity reference) the scores are the model's own float32 formula; on ``triton`` and ``flashmla``
    with fp8 index pages the indexer is DeepSeek-V3.2's fp8 one: fp8 queries (per (query, head) scale folded into the
    head weight, :func:`dtkv.ops.quantize_indexer_queries`) against the fp8 keys of the view in one kernel
-   (:func:`dtkv.ops.indexer_logits`, float32 logits), then :func:`dtkv.ops.logits_topk` over each query's range
-   (the packed keys' selection, bit for bit, without them). bf16/fp32 index rows take the exact formula on every
-   backend.
+   (:func:`dtkv.ops.indexer_logits`, float32 logits, ``-inf`` outside each query's range), then
+   :func:`dtkv.ops.logits_topk` (the packed keys' selection, bit for bit, at half their bytes; a full-view decode
+   bucket keeps the packed keys). bf16/fp32 index rows take the exact formula on every backend.
    :func:`indexer_precision` switches this (``"fp8"``: the fp8 math on the ``torch`` backend too, what checks a
    fast run on a CPU), :func:`uses_fp8_indexer` says which a run takes, and the parity reference mirrors it
    (``reference_logits(..., fp8_indexer=True)``). Attention runs over the selected latent rows: expanded by
