@@ -30,9 +30,11 @@ from dtkv.transfer import (
     LocalEngine,
     PlanOptions,
     PrefillSender,
+    StoreTimeout,
     TransferError,
 )
 from dtkv.transfer.messages import Aborted, Ready, SlotOpen
+from dtkv.transfer.protocol import deadline_after
 from tests import _engines
 from tests._transfer import SlowLink, StoreHost, fill, pages, run_bounded, same_pages, shards
 
@@ -316,6 +318,24 @@ class TestQueuedBind:
 
 
 class TestStoreStalls:
+    def test_a_call_queued_behind_a_slow_one_names_it(self):
+        """A call that times out while another call holds the bootstrap's thread names that call and how long it
+        has run; one that stalls in the store itself does not: a stalled store and a queue behind one slow call
+        read differently in a log."""
+        boot = Bootstrap(dist.HashStore(), namespace="behind")
+        release, gate = threading.Event(), threading.Event()
+        slow = boot.post(lambda s: release.wait(10), what="a slow cleanup")
+        pattern = r"did not answer get 'x' within 0\.\d\d s \(stalled or unreachable; it waited behind a slow cleanup, running for \d+\.\d\d s\)"
+        with pytest.raises(StoreTimeout, match=pattern):
+            boot.call(lambda s: s.check(["x"]), deadline=deadline_after(0.3), what="get 'x'")
+        release.set()
+        slow.result(5)
+        with pytest.raises(StoreTimeout) as err:
+            boot.call(lambda s: gate.wait(10), deadline=deadline_after(0.3), what="get 'y'")
+        gate.set()
+        assert str(err.value).endswith("(stalled or unreachable)") and "waited behind" not in str(err.value)
+        assert boot.flush(5)
+
     def test_stalled_store_fails_every_wait_within_timeout_plus_1s(self):
         host = StoreHost()
         try:

@@ -14,7 +14,9 @@ touches the store; the keys and the protocol are :mod:`dtkv.transfer.protocol`.
   the bootstrap's worker thread while the caller waits at most the time left to its deadline, then raises a
   ``TransferError``. Calls run in submission order on that one thread, so a call that outlived its caller still
   lands, in order, once the store answers again (the protocol relies on this for cleanup); a read that had not
-  started is dropped. The worker thread exits after :data:`WORKER_LINGER_S` without work.
+  started is dropped. A timeout that found another call on the thread names it and how long it has run (a queue
+  behind one slow call is not a stalled store). The worker thread exits after :data:`WORKER_LINGER_S` without
+  work.
 - **A clean exit.** At interpreter exit the calls already queued run (for up to :data:`EXIT_FLUSH_S`), then no
   new call starts (:func:`exiting`): a store call still running when the interpreter finalizes would abort the
   process ("terminate called without an active exception") as it returns. A receiver left open, whose thread
@@ -128,13 +130,15 @@ class _StoreWorker:
 
     def __init__(self, name: str) -> None:
         self._name = name
-        self._queue: collections.deque[tuple[Future, Callable[[], object]]] = collections.deque()
+        self._queue: collections.deque[tuple[Future, Callable[[], object], str]] = collections.deque()
         self._cv = threading.Condition()
         self._alive = False
         self._busy = False
+        self._running: tuple[Future, str, float] | None = None
+        """The call on the thread now: its future, what it is, when it started (``time.monotonic``)."""
         _WORKERS.add(self)
 
-    def submit(self, fn: Callable[[], T]) -> Future:
+    def submit(self, fn: Callable[[], T], what: str = "a store call") -> Future:
         fut: Future = Future()
         with self._cv:
             if _EXITING.is_set():  # checked under the lock that flush() waits on: nothing starts after it
@@ -142,7 +146,7 @@ class _StoreWorker:
                     TransferError("the interpreter is exiting: no new store call starts", request_id="-", peer="store")
                 )
                 return fut
-            self._queue.append((fut, fn))
+            self._queue.append((fut, fn, what))
             if self._alive:
                 self._cv.notify()
             else:
@@ -154,20 +158,32 @@ class _StoreWorker:
         while True:
             with self._cv:
                 self._busy = False
+                self._running = None
                 self._cv.notify_all()
                 if not self._queue:
                     self._cv.wait(WORKER_LINGER_S)
                 if not self._queue:
                     self._alive = False
                     return
-                fut, fn = self._queue.popleft()
+                fut, fn, what = self._queue.popleft()
                 self._busy = True
+                self._running = (fut, what, time.monotonic())
             if not fut.set_running_or_notify_cancel():
                 continue
             try:
                 fut.set_result(fn())
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
                 fut.set_exception(e)
+
+    def blocker(self, fut: Future) -> str:
+        """Why ``fut`` has not run yet, when another call holds the thread: ``"; it waited behind <what>, running
+        for <s> s"`` (``""`` when ``fut`` itself runs or the thread is free): a stalled store and a queue behind
+        one slow call read differently."""
+        with self._cv:
+            running = self._running
+        if running is None or running[0] is fut:
+            return ""
+        return f"; it waited behind {running[1]}, running for {time.monotonic() - running[2]:.2f} s"
 
     def flush(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` until every submitted call has run; whether they all have."""
@@ -229,14 +245,15 @@ class Bootstrap:
         left = time_left(deadline)
         if left <= 0:
             raise StoreTimeout(f"timed out before the store call {what}", request_id=request_id, peer=peer)
-        fut = self._worker.submit(lambda: fn(self.store))
+        fut = self._worker.submit(lambda: fn(self.store), what)
         try:
             return fut.result(timeout=left)
         except FutureTimeout:
+            ahead = self._worker.blocker(fut)
             if not write:
                 fut.cancel()
             raise StoreTimeout(
-                f"the store did not answer {what} within {left:.2f} s (stalled or unreachable)",
+                f"the store did not answer {what} within {left:.2f} s (stalled or unreachable{ahead})",
                 request_id=request_id,
                 peer=peer,
             ) from None
@@ -255,7 +272,7 @@ class Bootstrap:
                 logger.warning("store call %s (namespace %r) failed: %s", what, self.namespace, e)
                 raise
 
-        return self._worker.submit(run)
+        return self._worker.submit(run, what)
 
     def flush(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for every queued call (e.g. before closing); whether they all ran."""
