@@ -239,6 +239,7 @@ class Bench:
         self.builds: dict[str, float] = {}
         self._model: tuple | None = None
         self.switch = graph_switch()
+        self.compile_modules = {"auto": None, "on": True, "off": False}[ns.compile_modules]
 
     # -------------------------------------------------------------------- models
     def model(self, adapter: str, layers: int):
@@ -273,7 +274,8 @@ class Bench:
         if case.adapter == "transformers":
             from dtkv.integrations.transformers import TransformersAdapter
 
-            adapter = TransformersAdapter(m, kv_dtype=self.ns.kv_dtype, page_size=self.page_size)
+            adapter = TransformersAdapter(m, kv_dtype=self.ns.kv_dtype, page_size=self.page_size,
+                                          compile_modules=self.compile_modules)  # fmt: skip
         else:
             adapter = m
         kw = {}
@@ -359,6 +361,7 @@ class Bench:
         rt = self.runtime(case, num_pages_for([t, t], page_size=self.page_size, cp_size=cp))
         try:
             out["attention"], out["kv_mode"] = rt.attention.name, rt.mode
+            out["compile_modules"] = getattr(rt.adapter, "compile_modules", None)
             prompt = torch.randint(0, rt.model_spec.vocab_size, (t,), generator=g).tolist()
             # the whole prompt once first: kernels compile per shape (contexts past the first chunks too), the
             # allocator and the caches warm; a warm-up of two chunks left the 128K run 13% slower than a repeat
@@ -409,6 +412,7 @@ class Bench:
         rt = self.runtime(case, pages)
         try:
             out["attention"], out["kv_mode"] = rt.attention.name, rt.mode
+            out["compile_modules"] = getattr(rt.adapter, "compile_modules", None)
             mode = getattr(rt, "graph_mode", "off")
             out.update(graph=mode == "capture", graph_mode=mode)
             reqs = models.synthetic_requests(rt, batch=b, context=t, seed=ns.seed)
@@ -500,6 +504,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--read-each-step", action="store_true",
                    help="decode with a progress callback: each step's tokens are read before the next step is "
                         "planned (the graph path's step-ahead off; a baseline for it)")  # fmt: skip
+    p.add_argument(
+        "--compile-modules",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="TransformersAdapter(compile_modules=): auto (its default: on on CUDA), on, off",
+    )
     p.add_argument("--init", default="skip", choices=("skip", "default"), help="transformers' weight init")
     p.add_argument("--seed", type=int, default=0, help="of the weights, prompts and random KV")
     p.add_argument("--trace-dir", help="keep each profiled run's chrome trace here")
