@@ -161,11 +161,11 @@ def profile_table(summaries: dict[str, dict], reference: str | None = None) -> s
 
 
 DTKV_KERNEL_KEYS = ("indexer", "quantize_write", "sparse_mla", "sparse_indices", "remap", "pack_layer_pages",
-                    "pack_owned", "write_owned", "map16", "flash", "mla", "logits_topk")  # fmt: skip
+                    "pack_owned", "write_owned", "map16", "flash", "mla", "logits_topk", "keys_topk")  # fmt: skip
 """Lowercase substrings of the kernels of :mod:`dtkv.ops` (Triton: ``_<op>_kernel``) and FlashMLA's: how a kernel
 with no host range (replayed from a CUDA graph) is attributed. ``torch.topk``'s kernels are not in it (the model's
 MoE routing runs them too), so a graph-replayed step undercounts dtkv by a top-k it runs through ``torch.topk``
-(``dtkv::logits_topk``'s kernel is in it)."""
+(``dtkv::logits_topk``'s and ``dtkv::keys_topk``'s kernels are in it)."""
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_CATS = ("cpu_op", "user_annotation")
 NOT_LAUNCHES = (*GPU_CATS, *HOST_CATS, "gpu_user_annotation", "ac2g", "python_function")

@@ -57,7 +57,7 @@ CANNOT = 2
 OPS = list(DEFAULTS)
 EXTRA_OPS = [
     "quantize_write_mla_indexer_fp8", "indexer_scores", "sparse_indices", "sparse_mla", "logits_topk",
-    "quantize_indexer_queries",
+    "quantize_indexer_queries", "keys_topk",
 ]  # fmt: skip
 """Ops with launch choices of their own (not in ``ops/_tuned.py``): compiled at their own launches."""
 OWN_GEOMETRY_OPS = ["indexer_logits"]
@@ -328,6 +328,17 @@ def _extra(op: str) -> list[tuple[str, Callable[[], object]]]:
                 return logits_topk(z(3, 300), k, key_slots=slots, backend="triton", **rng)
 
             out.append((f"k {k}, {idx} indices, range={ranged}, slots={slotted}", topk))
+    elif op == "keys_topk":
+        from dtkv.ops.keys_topk import keys_topk
+
+        for k, slots in (
+            (2048, None),
+            (16, torch.arange(300, dtype=i32)),
+            (100, torch.zeros(3, 300, dtype=torch.int64)),
+        ):
+            out.append((f"k {k}, slots {None if slots is None else (slots.dtype, slots.ndim)}",
+                        lambda k=k, slots=slots: keys_topk(z(3, 300, dtype=torch.int64), k, key_slots=slots,
+                                                           backend="triton")))  # fmt: skip
     elif op == "sparse_mla":
         idx = torch.zeros(3, 64, dtype=i32)
         out.append(("fp8 rows", lambda: sparse_mla(z(3, 64, 576, dtype=torch.bfloat16), z(128, 656, dtype=u8), idx,

@@ -25,6 +25,8 @@ Entry points (each takes ``backend="auto" | "torch" | "triton"``):
   key table, request and causal visibility as per-query column ranges (``dtkv::indexer_logits``; float32 or packed
   selection keys), with :func:`quantize_indexer_queries` (its fp8 queries and weights in one launch:
   ``dtkv::quantize_indexer_queries``) and :func:`indexer_topk` (the stable lowest-position top-k of packed keys).
+- :func:`keys_topk` -- :func:`indexer_topk` over many programs a row (a radix select, no sort: the decode step's
+  few rows), the slots of the kept columns (``dtkv::keys_topk``).
 - :func:`logits_topk` -- that top-k straight from the float32 logits and their column ranges, bit for bit, in one
   kernel (``dtkv::logits_topk``; the slots of the kept columns).
 - :func:`remap` -- logical indices to gathered-buffer coordinates (``dtkv::remap``).
@@ -46,6 +48,7 @@ from dtkv.ops._common import HAS_TRITON, OwnershipSpec, ownership_spec
 from dtkv.ops.direct_write import direct_write
 from dtkv.ops.indexer_logits import indexer_logits, indexer_topk
 from dtkv.ops.indexer_scores import indexer_scores
+from dtkv.ops.keys_topk import keys_topk
 from dtkv.ops.logits_topk import logits_topk
 from dtkv.ops.pack_layer_pages import pack_layer_pages, pack_layer_pages_into
 from dtkv.ops.pack_owned_pages import PackPlan, gathered_page_table, pack_owned_pages, plan_pack
@@ -73,6 +76,7 @@ __all__ = [
     "indexer_logits",
     "indexer_scores",
     "indexer_topk",
+    "keys_topk",
     "logits_topk",
     "ownership_spec",
     "pack_layer_pages",

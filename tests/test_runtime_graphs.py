@@ -283,7 +283,8 @@ def test_pending_tokens_map_the_next_batch_to_their_rows():
 def test_full_view_buckets_score_the_batch_in_one_indexer_launch(monkeypatch):
     """A full-view bucket on the fp8 indexer kernel (``attention="triton"``, the interpreter) scores every request
     against its own block of the key table in one ``dtkv::indexer_logits`` launch a layer (a key table per query),
-    and selects what the eager step's flat table selects: tokens, logits and stored KV of the eager path, bitwise."""
+    selects with ``dtkv::keys_topk``'s kernel, and selects what the eager step's flat table selects: tokens, logits
+    and stored KV of the eager path, bitwise."""
     _hf()
     from dtkv import ops
     from tests.ops_reference import skip_unless
@@ -297,6 +298,11 @@ def test_full_view_buckets_score_the_batch_in_one_indexer_launch(monkeypatch):
         return real(q, w, pages, key_slots, *args, **kw)
 
     monkeypatch.setattr(ops, "indexer_logits", counted)
+    topk_calls = []
+    real_topk = ops.keys_topk
+    monkeypatch.setattr(
+        ops, "keys_topk", lambda keys, k, **kw: topk_calls.append(kw["backend"]) or real_topk(keys, k, **kw)
+    )
     out = {}
     for graphs in (False, "emulate"):
         rt = _runtime("deepseek-v32", graphs, decode_mode="full", attention="triton")
@@ -304,9 +310,13 @@ def test_full_view_buckets_score_the_batch_in_one_indexer_launch(monkeypatch):
             rt.add_request(p)
         rt.prefill(9)
         calls.clear()
+        topk_calls.clear()
         outputs, logits = rt.decode(1, return_logits=True)
         out[graphs] = (outputs, logits, rt.kv_bytes(0), list(calls), rt.graphs and dict(rt.graphs.stats))
+        out[graphs, "topk"] = list(topk_calls)
         rt.close()
+    # the bucket's selection: dtkv::keys_topk's kernel (many programs a row), one call a layer; eager: none
+    assert out["emulate", "topk"] == ["triton"] * len(out["emulate"][3]) and out[False, "topk"] == []
     assert out["emulate"][0] == out[False][0]
     assert all(torch.equal(a, b) for a, b in zip(out["emulate"][1], out[False][1]))
     assert all(torch.equal(out["emulate"][2][n], out[False][2][n]) for n in out[False][2])

@@ -170,10 +170,12 @@ def _select_blocks(indexer, ctx: StepContext, q_NIJ, w_NI, view_index) -> torch.
         backend = "triton" if name == "triton" else "auto"
         q8, w8 = ops.quantize_indexer_queries(q_NIJ, w_NI, scale=indexer.softmax_scale, backend=backend)
         # one launch for the batch: a key table per query (its request's block), the visible columns [0, end);
-        # packed keys and torch.topk: at decode's few rows dtkv.ops.logits_topk's one program a row is slower (one
-        # H100: 0.127 / 0.266 ms against 0.115 / 0.167 at 1 x 32K / 16 x 128K, probe of 2026-12-06)
+        # packed keys (at decode's few rows dtkv.ops.logits_topk's one program a row is slower: one H100, 0.127 /
+        # 0.266 ms against torch.topk's 0.115 / 0.167 at 1 x 32K / 16 x 128K, probe of 2026-12-06)
         keys = ops.indexer_logits(q8, w8, view_index, slots_NC, torch.zeros_like(end), end, layout=lay, packed=True,
                                   backend=backend)  # fmt: skip
+        # the top-k over many programs a row (dtkv.ops.keys_topk): torch.topk of one row keeps one SM busy
+        return ops.keys_topk(keys, k, key_slots=slots_NC, backend=backend)
     else:
         q = fp8_indexer_queries(q_NIJ) if fp8 else q_NIJ.float()
         block = max(1, TORCH_BLOCK_BYTES // max(1, (4 * heads + 48) * c))
