@@ -339,6 +339,8 @@ def _extra(op: str) -> list[tuple[str, Callable[[], object]]]:
             out.append((f"k {k}, slots {None if slots is None else (slots.dtype, slots.ndim)}",
                         lambda k=k, slots=slots: keys_topk(z(3, 300, dtype=torch.int64), k, key_slots=slots,
                                                            backend="triton")))  # fmt: skip
+        out.append(("k 2048, the kept keys", lambda: keys_topk(z(3, 300, dtype=torch.int64), 2048, return_keys=True,
+                                                               backend="triton")))  # fmt: skip
     elif op == "sparse_mla":
         idx = torch.zeros(3, 64, dtype=i32)
         out.append(("fp8 rows", lambda: sparse_mla(z(3, 64, 576, dtype=torch.bfloat16), z(128, 656, dtype=u8), idx,

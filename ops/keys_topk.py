@@ -43,6 +43,7 @@ from dtkv._checks import check_int, check_tensor
 
 from ._common import cdiv, device_ctx, index_arg, resolve_backend, tl, triton
 from .indexer_logits import indexer_topk
+from .selection_keys import INVALID_KEY
 
 __all__ = ["KERNEL_CONFIG", "ROUNDS", "keys_topk", "keys_topk_torch"]
 
@@ -60,8 +61,17 @@ _HIST_HAS_MASK = triton is not None and "mask" in inspect.signature(tl.histogram
 
 
 # ----------------------------------------------------------------------------------------- torch reference
-def keys_topk_torch(keys: torch.Tensor, k: int, key_slots: torch.Tensor | None) -> torch.Tensor:
-    """Reference of :func:`keys_topk`: :func:`dtkv.ops.indexer_topk`, the columns mapped through ``key_slots``."""
+def keys_topk_torch(
+    keys: torch.Tensor, k: int, key_slots: torch.Tensor | None, return_keys: bool = False
+) -> torch.Tensor:
+    """Reference of :func:`keys_topk`: :func:`dtkv.ops.indexer_topk`, the columns mapped through ``key_slots``
+    (``return_keys``: ``torch.topk``'s values, :data:`INVALID_KEY` padded)."""
+    if return_keys:
+        n, num_keys = keys.shape
+        out = torch.full((n, k), INVALID_KEY, dtype=torch.int64, device=keys.device)
+        if num_keys:
+            out[:, : min(k, num_keys)] = torch.topk(keys, min(k, num_keys), dim=1, largest=True, sorted=True).values
+        return out
     top, valid = indexer_topk(keys, k)
     if key_slots is None:
         return top
@@ -209,6 +219,7 @@ def _keys_topk_rank_kernel(
     k,
     s_sn,
     HAS_SLOTS: tl.constexpr,
+    OUT_KEYS: tl.constexpr,
     RB: tl.constexpr,
     CB: tl.constexpr,
 ):
@@ -229,18 +240,24 @@ def _keys_topk_rank_kernel(
     if HAS_SLOTS:
         col = tl.load(slots_ptr + row * s_sn + col, mask=mine_ok & valid, other=-1).to(tl.int64)
     col = tl.where(valid, col, -1)
+    if OUT_KEYS:
+        col = mine
+    pad = -1
+    if OUT_KEYS:
+        pad = -9223372036854775808
     tl.store(out_ptr + row * k + rank, col, mask=mine_ok)
-    tl.store(out_ptr + row * k + i, tl.full([RB], -1, tl.int64), mask=(i >= kk) & (i < k))
+    tl.store(out_ptr + row * k + i, tl.full([RB], pad, tl.int64), mask=(i >= kk) & (i < k))
 
 
 # ----------------------------------------------------------------------------------------- launch
-def _select(keys: torch.Tensor, k: int, slots: torch.Tensor | None) -> torch.Tensor:
-    """The kernel path (module docstring): ``[N, k]`` int64 columns or slots, ``-1`` padded."""
+def _select(keys: torch.Tensor, k: int, slots: torch.Tensor | None, return_keys: bool = False) -> torch.Tensor:
+    """The kernel path (module docstring): ``[N, k]`` int64 columns or slots, ``-1`` padded (the kept keys,
+    :data:`INVALID_KEY` padded, with ``return_keys``)."""
     n, num_keys = keys.shape
     dev = keys.device
     out = torch.empty((n, k), dtype=torch.int64, device=dev)
     if num_keys == 0:
-        return out.fill_(-1)
+        return out.fill_(INVALID_KEY if return_keys else -1)
     cfg = KERNEL_CONFIG
     chunk, block, rb, cb = int(cfg["chunk"]), int(cfg["block"]), int(cfg["rank_rows"]), int(cfg["rank_cols"])
     if block & (block - 1) or chunk % block or rb & (rb - 1) or cb & (cb - 1):
@@ -270,13 +287,16 @@ def _select(keys: torch.Tensor, k: int, slots: torch.Tensor | None) -> torch.Ten
         s_arg = slots if slots is not None else out
         s_sn = 0 if slots is None or slots.ndim == 1 else slots.stride(0)
         _keys_topk_rank_kernel[(n, cdiv(k, rb))](
-            out, kept, kcol, s_arg, kk, k, s_sn, HAS_SLOTS=slots is not None, RB=rb, CB=cb, num_warps=warps
+            out, kept, kcol, s_arg, kk, k, s_sn,
+            HAS_SLOTS=slots is not None, OUT_KEYS=return_keys, RB=rb, CB=cb, num_warps=warps,
         )  # fmt: skip
     return out
 
 
-def _check(keys: torch.Tensor, key_slots: torch.Tensor | None, k: int) -> None:
+def _check(keys: torch.Tensor, key_slots: torch.Tensor | None, k: int, return_keys: bool) -> None:
     check_int("k", k, min_value=1)
+    if return_keys and key_slots is not None:
+        raise ValueError("key_slots and return_keys=True exclude each other: the kept keys carry no slots")
     check_tensor("keys", keys, dtype=torch.int64, ndim=2)
     n, num_keys = keys.shape
     if num_keys >= 2**31 - 1:
@@ -290,10 +310,12 @@ def _check(keys: torch.Tensor, key_slots: torch.Tensor | None, k: int) -> None:
 
 # ----------------------------------------------------------------------------------------- registered op
 @torch.library.custom_op("dtkv::keys_topk", mutates_args=())
-def _keys_topk_op(keys: torch.Tensor, key_slots: torch.Tensor | None, k: int, backend: str) -> torch.Tensor:
-    _check(keys, key_slots, k)
+def _keys_topk_op(
+    keys: torch.Tensor, key_slots: torch.Tensor | None, k: int, return_keys: bool, backend: str
+) -> torch.Tensor:
+    _check(keys, key_slots, k, return_keys)
     if backend != "triton":
-        return keys_topk_torch(keys, k, key_slots)
+        return keys_topk_torch(keys, k, key_slots, return_keys)
     if keys.shape[0] == 0:
         return torch.empty((0, k), dtype=torch.int64, device=keys.device)
     src = keys if keys.stride(1) == 1 or keys.shape[1] <= 1 else keys.contiguous()
@@ -302,18 +324,23 @@ def _keys_topk_op(keys: torch.Tensor, key_slots: torch.Tensor | None, k: int, ba
         slots = index_arg(key_slots) if key_slots.ndim == 1 else key_slots
         if slots.ndim == 2 and slots.shape[1] > 1 and slots.stride(1) != 1:
             slots = slots.contiguous()
-    return _select(src, k, slots)
+    return _select(src, k, slots, return_keys)
 
 
 @_keys_topk_op.register_fake
-def _fake_keys_topk(keys, key_slots, k, backend):
-    _check(keys, key_slots, k)
+def _fake_keys_topk(keys, key_slots, k, return_keys, backend):
+    _check(keys, key_slots, k, return_keys)
     return keys.new_empty((keys.shape[0], k), dtype=torch.int64)
 
 
 # ----------------------------------------------------------------------------------------- public wrapper
 def keys_topk(
-    keys: torch.Tensor, k: int, *, key_slots: torch.Tensor | None = None, backend: str = "auto"
+    keys: torch.Tensor,
+    k: int,
+    *,
+    key_slots: torch.Tensor | None = None,
+    return_keys: bool = False,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """The columns of the ``k`` largest packed selection keys of each row, best first (module docstring).
 
@@ -325,12 +352,14 @@ def keys_topk(
         k: kept per row (``>= 1``; rows with fewer candidates are ``-1`` padded).
         key_slots: int32/int64 ``[K]`` or ``[N, K]``: return ``key_slots[c]`` (``key_slots[n, c]``) instead of
             the column ``c``.
+        return_keys: return the kept keys themselves, largest first, :data:`INVALID_KEY` past a row's
+            candidates (sharded decode's candidates: their positions travel in them); excludes ``key_slots``.
         backend: ``"auto"`` (Triton on CUDA, else torch) | ``"torch"`` | ``"triton"``.
 
     Returns:
-        int64 ``[N, k]``: columns (or their slots), ``-1`` past a row's candidates.
+        int64 ``[N, k]``: columns (or their slots), ``-1`` past a row's candidates; or the keys.
 
     Raises:
         TypeError / ValueError: bad dtypes, shapes or ``k``, naming the argument.
     """
-    return torch.ops.dtkv.keys_topk(keys, key_slots, k, resolve_backend(backend, keys.device))
+    return torch.ops.dtkv.keys_topk(keys, key_slots, k, bool(return_keys), resolve_backend(backend, keys.device))

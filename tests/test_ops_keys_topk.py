@@ -93,6 +93,8 @@ def _check_triton(monkeypatch, kind, launch, n, num_keys, k):
         want = keys_topk(keys, k, key_slots=slots, backend="torch")
         got = keys_topk(keys, k, key_slots=slots, backend="triton")
         assert torch.equal(got, want), (kind, launch, got, want)
+    want = keys_topk(keys, k, return_keys=True, backend="torch")
+    assert torch.equal(keys_topk(keys, k, return_keys=True, backend="triton"), want), (kind, launch)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -109,6 +111,22 @@ def test_triton_vs_reference_sizes(monkeypatch, n, num_keys, k):
     skip_unless("triton", "cpu")
     for kind in ("ties", "last_bit", "normal"):
         _check_triton(monkeypatch, kind, "chunk64", n, num_keys, k)
+
+
+def test_returned_keys_are_local_topk():
+    """``return_keys``: the kept keys largest first, padded with the padding key: sharded decode's
+    :func:`dtkv.decode.local_topk`, sorted."""
+    from dtkv.decode import local_topk
+
+    g = torch.Generator().manual_seed(4)
+    keys = _keys("ties", 3, 40, g)
+    for backend in BACKENDS:
+        skip_unless(backend, "cpu")
+        for k in (7, 40, 53):
+            got = keys_topk(keys, k, return_keys=True, backend=backend)
+            assert torch.equal(got, local_topk(keys, k, sorted=True)), (backend, k)
+        empty = keys_topk(keys[:, :0], 3, return_keys=True, backend=backend)
+        assert empty.tolist() == [[INVALID_KEY] * 3] * 3
 
 
 def test_is_indexer_topk():
@@ -143,8 +161,8 @@ def test_opcheck(backend):
     skip_unless(backend, "cpu")
     g = torch.Generator().manual_seed(6)
     keys = _keys("ties", 3, 29, g)
-    for args in ((keys, None, 4, backend), (keys, torch.arange(29) * 2, 40, backend),
-                 (keys, torch.arange(87).view(3, 29), 5, backend)):  # fmt: skip
+    for args in ((keys, None, 4, False, backend), (keys, torch.arange(29) * 2, 40, False, backend),
+                 (keys, torch.arange(87).view(3, 29), 5, False, backend), (keys, None, 31, True, backend)):  # fmt: skip
         torch.library.opcheck(torch.ops.dtkv.keys_topk.default, args)
 
 
@@ -192,6 +210,8 @@ def test_rejects_bad_input():
         call(key_slots=torch.zeros(3, 5, dtype=torch.int64))
     with pytest.raises(TypeError, match=re.escape("key_slots must have dtype [torch.int32, torch.int64]")):
         call(key_slots=torch.zeros(5))
+    with pytest.raises(ValueError, match="key_slots and return_keys=True exclude each other"):
+        call(key_slots=torch.arange(5), return_keys=True)
     with pytest.raises(ValueError, match="backend must be one of"):
         keys_topk(keys, 3, backend="cuda")
 

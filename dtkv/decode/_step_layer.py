@@ -10,7 +10,8 @@ Per layer (launches on one H200 in brackets; ``cp > 1`` adds the two exchanges o
    key, :func:`dtkv.ops.quantize_write_mla_indexer_fp8`; 2 for bf16 latent rows];
 2. ``full_view`` only: this rank's pages of the batch packed and all-gathered into the view [1 pack + 2 gathers];
 3. indexer scores of the pages scored, packed as selection keys (:func:`dtkv.ops.indexer_scores`) [1], local top-k
-   (``torch.topk`` of int64 keys, unsorted: ties by position; a radix select of 8 passes over 64-bit keys) [~10-25];
+   (:func:`dtkv.ops.keys_topk` on CUDA: a radix select of 6 digit rounds over many programs a row [9]; elsewhere
+   ``torch.topk`` of int64 keys, unsorted);
 4. ``sharded`` at ``cp > 1``: the candidates all-gathered, global top-k [1 exchange + a few];
 5. selected positions -> token slots of the pages read (``(request, slot)`` coordinates through the plan's
    ``page_map``, rows this rank does not hold -> ``-1``) [2 + 1: :func:`dtkv.ops.sparse_indices`];
@@ -102,13 +103,22 @@ def select(step, index: torch.Tensor, x: StepInputs) -> torch.Tensor:
         x.iq, x.iw, index, f["page_ids"], f["page_slots"], f["query_pos"], layout=step.index_layout,
         q_fp8=step.q_fp8, backend=step.indexer_backend,
     )  # fmt: skip
-    chosen = local_topk(keys, step.topk, sorted=False)  # the set; its order is the keys' own (sort them to list it)
+    chosen = _topk(step, keys)
     if not step.merges:
         return chosen
     b, k, cp = chosen.shape[0], step.topk, step.exchange.cp
     gathered = torch.empty((cp, b, k), dtype=torch.int64, device=chosen.device)
     step.exchange.all_gather(gathered, chosen)
-    return local_topk(gathered.transpose(0, 1).reshape(b, cp * k), k, sorted=False)
+    return _topk(step, gathered.transpose(0, 1).reshape(b, cp * k))
+
+
+def _topk(step, keys: torch.Tensor) -> torch.Tensor:
+    """The ``step.topk`` largest keys of each row, as a set: on CUDA :func:`dtkv.ops.keys_topk` (many programs a
+    row, largest first; ``torch.topk`` of one row keeps one SM busy), elsewhere ``torch.topk`` unsorted (its
+    order is the keys' own: sort them to list it)."""
+    if keys.is_cuda:
+        return ops.keys_topk(keys, step.topk, return_keys=True, backend=step.ops_backend)
+    return local_topk(keys, step.topk, sorted=False)
 
 
 def attend(step, kv: torch.Tensor, x: StepInputs, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
