@@ -53,16 +53,18 @@ TOPK = 2048
 CASES = [(1, 8192), (1, 32768), (1, 131072), (16, 8192), (16, 32768), (16, 131072)]
 SMOKE_CASES = [(1, 37), (3, 300)]
 CANDIDATES = [
+    {"chunk": 512, "block": 512},
     {"chunk": 1024, "block": 1024},
     {"chunk": 2048, "block": 1024},
     {"chunk": 4096, "block": 1024},
-    {"chunk": 2048, "block": 512},
-    {"chunk": 2048, "block": 1024, "num_warps": 8},
-    {"rank_rows": 32, "rank_cols": 128},
-    {"rank_rows": 64, "rank_cols": 64},
-    {"rank_rows": 128, "rank_cols": 64, "num_warps": 8},
+    {"chunk": 1024, "block": 1024, "num_warps": 8},
+    {"chunk": 1024, "block": 512, "num_warps": 2},
+    {"digit_bits": 11, "chunk": 1024, "block": 1024},
+    {"digit_bits": 6, "chunk": 1024, "block": 1024},
+    {"chunk": 1024, "block": 1024, "rank_rows": 32, "rank_cols": 128},
+    {"chunk": 1024, "block": 1024, "rank_rows": 128, "rank_cols": 32},
 ]
-SMOKE_CANDIDATES = [{"chunk": 64, "block": 32}, {"rank_rows": 16, "rank_cols": 32}]
+SMOKE_CANDIDATES = [{"chunk": 64, "block": 32, "digit_bits": 11}, {"rank_rows": 16, "rank_cols": 32}]
 
 
 def _case(n: int, context: int, device: torch.device) -> dict:

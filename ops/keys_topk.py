@@ -10,8 +10,8 @@ order is total), the columns mapped through ``key_slots``:
 - the result is ``[N, k]`` int64: the columns of the ``k`` largest candidates (``key_slots[n, c]`` or
   ``key_slots[c]`` with ``key_slots``), best first, ``-1`` past the row's candidates.
 
-**Kernel path** (``triton``), a radix select over the 64-bit keys in :data:`ROUNDS` digit rounds (11 bits, 2048
-bins), each a launch over ``N x ceil(K / chunk)`` programs:
+**Kernel path** (``triton``), a radix select over the 64-bit keys in digit rounds (:data:`ROUNDS`: 8 rounds of
+8 bits, 256 bins), each a launch over ``N x ceil(K / chunk)`` programs:
 
 1. *the digits*: round ``r``'s programs each take round ``r - 1``'s digit from its row histogram (the digit where
    the count of keys from the top reaches the number still needed, with the prefix and count the first program of
@@ -26,7 +26,7 @@ bins), each a launch over ``N x ceil(K / chunk)`` programs:
    scratch position), computed by comparing tiles of the ``min(k, K)`` kept keys; the rank kernel writes each
    key's column (its slot, or ``-1`` for padding) at its rank, and ``-1`` past ``min(k, K)``.
 
-Nine launches (a zeroed histogram, six rounds, select, rank), none a sort; the scratch is ``O(N x k)``.
+Eleven launches (a zeroed histogram, eight rounds, select, rank), none a sort; the scratch is ``O(N x k)``.
 ``benchmarks/bench_keys_topk.py`` times it against ``torch.topk`` of the keys (the decode step's path before it),
 eager and as CUDA graphs.
 
@@ -45,17 +45,36 @@ from ._common import cdiv, device_ctx, index_arg, resolve_backend, tl, triton
 from .indexer_logits import indexer_topk
 from .selection_keys import INVALID_KEY
 
-__all__ = ["KERNEL_CONFIG", "ROUNDS", "keys_topk", "keys_topk_torch"]
+__all__ = ["KERNEL_CONFIG", "ROUNDS", "keys_topk", "keys_topk_torch", "rounds"]
 
 _IDX_DTYPES = (torch.int32, torch.int64)
-_BINS = 2048
-ROUNDS: tuple[tuple[int, int], ...] = ((53, 11), (42, 11), (31, 11), (20, 11), (9, 11), (0, 9))
-"""``(shift, bits)`` of each digit round, most significant first: together every bit of an int64 key once."""
 
-KERNEL_CONFIG: dict[str, int] = {"chunk": 2048, "block": 1024, "rank_rows": 64, "rank_cols": 128, "num_warps": 4}
-"""Launch: ``chunk`` keys a program in the digit and select launches (a multiple of ``block``, the keys a step),
-``rank_rows`` kept keys a program of the rank launch against ``rank_cols`` at a time (powers of two),
-``num_warps``."""
+
+def rounds(digit_bits: int) -> tuple[tuple[int, int], ...]:
+    """``(shift, bits)`` of each digit round of ``digit_bits``-bit digits, most significant first: together every
+    bit of an int64 key once (the last round takes what is left)."""
+    out, top = [], 64
+    while top > 0:
+        bits = min(digit_bits, top)
+        out.append((top - bits, bits))
+        top -= bits
+    return tuple(out)
+
+
+KERNEL_CONFIG: dict[str, int] = {
+    "digit_bits": 8,
+    "chunk": 2048,
+    "block": 1024,
+    "rank_rows": 64,
+    "rank_cols": 128,
+    "num_warps": 4,
+}
+"""Launch: ``digit_bits`` a round (:func:`rounds`; Triton's histogram costs about a bin a thread per 32 keys, so
+8-bit digits in 8 rounds beat 11-bit ones in 6), ``chunk`` keys a program in the digit and select launches (a
+multiple of ``block``, the keys a step), ``rank_rows`` kept keys a program of the rank launch against
+``rank_cols`` at a time (powers of two), ``num_warps``."""
+ROUNDS = rounds(KERNEL_CONFIG["digit_bits"])
+"""The default launch's digit rounds."""
 
 _HIST_HAS_MASK = triton is not None and "mask" in inspect.signature(tl.histogram).parameters
 
@@ -110,22 +129,22 @@ def _descend(hist_ptr, prefix, rem, SHIFT: tl.constexpr, BITS: tl.constexpr, BIN
 
 @triton.jit
 def _state(hist_ptr, state_ptr, row, kk, R: tl.constexpr, PSHIFT: tl.constexpr, PBITS: tl.constexpr,
-           BINS: tl.constexpr):  # fmt: skip
+           NR: tl.constexpr, BINS: tl.constexpr):  # fmt: skip
     """``(prefix, rem)`` after rounds ``< R``: round ``R - 1``'s histogram (digit ``(PSHIFT, PBITS)``) applied to
     the stored state of rounds ``< R - 1`` (the first round starts from no prefix and ``kk`` needed)."""
     if R == 1:
         prefix = tl.zeros([], dtype=tl.int64)
         rem = kk + 0
     else:
-        prefix = tl.load(state_ptr + row * 16 + 2 * (R - 1))
-        rem = tl.load(state_ptr + row * 16 + 2 * (R - 1) + 1).to(tl.int32)
-    return _descend(hist_ptr + (row * 6 + R - 1) * BINS, prefix, rem, PSHIFT, PBITS, BINS)
+        prefix = tl.load(state_ptr + row * (2 * NR + 2) + 2 * (R - 1))
+        rem = tl.load(state_ptr + row * (2 * NR + 2) + 2 * (R - 1) + 1).to(tl.int32)
+    return _descend(hist_ptr + (row * NR + R - 1) * BINS, prefix, rem, PSHIFT, PBITS, BINS)
 
 
 @triton.jit(do_not_specialize=["num_keys", "kk", "k_sn"])
 def _keys_topk_hist_kernel(
-    hist_ptr,  # [N, 6, BINS] int32, zeroed: each round's row histogram
-    state_ptr,  # [N, 16] int64: (prefix, rem) after each round
+    hist_ptr,  # [N, NR, BINS] int32, zeroed: each round's row histogram
+    state_ptr,  # [N, 2 * NR + 2] int64: (prefix, rem) after each round
     keys_ptr,  # [N, K] int64; row stride k_sn, columns contiguous
     num_keys,
     kk,  # min(k, K)
@@ -135,6 +154,7 @@ def _keys_topk_hist_kernel(
     BITS: tl.constexpr,
     PSHIFT: tl.constexpr,  # the previous round's digit (its shift: the prefix's lowest bit)
     PBITS: tl.constexpr,
+    NR: tl.constexpr,  # rounds
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
     BINS: tl.constexpr,
@@ -145,10 +165,10 @@ def _keys_topk_hist_kernel(
     part = tl.program_id(1)
     prefix = tl.zeros([], dtype=tl.int64)
     if R > 0:
-        prefix, rem = _state(hist_ptr, state_ptr, row, kk, R, PSHIFT, PBITS, BINS)
+        prefix, rem = _state(hist_ptr, state_ptr, row, kk, R, PSHIFT, PBITS, NR, BINS)
         if part == 0:
-            tl.store(state_ptr + row * 16 + 2 * R, prefix)
-            tl.store(state_ptr + row * 16 + 2 * R + 1, rem.to(tl.int64))
+            tl.store(state_ptr + row * (2 * NR + 2) + 2 * R, prefix)
+            tl.store(state_ptr + row * (2 * NR + 2) + 2 * R + 1, rem.to(tl.int64))
     j = tl.arange(0, BLOCK)
     local = tl.zeros([BINS], dtype=tl.int32)
     for c0 in range(0, CHUNK, BLOCK):
@@ -165,7 +185,7 @@ def _keys_topk_hist_kernel(
             both = tl.reshape(tl.histogram(tl.where(take, d, BINS), 2 * BINS), [2, BINS])
             local += tl.sum(tl.where(tl.arange(0, 2)[:, None] == 0, both, 0), axis=0)
     b = tl.arange(0, BINS)
-    tl.atomic_add(hist_ptr + (row * 6 + R) * BINS + b, local, mask=local > 0, sem="relaxed")
+    tl.atomic_add(hist_ptr + (row * NR + R) * BINS + b, local, mask=local > 0, sem="relaxed")
 
 
 @triton.jit(do_not_specialize=["num_keys", "kk", "k_sn"])
@@ -179,6 +199,9 @@ def _keys_topk_select_kernel(
     num_keys,
     kk,
     k_sn,
+    LSHIFT: tl.constexpr,  # the last round's digit
+    LBITS: tl.constexpr,
+    NR: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
     BINS: tl.constexpr,
@@ -187,7 +210,7 @@ def _keys_topk_select_kernel(
     (module docstring, step 2)."""
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
-    t, rem = _state(hist_ptr, state_ptr, row, kk, 6, 0, 9, BINS)
+    t, rem = _state(hist_ptr, state_ptr, row, kk, NR, LSHIFT, LBITS, NR, BINS)
     j = tl.arange(0, BLOCK)
     for c0 in range(0, CHUNK, BLOCK):
         cols = part * CHUNK + c0 + j
@@ -264,25 +287,30 @@ def _select(keys: torch.Tensor, k: int, slots: torch.Tensor | None, return_keys:
         raise ValueError(
             f"KERNEL_CONFIG needs power-of-two block, rank_rows, rank_cols and chunk % block == 0, got {cfg}"
         )
+    digit_bits = int(cfg["digit_bits"])
+    if not 1 <= digit_bits <= 12:
+        raise ValueError(f"KERNEL_CONFIG['digit_bits'] must be in [1, 12], got {digit_bits}")
+    rds = rounds(digit_bits)
+    nr, bins = len(rds), 1 << digit_bits
     kk = min(k, num_keys)
-    scratch = torch.zeros(n * (6 * _BINS + 2), dtype=torch.int32, device=dev)  # one memset: histograms, counts
-    hist, counts = scratch[: n * 6 * _BINS], scratch[n * 6 * _BINS :]
-    state = torch.empty((n, 16), dtype=torch.int64, device=dev)
+    scratch = torch.zeros(n * (nr * bins + 2), dtype=torch.int32, device=dev)  # one memset: histograms, counts
+    hist, counts = scratch[: n * nr * bins], scratch[n * nr * bins :]
+    state = torch.empty((n, 2 * nr + 2), dtype=torch.int64, device=dev)
     kept = torch.empty((n, kk), dtype=torch.int64, device=dev)
     kcol = torch.empty((n, kk), dtype=torch.int32, device=dev)
     grid = (n, cdiv(num_keys, chunk))
     warps = int(cfg["num_warps"])
     with device_ctx(dev):
-        for r, (shift, bits) in enumerate(ROUNDS):
-            pshift, pbits = ROUNDS[r - 1] if r else (0, 0)
+        for r, (shift, bits) in enumerate(rds):
+            pshift, pbits = rds[r - 1] if r else (0, 0)
             _keys_topk_hist_kernel[grid](
                 hist, state, keys, num_keys, kk, keys.stride(0),
-                R=r, SHIFT=shift, BITS=bits, PSHIFT=pshift, PBITS=pbits, CHUNK=chunk, BLOCK=block, BINS=_BINS,
+                R=r, SHIFT=shift, BITS=bits, PSHIFT=pshift, PBITS=pbits, NR=nr, CHUNK=chunk, BLOCK=block, BINS=bins,
                 HIST_MASK=_HIST_HAS_MASK, num_warps=warps,
             )  # fmt: skip
         _keys_topk_select_kernel[grid](
             kept, kcol, counts, hist, state, keys, num_keys, kk, keys.stride(0),
-            CHUNK=chunk, BLOCK=block, BINS=_BINS, num_warps=warps,
+            LSHIFT=rds[-1][0], LBITS=rds[-1][1], NR=nr, CHUNK=chunk, BLOCK=block, BINS=bins, num_warps=warps,
         )  # fmt: skip
         s_arg = slots if slots is not None else out
         s_sn = 0 if slots is None or slots.ndim == 1 else slots.stride(0)

@@ -28,6 +28,8 @@ LAUNCHES = {
     "default": {},  # 2048 keys a program: one program a row here
     "chunk64": {"chunk": 64, "block": 32, "rank_rows": 16, "rank_cols": 32},  # many programs a row, many tiles
     "chunk128_warps2": {"chunk": 128, "block": 64, "rank_rows": 8, "rank_cols": 64, "num_warps": 2},
+    "digits11": {"digit_bits": 11, "chunk": 256, "block": 128},  # 6 rounds, the last of 9 bits
+    "digits5": {"digit_bits": 5, "chunk": 64, "block": 64},  # 13 rounds, the last of 4 bits
 }
 KINDS = ("normal", "ties", "constant", "sparse", "specials", "spread", "last_bit", "none")
 
@@ -216,10 +218,23 @@ def test_rejects_bad_input():
         keys_topk(keys, 3, backend="cuda")
 
 
-def test_bad_launch_config_is_refused(monkeypatch):
+def test_rounds_cover_every_bit_once():
+    for bits in range(1, 13):
+        rds = _mod.rounds(bits)
+        assert rds[0][0] + rds[0][1] == 64 and rds[-1][0] == 0 and all(0 < b <= bits for _, b in rds)
+        assert all(s1 == s0 + b0 for (s0, b0), (s1, _) in zip(rds[1:], rds[:-1]))
+    assert _mod.rounds(11) == ((53, 11), (42, 11), (31, 11), (20, 11), (9, 11), (0, 9))
+    assert _mod.ROUNDS == _mod.rounds(8) and len(_mod.ROUNDS) == 8
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [({"chunk": 96, "block": 64}, "chunk % block == 0"), ({"digit_bits": 13}, r"digit_bits'\] must be in \[1, 12\]")],
+)
+def test_bad_launch_config_is_refused(monkeypatch, bad, match):
     skip_unless("triton", "cpu")
-    monkeypatch.setattr(_mod, "KERNEL_CONFIG", {**_mod.KERNEL_CONFIG, "chunk": 96, "block": 64})
-    with pytest.raises(ValueError, match="chunk % block == 0"):
+    monkeypatch.setattr(_mod, "KERNEL_CONFIG", {**_mod.KERNEL_CONFIG, **bad})
+    with pytest.raises(ValueError, match=match):
         keys_topk(torch.zeros(1, 5, dtype=torch.int64), 2, backend="triton")
 
 
