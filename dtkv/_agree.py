@@ -251,7 +251,9 @@ def agree_async(
     header = bytes([0 if error is None else 1]) + bytes(7) + len(payload).to_bytes(8, "little") + digest
     assert len(header) == _HEADER_BYTES, "agreement header size"
     dev = _device(group)
-    mine = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+    # a tensor that owns its bytes: the collective runs on the backend's thread and may drop the last reference
+    # there, so its input must not be a view of a Python object (whose release would need the GIL on that thread)
+    mine = torch.frombuffer(bytearray(header), dtype=torch.uint8).clone()
     out = torch.empty(world * _HEADER_BYTES, dtype=torch.uint8, device=dev)
     work = all_gather_into(out, mine.to(dev), group, async_op=True)
     return PendingAgreement(error=error, group=group, world=world, payload=payload, work=work, out=out, what=what,

@@ -216,3 +216,29 @@ def test_base_exceptions_are_never_swallowed():
 def test_register_error_rejects_non_exceptions():
     with pytest.raises(TypeError, match="must be an Exception subclass"):
         register_error(int)
+
+
+def _async_input_worker(rank, world):
+    import torch.distributed as dist
+
+    import dtkv._agree as mod
+
+    seen = []
+    real = mod.all_gather_into
+
+    def spy(out, inp, group, async_op=False):
+        seen.append(inp.untyped_storage().resizable())  # a storage torch owns (a Python buffer's is not resizable)
+        return real(out, inp, group, async_op=async_op)
+
+    mod.all_gather_into = spy
+    try:
+        mod.agree_async(None, dist.group.WORLD, what="step", value={"a": rank % 1}).wait()
+    finally:
+        mod.all_gather_into = real
+    return seen
+
+
+def test_the_async_header_owns_its_bytes(ranks2):
+    """The header all-gather runs on the backend's thread and may release its input there: the input owns its
+    storage (not a view of a Python ``bytearray``, whose release needs the GIL)."""
+    assert ranks2.run(_async_input_worker) == [[True], [True]]
