@@ -41,7 +41,7 @@ import torch
 
 from dtkv._checks import check_int, check_tensor
 
-from ._common import cdiv, device_ctx, index_arg, resolve_backend, tl, triton
+from ._common import HAS_TRITON, cdiv, device_ctx, index_arg, resolve_backend, tl, triton
 from .indexer_logits import indexer_topk
 from .selection_keys import INVALID_KEY
 
@@ -78,7 +78,7 @@ launches at one row of 32K keys on one H100 (0.051 ms a CUDA-graph replay), with
 ROUNDS = rounds(KERNEL_CONFIG["digit_bits"])
 """The default launch's digit rounds."""
 
-_HIST_HAS_MASK = triton is not None and "mask" in inspect.signature(tl.histogram).parameters
+_HIST_HAS_MASK = HAS_TRITON and "mask" in inspect.signature(tl.histogram).parameters
 
 
 # ----------------------------------------------------------------------------------------- torch reference
