@@ -86,6 +86,19 @@ LONG_TAIL.update(
         for kind in ("normal", "constant", "sparse", "spread", "very_negative", "near_threshold")
     }
 )
+LONG_TAIL.update(
+    {
+        f"tests/test_ops_keys_topk.py::test_triton_vs_reference[{launch}-{kind}]": (
+            "another launch of the interpreted kernels on another input kind; every kind stays quick on the default "
+            "launch, on 32 keys a program and on 11-bit digits, and every launch on exact ties and one-ulp gaps"
+        )
+        for launch in ("chunk128_warps2", "digits5")
+        for kind in ("normal", "constant", "sparse", "specials", "spread", "none")
+    }
+)
+LONG_TAIL["tests/test_ops_keys_topk.py::test_triton_vs_reference_sizes[2-1031-61]"] = (
+    "the interpreted kernels over 17 programs a row; the smaller sizes and every kind on 32 keys a program stay quick"
+)
 
 
 ENGINE_IDS = ("mooncake", "nixl")
