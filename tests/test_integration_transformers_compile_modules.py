@@ -1,4 +1,5 @@
-"""``TransformersAdapter(compile_modules=...)``: the model's norms and MLP / MoE blocks compiled in decode steps.
+"""``TransformersAdapter(compile_modules=...)``: the model's norms and MLP / MoE blocks, and the attention's
+projections, compiled in decode steps.
 
 The compiled decode gives the eager decode's tokens and KV (inductor on a CPU, float32: logits within 1e-5 of their
 scale), only decode steps take the compiled forwards (prefill and ``batch_invariant`` run the originals), closing
@@ -69,7 +70,8 @@ def _counting(monkeypatch) -> dict:
 def test_compiled_decode_gives_the_eager_decode():
     """Inductor on a CPU: the same tokens as the eager modules, logits within 1e-5 of their scale, prefill's KV
     bytes unchanged (a decode step's rows may round to other fp8 codes: the fused norms sum in another order);
-    while the runtime is open the norms and MLP / MoE blocks have their compiled forwards, after it none do."""
+    while the runtime is open the norms and MLP / MoE blocks have their compiled forwards (the attention's norms
+    compile inside its projections, no forward of their own), after it none do."""
     lm = _lm()
     eager = _run(lm, compile_modules=False)
     compiled = _run(lm, compile_modules=True)
@@ -79,8 +81,8 @@ def test_compiled_decode_gives_the_eager_decode():
     assert all(torch.equal(compiled["kv"][n], eager["kv"][n]) for n in eager["kv"])
     names = set(compiled["bound"]) - set(eager["bound"])
     layer = "model.layers.2."
-    assert {layer + n for n in ("input_layernorm", "post_attention_layernorm", "mlp", "self_attn.q_a_layernorm",
-                                "self_attn.kv_a_layernorm")} <= names  # fmt: skip
+    assert {layer + n for n in ("input_layernorm", "post_attention_layernorm", "mlp")} <= names
+    assert not {layer + n for n in ("self_attn.q_a_layernorm", "self_attn.kv_a_layernorm")} & names
     assert "model.layers.0.mlp" in names  # a dense MLP
     assert _bound(lm) == []
 
@@ -96,7 +98,7 @@ def test_only_decode_steps_take_the_compiled_forwards(monkeypatch):
         assert calls["n"] == 0
         rt.decode(1)
         per_step = calls["n"]
-        assert per_step == 3 * 5  # 3 layers x (2 norms, 2 attention norms, the MLP / MoE)
+        assert per_step == 3 * 4  # 3 layers x (2 norms, the MLP / MoE, the attention's projections)
         rt.decode(2)
         assert calls["n"] == 3 * per_step
 
@@ -183,5 +185,31 @@ def test_a_module_whose_compile_fails_runs_eager_from_then_on(monkeypatch, caplo
         got = _run(lm, compile_modules=True, steps=2)
     assert got["outs"] == eager["outs"]
     assert all(torch.equal(a, b) for a, b in zip(got["logits"], eager["logits"]))
-    assert tried["n"] == 15  # each of the 15 modules tried once, then eager
+    assert tried["n"] == 10  # each of the 9 modules and the projections tried once, then eager
     assert "runs its eager forward from now on" in caplog.text and "FailOnRecompileLimitHit" in caplog.text
+
+
+def test_the_projections_compile_once_for_every_layer():
+    """One graph serves every layer (the modules are arguments, their parameters the graph's inputs; Dynamo would
+    raise on a recompile here), and it computes what the eager function does (inductor on a CPU, float32)."""
+    from torch._dynamo.utils import counters
+
+    from dtkv.integrations.transformers import attention
+
+    lm = tiny_model("deepseek-v32", num_hidden_layers=4, dtype=torch.float32)
+    torch._dynamo.reset()
+    project = _compile.compiled_function(attention.projections, when=lambda: True)
+    x = torch.randn(1, 5, lm.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    cos, sin = lm.model.rotary_emb(x, torch.arange(3, 8)[None])
+    before = counters["stats"]["unique_graphs"]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for layer in lm.model.layers:
+            attn = layer.self_attn
+            got = project(attn, x, cos, sin, *attention._ropes(attn))
+            want = attention.projections(attn, x, cos, sin, *attention._ropes(attn))
+            flat_got, flat_want = torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)
+            assert len(flat_got) == len(flat_want) == 6
+            for a, b in zip(flat_got, flat_want):
+                assert a.shape == b.shape and a.dtype == b.dtype
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] - before == 1

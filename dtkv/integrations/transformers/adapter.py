@@ -13,9 +13,14 @@ from typing import Any, cast
 
 import torch
 
-from dtkv.integrations.transformers._compile import compile_targets, install_compiled, uninstall_compiled
+from dtkv.integrations.transformers._compile import (
+    compile_targets,
+    compiled_function,
+    install_compiled,
+    uninstall_compiled,
+)
 from dtkv.integrations.transformers._family import KV_DTYPES, KVDtype, family_of, geometry_of, kv_layouts
-from dtkv.integrations.transformers.attention import check_unbound, install, uninstall
+from dtkv.integrations.transformers.attention import check_unbound, install, projections, uninstall
 from dtkv.runtime import ModelAdapter, ModelSpec, StepContext
 
 __all__ = ["TransformersAdapter"]
@@ -129,13 +134,15 @@ class TransformersAdapter(ModelAdapter):
 
     def bind(self) -> None:
         """Bind the replacement attention to the model's attention modules, and with ``compile_modules`` the
-        compiled forwards of its norms and MLP / MoE blocks."""
-        install(self.model, self)
+        compiled forwards of its norms and MLP / MoE blocks and the attention's compiled projections."""
         if not self.compile_modules:
+            install(self.model, self)
             return
+        decoding = lambda: self.ctx is not None and self.ctx.decoding  # noqa: E731
+        targets = compile_targets(self.model, moe_ok=not self._experts_reason())
+        install(self.model, self, project=compiled_function(projections, when=decoding))
         try:
-            targets = compile_targets(self.model, moe_ok=not self._experts_reason())
-            install_compiled(targets, when=lambda: self.ctx is not None and self.ctx.decoding)
+            install_compiled(targets, when=decoding)
         except BaseException:
             uninstall(self.model)
             raise

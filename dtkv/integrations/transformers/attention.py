@@ -7,7 +7,10 @@ key-table entries, ``k`` keys kept per query (``index_topk``, ``-1`` padded), ``
 :func:`dsa_attention` runs one layer for this rank's rows, calling the attention module's own submodules as the
 transformers forward does (``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``, ``kv_a_proj_with_mqa``,
 ``kv_a_layernorm``, the family's rope functions, the indexer's ``wq_b``/``wk``/``k_norm``/``weights_proj``,
-``kv_b_proj`` and ``o_proj``). What differs from the transformers forward:
+``kv_b_proj`` and ``o_proj``). Everything it computes before touching the cache is one function of the module and
+the rows, :func:`projections` (tensors in, tensors out): the adapter runs it compiled in decode steps
+(``TransformersAdapter(compile_modules=)``), where its ropes, splits and concatenations are otherwise some thirty
+small kernels a layer. What differs from the transformers forward:
 
 1. KV storage: the latent row ``[kv_a_layernorm(kv), rope(k_rot)]`` and the indexer key are stored by the runtime
    (:meth:`dtkv.runtime.StepContext.write`: direct or owner-filtered writes, fused fp8 quantization) instead of the
@@ -72,6 +75,7 @@ __all__ = [
     "fp8_indexer_queries",
     "indexer_precision",
     "install",
+    "projections",
     "select_topk",
     "uninstall",
     "uses_fp8_indexer",
@@ -108,6 +112,34 @@ def _indexer_rows(indexer, hidden_1ND, q_resid_1NQ, cos, sin, rope):
     k = torch.cat([k_rot, k_pass], dim=-1)[0, :, 0]
     w = indexer.weights_proj(hidden_1ND.to(indexer.weights_proj.weight.dtype)).float() * (indexer.n_heads**-0.5)
     return q, k, w[0]
+
+
+def projections(attn, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mla_rope, indexer_rope):
+    """One layer's rows before any cache access, as the transformers forward computes them (tensors only: what the
+    adapter compiles for decode steps, one graph for every layer of a class).
+
+    Args:
+        attn: the attention module; hidden_states ``[1, N, D]``; cos, sin ``[1, N, E]``; mla_rope, indexer_rope:
+            the family's rope functions (:func:`_ropes`).
+
+    Returns:
+        ``(q_pass [1, H, N, nope], q_rot [1, H, N, E], latent [N, R + E], index)``: the query halves (``q_rot``
+        rotated), the latent row to store (``[kv_a_layernorm(kv), rope(k_rot)]``), and ``index`` the indexer's
+        ``(query [N, I, J], key [N, J], head weights [N, I] float32)`` or ``None`` for a layer without an indexer.
+    """
+    n = hidden_states.shape[1]
+    h, r, e = attn.num_heads, attn.kv_lora_rank, attn.qk_rope_head_dim
+    q_resid = attn.q_a_layernorm(attn.q_a_proj(hidden_states))
+    q = attn.q_b_proj(q_resid).view(1, n, h, attn.qk_head_dim).transpose(1, 2)  # [1, H, N, nope + E]
+    q_pass, q_rot = torch.split(q, [attn.qk_nope_head_dim, e], dim=-1)
+    kv_pass, k_rot = torch.split(attn.kv_a_proj_with_mqa(hidden_states), [r, e], dim=-1)
+    k_pass = attn.kv_a_layernorm(kv_pass)  # [1, N, R]
+    q_rot, k_rot = mla_rope(q_rot, k_rot.view(1, 1, n, e), cos, sin)
+    latent = torch.cat((k_pass[0], k_rot[0, 0]), dim=-1)
+    index = None
+    if attn.indexer is not None:
+        index = _indexer_rows(attn.indexer, hidden_states, q_resid, cos, sin, indexer_rope)
+    return q_pass, q_rot, latent, index
 
 
 class AbsorbedWeights:
@@ -150,14 +182,15 @@ def _backend_dtype(backend, attn, absorbed: AbsorbedWeights | None = None) -> to
     return torch.promote_types(backend.cast_queries(torch.zeros((), dtype=torch.float32)).dtype, weight)
 
 
-def _extend_attention(attn, ctx, hidden_states, q_resid, q_pass, q_rot, cos, sin, prev_topk, rope, absorbed=None):
+def _extend_attention(attn, ctx, hidden_states, q_pass, q_rot, index, prev_topk, absorbed=None):
     """Prefill / full-view decode: the model's own top-k and the attention over the step's full views (expanded on
-    the ``torch`` backend, absorbed on the others); ``q_pass`` ``[H, N, nope]``, ``q_rot`` ``[H, N, E]``."""
+    the ``torch`` backend, absorbed on the others); ``q_pass`` ``[H, N, nope]``, ``q_rot`` ``[H, N, E]``, ``index``
+    the indexer's rows (:func:`projections`)."""
     layer, n = attn.layer_idx, hidden_states.shape[1]
     h, r, e = attn.num_heads, attn.kv_lora_rank, attn.qk_rope_head_dim
     indexer = attn.indexer
     if indexer is not None:
-        iq, ik, iw = _indexer_rows(indexer, hidden_states, q_resid, cos, sin, rope)
+        iq, ik, iw = index
         ctx.write("index", layer, ik)
         views = ctx.views(layer, ("index", "kv"))
         topk_NK = select_topk(indexer, ctx, iq, iw, views["index"])
@@ -223,7 +256,7 @@ def _absorbed_attention(attn, backend, q_pass, q_rot, kv_view, topk_NK, absorbed
     return out
 
 
-def _decode_attention(attn, ctx, hidden_states, q_resid, q_pass, q_rot, cos, sin, prev_topk, rope, absorbed=None):
+def _decode_attention(attn, ctx, hidden_states, q_pass, q_rot, index, prev_topk, absorbed=None):
     """Sharded decode: absorbed queries (float32: the decode step's compute dtype), the runtime's attention on the
     shards, then ``W_UV`` and ``o_proj``."""
     layer, n = attn.layer_idx, hidden_states.shape[1]
@@ -232,7 +265,7 @@ def _decode_attention(attn, ctx, hidden_states, q_resid, q_pass, q_rot, cos, sin
     q_abs = torch.matmul(q_pass[0].float(), w_uk)  # [H, N, nope] @ [H, nope, R] -> [H, N, R]
     indexer = attn.indexer
     if indexer is not None:
-        iq, ik, w_NI = _indexer_rows(indexer, hidden_states, q_resid, cos, sin, rope)
+        iq, ik, w_NI = index
         ctx.write("index", layer, ik)
         fp8 = uses_fp8_indexer(ctx.attention.name if ctx.attention is not None else "torch", ctx.layouts["index"])
         iq = fp8_indexer_queries(iq) if fp8 else iq.float()  # the extend steps' indexer math, whatever kernel
@@ -260,6 +293,7 @@ def dsa_attention(
     position_embeddings,
     prev_topk=None,
     absorbed: AbsorbedWeights | None = None,
+    project=None,
 ):
     """One DSA layer's attention for this rank's rows (run phase: tensors only).
 
@@ -272,26 +306,19 @@ def dsa_attention(
             extend step, positions ``[N, K]`` in a sharded decode step.
         absorbed: the module's :class:`AbsorbedWeights` (what :func:`install` binds); ``None`` takes the halves of
             ``kv_b_proj`` on every call.
+        project: what computes :func:`projections` (``None``: that function, eager; the adapter passes its compiled
+            form, :func:`dtkv.integrations.transformers._compile.compiled_function`).
 
     Returns:
         ``(out [1, N, D], topk [N, k])``: the layer's output and its selection (as ``prev_topk`` takes it).
     """
     mla_rope, indexer_rope = _ropes(attn)
-    layer, n = attn.layer_idx, hidden_states.shape[1]
-    h, r, e = attn.num_heads, attn.kv_lora_rank, attn.qk_rope_head_dim
     cos, sin = position_embeddings
-    q_resid = attn.q_a_layernorm(attn.q_a_proj(hidden_states))
-    q = attn.q_b_proj(q_resid).view(1, n, h, attn.qk_head_dim).transpose(1, 2)  # [1, H, N, nope + E]
-    q_pass, q_rot = torch.split(q, [attn.qk_nope_head_dim, e], dim=-1)
-    kv_pass, k_rot = torch.split(attn.kv_a_proj_with_mqa(hidden_states), [r, e], dim=-1)
-    k_pass = attn.kv_a_layernorm(kv_pass)  # [1, N, R]
-    q_rot, k_rot = mla_rope(q_rot, k_rot.view(1, 1, n, e), cos, sin)
-    ctx.write("kv", layer, torch.cat((k_pass[0], k_rot[0, 0]), dim=-1))  # the latent row [N, R + E]
+    q_pass, q_rot, latent, index = (project or projections)(attn, hidden_states, cos, sin, mla_rope, indexer_rope)
+    ctx.write("kv", attn.layer_idx, latent)  # the latent row [N, R + E]
     if ctx.sharded_decode:
-        return _decode_attention(attn, ctx, hidden_states, q_resid, q_pass, q_rot, cos, sin, prev_topk, indexer_rope,
-                                 absorbed)  # fmt: skip
-    return _extend_attention(attn, ctx, hidden_states, q_resid, q_pass[0], q_rot[0], cos, sin, prev_topk, indexer_rope,
-                             absorbed)  # fmt: skip
+        return _decode_attention(attn, ctx, hidden_states, q_pass, q_rot, index, prev_topk, absorbed)
+    return _extend_attention(attn, ctx, hidden_states, q_pass[0], q_rot[0], index, prev_topk, absorbed)
 
 
 def check_unbound(model: torch.nn.Module) -> None:
@@ -303,12 +330,13 @@ def check_unbound(model: torch.nn.Module) -> None:
         )
 
 
-def install(model: torch.nn.Module, adapter) -> None:
+def install(model: torch.nn.Module, adapter, *, project=None) -> None:
     """Bind :func:`dsa_attention` as ``forward`` of every attention module of ``model`` (instance attribute).
 
     The bound forward reads ``adapter.ctx`` (the step's :class:`dtkv.runtime.StepContext`); while it is None the
     module runs its original forward, so the model stays usable on its own. Each bound forward holds the module's
-    :class:`AbsorbedWeights` (``kv_b_proj``'s halves, taken once per dtype for the whole bind).
+    :class:`AbsorbedWeights` (``kv_b_proj``'s halves, taken once per dtype for the whole bind) and ``project``
+    (:func:`dsa_attention`'s argument: ``None`` runs :func:`projections` eager).
 
     Raises:
         ValueError: the modules already have a bound forward (one runtime per model at a time).
@@ -327,7 +355,7 @@ def install(model: torch.nn.Module, adapter) -> None:
                 return _original(*args, **kwargs)
             hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
             rope = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]
-            out, topk = dsa_attention(_attn, ctx, hidden, rope, kwargs.get("prev_topk_indices"), _absorbed)
+            out, topk = dsa_attention(_attn, ctx, hidden, rope, kwargs.get("prev_topk_indices"), _absorbed, project)
             return (out, None, topk) if returns_topk else (out, None)
 
         attn.forward = forward
