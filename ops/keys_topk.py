@@ -17,11 +17,15 @@ order is total), the columns mapped through ``key_slots``:
    the count of keys from the top reaches the number still needed, with the prefix and count the first program of
    round ``r - 1`` stored: the same scan in every program, so no program waits on another), then add the
    histogram of digit ``r`` of their chunk's keys that share the prefix to the row's histogram
-   (``tl.histogram``, then one atomic add a bin);
+   (``tl.histogram``, then one atomic add a bin). A row is *resolved* once every key with its prefix is needed
+   (distinct scores: after the score's bits, usually sooner): the round that sees it stores the round and the
+   prefix's shift, and the row's later rounds return at once (a CUDA graph keeps its launches; each costs a flag
+   read);
 2. *the threshold* ``t``, the ``min(k, K)``-th largest key, is then known to every program of the select launch:
    each writes its chunk's keys above ``t`` and their columns to ``[N, min(k, K)]`` scratch (a base from one
    atomic add a chunk), and keys equal to ``t`` up to the number still needed (``t`` is a real key, unique; or
-   the padding key);
+   the padding key). A resolved row compares the keys' bits above its prefix's shift (an arithmetic shift keeps
+   the order): those above, and every one at the prefix (exactly the number still needed);
 3. *the order*: each kept key's rank is the number of kept keys of its row above it (ties, padding only, by
    scratch position), computed by comparing tiles of the ``min(k, K)`` kept keys; the rank kernel writes each
    key's column (its slot, or ``-1`` for padding) at its rank, and ``-1`` past ``min(k, K)``.
@@ -117,23 +121,25 @@ def _digit(key, SHIFT: tl.constexpr, BITS: tl.constexpr):
 @triton.jit
 def _descend(hist_ptr, prefix, rem, SHIFT: tl.constexpr, BITS: tl.constexpr, BINS: tl.constexpr):
     """From a round's row histogram: its digit (where the count of keys from the top reaches ``rem``), the prefix
-    with that digit's bits, and how many keys with that prefix are still needed."""
+    with that digit's bits, how many keys with that prefix are still needed, and whether that is all of them."""
     b = tl.arange(0, BINS)
     h = tl.load(hist_ptr + b)
     above = tl.sum(h, axis=0) - tl.cumsum(h, axis=0)  # keys in bins above b
     d = tl.max(tl.where((above < rem) & (above + h >= rem), b, -1), axis=0)
     rem = rem - tl.sum(tl.where(b == d, above, 0), axis=0)
+    done = tl.sum(tl.where(b == d, h, 0), axis=0) == rem
     raw = d
     if SHIFT + BITS == 64:
         raw = d ^ (1 << (BITS - 1))
-    return prefix | (raw.to(tl.int64) << SHIFT), rem
+    return prefix | (raw.to(tl.int64) << SHIFT), rem, done
 
 
 @triton.jit
 def _state(hist_ptr, state_ptr, row, kk, R: tl.constexpr, PSHIFT: tl.constexpr, PBITS: tl.constexpr,
            NR: tl.constexpr, BINS: tl.constexpr):  # fmt: skip
-    """``(prefix, rem)`` after rounds ``< R``: round ``R - 1``'s histogram (digit ``(PSHIFT, PBITS)``) applied to
-    the stored state of rounds ``< R - 1`` (the first round starts from no prefix and ``kk`` needed)."""
+    """``(prefix, rem, done)`` after rounds ``< R``: round ``R - 1``'s histogram (digit ``(PSHIFT, PBITS)``)
+    applied to the stored state of rounds ``< R - 1`` (the first round starts from no prefix and ``kk`` needed);
+    ``done``: every key with the prefix is needed."""
     if R == 1:
         prefix = tl.zeros([], dtype=tl.int64)
         rem = kk + 0
@@ -146,7 +152,8 @@ def _state(hist_ptr, state_ptr, row, kk, R: tl.constexpr, PSHIFT: tl.constexpr, 
 @triton.jit(do_not_specialize=["num_keys", "kk", "k_sn"])
 def _keys_topk_hist_kernel(
     hist_ptr,  # [N, NR, BINS] int32, zeroed: each round's row histogram
-    state_ptr,  # [N, 2 * NR + 2] int64: (prefix, rem) after each round
+    state_ptr,  # [N, 2 * NR + 2] int64: (prefix, rem) after each round; [2 * NR + 1]: the resolved prefix's shift
+    done_ptr,  # [N] int32, zeroed: the round whose state resolved the row (every key of its prefix kept), 0: none
     keys_ptr,  # [N, K] int64; row stride k_sn, columns contiguous
     num_keys,
     kk,  # min(k, K)
@@ -162,15 +169,23 @@ def _keys_topk_hist_kernel(
     BINS: tl.constexpr,
     HIST_MASK: tl.constexpr,
 ):
-    """Program ``(n, p)``: round ``R``'s histogram of chunk ``p`` of row ``n`` (module docstring, step 1)."""
+    """Program ``(n, p)``: round ``R``'s histogram of chunk ``p`` of row ``n`` (module docstring, step 1); nothing
+    once the row is resolved."""
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     prefix = tl.zeros([], dtype=tl.int64)
     if R > 0:
-        prefix, rem = _state(hist_ptr, state_ptr, row, kk, R, PSHIFT, PBITS, NR, BINS)
+        if tl.load(done_ptr + row) != 0:  # resolved by an earlier round's state
+            return
+        prefix, rem, done = _state(hist_ptr, state_ptr, row, kk, R, PSHIFT, PBITS, NR, BINS)
         if part == 0:
             tl.store(state_ptr + row * (2 * NR + 2) + 2 * R, prefix)
             tl.store(state_ptr + row * (2 * NR + 2) + 2 * R + 1, rem.to(tl.int64))
+            if done:
+                tl.store(state_ptr + row * (2 * NR + 2) + 2 * NR + 1, PSHIFT)
+                tl.store(done_ptr + row, R)
+        if done:  # every program of the round sees the same histogram
+            return
     j = tl.arange(0, BLOCK)
     local = tl.zeros([BINS], dtype=tl.int32)
     for c0 in range(0, CHUNK, BLOCK):
@@ -197,6 +212,7 @@ def _keys_topk_select_kernel(
     count_ptr,  # [N, 2] int32, zeroed: keys above t and at t written so far
     hist_ptr,
     state_ptr,
+    done_ptr,
     keys_ptr,
     num_keys,
     kk,
@@ -209,17 +225,27 @@ def _keys_topk_select_kernel(
     BINS: tl.constexpr,
 ):
     """Program ``(n, p)``: the keys of chunk ``p`` of row ``n`` above the threshold, and those at it still needed
-    (module docstring, step 2)."""
+    (module docstring, step 2). A row resolved at a prefix compares the keys' bits above its shift only."""
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
-    t, rem = _state(hist_ptr, state_ptr, row, kk, NR, LSHIFT, LBITS, NR, BINS)
+    r_done = tl.load(done_ptr + row)
+    base_s = row * (2 * NR + 2)
+    if r_done != 0:
+        t = tl.load(state_ptr + base_s + 2 * r_done)
+        rem = tl.load(state_ptr + base_s + 2 * r_done + 1).to(tl.int32)
+        sh = tl.load(state_ptr + base_s + 2 * NR + 1)
+    else:
+        t, rem, _ = _state(hist_ptr, state_ptr, row, kk, NR, LSHIFT, LBITS, NR, BINS)
+        sh = tl.zeros([], dtype=tl.int64)
+    t_hi = t >> sh
     j = tl.arange(0, BLOCK)
     for c0 in range(0, CHUNK, BLOCK):
         cols = part * CHUNK + c0 + j
         inside = cols < num_keys
         key = tl.load(keys_ptr + row * k_sn + cols, mask=inside, other=0)
-        gt = (inside & (key > t)).to(tl.int32)
-        at = (inside & (key == t)).to(tl.int32)
+        k_hi = key >> sh  # arithmetic: the keys' order kept
+        gt = (inside & (k_hi > t_hi)).to(tl.int32)
+        at = (inside & (k_hi == t_hi)).to(tl.int32)
         n_gt = tl.sum(gt, axis=0)
         n_at = tl.sum(at, axis=0)
         if n_gt > 0:
@@ -295,8 +321,9 @@ def _select(keys: torch.Tensor, k: int, slots: torch.Tensor | None, return_keys:
     rds = rounds(digit_bits)
     nr, bins = len(rds), 1 << digit_bits
     kk = min(k, num_keys)
-    scratch = torch.zeros(n * (nr * bins + 2), dtype=torch.int32, device=dev)  # one memset: histograms, counts
-    hist, counts = scratch[: n * nr * bins], scratch[n * nr * bins :]
+    # one memset: histograms, counts, the rows' resolving rounds
+    scratch = torch.zeros(n * (nr * bins + 3), dtype=torch.int32, device=dev)
+    hist, counts, done = scratch[: n * nr * bins], scratch[n * nr * bins : n * (nr * bins + 2)], scratch[-n:]
     state = torch.empty((n, 2 * nr + 2), dtype=torch.int64, device=dev)
     kept = torch.empty((n, kk), dtype=torch.int64, device=dev)
     kcol = torch.empty((n, kk), dtype=torch.int32, device=dev)
@@ -306,12 +333,12 @@ def _select(keys: torch.Tensor, k: int, slots: torch.Tensor | None, return_keys:
         for r, (shift, bits) in enumerate(rds):
             pshift, pbits = rds[r - 1] if r else (0, 0)
             _keys_topk_hist_kernel[grid](
-                hist, state, keys, num_keys, kk, keys.stride(0),
+                hist, state, done, keys, num_keys, kk, keys.stride(0),
                 R=r, SHIFT=shift, BITS=bits, PSHIFT=pshift, PBITS=pbits, NR=nr, CHUNK=chunk, BLOCK=block, BINS=bins,
                 HIST_MASK=_HIST_HAS_MASK, num_warps=warps,
             )  # fmt: skip
         _keys_topk_select_kernel[grid](
-            kept, kcol, counts, hist, state, keys, num_keys, kk, keys.stride(0),
+            kept, kcol, counts, hist, state, done, keys, num_keys, kk, keys.stride(0),
             LSHIFT=rds[-1][0], LBITS=rds[-1][1], NR=nr, CHUNK=chunk, BLOCK=block, BINS=bins, num_warps=warps,
         )  # fmt: skip
         s_arg = slots if slots is not None else out
