@@ -63,6 +63,11 @@ CANDIDATES = [
     {"digit_bits": 6, "chunk": 1024, "block": 1024},
     {"chunk": 1024, "block": 1024, "rank_rows": 32, "rank_cols": 128},
     {"chunk": 1024, "block": 1024, "rank_rows": 128, "rank_cols": 32},
+    {"chunk": 1024, "block": 1024, "rank_rows": 16, "rank_cols": 128},
+    {"chunk": 1024, "block": 1024, "rank_rows": 16, "rank_cols": 256},
+    {"chunk": 1024, "block": 1024, "rank_rows": 8, "rank_cols": 256},
+    {"chunk": 1024, "block": 1024, "rank_rows": 8, "rank_cols": 512},
+    {"chunk": 1024, "block": 1024, "rank_rows": 4, "rank_cols": 512},
 ]
 SMOKE_CANDIDATES = [{"chunk": 64, "block": 32, "digit_bits": 11}, {"rank_rows": 16, "rank_cols": 32}]
 

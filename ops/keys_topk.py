@@ -69,15 +69,17 @@ KERNEL_CONFIG: dict[str, int] = {
     "digit_bits": 8,
     "chunk": 1024,
     "block": 1024,
-    "rank_rows": 32,
-    "rank_cols": 128,
+    "rank_rows": 8,
+    "rank_cols": 512,
     "num_warps": 4,
 }
 """Launch: ``digit_bits`` a round (:func:`rounds`), ``chunk`` keys a program in the digit and select launches (a
 multiple of ``block``, the keys a step), ``rank_rows`` kept keys a program of the rank launch against
-``rank_cols`` at a time (powers of two), ``num_warps``. The fastest of ``bench_keys_topk.py --sweep``'s ten
-launches at one row of 32K keys on one H100 (0.051 ms a CUDA-graph replay), within 4% of the fastest at 16 rows of
-128K (2026-12-06). Triton's histogram costs about a bin a thread per 32 keys: 11-bit digits in 6 rounds ran 1.7x
+``rank_cols`` at a time (powers of two), ``num_warps``. From ``bench_keys_topk.py --sweep`` on one H100
+(2026-12-06, with resolved rows returning early): the digit launch is the fastest at one row of 32K keys and within
+4% at 16 rows of 128K; the rank launch of 8 rows against 512 columns (256 programs for 2048 kept keys) took one row
+of 32K from 0.044 to 0.033 ms a CUDA-graph replay (32 x 128 before: half the SMs idle) and 16 rows of 128K from
+0.122 to 0.118 ms. Triton's histogram costs about a bin a thread per 32 keys: 11-bit digits in 6 rounds ran 1.7x
 (one row) to 3.6x (16 rows of 128K) slower than 8-bit ones in 8."""
 ROUNDS = rounds(KERNEL_CONFIG["digit_bits"])
 """The default launch's digit rounds."""
