@@ -305,10 +305,11 @@ def test_full_view_buckets_score_the_batch_in_one_indexer_launch(monkeypatch):
     )
     out = {}
     for graphs in (False, "emulate"):
-        rt = _runtime("deepseek-v32", graphs, decode_mode="full", attention="triton")
-        for p in _prompts((9, 6, 3), rt.model_spec.vocab_size):
+        rt = _runtime("deepseek-v32", graphs, decode_mode="full", attention="triton", num_pages=48)
+        # 23 and 17 tokens: past index_topk (16), so the scores choose the keys; 5: fewer keys than it
+        for p in _prompts((23, 17, 5), rt.model_spec.vocab_size):
             rt.add_request(p)
-        rt.prefill(9)
+        rt.prefill(24)
         calls.clear()
         topk_calls.clear()
         outputs, logits = rt.decode(1, return_logits=True)
