@@ -282,22 +282,27 @@ def test_pending_tokens_map_the_next_batch_to_their_rows():
 
 def test_full_view_buckets_score_the_batch_in_one_indexer_launch(monkeypatch):
     """A full-view bucket on the fp8 indexer kernel (``attention="triton"``, the interpreter) scores every request
-    against its own block of the key table in one ``dtkv::indexer_logits`` launch a layer (a key table per query),
-    selects with ``dtkv::keys_topk``'s kernel, and selects what the eager step's flat table selects: tokens, logits
-    and stored KV of the eager path, bitwise."""
+    over its own pages in one ``dtkv::indexer_scores`` launch a layer (sharded decode's kernel; page table
+    ``[B, M]`` from the bucket's key blocks), selects with ``dtkv::keys_topk``'s kernel, and selects what the eager
+    step's flat table (``dtkv::indexer_logits``) selects: tokens, logits and stored KV of the eager path, bitwise."""
     _hf()
     from dtkv import ops
     from tests.ops_reference import skip_unless
 
     skip_unless("triton", "cpu")
-    calls = []
-    real = ops.indexer_logits
+    calls, scores = [], []
+    real, real_scores = ops.indexer_logits, ops.indexer_scores
 
     def counted(q, w, pages, key_slots, *args, **kw):
         calls.append((q.shape[0], tuple(key_slots.shape)))
         return real(q, w, pages, key_slots, *args, **kw)
 
+    def counted_scores(q, w, pool, page_ids, page_slots, query_pos, **kw):
+        scores.append((q.shape[0], tuple(page_ids.shape), kw["q_fp8"]))
+        return real_scores(q, w, pool, page_ids, page_slots, query_pos, **kw)
+
     monkeypatch.setattr(ops, "indexer_logits", counted)
+    monkeypatch.setattr(ops, "indexer_scores", counted_scores)
     topk_calls = []
     real_topk = ops.keys_topk
     monkeypatch.setattr(
@@ -311,20 +316,25 @@ def test_full_view_buckets_score_the_batch_in_one_indexer_launch(monkeypatch):
             rt.add_request(p)
         rt.prefill(24)
         calls.clear()
+        scores.clear()
         topk_calls.clear()
         outputs, logits = rt.decode(1, return_logits=True)
         out[graphs] = (outputs, logits, rt.kv_bytes(0), list(calls), rt.graphs and dict(rt.graphs.stats))
+        out[graphs, "scores"] = list(scores)
         out[graphs, "topk"] = list(topk_calls)
         rt.close()
     # the bucket's selection: dtkv::keys_topk's kernel (many programs a row), one call a layer; eager: none
-    assert out["emulate", "topk"] == ["triton"] * len(out["emulate"][3]) and out[False, "topk"] == []
+    assert out["emulate", "topk"] == ["triton"] * len(out["emulate", "scores"]) and out[False, "topk"] == []
     assert out["emulate"][0] == out[False][0]
     assert all(torch.equal(a, b) for a, b in zip(out["emulate"][1], out[False][1]))
     assert all(torch.equal(out["emulate"][2][n], out[False][2][n]) for n in out[False][2])
-    assert len(out["emulate"][3]) >= 1 and out["emulate"][4]["eager_steps"] == 0
-    # the bucket (batch 3 -> 4 rows): one launch a layer of 4 queries over [4, C] tables; eager: one flat table
-    assert all(n == 4 and len(shape) == 2 and shape[0] == 4 for n, shape in out["emulate"][3]), out["emulate"][3]
-    assert all(len(shape) == 1 for _, shape in out[False][3]), out[False][3]
+    assert out["emulate"][4]["eager_steps"] == 0
+    # the bucket (batch 3 -> 4 rows): one indexer_scores launch a layer of 4 queries over [4, M] page tables, fp8
+    # queries; eager: one indexer_logits launch a layer over one flat table, no indexer_scores
+    bucket = out["emulate", "scores"]
+    assert len(bucket) >= 1 and out["emulate"][3] == [] and out[False, "scores"] == []
+    assert all(n == 4 and len(shape) == 2 and shape[0] == 4 and fp8 for n, shape, fp8 in bucket), bucket
+    assert len(out[False][3]) == len(bucket) and all(len(shape) == 1 for _, shape in out[False][3]), out[False][3]
 
 
 def test_a_pool_whose_buffers_moved_is_captured_again():

@@ -91,7 +91,8 @@ class ExtendPlan:
     """Every request of the step was split on page edges (host)."""
     key_stride: int = 0
     """Host. ``> 0``: a decode plan whose request ``i`` holds key-table entries ``[i * key_stride, (i + 1) *
-    key_stride)`` (positions ``0, 1, ...``; slots past its length ``-1``) and whose row ``i`` is request ``i``'s query
+    key_stride)`` (positions ``0, 1, ...``, whole pages: ``key_stride`` is a multiple of the page size and the first
+    slot of page ``l`` is ``page * S``; slots past its length ``-1``) and whose row ``i`` is request ``i``'s query
     (a CUDA-graph bucket's, :mod:`dtkv.runtime._graphs`): a model's top-k may score each query's block alone, linear
     in the batch. ``0``: one flat key table."""
 
