@@ -194,15 +194,24 @@ def test_transformers_run_the_flashmla_path(flashmla, name):
     [pytest.param("bfloat16", id="transformers-bf16"), pytest.param("float32", id="transformers-fp32"),
      pytest.param("reference", id="reference")],
 )  # fmt: skip
-def test_sharded_decode_on_one_rank_hands_the_model_its_compute_dtype(flashmla, model):
+def test_sharded_decode_on_one_rank_hands_the_model_its_compute_dtype(flashmla, model, monkeypatch):
     """Sharded decode on FlashMLA with one rank (nothing to merge): the layer's output reaches the model in the
     queries' compute dtype (FlashMLA's partial is bf16; a one-rank step used to hand it on as it was, and the
     transformers model's ``W_UV`` product raised "expected scalar type Float but found BFloat16"), and the greedy
-    tokens equal the torch backend's sharded decode (fp8 indexer math on both; margins are wide in this run)."""
+    tokens equal the torch backend's sharded decode (fp8 indexer math on both; margins are wide in this run). A
+    bf16 model's absorbed products on FlashMLA are bf16, as its extend steps' (float32 read twice the weight
+    bytes a step); a float32 model's, and every model's on the torch backend, float32."""
     from dtkv.runtime import Runtime, num_pages_for
 
-    outs = {}
+    outs, factors = {}, {}
+    if model != "reference":
+        import dtkv.integrations.transformers.attention as A
+
+        real = A._factors
+        monkeypatch.setattr(A, "_factors", lambda attn, absorbed, dtype: factors[attention].add(dtype) or real(
+            attn, absorbed, dtype))  # fmt: skip
     for attention in ("torch", "flashmla"):
+        factors[attention] = set()
         if model == "reference":
             from dtkv.model import ReferenceAdapter
 
@@ -225,6 +234,9 @@ def test_sharded_decode_on_one_rank_hands_the_model_its_compute_dtype(flashmla, 
             rt.prefill(64)
             outs[attention] = rt.decode(2)
     assert outs["flashmla"] == outs["torch"]
+    if model != "reference":
+        narrow = {torch.bfloat16} if model == "bfloat16" else {torch.float32}
+        assert factors == {"torch": {torch.float32}, "flashmla": narrow}, factors
 
 
 def test_empty_query_rewrite_is_robust_to_either_convention(flashmla, monkeypatch):

@@ -257,12 +257,14 @@ def _absorbed_attention(attn, backend, q_pass, q_rot, kv_view, topk_NK, absorbed
 
 
 def _decode_attention(attn, ctx, hidden_states, q_pass, q_rot, index, prev_topk, absorbed=None):
-    """Sharded decode: absorbed queries (float32: the decode step's compute dtype), the runtime's attention on the
-    shards, then ``W_UV`` and ``o_proj``."""
+    """Sharded decode: absorbed queries, the runtime's attention on the shards, then ``W_UV`` and ``o_proj``.
+
+    The products run in float32 (the decode step's compute dtype), or in bf16 where the layer runs the production
+    step's fused kernels (its own fp8 indexer) and the extend steps' products would be bf16
+    (:func:`_absorbed_attention`: FlashMLA with a bf16 model): half the weight bytes, and the rounding FlashMLA
+    takes the queries in anyway."""
     layer, n = attn.layer_idx, hidden_states.shape[1]
     h, v = attn.num_heads, attn.v_head_dim
-    w_uk, w_uv_t = _factors(attn, absorbed, torch.float32)
-    q_abs = torch.matmul(q_pass[0].float(), w_uk)  # [H, N, nope] @ [H, nope, R] -> [H, N, R]
     indexer = attn.indexer
     if indexer is not None:
         iq, ik, w_NI = index
@@ -276,7 +278,11 @@ def _decode_attention(attn, ctx, hidden_states, q_pass, q_rot, index, prev_topk,
             raise ValueError(f"layer {layer} shares the previous layer's top-k, but got prev_topk_indices=None")
         iq = torch.zeros((n, 1, 1), dtype=torch.float32, device=hidden_states.device)
         iw, positions = iq[:, :, 0], prev_topk
-    q_rope = q_rot[0].float().transpose(0, 1).contiguous()  # [N, H, E]
+    narrow = fp8 and ctx.attention is not None and _backend_dtype(ctx.attention, attn, absorbed) == torch.bfloat16
+    dtype = torch.bfloat16 if narrow else torch.float32
+    w_uk, w_uv_t = _factors(attn, absorbed, dtype)
+    q_abs = torch.matmul(q_pass[0].to(dtype), w_uk)  # [H, N, nope] @ [H, nope, R] -> [H, N, R]
+    q_rope = q_rot[0].to(dtype).transpose(0, 1).contiguous()  # [N, H, E]
     queries = DecodeQueries(iq=iq, iw=iw, q_nope=q_abs.transpose(0, 1).contiguous(), q_rope=q_rope, iq_fp8=fp8)
     # only a model whose layers share selections (GLM-5) reads the positions: the others skip their sort
     reuse = _SHARES.get(type(attn), True)
