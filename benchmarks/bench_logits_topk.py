@@ -21,6 +21,8 @@ are the float32 logits' selection keys). Rows (``phase: "topk"``), one per case 
 - ``logits_topk``: :func:`dtkv.ops.logits_topk` of the float32 logits with the slots, as the runtime calls it
   (the logits are ``-inf`` outside each query's range already; ``bitwise``: the packed path's result exactly);
 - ``logits_topk_ranges``: the same with the queries' column ranges passed (the kernel path masks a copy first);
+- ``keys_topk``: :func:`dtkv.ops.keys_topk` of the packed keys with the slots (decode's radix select over many
+  programs a row, at prefill's rows; ``bitwise``: the packed path's result exactly);
 - ``torch_f32``: ``torch.topk`` of the float32 logits, ``sorted=True`` (a speed reference: its ties are not the
   rule's);
 - ``quantize`` / ``quantize_torch``: the queries' fp8 quantization, the kernel and its torch reference
@@ -54,9 +56,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_indexer_logits as bil  # noqa: E402
 
-from dtkv.ops import indexer_logits, indexer_topk, logits_topk, quantize_indexer_queries  # noqa: E402
+from dtkv.ops import indexer_logits, indexer_topk, keys_topk, logits_topk, quantize_indexer_queries  # noqa: E402
 
 _mod = sys.modules["dtkv.ops.logits_topk"]
+_keys_mod = sys.modules["dtkv.ops.keys_topk"]
 TOPK = 2048
 CASES = [(8192, 8192), (8192, 32768), (8192, 65536), (8192, 131072), (16, 32768)]
 SMOKE_CASES = [(5, 70), (33, 200)]
@@ -109,6 +112,7 @@ def _modes(c: dict, k: int, tokens: int, context: int, visible: int, device: tor
         "packed": (_packed(c, k), 8 * visible),
         "logits_topk": (_new(c, k, c["backend"]), 4 * visible),
         "logits_topk_ranges": (_new(c, k, c["backend"], ranges=True), 4 * visible),
+        "keys_topk": (lambda: keys_topk(c["keys"], k, key_slots=c["slots"], backend=c["backend"]), 8 * visible),
         "torch_f32": (lambda: torch.topk(c["logits"], min(k, context), dim=1, sorted=True), 4 * visible),
         "quantize": (lambda: quantize_indexer_queries(q, w, scale=0.1, backend=c["backend"]), qbytes),
         "quantize_torch": (lambda: quantize_indexer_queries(q, w, scale=0.1, backend="torch"), qbytes),
@@ -133,8 +137,9 @@ def run_cases(cases, device: torch.device, *, reps: int, smoke: bool, log=print)
             try:
                 ms, peak, out = bil.timed(fn, device, reps)
                 row |= {"ms": ms, "peak_mem_gb": peak, "gbps": nbytes / (ms * 1e6), "ok": True}
-                if mode in ("logits_topk", "logits_topk_ranges"):
-                    row |= {"config": dict(_mod.KERNEL_CONFIG), "bitwise": bool(torch.equal(out, results["packed"]))}
+                if mode in ("logits_topk", "logits_topk_ranges", "keys_topk"):
+                    cfg = _keys_mod.KERNEL_CONFIG if mode == "keys_topk" else _mod.KERNEL_CONFIG
+                    row |= {"config": dict(cfg), "bitwise": bool(torch.equal(out, results["packed"]))}
                     row["ok"] = row["bitwise"]
                     row["speedup"] = rows_ms(rows, tokens, context, "packed") / ms
                 if mode == "quantize":

@@ -15,6 +15,7 @@ MODES = [
     "packed",
     "logits_topk",
     "logits_topk_ranges",
+    "keys_topk",
     "torch_f32",
     "quantize",
     "quantize_torch",
@@ -33,6 +34,8 @@ def test_smoke_rows(tmp_path):
     assert [(r["tokens"], r["mode"]) for r in rows] == [(t, m) for t in (5, 33) for m in MODES]
     for r in rows:
         assert r["ok"] and r["ms"] > 0 and {"context", "k", "visible_keys", "gbps", "peak_mem_gb"} <= set(r), r
-    assert all(r["bitwise"] for r in rows if r["mode"] in ("logits_topk", "logits_topk_ranges", "quantize_torch"))
+    assert all(
+        r["bitwise"] for r in rows if r["mode"] in ("logits_topk", "logits_topk_ranges", "keys_topk", "quantize_torch")
+    )
     assert "SUMMARY logits_topk vs the packed path" in res.stdout and "; 0 failed" in res.stdout
     assert (tmp_path / jsonl.name.replace(".jsonl", ".md")).exists()
