@@ -303,6 +303,10 @@ def test_full_view_buckets_score_the_batch_in_one_indexer_launch(monkeypatch):
 
     monkeypatch.setattr(ops, "indexer_logits", counted)
     monkeypatch.setattr(ops, "indexer_scores", counted_scores)
+    import dtkv.integrations.transformers._indexer as I
+
+    tables, real_table = [], I._page_table
+    monkeypatch.setattr(I, "_page_table", lambda *a: tables.append(1) or real_table(*a))
     topk_calls = []
     real_topk = ops.keys_topk
     monkeypatch.setattr(
@@ -318,9 +322,12 @@ def test_full_view_buckets_score_the_batch_in_one_indexer_launch(monkeypatch):
         calls.clear()
         scores.clear()
         topk_calls.clear()
+        tables.clear()
         outputs, logits = rt.decode(1, return_logits=True)
         out[graphs] = (outputs, logits, rt.kv_bytes(0), list(calls), rt.graphs and dict(rt.graphs.stats))
         out[graphs, "scores"] = list(scores)
+        out[graphs, "tables"] = len(tables)
+        layers = rt.model_spec.num_layers
         out[graphs, "topk"] = list(topk_calls)
         rt.close()
     # the bucket's selection: dtkv::keys_topk's kernel (many programs a row), one call a layer; eager: none
@@ -334,6 +341,8 @@ def test_full_view_buckets_score_the_batch_in_one_indexer_launch(monkeypatch):
     bucket = out["emulate", "scores"]
     assert len(bucket) >= 1 and out["emulate"][3] == [] and out[False, "scores"] == []
     assert all(n == 4 and len(shape) == 2 and shape[0] == 4 and fp8 for n, shape, fp8 in bucket), bucket
+    # the page tables are the step's, not each layer's: built once a forward of the bucket (StepContext.once)
+    assert layers >= 2 and len(bucket) == layers * out["emulate", "tables"], (len(bucket), out["emulate", "tables"])
     assert len(out[False][3]) == len(bucket) and all(len(shape) == 1 for _, shape in out[False][3]), out[False][3]
 
 

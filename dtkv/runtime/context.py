@@ -104,6 +104,7 @@ class StepContext:
         self.decoding = bool(decoding) or sharded is not None
         self.validate = False if self.decoding and validate is None and not _env.debug_enabled() else validate
         self._schedules = {} if schedules is None else schedules
+        self._once: dict[object, object] = {}
 
     # ------------------------------------------------------------------------------------------ rows
     @property
@@ -137,6 +138,19 @@ class StepContext:
         if schedule is None:
             schedule = self._schedules[key] = self.attention.plan_decode(key[0], key[1], merge_lse=False)
         return schedule
+
+    def once(self, key: object, build):
+        """``build()``'s value, built on the first call of the step with this ``key`` and kept for the step's later
+        layers: what every layer derives alike from the plan (a decode bucket's page tables, say) costs its
+        device work once a step, and a captured step records it once, not once a layer.
+
+        Args:
+            key: hashable; what the value depends on besides the step (a page size, a stride).
+            build: a function of no arguments (run phase: tensors only).
+        """
+        if key not in self._once:
+            self._once[key] = build()
+        return self._once[key]
 
     # ------------------------------------------------------------------------------------------ writes
     def _gather(self, x: torch.Tensor, rows: int) -> torch.Tensor:

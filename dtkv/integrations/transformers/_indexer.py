@@ -152,6 +152,17 @@ def _joined(blocks: list[torch.Tensor], k: int, device: torch.device) -> torch.T
     return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
 
 
+def _page_table(slots_NC: torch.Tensor, lay) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode bucket's key blocks ``[N, C]`` (whole pages) as :func:`dtkv.ops.indexer_scores` reads them: the
+    view's page of each request's page ``l`` (its first slot over the page size) and ``l`` itself, ``-1`` where the
+    request has no such page; int64 ``[N, C / S]`` each."""
+    ps = lay.page_size
+    first = slots_NC[:, ::ps]
+    held = first >= 0
+    cols = torch.arange(first.shape[1], device=first.device)
+    return torch.where(held, first // ps, -1), torch.where(held, cols[None, :], -1)
+
+
 def _select_blocks(indexer, ctx: StepContext, q_NIJ, w_NI, view_index) -> torch.Tensor:
     """:func:`select_topk` of a decode plan with a key stride (:attr:`dtkv.runtime.ExtendPlan.key_stride`): query
     ``n`` scores only its own request's block of ``C`` entries, visible up to its position, so the work and the
@@ -174,10 +185,7 @@ def _select_blocks(indexer, ctx: StepContext, q_NIJ, w_NI, view_index) -> torch.
         # kernel, dtkv.ops.indexer_scores: 2x the extend indexer's speed at 16 x 128K keys on one H100), the same
         # packed keys: column l * S + t is position l * S + t, the first slot of a request's page l names its page
         assert c % lay.page_size == 0, "a decode plan's key stride is whole pages"
-        ps, cols = lay.page_size, torch.arange(c // lay.page_size, device=q_NIJ.device)
-        first = slots_NC[:, ::ps]
-        page_ids = torch.where(first >= 0, first // ps, -1)
-        page_slots = torch.where(first >= 0, cols[None, :], -1)
+        page_ids, page_slots = ctx.once(("index_page_table", lay.page_size, c, n), lambda: _page_table(slots_NC, lay))
         keys = ops.indexer_scores(q_NIJ, w_NI * indexer.softmax_scale, view_index, page_ids, page_slots,
                                   plan.positions, layout=lay, q_fp8=True, backend=backend)  # fmt: skip
         # the top-k over many programs a row (dtkv.ops.keys_topk): torch.topk of one row keeps one SM busy
