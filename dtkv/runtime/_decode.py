@@ -220,7 +220,7 @@ class ShardedDecodeAttention:
                         "write both (ctx.write) before ctx.decode_attention"
                     )
                 step = self._decode_step(heads, softmax_scale, q.iq_fp8)
-                qs = step.attn.cast_queries(torch.cat((q.q_nope, q.q_rope), dim=-1))
+                qs = step.attn.cast_queries(_joined_queries(q.q_nope, q.q_rope))
                 x = StepInputs(iq=q.iq, iw=q.iw, q=qs, kv_row=kv_row, index_k=index_k)
                 got = step.layer(layer, x)  # writes the rows (owner filter), selects, attends, merges
                 # the layer's output in the queries' compute dtype (the contract of DecodeLayerOutput): FlashMLA's
@@ -251,6 +251,23 @@ class ShardedDecodeAttention:
                 _check_against_full_view(self.pool, layer, self.plan, q, res.positions, self.page_tables)
             self.stats["topk_checks"] += 1
         return res
+
+
+def _joined_queries(q_nope: torch.Tensor, q_rope: torch.Tensor) -> torch.Tensor:
+    """``[N, H, R + E]``: ``cat((q_nope, q_rope), -1)``, or the contiguous buffer both are views of where they are
+    its two halves (a model that writes its latent query beside the rope part: no copy)."""
+    n, h, r = q_nope.shape
+    e = q_rope.shape[-1]
+    adjacent = (
+        q_nope.dtype == q_rope.dtype
+        and q_nope.device == q_rope.device
+        and q_rope.shape[:2] == q_nope.shape[:2]
+        and q_nope.stride() == q_rope.stride() == (h * (r + e), r + e, 1)
+        and q_rope.data_ptr() == q_nope.data_ptr() + r * q_nope.element_size()
+    )
+    if adjacent:  # the same memory the two views read, element for element
+        return q_nope.as_strided((n, h, r + e), (h * (r + e), r + e, 1))
+    return torch.cat((q_nope, q_rope), dim=-1)
 
 
 def step_config(

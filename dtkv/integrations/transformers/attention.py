@@ -281,9 +281,12 @@ def _decode_attention(attn, ctx, hidden_states, q_pass, q_rot, index, prev_topk,
     narrow = fp8 and ctx.attention is not None and _backend_dtype(ctx.attention, attn, absorbed) == torch.bfloat16
     dtype = torch.bfloat16 if narrow else torch.float32
     w_uk, w_uv_t = _factors(attn, absorbed, dtype)
-    q_abs = torch.matmul(q_pass[0].to(dtype), w_uk)  # [H, N, nope] @ [H, nope, R] -> [H, N, R]
-    q_rope = q_rot[0].to(dtype).transpose(0, 1).contiguous()  # [N, H, E]
-    queries = DecodeQueries(iq=iq, iw=iw, q_nope=q_abs.transpose(0, 1).contiguous(), q_rope=q_rope, iq_fp8=fp8)
+    # one [N, H, R + E] buffer: the latent query written in place beside the rope part (the step reads it whole)
+    r = w_uk.shape[-1]
+    q = torch.empty((n, h, r + q_rot.shape[-1]), dtype=dtype, device=q_pass.device)
+    torch.bmm(q_pass[0].to(dtype), w_uk, out=q[..., :r].transpose(0, 1))  # [H, N, nope] @ [H, nope, R]
+    q[..., r:].copy_(q_rot[0].transpose(0, 1))
+    queries = DecodeQueries(iq=iq, iw=iw, q_nope=q[..., :r], q_rope=q[..., r:], iq_fp8=fp8)
     # only a model whose layers share selections (GLM-5) reads the positions: the others skip their sort
     reuse = _SHARES.get(type(attn), True)
     res = ctx.decode_attention(layer, queries, softmax_scale=attn.scaling, positions=positions, return_positions=reuse)
