@@ -99,28 +99,37 @@ def _ropes(attn) -> tuple:
     return ropes
 
 
-def _indexer_rows(indexer, hidden_1ND, q_resid_1NQ, cos, sin, rope):
-    """The indexer's query ``[N, I, J]``, key ``[N, J]`` and head weights ``[N, I]`` (float32), as transformers."""
+def _indexer_rows(indexer, hidden_1ND, q_resid_1NQ, cos, sin, rope, k_lin=None, w_lin=None):
+    """The indexer's query ``[N, I, J]``, key ``[N, J]`` and head weights ``[N, I]`` (float32), as transformers;
+    ``k_lin`` / ``w_lin``: ``wk``'s / ``weights_proj``'s output where the fused input projection computed it."""
     n = hidden_1ND.shape[1]
     e = indexer.qk_rope_head_dim
     q = indexer.wq_b(q_resid_1NQ).view(1, n, indexer.n_heads, indexer.head_dim)
     q_rot, q_pass = torch.split(q, [e, indexer.head_dim - e], dim=-1)
-    k = indexer.k_norm(indexer.wk(hidden_1ND)).unsqueeze(2)  # [1, N, 1, J]
+    k = indexer.k_norm(indexer.wk(hidden_1ND) if k_lin is None else k_lin).unsqueeze(2)  # [1, N, 1, J]
     k_rot, k_pass = torch.split(k, [e, indexer.head_dim - e], dim=-1)
     q_rot, k_rot = rope(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
     q = torch.cat([q_rot, q_pass], dim=-1)[0]
     k = torch.cat([k_rot, k_pass], dim=-1)[0, :, 0]
-    w = indexer.weights_proj(hidden_1ND.to(indexer.weights_proj.weight.dtype)).float() * (indexer.n_heads**-0.5)
+    if w_lin is None:
+        w_lin = indexer.weights_proj(hidden_1ND.to(indexer.weights_proj.weight.dtype))
+    w = w_lin.float() * (indexer.n_heads**-0.5)
     return q, k, w[0]
 
 
-def projections(attn, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mla_rope, indexer_rope):
+def projections(
+    attn, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mla_rope, indexer_rope, fused=None
+):
     """One layer's rows before any cache access, as the transformers forward computes them (tensors only: what the
     adapter compiles for decode steps, one graph for every layer of a class).
 
     Args:
         attn: the attention module; hidden_states ``[1, N, D]``; cos, sin ``[1, N, E]``; mla_rope, indexer_rope:
             the family's rope functions (:func:`_ropes`).
+        fused: ``None``, or the weights of the projections that read ``hidden_states`` as one ``[sum(out), D]``
+            tensor (:meth:`AbsorbedWeights.input_weight`: ``q_a_proj``, ``kv_a_proj_with_mqa``, then the
+            indexer's ``wk`` and ``weights_proj`` where they share its dtype), run as one GEMM and split: the same
+            products, one launch and one pass over ``hidden_states`` instead of up to four.
 
     Returns:
         ``(q_pass [1, H, N, nope], q_rot [1, H, N, E], latent [N, R + E], index)``: the query halves (``q_rot``
@@ -129,17 +138,42 @@ def projections(attn, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch
     """
     n = hidden_states.shape[1]
     h, r, e = attn.num_heads, attn.kv_lora_rank, attn.qk_rope_head_dim
-    q_resid = attn.q_a_layernorm(attn.q_a_proj(hidden_states))
+    k_lin = w_lin = None
+    if fused is None:
+        q_lin, kv_lin = attn.q_a_proj(hidden_states), attn.kv_a_proj_with_mqa(hidden_states)
+    else:
+        sizes = [m.out_features for m in _input_linears(attn)]
+        parts = torch.split(torch.nn.functional.linear(hidden_states, fused), sizes[: _fused_count(sizes, fused)], -1)
+        q_lin, kv_lin, k_lin, w_lin = (*parts, None, None)[:4]
+    q_resid = attn.q_a_layernorm(q_lin)
     q = attn.q_b_proj(q_resid).view(1, n, h, attn.qk_head_dim).transpose(1, 2)  # [1, H, N, nope + E]
     q_pass, q_rot = torch.split(q, [attn.qk_nope_head_dim, e], dim=-1)
-    kv_pass, k_rot = torch.split(attn.kv_a_proj_with_mqa(hidden_states), [r, e], dim=-1)
+    kv_pass, k_rot = torch.split(kv_lin, [r, e], dim=-1)
     k_pass = attn.kv_a_layernorm(kv_pass)  # [1, N, R]
     q_rot, k_rot = mla_rope(q_rot, k_rot.view(1, 1, n, e), cos, sin)
     latent = torch.cat((k_pass[0], k_rot[0, 0]), dim=-1)
     index = None
     if attn.indexer is not None:
-        index = _indexer_rows(attn.indexer, hidden_states, q_resid, cos, sin, indexer_rope)
+        index = _indexer_rows(attn.indexer, hidden_states, q_resid, cos, sin, indexer_rope, k_lin, w_lin)
     return q_pass, q_rot, latent, index
+
+
+def _input_linears(attn) -> list:
+    """The projections that read a layer's hidden states, in the fused weight's order."""
+    mods = [attn.q_a_proj, attn.kv_a_proj_with_mqa]
+    if attn.indexer is not None:
+        mods += [attn.indexer.wk, attn.indexer.weights_proj]
+    return mods
+
+
+def _fused_count(sizes: list[int], fused: torch.Tensor) -> int:
+    """How many of :func:`_input_linears` a fused weight of ``fused.shape[0]`` rows holds (a prefix of them)."""
+    total = 0
+    for i, size in enumerate(sizes):
+        total += size
+        if total == fused.shape[0]:
+            return i + 1
+    raise ValueError(f"fused must stack a prefix of the input projections ({sizes} rows), got {fused.shape[0]} rows")
 
 
 class AbsorbedWeights:
@@ -156,6 +190,8 @@ class AbsorbedWeights:
         self.weight_dtype: torch.dtype = attn.kv_b_proj.weight.dtype
         """The weight's dtype at the bind."""
         self._by_dtype: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._fused: torch.Tensor | None = None
+        self._rows: list[tuple[int, int]] = []
 
     def get(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``(W_UK, W_UV^T)`` in ``dtype`` (computed at the first call for that dtype)."""
@@ -163,6 +199,46 @@ class AbsorbedWeights:
         if got is None:
             got = self._by_dtype[dtype] = _absorbed_factors(self.attn, dtype)
         return got
+
+    def input_weight(self) -> torch.Tensor | None:
+        """The input projections' weights as one tensor (:func:`projections`' ``fused``), or ``None`` where fewer
+        than two of them fuse.
+
+        :func:`_input_linears` in order, as long as each is a plain ``nn.Linear`` without bias of the first's dtype
+        and device (a quantized module, or the indexer's float32 ``weights_proj`` of a loaded checkpoint, ends the
+        prefix). No copy is kept: at the first call the weights move into one buffer and each module's weight
+        becomes a view of its rows (the same values and ``Parameter`` objects; the module computes as before, a
+        change in place is seen by both). A weight given new storage since (``model.to(...)``, a replaced
+        ``Parameter``) is found at the next call and the buffer is built again.
+        """
+        mods = _input_linears(self.attn)
+        fused = self._fused
+        if fused is not None and all(
+            m.weight.data_ptr() == fused[a].data_ptr() and m.weight.shape == (b - a, fused.shape[1])
+            for m, (a, b) in zip(mods, self._rows)
+        ):
+            return fused
+        self._fused, self._rows = None, []
+        first = mods[0].weight
+        take = []
+        for m in mods:
+            w = getattr(m, "weight", None)
+            plain = type(m) is torch.nn.Linear and m.bias is None and isinstance(w, torch.nn.Parameter)
+            if not (plain and w.dtype == first.dtype and w.device == first.device and w.shape[1] == first.shape[1]):
+                break
+            take.append(m)
+        if len(take) < 2:
+            return None
+        with torch.no_grad():
+            fused = torch.cat([m.weight.detach() for m in take])
+            a = 0
+            for m in take:
+                b = a + m.weight.shape[0]
+                m.weight.data = fused[a:b]
+                self._rows.append((a, b))
+                a = b
+        self._fused = fused
+        return fused
 
 
 def _absorbed_factors(attn, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -323,7 +399,10 @@ def dsa_attention(
     """
     mla_rope, indexer_rope = _ropes(attn)
     cos, sin = position_embeddings
-    q_pass, q_rot, latent, index = (project or projections)(attn, hidden_states, cos, sin, mla_rope, indexer_rope)
+    # decode steps (a few rows: the GEMMs read their weights) run the input projections as one GEMM
+    fused = absorbed.input_weight() if absorbed is not None and ctx.decoding else None
+    q_pass, q_rot, latent, index = (project or projections)(attn, hidden_states, cos, sin, mla_rope, indexer_rope,
+                                                            fused)  # fmt: skip
     ctx.write("kv", attn.layer_idx, latent)  # the latent row [N, R + E]
     if ctx.sharded_decode:
         return _decode_attention(attn, ctx, hidden_states, q_pass, q_rot, index, prev_topk, absorbed)
