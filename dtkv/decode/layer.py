@@ -55,6 +55,10 @@ class DecodeQueries(NamedTuple):
     iq_fp8: bool = False
     """``iq`` holds DeepSeek-V3.2's fp8 indexer queries (each row e4m3 codes times its scale, given as floats): the
     runtime's decode step may then score them with fp8 dots (Triton's indexer on a GPU)."""
+    iq_unrounded: bool = False
+    """With ``iq_fp8``: ``iq`` is the model's query before that rounding, which the runtime's decode step does
+    where it scores (in the fp8 indexer kernel on a GPU, which rounds each row alike; else first, in torch):
+    no separate rounding pass over the queries. :func:`dtkv.decode.decode_layer` takes rounded queries only."""
 
 
 class DecodeLayerOutput(NamedTuple):

@@ -52,7 +52,7 @@ from dtkv.decode import (
     plan_decode,
     sharded_decode_comm_bytes,
 )
-from dtkv.kvio import read_rows, write_rows
+from dtkv.kvio import read_rows, round_trip, write_rows
 from dtkv.layouts import IndexerFp8Layout, MLAFp8Layout, MLALatentLayout
 from dtkv.ops import HAS_TRITON
 from dtkv.ownership import OwnershipSpec, PageOwnership
@@ -221,7 +221,8 @@ class ShardedDecodeAttention:
                     )
                 step = self._decode_step(heads, softmax_scale, q.iq_fp8)
                 qs = step.attn.cast_queries(_joined_queries(q.q_nope, q.q_rope))
-                x = StepInputs(iq=q.iq, iw=q.iw, q=qs, kv_row=kv_row, index_k=index_k)
+                iq = q.iq if step.q_fp8 else rounded_queries(q).iq  # the kernel rounds them itself
+                x = StepInputs(iq=iq, iw=q.iw, q=qs, kv_row=kv_row, index_k=index_k)
                 got = step.layer(layer, x)  # writes the rows (owner filter), selects, attends, merges
                 # the layer's output in the queries' compute dtype (the contract of DecodeLayerOutput): FlashMLA's
                 # partial is bf16 and, with nothing to merge (one rank), would reach the model as it is
@@ -233,6 +234,7 @@ class ShardedDecodeAttention:
                 out_isz, lse_isz = _partial_itemsizes(step.attn.name, qs.dtype)
             else:
                 assert self.plan is not None, "the float64 path runs eager, over a plan"
+                q = rounded_queries(q)
                 self.flush(layer)
                 pool = self.pool
                 res = decode_layer(
@@ -248,9 +250,19 @@ class ShardedDecodeAttention:
         self.stats["decode_comm_bytes"] += comm.sent
         if select and self.plan is not None and _env.debug_enabled():
             with suspended():
-                _check_against_full_view(self.pool, layer, self.plan, q, res.positions, self.page_tables)
+                _check_against_full_view(self.pool, layer, self.plan, rounded_queries(q), res.positions,
+                                         self.page_tables)  # fmt: skip
             self.stats["topk_checks"] += 1
         return res
+
+
+def rounded_queries(q: DecodeQueries) -> DecodeQueries:
+    """``q`` with its indexer queries rounded to fp8 where they are not yet (:attr:`DecodeQueries.iq_unrounded`):
+    each row e4m3 with the scale ``amax / 448``, given back as float32 ``codes * scale``."""
+    if not q.iq_unrounded:
+        return q
+    iq = round_trip(q.iq.float(), IndexerFp8Layout(page_size=1, head_dim=q.iq.shape[-1]))
+    return q._replace(iq=iq, iq_unrounded=False)
 
 
 def _joined_queries(q_nope: torch.Tensor, q_rope: torch.Tensor) -> torch.Tensor:

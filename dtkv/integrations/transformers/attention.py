@@ -346,7 +346,9 @@ def _decode_attention(attn, ctx, hidden_states, q_pass, q_rot, index, prev_topk,
         iq, ik, w_NI = index
         ctx.write("index", layer, ik)
         fp8 = uses_fp8_indexer(ctx.attention.name if ctx.attention is not None else "torch", ctx.layouts["index"])
-        iq = fp8_indexer_queries(iq) if fp8 else iq.float()  # the extend steps' indexer math, whatever kernel
+        # the extend steps' indexer math, whatever kernel: fp8 queries are rounded where the step scores them (in
+        # the fp8 indexer kernel on a GPU: DecodeQueries.iq_unrounded), as the full-view bucket's indexer does
+        iq = iq if fp8 else iq.float()
         iw, positions = w_NI * indexer.softmax_scale, None  # relu(s * x) = s * relu(x), s > 0
     else:  # GLM: reuse the previous layer's selection (the indexer queries are not read)
         fp8 = False
@@ -362,7 +364,7 @@ def _decode_attention(attn, ctx, hidden_states, q_pass, q_rot, index, prev_topk,
     q = torch.empty((n, h, r + q_rot.shape[-1]), dtype=dtype, device=q_pass.device)
     torch.bmm(q_pass[0].to(dtype), w_uk, out=q[..., :r].transpose(0, 1))  # [H, N, nope] @ [H, nope, R]
     q[..., r:].copy_(q_rot[0].transpose(0, 1))
-    queries = DecodeQueries(iq=iq, iw=iw, q_nope=q[..., :r], q_rope=q[..., r:], iq_fp8=fp8)
+    queries = DecodeQueries(iq=iq, iw=iw, q_nope=q[..., :r], q_rope=q[..., r:], iq_fp8=fp8, iq_unrounded=fp8)
     # only a model whose layers share selections (GLM-5) reads the positions: the others skip their sort
     reuse = _SHARES.get(type(attn), True)
     res = ctx.decode_attention(layer, queries, softmax_scale=attn.scaling, positions=positions, return_positions=reuse)
