@@ -85,6 +85,56 @@ def test_flashmla_seam_vs_torch(flashmla, layout, entry):
         assert schedule.ready and (layout is BF16 or schedule.state["meta"].calls == 2)
 
 
+@pytest.mark.parametrize("reads", [0, 10**9], ids=["dequantized", "fp8-kernel"])
+def test_fp8_prefill_takes_the_sparse_prefill_kernel_where_it_reads_each_row_many_times(flashmla, monkeypatch, reads):
+    """An fp8 prefill call whose index reads are ``DEQUANT_PREFILL_READS`` times the pages' rows or more dequantizes
+    the pages to bf16 once and calls ``flash_mla_sparse_fwd``; below, the fp8 kernel reads them as they are. Both
+    agree with the torch backend (the stand-in's tolerance); a width FlashMLA's prefill kernel does not take (not a
+    multiple of 128) keeps the fp8 kernel whatever the reads."""
+    import dtkv.attention._flashmla as F
+
+    monkeypatch.setattr(F, "DEQUANT_PREFILL_READS", reads)
+    calls = []
+    for name in ("flash_mla_sparse_fwd", "flash_mla_with_kvcache"):
+        real = getattr(fake, name)
+        monkeypatch.setattr(fake, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
+    backend = flashmla(FP8)
+    torch_backend = resolve_attention("torch", spec=backend.spec, device="cpu")
+    kv = _pages(FP8, 5, seed=1)
+    g = torch.Generator().manual_seed(2)
+    q = (torch.randn(7, H, 576, generator=g) / 4).to(torch.bfloat16)
+    for k, width in ((100, 128), (40, 64)):
+        calls.clear()
+        locs = _locs(7, k, 5 * 64, seed=3)
+        idx = backend.indices(locs, kv)
+        assert idx.shape == (7, width)
+        out, lse = backend.prefill(q, kv, idx, softmax_scale=SCALE)
+        sparse = reads == 0 and width % 128 == 0
+        assert calls == ["flash_mla_sparse_fwd" if sparse else "flash_mla_with_kvcache"], calls
+        want_out, want_lse = torch_backend.prefill(q, kv, torch_backend.indices(locs, kv), softmax_scale=SCALE)
+        assert not out[0].any() and bool((lse[0] == float("-inf")).all())  # the empty query, either kernel
+        assert (out.float() - want_out).abs().max() <= 3e-2
+        assert (lse[1:] - want_lse[1:]).abs().max() <= 3e-2
+
+
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "unaligned-storage"])
+def test_bf16_rows_are_the_fp8_rows_dequantized(offset):
+    """``_bf16_rows`` is :func:`dtkv.ops.dequantize_mla_fp8` rounded to bf16, bit for bit (random per-block
+    scales); pages at a storage offset that is not a multiple of 4 bytes are read through a copy."""
+    from dtkv.attention._flashmla import _bf16_rows
+    from dtkv.ops import dequantize_mla_fp8
+
+    g = torch.Generator().manual_seed(4)
+    src = torch.randn(3 * 64, 576, generator=g) * torch.rand(3 * 64, 1, generator=g) * 8
+    rows = quantize_mla_fp8(src, FP8)
+    buf = torch.zeros(rows.numel() + offset, dtype=torch.uint8)
+    buf[offset:] = rows.reshape(-1)
+    pages = buf[offset:].view(3, 64, FP8.row_bytes)
+    got = _bf16_rows(pages, FP8)
+    assert got.shape == (3 * 64, 1, 576) and got.dtype == torch.bfloat16
+    assert torch.equal(got[:, 0], dequantize_mla_fp8(pages, FP8).reshape(-1, 576).to(torch.bfloat16))
+
+
 def test_flashmla_seam_rules(flashmla):
     backend = flashmla(FP8)
     kv = _pages(FP8, 2, seed=0)

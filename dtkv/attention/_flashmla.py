@@ -32,7 +32,29 @@ from dtkv.attention._base import AttentionBackend, DecodeSchedule
 from dtkv.attention._fit import B_TOPK, availability, check_fit, flashmla_module
 from dtkv.ops._common import device_ctx
 
-__all__ = ["FlashMLAAttention"]
+__all__ = ["DEQUANT_PREFILL_READS", "FlashMLAAttention"]
+
+DEQUANT_PREFILL_READS = 16
+"""An fp8 prefill call whose index reads (queries x index width) are at least this many times the pages' rows
+dequantizes the pages to bf16 once and runs FlashMLA's sparse prefill kernel; other calls run the fp8 kernel on the
+pages as they are. At DeepSeek-V3.2's dims a chunk of 8192 queries reads 2048 rows each (256-512 times a 32K-64K
+view); a few queries over a long view read less than the dequantization writes."""
+
+
+def _bf16_rows(kv: torch.Tensor, layout) -> torch.Tensor:
+    """fp8 pages ``uint8 [P, S, row_bytes]`` (:class:`dtkv.MLAFp8Layout`) as bf16 rows ``[P * S, 1, R + E]``:
+    each 128-value block's e4m3 codes times its float32 scale (computed in float32, rounded once to bf16), then the
+    bf16 rope part as stored (the dequantization of :func:`dtkv.ops.dequantize_mla_fp8`, in bf16)."""
+    r = kv.reshape(-1, layout.row_bytes)
+    if r.stride(0) % 4 or r.storage_offset() % 4:  # the scales' float32 view needs 4-byte rows
+        r = r.clone()
+    n, big, nb = r.shape[0], layout.kv_lora_rank, layout.num_scales
+    out = torch.empty((n, 1, big + layout.rope_dim), dtype=torch.bfloat16, device=kv.device)
+    codes = r[:, :big].view(torch.float8_e4m3fn).view(n, nb, big // nb)
+    scales = r[:, big : big + 4 * nb].view(torch.float32)
+    torch.mul(codes.float(), scales[..., None], out=out[:, 0, :big].view(n, nb, big // nb))
+    out[:, 0, big:].copy_(r[:, layout.rope_offset :].view(torch.bfloat16))
+    return out
 
 
 class FlashMLAAttention(AttentionBackend):
@@ -86,6 +108,13 @@ class FlashMLAAttention(AttentionBackend):
             if not self.spec.fp8:
                 out, _, lse = fm.flash_mla_sparse_fwd(
                     q.contiguous(), kv.reshape(-1, 1, c), idx.view(n, 1, w), softmax_scale, d_v=r, use_legacy=True
+                )
+            elif not decode and w % (2 * B_TOPK) == 0 and n * w >= DEQUANT_PREFILL_READS * kv.shape[0] * kv.shape[1]:
+                # a prefill chunk reads each row many times over: dequantize the pages once to bf16 and take the
+                # sparse prefill kernel (its tensor-core loop outruns the fp8 kernel's in-loop dequantization)
+                rows = _bf16_rows(kv, self.spec.layout)
+                out, _, lse = fm.flash_mla_sparse_fwd(
+                    q.contiguous(), rows, idx.view(n, 1, w), softmax_scale, d_v=r, use_legacy=True
                 )
             else:
                 b, s_q = (n, 1) if decode else (1, n)
