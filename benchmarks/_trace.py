@@ -31,7 +31,7 @@ CATEGORIES = (
     ("barrier", ("barrier_kernel",)),
     ("indexer", ("_indexer_logits", "indexer_pages", "indexer_cols", "_quantize_indexer_queries")),
     ("indices", ("_sparse_indices",)),
-    ("attention", ("_sparse_mla", "flash", "mla")),
+    ("attention", ("_sparse_mla", "flash", "mla", "sparse_attn")),
     ("topk", ("topk", "radix", "sort")),
     ("gemm", ("nvjet", "gemm", "cutlass", "xmma", "sm90_", "sm80_")),
     ("cat_copy", ("catarraybatchedcopy", "direct_copy", "copy_kernel")),
@@ -161,7 +161,8 @@ def profile_table(summaries: dict[str, dict], reference: str | None = None) -> s
 
 
 DTKV_KERNEL_KEYS = ("indexer", "quantize_write", "sparse_mla", "sparse_indices", "remap", "pack_layer_pages",
-                    "pack_owned", "write_owned", "map16", "flash", "mla", "logits_topk", "keys_topk")  # fmt: skip
+                    "pack_owned", "write_owned", "map16", "flash", "mla", "sparse_attn", "logits_topk",
+                    "keys_topk")  # fmt: skip
 """Lowercase substrings of the kernels of :mod:`dtkv.ops` (Triton: ``_<op>_kernel``) and FlashMLA's: how a kernel
 with no host range (replayed from a CUDA graph) is attributed. ``torch.topk``'s kernels are not in it (the model's
 MoE routing runs them too), so a graph-replayed step undercounts dtkv by a top-k it runs through ``torch.topk``

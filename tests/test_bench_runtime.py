@@ -343,6 +343,20 @@ def test_targets_flag_prints_a_results_file(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------------- shared plumbing
+def test_flashmlas_kernels_count_as_attention():
+    """FlashMLA's sparse prefill kernel (``legacy::sm90::prefill::sparse_fwd::sparse_attn_fwd_kernel<...cutlass...>``,
+    the fp8 prefill's kernel since it dequantizes the pages) and its decode kernels are attention, not GEMMs."""
+    trace = _load("_trace")
+    names = [
+        "void legacy::sm90::prefill::sparse_fwd::sparse_attn_fwd_kernel<legacy::sm90::prefill::sparse_fwd::"
+        "KernelTemplate<576, false>, cute::TiledCopy<cutlass::bfloat16_t>>(SparseAttnFwdParams)",
+        "void legacy::sm90::decode::sparse::flash_fwd_splitkv_mla_fp8_sparse_kernel<...>",
+        "void legacy::smxx::decode::flash_fwd_mla_combine_kernel<cutlass::bfloat16_t, 512, 8, 96, 256>(CombineParams)",
+    ]
+    assert [trace.category({"name": n, "cat": "kernel"}) for n in names] == ["attention"] * 3
+    assert trace.category({"name": "nvjet_sm90_tst_192x8_64x8_2x1_v_bz_TNT", "cat": "kernel"}) == "gemm"
+
+
 def test_trace_summary_intervals(tmp_path):
     trace = _load("_trace")
     events = [

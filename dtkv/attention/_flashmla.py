@@ -8,12 +8,15 @@ bf16 latent (576 dims)    ``flash_mla_sparse_fwd(q [N, H, 576], kv [P*S, 1, 576]
 fp8, 656-byte rows        ``flash_mla_with_kvcache(q, kv [P, 64, 1, 656], ..., indices, is_fp8_kvcache=True)``:
                           decode as ``N`` sequences of one query (``[N, 1, H, 576]``), prefill as one sequence of ``N``
                           queries (``[1, N, H, 576]``); the tile-scheduler metadata is built on the device by the
-                          first call and reused while the shapes stay (:class:`dtkv.attention.DecodeSchedule`)
+                          first call and reused while the shapes stay (:class:`dtkv.attention.DecodeSchedule`);
+                          a prefill call that reads each row many times over (:data:`DEQUANT_PREFILL_READS`):
+                          the pages dequantized to bf16 once, then ``flash_mla_sparse_fwd`` as above
 ========================  ==========================================================================================
 
-The pages are read in place (no copy of the KV): a view, a replicated pool or a rank's own pages, addressed by token
-slot ``page * 64 + offset``. FlashMLA skips an index of exactly ``-1`` and checks no upper bound in the decode kernel,
-so the indices must come from :func:`dtkv.ops.sparse_indices` (bounded by the pages read) or obey the same rule.
+The pages are read in place (no copy of the KV, but for that dequantized prefill): a view, a replicated pool or a
+rank's own pages, addressed by token slot ``page * 64 + offset``. FlashMLA skips an index of exactly ``-1`` and
+checks no upper bound in the decode kernel, so the indices must come from :func:`dtkv.ops.sparse_indices` (bounded
+by the pages read) or obey the same rule.
 
 **Empty queries.** For a query whose indices are all ``-1``, FlashMLA returns ``out = 0`` and ``lse = +inf``
 (deepseek-ai/FlashMLA ``csrc/sm90/decode/sparse_fp8/splitkv_mla.cuh``: ``o_scale = 0`` and
