@@ -110,15 +110,18 @@ class ClaimSteps:
                 att = Attempt(keys=keys, ranks=ranks, claims=claims, nonces=nonces)
 
                 def claim_job(s: dist.Store, att: Attempt = att, opens: dict = opens) -> list[int]:
+                    self._hold(att.keys, True)  # listed open before a claim of ours can land (a restart
+                    self._write_open(s)  # finishes it; a death between the two would leave it behind)
                     got = [
                         r
                         for r in ranks
                         if s.compare_set(att.keys.slot("prefill", r), opens[r], att.claims[r]) == att.claims[r]
                     ]
                     if got:
-                        self._hold(att.keys, True)
-                        self._write_open(s)
                         s.add(att.keys.claimed, len(got))  # decode reads the slots once this rises
+                    else:  # no slot of ours: nothing to finish
+                        self._hold(att.keys, False)
+                        self._write_open(s)
                     if len(got) == len(ranks):
                         att.polled = att.poll(s)
                     return got

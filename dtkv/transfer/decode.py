@@ -235,10 +235,10 @@ class DecodeReceiver(ReceiveLoop, TransferSide):
         raws = [(k, self.bootstrap.encode(k, m)) for k, m in values]
 
         def job(s: dist.Store) -> None:
+            self._hold(keys, True)  # listed open before any of its keys exists: a restart finishes what a death
+            self._write_open(s)  # between the two would otherwise leave behind
             for k, raw in raws[:-1]:
                 s.set(k, raw)
-            self._hold(keys, True)
-            self._write_open(s)
             s.set(*raws[-1])  # last: prefill finds every slot once it sees the request
 
         self.bootstrap.call(
@@ -262,6 +262,8 @@ class DecodeReceiver(ReceiveLoop, TransferSide):
             req = self.bootstrap.decode(key, s.get(key), DstRequest, request_id=att.request_id, peer="decode rank 0")
             keys = AttemptKeys(att.request_id, req.epoch, req.num_prefill, req.num_decode)
             att.cas_keys, att.cas_resolved = keys, False
+            self._hold(keys, True)  # listed open before a READY of ours can land (a restart finishes it)
+            self._write_open(s)
             got = {}
             for d in hosted:
                 slot = keys.slot("decode", d)
@@ -271,7 +273,8 @@ class DecodeReceiver(ReceiveLoop, TransferSide):
             bound = tuple(d for d in hosted if got[d] == "bound")
             if bound:
                 att.keys, att.bound = keys, bound
-                self._hold(keys, True)
+            else:  # no slot of ours: nothing to finish
+                self._hold(keys, False)
                 self._write_open(s)
             att.cas_resolved = True
             return req, keys, got
@@ -426,8 +429,8 @@ class DecodeReceiver(ReceiveLoop, TransferSide):
                 bound.append(d)
         if bound:
             att.keys, att.bound = keys, tuple(bound)
-            self._hold(keys, True)
-            self._write_open(s)
+        self._hold(keys, bool(bound))  # the bind listed it before its compare-and-set
+        self._write_open(s)
         att.cas_resolved = True
 
     def _abort(self, s: dist.Store, keys: AttemptKeys, parties: set[int], answered: dict[int, Claim] | None = None):

@@ -93,6 +93,10 @@ class PrefillSender(ClaimSteps, TransferSide):
         timeout_s: float | None = None,
         max_entries_per_call: int = MAX_ENTRIES_PER_CALL,
     ) -> None:
+        # set once the drained report of a concluded attempt with engine calls still running is queued
+        # (close() waits for them: see _release_attempts); before super().__init__, which may adopt attempts
+        self._drains: set[threading.Event] = set()
+        self._drains_lock = threading.Lock()
         super().__init__(shards, bootstrap, "prefill", engine=engine, timeout_s=timeout_s)
         self.options = options or PlanOptions()
         self.max_entries_per_call = max_entries_per_call
@@ -336,12 +340,19 @@ class PrefillSender(ClaimSteps, TransferSide):
 
         fut = self.bootstrap.post(report, what=f"report {keys.prefix}")
         if pending:
-            self._when_ended(
-                pending,
-                lambda: self.bootstrap.post(
-                    lambda s: self._drained(s, mine, finish, keys), what=f"drained {keys.prefix}"
-                ),
-            )
+            queued = threading.Event()
+            with self._drains_lock:
+                self._drains.add(queued)
+
+            def drained() -> None:
+                try:
+                    self.bootstrap.post(lambda s: self._drained(s, mine, finish, keys), what=f"drained {keys.prefix}")
+                finally:
+                    queued.set()
+                    with self._drains_lock:
+                        self._drains.discard(queued)
+
+            self._when_ended(pending, drained)
         if ok and deadline is not None:
             try:
                 progress = fut.result(timeout=time_left(deadline))
@@ -356,6 +367,23 @@ class PrefillSender(ClaimSteps, TransferSide):
                     f"posting the completion report failed: {e}", request_id=keys.request_id, peer="store"
                 ) from e
             check_not_aborted(keys, progress)  # decode gave up while the last layer group was in flight
+
+    def _release_attempts(self) -> None:
+        """(Close, after the engine calls ended: the memory is unregistered.) Wait (bounded) until the drained
+        report of every attempt whose calls outlived its conclusion is queued, so that close()'s flush runs it: an
+        engine's own bookkeeping of a call ends before the call's later callbacks run, so a close that follows
+        the last call at once would otherwise return before the attempt is finished (its keys left behind). A
+        call still running past the engine's timeout (its unregister deferred) is not waited for beyond the
+        bound: DRAINED is never reported under a running call."""
+        deadline = deadline_after(self.timeout_s)
+        with self._drains_lock:
+            waiting = list(self._drains)
+        for queued in waiting:
+            if not queued.wait(max(0.0, time_left(deadline))):
+                logger.warning(
+                    "prefill close: an attempt's engine calls are still running; it is finished when they end"
+                )
+                return
 
     @staticmethod
     def _drained(s: dist.Store, mine, finish, keys: AttemptKeys) -> None:
