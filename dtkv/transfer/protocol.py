@@ -73,8 +73,10 @@ its caller gave up does nothing.
 its quarantine ended); the add that reaches ``P + D`` deletes every key of ``E`` (``E/finished`` last), listing
 ``E`` among its rank's open attempts while it does; decode rank 0 deletes ``req/{request_id}`` when its own wait
 ends. Store calls of one process run in order on one worker thread, so a call that timed out during a store stall
-still lands, in order, when the store answers again; the key count returns to its baseline. A rank that dies
-leaves its open attempts in ``{role}/{rank}/open``; its restart finishes them
+still lands, in order, when the store answers again; the key count returns to its baseline. A party lists an
+attempt in ``{role}/{rank}/open`` before it writes any key of it (decode rank 0 before its slots, a bind or a claim
+before its compare-and-set; un-listed if that took nothing), so a rank that dies leaves every attempt it wrote to
+listed there; its restart finishes them
 (:meth:`dtkv.transfer.TransferSide.__init__`): an attempt whose ``E/finished`` stands at ``P + D`` was being
 deleted when the rank died, and the restart completes the deletion (a process killed between two of its deletes
 left the rest of ``E``'s keys in the store for good before).
