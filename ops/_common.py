@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -43,6 +44,7 @@ from dtkv.ownership import (
 
 __all__ = [
     "HAS_TRITON",
+    "HIST_HAS_MASK",
     "INTERPRET",
     "SCHEME_CODES",
     "OwnershipLike",
@@ -56,6 +58,7 @@ __all__ = [
     "index_arg",
     "locate",
     "locate_args",
+    "masked_histogram",
     "num_sms",
     "owner_and_local",
     "ownership_args",
@@ -100,6 +103,9 @@ except ImportError as _e:  # pragma: no cover - exercised by a subprocess test
 
     triton = _MissingTriton()  # type: ignore[assignment]
     tl = _MissingTriton()  # type: ignore[assignment]
+
+HIST_HAS_MASK = HAS_TRITON and "mask" in inspect.signature(tl.histogram).parameters
+"""Whether this Triton's ``tl.histogram`` takes a ``mask`` (:func:`masked_histogram` works around it if not)."""
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").strip() == "1"
 """Whether Triton kernels were defined in interpreter mode (read once, at import, as Triton does)."""
@@ -318,13 +324,25 @@ if HAS_TRITON:
             return cond
 
     @triton.jit
+    def masked_histogram(d, BINS: tl.constexpr, take, HIST_MASK: tl.constexpr):
+        """int32 ``[BINS]`` counts of the digits ``d`` (each in ``[0, BINS)``) where ``take``. Without
+        ``HIST_MASK`` (an older Triton's histogram takes no mask) the digits not taken are counted in a bin past
+        ``BINS`` and dropped. Triton's histogram costs about a bin a thread per 32 digits."""
+        if HIST_MASK:
+            out = tl.histogram(d, BINS, mask=take)
+        else:
+            both = tl.reshape(tl.histogram(tl.where(take, d, BINS), 2 * BINS), [2, BINS])
+            out = tl.sum(tl.where(tl.arange(0, 2)[:, None] == 0, both, 0), axis=0)
+        return out
+
+    @triton.jit
     def bf16_rn(x):
         """fp32 -> bf16 with round-to-nearest-even via integer arithmetic (the interpreter truncates)."""
         bits = x.to(tl.int32, bitcast=True)
         return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 else:  # pragma: no cover
-    owner_local = locate_rows = locate = e4m3_bits = scalar_mask = bf16_rn = None
+    owner_local = locate_rows = locate = e4m3_bits = scalar_mask = masked_histogram = bf16_rn = None
 
 
 def locate_args(cp_size: int, num_pages: int, scheme_code: int, page_size: int) -> dict[str, int | bool]:

@@ -39,13 +39,11 @@ Legend: ``N`` rows (queries), ``K`` key columns, ``k`` kept per row, ``C = min(k
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 
 from dtkv._checks import check_int, check_tensor
 
-from ._common import HAS_TRITON, cdiv, device_ctx, index_arg, resolve_backend, tl, triton
+from ._common import HIST_HAS_MASK, cdiv, device_ctx, index_arg, masked_histogram, resolve_backend, tl, triton
 from .indexer_logits import indexer_topk
 from .selection_keys import INVALID_KEY
 
@@ -83,8 +81,6 @@ of 32K from 0.044 to 0.033 ms a CUDA-graph replay (32 x 128 before: half the SMs
 (one row) to 3.6x (16 rows of 128K) slower than 8-bit ones in 8."""
 ROUNDS = rounds(KERNEL_CONFIG["digit_bits"])
 """The default launch's digit rounds."""
-
-_HIST_HAS_MASK = HAS_TRITON and "mask" in inspect.signature(tl.histogram).parameters
 
 
 # ----------------------------------------------------------------------------------------- torch reference
@@ -197,12 +193,7 @@ def _keys_topk_hist_kernel(
         take = inside
         if R > 0:
             take = take & ((key >> PSHIFT) == (prefix >> PSHIFT))
-        d = _digit(key, SHIFT, BITS)
-        if HIST_MASK:
-            local += tl.histogram(d, BINS, mask=take)
-        else:  # older Triton: the keys not taken counted in a bin past the row's, dropped
-            both = tl.reshape(tl.histogram(tl.where(take, d, BINS), 2 * BINS), [2, BINS])
-            local += tl.sum(tl.where(tl.arange(0, 2)[:, None] == 0, both, 0), axis=0)
+        local += masked_histogram(_digit(key, SHIFT, BITS), BINS, take, HIST_MASK)
     b = tl.arange(0, BINS)
     tl.atomic_add(hist_ptr + (row * NR + R) * BINS + b, local, mask=local > 0, sem="relaxed")
 
@@ -337,7 +328,7 @@ def _select(keys: torch.Tensor, k: int, slots: torch.Tensor | None, return_keys:
             _keys_topk_hist_kernel[grid](
                 hist, state, done, keys, num_keys, kk, keys.stride(0),
                 R=r, SHIFT=shift, BITS=bits, PSHIFT=pshift, PBITS=pbits, NR=nr, CHUNK=chunk, BLOCK=block, BINS=bins,
-                HIST_MASK=_HIST_HAS_MASK, num_warps=warps,
+                HIST_MASK=HIST_HAS_MASK, num_warps=warps,
             )  # fmt: skip
         _keys_topk_select_kernel[grid](
             kept, kcol, counts, hist, state, done, keys, num_keys, kk, keys.stride(0),

@@ -40,7 +40,7 @@ import torch
 
 from dtkv._checks import check_int, check_tensor
 
-from ._common import device_ctx, index_arg, resolve_backend, tl, triton
+from ._common import HIST_HAS_MASK, device_ctx, index_arg, masked_histogram, resolve_backend, tl, triton
 from .indexer_logits import indexer_topk
 from .selection_keys import selection_keys
 
@@ -99,44 +99,89 @@ def _order_key(s):
     return tl.where(s == float("-inf"), -2147483648, ordered)
 
 
-@triton.jit(do_not_specialize=["num_keys", "k", "kk"])
+@triton.jit
+def _row_keys(src, cols, lo, hi):
+    """Order keys of columns ``cols`` of a row, ``-2**31`` (no candidate) outside ``[lo, hi)``."""
+    inside = (cols >= lo) & (cols < hi)
+    return _order_key(tl.load(src + cols, mask=inside, other=float("-inf")))
+
+
+@triton.jit
+def _descend(h, prefix, rem, SHIFT: tl.constexpr):
+    """From a round's histogram ``h`` (256 bins of digit ``[SHIFT, SHIFT + 8)`` of the keys sharing ``prefix``'s
+    bits above it): the prefix with the digit where the count of keys from the top reaches ``rem``, how many keys
+    with that prefix are still needed, and whether that is all of them (int32 1/0)."""
+    b = tl.arange(0, 256)
+    above = tl.sum(h, axis=0) - tl.cumsum(h, axis=0)  # keys in bins above b
+    d = tl.max(tl.where((above < rem) & (above + h >= rem), b, -1), axis=0)
+    rem = rem - tl.sum(tl.where(b == d, above, 0), axis=0)
+    done = (tl.sum(tl.where(b == d, h, 0), axis=0) == rem).to(tl.int32)
+    raw = d
+    if SHIFT == 24:  # the top digit's sign bit is flipped (key order)
+        raw = d ^ 0x80
+    return prefix | (raw << SHIFT), rem, done
+
+
+@triton.jit(do_not_specialize=["num_keys", "k", "l_sn"])
 def _logits_topk_select_kernel(
     ord_ptr,  # [N, k] int32, contiguous: the kept keys' order keys, column order, -2**31 after them
     col_ptr,  # [N, k] int32, contiguous: their columns, -1 after them
-    logits_ptr,  # [N, K] float32; row stride l_sn, columns contiguous (-inf outside each row's range)
-    kept_ptr,  # [N, kk] float32, contiguous: the values torch.topk kept of each row
+    logits_ptr,  # [N, K] float32; row stride l_sn, columns contiguous
+    start_ptr,  # [N] int (HAS_RANGE): each row's first candidate column
+    end_ptr,  # [N] int (HAS_RANGE): one past its last
     num_keys,  # K (< 2**31)
     k,
-    kk,  # min(k, K)
     l_sn,
+    HAS_RANGE: tl.constexpr,
     BLOCK: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    HIST_MASK: tl.constexpr,
 ):
-    """Program ``n``: row ``n`` (the module docstring's step 2). Columns, counts and order keys are 32-bit."""
+    """Program ``n``: row ``n`` (the module docstring's steps 1-2). Columns, counts and order keys are 32-bit."""
     row = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BLOCK)
     zero = num_keys * 0
-    # the threshold: the smallest kept order key; `need`: how many keys at it are kept (kk - those above it)
-    t = zero + 2147483647
-    for c0 in range(0, kk, BLOCK):
-        u = _order_key(tl.load(kept_ptr + row * kk + c0 + j, mask=c0 + j < kk, other=float("inf")))
-        t = tl.minimum(t, tl.min(tl.where(c0 + j < kk, u, 2147483647), axis=0))
-    above = zero
-    for c0 in range(0, kk, BLOCK):
-        u = _order_key(tl.load(kept_ptr + row * kk + c0 + j, mask=c0 + j < kk, other=float("-inf")))
-        above += tl.sum((u > t).to(tl.int32), axis=0)
-    need = kk - above
-    # one read of the row: the keys above t, and the `need` lowest-column keys at t, in column order. One scan a
-    # step counts both kinds (keys above t in the low 16 bits, keys at t in the high ones: BLOCK < 2**15)
+    lo = zero
+    hi = zero + num_keys
+    if HAS_RANGE:
+        lo = tl.minimum(tl.maximum(tl.load(start_ptr + row).to(tl.int64), 0), num_keys).to(tl.int32)
+        hi = tl.minimum(tl.maximum(tl.load(end_ptr + row).to(tl.int64), 0), num_keys).to(tl.int32)
+    first = (lo // BLOCK) * BLOCK
     src = logits_ptr + row * l_sn
+    # round 0: the top digit of every candidate
+    hist = tl.zeros([256], dtype=tl.int32)
+    for c0 in tl.range(first, hi, BLOCK, num_stages=NUM_STAGES):
+        u = _row_keys(src, c0 + j, lo, hi)
+        hist += masked_histogram(((u >> 24) & 0xFF) ^ 0x80, 256, u != -2147483648, HIST_MASK)
+    t, rem, done = _descend(hist, zero, zero + k, 24)
+    take_all = tl.sum(hist, axis=0) <= k  # every candidate kept: all above -2**31, none at it
+    t = tl.where(take_all, -2147483648, t)
+    rem = tl.where(take_all, 0, rem)
+    done = tl.where(take_all, 1, done)
+    sh = tl.where(take_all, 0, 24)
+    # rounds 1-3: the next digit of the keys sharing the prefix, until every key with the prefix is needed
+    for r in tl.static_range(1, 4):
+        if done == 0:
+            hist = tl.zeros([256], dtype=tl.int32)
+            for c0 in tl.range(first, hi, BLOCK, num_stages=NUM_STAGES):
+                u = _row_keys(src, c0 + j, lo, hi)
+                same = (u != -2147483648) & ((u >> (32 - 8 * r)) == (t >> (32 - 8 * r)))
+                hist += masked_histogram((u >> (24 - 8 * r)) & 0xFF, 256, same, HIST_MASK)
+            t, rem, done = _descend(hist, t, rem, 24 - 8 * r)
+            sh = zero + (24 - 8 * r)
+    # one read of the row: the keys above t, and the `rem` lowest-column keys at t, in column order (compared on
+    # the bits above `sh`: a resolved prefix's keys are all needed). One scan a step counts both kinds (keys above
+    # t in the low 16 bits, keys at t in the high ones: BLOCK < 2**15)
+    t_hi = t >> sh
+    need = rem
     put = zero
     seen = zero  # keys at t before this step
-    for c0 in tl.range(0, num_keys, BLOCK, num_stages=NUM_STAGES):
+    for c0 in tl.range(first, hi, BLOCK, num_stages=NUM_STAGES):
         cols = c0 + j
-        u = _order_key(tl.load(src + cols, mask=cols < num_keys, other=float("-inf")))
+        u = _row_keys(src, cols, lo, hi)
         ok = u != -2147483648
-        gt = ok & (u > t)
-        at = ok & (u == t)
+        gt = ok & ((u >> sh) > t_hi)
+        at = ok & ((u >> sh) == t_hi)
         both = gt.to(tl.int32) + (at.to(tl.int32) << 16)
         before = tl.cumsum(both, axis=0) - both
         at_before = seen + (before >> 16)
@@ -161,22 +206,17 @@ def _select(logits, start, end, slots, k: int) -> torch.Tensor:
     dev = logits.device
     if num_keys == 0:
         return torch.full((n, k), -1, dtype=torch.int64, device=dev)
-    src = logits
-    if start is not None:  # -inf outside the ranges (a copy: the caller's logits stay as they are)
-        cols = torch.arange(num_keys, device=dev)
-        inside = (cols[None, :] >= start[:, None].to(torch.int64)) & (cols[None, :] < end[:, None].to(torch.int64))
-        src = torch.where(inside, logits, torch.full((), float("-inf"), device=dev))
-    kk = min(k, num_keys)
-    kept = torch.topk(src, kk, dim=1, largest=True, sorted=False).values.contiguous()
     order = torch.empty((n, k), dtype=torch.int32, device=dev)
     cols = torch.empty((n, k), dtype=torch.int32, device=dev)
     block = int(KERNEL_CONFIG["block"])
     if not 0 < block < 2**15 or block & (block - 1):  # the kernel counts two kinds of keys in one int32 scan
         raise ValueError(f"KERNEL_CONFIG['block'] must be a power of two below 2**15, got {block}")
+    has_range = start is not None
     with device_ctx(dev):
         _logits_topk_select_kernel[(n,)](
-            order, cols, src, kept, num_keys, k, kk, src.stride(0),
-            BLOCK=block, NUM_STAGES=int(KERNEL_CONFIG["num_stages"]), num_warps=int(KERNEL_CONFIG["num_warps"]),
+            order, cols, logits, start if has_range else order, end if has_range else order, num_keys, k,
+            logits.stride(0), HAS_RANGE=has_range, BLOCK=block, NUM_STAGES=int(KERNEL_CONFIG["num_stages"]),
+            HIST_MASK=HIST_HAS_MASK, num_warps=int(KERNEL_CONFIG["num_warps"]),
         )  # fmt: skip
     # best first: a stable sort of the 32-bit order keys keeps equal ones in column order (ties to the lowest
     # column); the padding's -2**31 is below every candidate's
