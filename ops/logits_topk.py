@@ -12,24 +12,26 @@ positions (the extend-step indexer's tie rule, :mod:`dtkv.integrations.transform
 - the result is ``[N, k]`` int64: the ``k`` best candidates (``key_slots[c]`` with ``key_slots``, else ``c``), best
   first, ``-1`` past the row's candidates.
 
-**Kernel path** (``triton``): the packed path reads 8 bytes a logit in each of ``torch.topk``'s 8 radix passes over
-64-bit keys; this one reads 4 bytes a logit in 4 passes and once more:
+**Kernel path** (``triton``): the packed path reads 8 bytes a logit in each of ``torch.topk``'s radix passes over
+64-bit keys; this one reads 4 bytes a logit in at most five passes, all in one launch, a program a row
+(:func:`_logits_topk_select_kernel`):
 
-1. *the threshold*: ``torch.topk`` of the float32 rows (values only, unsorted; with ranges, of a copy that is
-   ``-inf`` outside them -- the runtime's indexer logits already are, so it passes none);
-2. *one launch, a program a row* (:func:`_logits_topk_select_kernel`): the smallest kept value under the rule's order
-   (each logit's int32 *order key*, :func:`_order_key`) is the threshold ``t``, and the kept values above it say how
-   many of the row's keys at ``t`` belong in (``need``); one read of the row then writes the candidates above ``t``
-   and the ``need`` lowest-column candidates at ``t`` to ``[N, k]`` scratch rows, in column order: their order keys
-   (int32) and their columns (int32), ``-2**31`` / ``-1`` after them. ``torch.topk`` may break ties of equal
-   values (or of ``-0.0`` and ``+0.0``) its own way: the rule only needs its kept values to hold every candidate
-   above their smallest, which any top-k does;
+1. *the threshold*, a radix select over each logit's int32 *order key* (:func:`_order_key`, the rule's order) in
+   four rounds of 8-bit digits (256 bins, ``tl.histogram``): round ``r`` counts the digit ``r`` of the row's
+   candidates that share the digits chosen so far, and chooses the digit where the count from the top reaches the
+   number still needed. Once every candidate with the chosen prefix is needed (the row is *resolved*; at once
+   when the row has at most ``k`` candidates) the later rounds are skipped; otherwise round 3 ends on the exact
+   ``k``-th best key ``t`` and how many of the row's keys at ``t`` belong in (``need``). A resolved row's ``t``
+   is its prefix with the lower bits zero: the candidates above or at it are those it needs;
+2. *one read of the row* writes the candidates above ``t`` and the ``need`` lowest-column candidates at ``t``
+   to ``[N, k]`` scratch rows, in column order: their order
+   keys (int32) and their columns (int32), ``-2**31`` / ``-1`` after them. Column ranges are masked as the row is
+   read (no copy of the logits);
 3. a stable ``torch.sort`` of the order keys, descending (equal keys stay in column order: best first, ties to
    the lowest column), the columns gathered in that order, then mapped to their slots.
 
-Launch: :data:`KERNEL_CONFIG`; ``benchmarks/bench_logits_topk.py`` times it against the packed path (one H100,
-8192 queries x 8K-128K keys: 1.26-1.55x its speed, 2026-12-06). At decode's few rows a program a row is slower
-than the packed path, which the runtime's decode keeps.
+Launch: :data:`KERNEL_CONFIG`; ``benchmarks/bench_logits_topk.py`` times it against the packed path. At decode's
+few rows a program a row is slower than the packed path, which the runtime's decode keeps.
 
 Legend: ``N`` queries (rows), ``K`` key columns, ``k`` kept per row.
 """
@@ -158,7 +160,6 @@ def _logits_topk_select_kernel(
     t = tl.where(take_all, -2147483648, t)
     rem = tl.where(take_all, 0, rem)
     done = tl.where(take_all, 1, done)
-    sh = tl.where(take_all, 0, 24)
     # rounds 1-3: the next digit of the keys sharing the prefix, until every key with the prefix is needed
     for r in tl.static_range(1, 4):
         if done == 0:
@@ -168,11 +169,10 @@ def _logits_topk_select_kernel(
                 same = (u != -2147483648) & ((u >> (32 - 8 * r)) == (t >> (32 - 8 * r)))
                 hist += masked_histogram((u >> (24 - 8 * r)) & 0xFF, 256, same, HIST_MASK)
             t, rem, done = _descend(hist, t, rem, 24 - 8 * r)
-            sh = zero + (24 - 8 * r)
-    # one read of the row: the keys above t, and the `rem` lowest-column keys at t, in column order (compared on
-    # the bits above `sh`: a resolved prefix's keys are all needed). One scan a step counts both kinds (keys above
-    # t in the low 16 bits, keys at t in the high ones: BLOCK < 2**15)
-    t_hi = t >> sh
+    # one read of the row: the keys above t, and the `rem` lowest-column keys at t, in column order. A resolved
+    # row's t is its prefix with the lower bits zero: the keys above or at it are those above the prefix and every
+    # one with it (all needed). One scan a step counts both kinds (keys above t in the low 16 bits, keys at t in
+    # the high ones: BLOCK < 2**15)
     need = rem
     put = zero
     seen = zero  # keys at t before this step
@@ -180,8 +180,8 @@ def _logits_topk_select_kernel(
         cols = c0 + j
         u = _row_keys(src, cols, lo, hi)
         ok = u != -2147483648
-        gt = ok & ((u >> sh) > t_hi)
-        at = ok & ((u >> sh) == t_hi)
+        gt = ok & (u > t)
+        at = ok & (u == t)
         both = gt.to(tl.int32) + (at.to(tl.int32) << 16)
         before = tl.cumsum(both, axis=0) - both
         at_before = seen + (before >> 16)

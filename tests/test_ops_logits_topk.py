@@ -1,8 +1,8 @@
 """``dtkv::logits_topk``: the torch reference against a per-row Python sort of the rule, the kernel (interpreter)
 against the reference on every kind of row (ties at the ``k``-th best, constant rows, ``-inf``, NaN, ``+inf``,
 ``-0.0``, logits spread over 240 octaves, logits near ``-3e38``, ``k + 1`` keys within a part per million of the
-threshold) under launches of 16 to 2048 columns a step (ties at the threshold split across steps), a threshold
-stage that breaks ties its own way, ranges that are empty, clamped or cover everything, slots, ``k`` past the
+threshold) under launches of 16 to 2048 columns a step (ties at the threshold split across steps), rows the
+radix select resolves in each of its rounds, ranges that are empty, clamped or cover everything, slots, ``k`` past the
 columns, strided logits, opcheck, a fullgraph compile with the indexer, the errors, the kernel's address bounds under the interpreter, the
 sm_90 build's rules without a GPU (:func:`check_sm90_build`, on ``tests/test_ops_compile.py``'s one build of
 every kernel) and, on a GPU, the selection of the packed-key path it replaces, bit for bit.
@@ -126,28 +126,38 @@ def test_triton_vs_reference_sizes(monkeypatch, launch, n, num_keys, k):
         _check_triton(monkeypatch, kind, launch, n, num_keys, k)
 
 
-def _ties_to_the_highest_column(x, k, dim=1, largest=True, sorted=True):
-    """A top-k of the values that breaks ties the other way (the highest column first; ``-0.0`` and ``+0.0``
-    by column too): what the kernel path's threshold stage may get from ``torch.topk`` on another device."""
-    assert dim == 1 and largest
-    flipped = torch.flip(x, dims=[1])
-    order = torch.sort(flipped, dim=1, descending=True, stable=True).indices[:, :k]
-    return torch.return_types.topk((torch.gather(flipped, 1, order), x.shape[1] - 1 - order))
+def _resolved_at(rnd: int, n: int, num_keys: int, k: int, held: int, gen: torch.Generator) -> torch.Tensor:
+    """Rows whose ``k``-th best key's ``8 * (rnd + 1)``-bit prefix holds exactly the ``held`` keys still needed
+    there (the radix select resolves them in round ``rnd``): ``k - held`` keys far above, ``held`` keys with the
+    prefix, the rest with the prefix's last digit lower (the same higher digits: the earlier rounds cannot tell
+    them apart). Every key is a positive float's bits, so its order key is its bits."""
+    low = 24 - 8 * rnd
+    prefix = (0x40A0B0C0 >> low) << low
+    sibling = prefix - (1 << low)  # the prefix's last digit one lower
+    rand = torch.randint(0, 1 << low, (n, num_keys), generator=gen) if low else torch.zeros(n, num_keys)
+    bits = torch.full((n, num_keys), sibling) | rand.to(torch.int64)
+    bits[:, : k - held] = 0x42C80000 + torch.randint(0, 1 << 16, (n, k - held), generator=gen)  # about 100.0
+    bits[:, k - held : k] = prefix | rand[:, k - held : k].to(torch.int64)
+    perm = torch.argsort(torch.rand(n, num_keys, generator=gen), dim=1)  # spread over the row, every step
+    return torch.gather(bits, 1, perm).to(torch.int32).view(torch.float32)
 
 
-@pytest.mark.parametrize("kind", ["ties", "specials", "constant", "near_threshold"])
-def test_threshold_stage_may_break_ties_any_way(monkeypatch, kind):
-    """The kernel needs only the kept values' smallest and those above it: a top-k that keeps the highest columns
-    of a tie (and of ``-0.0`` / ``+0.0``) gives the same columns, in the same order."""
+@pytest.mark.parametrize("rnd", [0, 1, 2, 3])
+@pytest.mark.parametrize("block", [16, 2048])
+def test_rows_resolved_in_each_round(monkeypatch, rnd, block):
+    """A row resolved in round ``rnd`` (every key with the chosen prefix needed) skips the later rounds and keeps
+    every key with the prefix, compared on the prefix's bits only: the kept keys and their order are the rule's,
+    as are those of rows resolved by having at most ``k`` candidates."""
     skip_unless("triton", "cpu")
-    monkeypatch.setattr(_mod.torch, "topk", _ties_to_the_highest_column)
-    g = torch.Generator().manual_seed(len(kind))
-    x = _logits(kind, 4, 90, 11, g)
-    if kind == "specials":
-        x[:, 30:] = torch.where(torch.rand(4, 60, generator=g) < 0.5, -0.0, 0.0)  # the threshold is a zero
-    for block in (16, 2048):
-        monkeypatch.setattr(_mod, "KERNEL_CONFIG", {**_mod.KERNEL_CONFIG, "block": block})
-        assert torch.equal(logits_topk(x, 11, backend="triton"), _python_topk(x, 11)), (kind, block)
+    monkeypatch.setattr(_mod, "KERNEL_CONFIG", {**_mod.KERNEL_CONFIG, "block": block})
+    g = torch.Generator().manual_seed(rnd * 7 + block)
+    for held in (1, 4, 11):
+        x = _resolved_at(rnd, 5, 97, 12, held, g)
+        assert torch.equal(logits_topk(x, 12, backend="triton"), _python_topk(x, 12)), (rnd, block, held)
+    x[:, 40:] = float("-inf")  # at most k candidates in rows of ranges that end early
+    start, end = torch.tensor([0, 3, 30, 35, 40]), torch.tensor([97, 14, 41, 47, 97])
+    got = logits_topk(x, 12, key_start=start, key_end=end, backend="triton")
+    assert torch.equal(got, _python_topk(x, 12, start, end)), (rnd, block)
 
 
 def test_ties_go_to_the_lowest_column():
