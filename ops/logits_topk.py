@@ -27,8 +27,9 @@ positions (the extend-step indexer's tie rule, :mod:`dtkv.integrations.transform
    to ``[N, k]`` scratch rows, in column order: their order
    keys (int32) and their columns (int32), ``-2**31`` / ``-1`` after them. Column ranges are masked as the row is
    read (no copy of the logits);
-3. a stable ``torch.sort`` of the order keys, descending (equal keys stay in column order: best first, ties to
-   the lowest column), the columns gathered in that order, then mapped to their slots.
+3. *the order*, a second launch, a program a row (:func:`_logits_topk_order_kernel`): one sort of the row's kept
+   keys as 64-bit ``order key << 32 | (2**31 - 1 - column)`` (best first, ties to the lowest column), the columns
+   mapped to their slots (``k`` up to :data:`ORDER_MAX_K`; past it a stable ``torch.sort`` of the order keys).
 
 Launch: :data:`KERNEL_CONFIG`; ``benchmarks/bench_logits_topk.py`` times it against the packed path. At decode's
 few rows a program a row is slower than the packed path, which the runtime's decode keeps.
@@ -49,14 +50,16 @@ from .selection_keys import selection_keys
 __all__ = ["KERNEL_CONFIG", "logits_topk", "logits_topk_torch"]
 
 _IDX_DTYPES = (torch.int32, torch.int64)
+ORDER_MAX_K = 4096
+"""The largest ``k`` whose rows :func:`_logits_topk_order_kernel` sorts in registers (a larger ``k`` takes a
+stable ``torch.sort`` of the order keys, a gather and the slots' lookup)."""
 _REF_BLOCK_BYTES = 1 << 28
 """The reference's ``[B, K]`` int64 keys per block of rows (bounded whatever ``N``)."""
 
-KERNEL_CONFIG: dict[str, int] = {"block": 1024, "num_warps": 4, "num_stages": 2}
-"""Launch of :func:`_logits_topk_select_kernel`: ``block`` columns a step of its one pass over a row (and of its
-passes over the kept values; a power of two below ``2**15``), ``num_warps``, ``num_stages`` (loads of the pass in
-flight). On one H100 the default is within 2% of the fastest of ``bench_logits_topk.py --sweep``'s ten launches at
-8192 queries x 32K and 128K keys (2026-12-06)."""
+KERNEL_CONFIG: dict[str, int] = {"block": 1024, "num_warps": 4, "num_stages": 2, "order_warps": 4}
+"""Launches: :func:`_logits_topk_select_kernel`'s ``block`` columns a step of each pass over a row (a power of
+two below ``2**15``), ``num_warps`` and ``num_stages`` (loads of a pass in flight); ``order_warps`` of
+:func:`_logits_topk_order_kernel`. ``bench_logits_topk.py --sweep`` times candidates."""
 
 
 # ----------------------------------------------------------------------------------------- torch reference
@@ -199,6 +202,32 @@ def _logits_topk_select_kernel(
         tl.store(col_ptr + row * k + c0 + j, tl.full([BLOCK], -1, tl.int32), mask=pad)
 
 
+@triton.jit(do_not_specialize=["k"])
+def _logits_topk_order_kernel(
+    out_ptr,  # [N, k] int64, contiguous: columns or slots, best first, -1 after the row's candidates
+    ord_ptr,  # [N, k] int32, contiguous: the select kernel's order keys
+    col_ptr,  # [N, k] int32, contiguous: the select kernel's columns
+    slots_ptr,  # [K] int (HAS_SLOTS)
+    k,
+    HAS_SLOTS: tl.constexpr,
+    KP: tl.constexpr,  # a power of two >= k
+):
+    """Program ``n``: row ``n``'s kept keys best first (the module docstring's step 3), as one sort of 64-bit keys
+    ``order key << 32 | (2**31 - 1 - column)`` (a higher order key first, then a lower column)."""
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, KP)
+    mine = i < k
+    u = tl.load(ord_ptr + row * k + i, mask=mine, other=-2147483648)
+    c = tl.load(col_ptr + row * k + i, mask=mine, other=-1)
+    key = (u.to(tl.int64) << 32) | (2147483647 - c.to(tl.int64))  # the low word in [1, 2**31]: no carry
+    key = tl.sort(key, descending=True)
+    valid = (key >> 32) != -2147483648  # the padding sorts last
+    col = 2147483647 - (key & 0xFFFFFFFF)
+    if HAS_SLOTS:
+        col = tl.load(slots_ptr + col, mask=mine & valid, other=-1).to(tl.int64)
+    tl.store(out_ptr + row * k + i, tl.where(valid, col, -1), mask=mine)
+
+
 # ----------------------------------------------------------------------------------------- launch
 def _select(logits, start, end, slots, k: int) -> torch.Tensor:
     """The kernel path (module docstring): ``[N, k]`` int64 columns or slots, ``-1`` padded."""
@@ -218,6 +247,14 @@ def _select(logits, start, end, slots, k: int) -> torch.Tensor:
             logits.stride(0), HAS_RANGE=has_range, BLOCK=block, NUM_STAGES=int(KERNEL_CONFIG["num_stages"]),
             HIST_MASK=HIST_HAS_MASK, num_warps=int(KERNEL_CONFIG["num_warps"]),
         )  # fmt: skip
+    if k <= ORDER_MAX_K:
+        out = torch.empty((n, k), dtype=torch.int64, device=dev)
+        with device_ctx(dev):
+            _logits_topk_order_kernel[(n,)](
+                out, order, cols, slots if slots is not None else out, k, HAS_SLOTS=slots is not None,
+                KP=triton.next_power_of_2(k), num_warps=int(KERNEL_CONFIG["order_warps"]),
+            )  # fmt: skip
+        return out
     # best first: a stable sort of the 32-bit order keys keeps equal ones in column order (ties to the lowest
     # column); the padding's -2**31 is below every candidate's
     by = torch.sort(order, dim=1, descending=True, stable=True).indices

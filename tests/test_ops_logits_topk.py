@@ -126,6 +126,19 @@ def test_triton_vs_reference_sizes(monkeypatch, launch, n, num_keys, k):
         _check_triton(monkeypatch, kind, launch, n, num_keys, k)
 
 
+@pytest.mark.parametrize("kind", ["ties", "specials", "sparse", "near_threshold"])
+def test_rows_past_the_in_register_order_take_the_sort(monkeypatch, kind):
+    """A ``k`` past :data:`ORDER_MAX_K` is ordered by ``torch.sort`` instead of the order kernel: the same result."""
+    skip_unless("triton", "cpu")
+    g = torch.Generator().manual_seed(len(kind) + 1)
+    x = _logits(kind, 4, 90, 11, g)
+    slots = torch.randperm(90, generator=g) + 3
+    want = _python_topk(x, 11, slots=slots)
+    assert torch.equal(logits_topk(x, 11, key_slots=slots, backend="triton"), want)
+    monkeypatch.setattr(_mod, "ORDER_MAX_K", 8)
+    assert torch.equal(logits_topk(x, 11, key_slots=slots, backend="triton"), want)
+
+
 def _resolved_at(rnd: int, n: int, num_keys: int, k: int, held: int, gen: torch.Generator) -> torch.Tensor:
     """Rows whose ``k``-th best key's ``8 * (rnd + 1)``-bit prefix holds exactly the ``held`` keys still needed
     there (the radix select resolves them in round ``rnd``): ``k - held`` keys far above, ``held`` keys with the
@@ -301,15 +314,22 @@ def test_kernel_stays_in_bounds(monkeypatch):
 
 
 def check_sm90_build(records: list[dict]) -> None:
-    """The kernel in the run's sm_90 build (``tests/test_ops_compile.py`` builds every kernel once, no GPU, and
-    calls this with its records): every launch compiles with no local memory (spills), the default one
-    (:data:`dtkv.ops.logits_topk.KERNEL_CONFIG`; 61 registers a thread with Triton 3.7) fits at least two programs
+    """The kernels in the run's sm_90 build (``tests/test_ops_compile.py`` builds every kernel once, no GPU, and
+    calls this with its records): every launch of both compiles with no local memory (spills: the order kernel
+    sorts 2048 64-bit keys in registers), and the select kernel's default launch
+    (:data:`dtkv.ops.logits_topk.KERNEL_CONFIG`; 121 registers a thread with Triton 3.7) fits at least two programs
     an SM (one's scans overlap another's loads). The forced-int64 builds are left out."""
-    records = [r for r in records if r["kernel"] == "_logits_topk_select_kernel" and "int64 offsets" not in r["where"]]
-    assert records and all(r["ok"] and r.get("local", 0) == 0 for r in records), records
+    records = [r for r in records if "int64 offsets" not in r["where"]]
+    for name in ("_logits_topk_select_kernel", "_logits_topk_order_kernel"):
+        mine = [r for r in records if r["kernel"] == name]
+        assert mine and all(r["ok"] and r.get("local", 0) == 0 for r in mine), mine
     cfg = _mod.KERNEL_CONFIG
     default = [
-        r for r in records if r["constexprs"]["BLOCK"] == str(cfg["block"]) and r["num_warps"] == cfg["num_warps"]
+        r
+        for r in records
+        if r["kernel"] == "_logits_topk_select_kernel"
+        and r["constexprs"]["BLOCK"] == str(cfg["block"])
+        and r["num_warps"] == cfg["num_warps"]
     ]
     assert default and all(2 * r["registers"] * 32 * r["num_warps"] <= 65536 for r in default), default
 
