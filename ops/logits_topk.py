@@ -331,8 +331,8 @@ def logits_topk(
         logits: float32 ``[N, K]`` (e.g. :func:`dtkv.ops.indexer_logits`'s; ``-inf``: not a candidate).
         k: columns kept per row (``>= 1``; rows with fewer candidates are ``-1`` padded).
         key_start, key_end: int32/int64 ``[N]``, both or neither: row ``n``'s candidates lie in
-            ``[key_start[n], key_end[n])`` (clamped to ``[0, K]``; the kernel path masks a copy of the logits:
-            logits that are ``-inf`` outside the ranges already, such as the indexer's, need none).
+            ``[key_start[n], key_end[n])`` (clamped to ``[0, K]``; the kernel path reads only those columns, so
+            ranges also spare it the columns of logits that are ``-inf`` outside them, such as the indexer's).
         key_slots: int32/int64 ``[K]``: return ``key_slots[c]`` instead of the column ``c``.
         backend: ``"auto"`` (Triton on CUDA, else torch) | ``"torch"`` | ``"triton"``.
 
