@@ -16,6 +16,7 @@ nothing leaks.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -193,27 +194,12 @@ class TestAbandonedCalls:
 
     def test_close_waits_for_calls_in_flight(self, transfer_engine):
         """``close()`` must not unregister (or drop the engine) while an abandoned call still reads the pool."""
-        boot = Bootstrap(dist.HashStore(), namespace="close")
-        pre = shards(PageOwnership(1, 16), seed=4)
-        dec = shards(PageOwnership(1, 16))
-        slow = _SlowEngine(transfer_engine, 1.5)
-        sender = PrefillSender(pre, boot, engine=slow, timeout_s=5)
-        receiver = DecodeReceiver(dec, boot, engine=transfer_engine, timeout_s=5)
-        try:
-            sender.connect()
-            receiver.connect()
-            receiver.post_request("A", [1, 2])
-            with pytest.raises(TransferError):
-                sender.send_request("A", [3, 4], timeout_s=0.3)
+        with _abandoned_send(transfer_engine, "close", late_s=1.5) as (sender, slow):
             sender.close()
             assert slow.late_write_done.is_set(), "close() unregistered the pool under a running call"
             assert slow.registered == 0
             slow.close()
             assert slow.num_inflight == 0
-        finally:
-            receiver.close()
-            sender.close()
-            slow.close()
 
     def test_close_finishes_an_attempt_whose_calls_end_during_it(self, transfer_engine, monkeypatch):
         """An attempt concluded with an engine call still running is finished once the call ends; when that is
@@ -229,25 +215,33 @@ class TestAbandonedCalls:
         ran = []
         real_drained = PrefillSender._drained
         monkeypatch.setattr(PrefillSender, "_drained", staticmethod(lambda *a: ran.append(1) or real_drained(*a)))
-        boot = Bootstrap(dist.HashStore(), namespace="close-drain")
-        pre = shards(PageOwnership(1, 16), seed=4)
-        dec = shards(PageOwnership(1, 16))
-        slow = _SlowEngine(transfer_engine, 1.0)
-        sender = PrefillSender(pre, boot, engine=slow, timeout_s=5)
-        receiver = DecodeReceiver(dec, boot, engine=transfer_engine, timeout_s=5)
-        try:
-            sender.connect()
-            receiver.connect()
-            receiver.post_request("A", [1, 2])
-            with pytest.raises(TransferError):
-                sender.send_request("A", [3, 4], timeout_s=0.3)
+        with _abandoned_send(transfer_engine, "close-drain", late_s=1.0) as (sender, slow):
             assert not ran
             sender.close()  # waits for the late call, then for its drained report
             assert slow.late_write_done.is_set() and ran == [1]
-        finally:
-            receiver.close()
-            sender.close()
-            slow.close()
+
+
+@contextlib.contextmanager
+def _abandoned_send(engine_kind: str, namespace: str, *, late_s: float):
+    """A prefill sender (one rank) whose call for request ``"A"`` outlives its 0.3 s timeout and writes ``late_s``
+    after it started: yields ``(sender, slow engine)`` once ``send_request`` raised; closes every side after."""
+    boot = Bootstrap(dist.HashStore(), namespace=namespace)
+    pre = shards(PageOwnership(1, 16), seed=4)
+    dec = shards(PageOwnership(1, 16))
+    slow = _SlowEngine(engine_kind, late_s)
+    sender = PrefillSender(pre, boot, engine=slow, timeout_s=5)
+    receiver = DecodeReceiver(dec, boot, engine=engine_kind, timeout_s=5)
+    try:
+        sender.connect()
+        receiver.connect()
+        receiver.post_request("A", [1, 2])
+        with pytest.raises(TransferError):
+            sender.send_request("A", [3, 4], timeout_s=0.3)
+        yield sender, slow
+    finally:
+        receiver.close()
+        sender.close()
+        slow.close()
 
 
 class TestEngineBookkeeping:
