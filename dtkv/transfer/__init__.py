@@ -34,7 +34,7 @@ from dtkv.transfer._create import create_engine
 from dtkv.transfer._nixl import NixlEngine, apply_nixl_env, nixl_available
 from dtkv.transfer._side import TransferSide
 from dtkv.transfer.bootstrap import Bootstrap, create_store
-from dtkv.transfer.coalesce import coalesce_entries, expand_layers, page_runs, split_batches
+from dtkv.transfer.coalesce import coalesce_entries, expand_layers, expand_runs, page_runs, split_batches
 from dtkv.transfer.decode import DecodeReceiver, ReceiveReport
 from dtkv.transfer.descriptors import (
     BufferSpec,
@@ -98,6 +98,7 @@ __all__ = [
     "default_round_pages",
     "disable_staging",
     "expand_layers",
+    "expand_runs",
     "layer_bounds",
     "mooncake_available",
     "needs_host_staging",
