@@ -3,9 +3,9 @@
 One contiguous buffer per named layout holds this rank's pages for every layer (one region to register with a
 transfer engine): ``[num_layers, num_local_pages, *page_shape]`` (layer-major, the default) or, with
 ``page_major=True``, ``[num_local_pages, num_layers, *page_shape]`` (a page's layers next to each other, so that a
-run of pages is one byte range covering every layer: one transfer entry instead of one per layer). Hot paths use the plain local views
-(:meth:`ShardedKVPool.local`); API boundaries can wrap them as DTensors whose global shape is the logical
-pool (:meth:`ShardedKVPool.dtensor`). The page-table format is defined in :mod:`dtkv.page_table`.
+run of pages is one byte range covering every layer: one transfer entry instead of one per layer). Hot paths use
+the plain local views (:meth:`ShardedKVPool.local`); API boundaries can wrap them as DTensors whose global shape is
+the logical pool (:meth:`ShardedKVPool.dtensor`). The page-table format is defined in :mod:`dtkv.page_table`.
 """
 
 from __future__ import annotations

@@ -63,8 +63,7 @@ def _transfer(
         bufs = {n: b.transpose(0, 1) if pm else b for n, b in res["buffers"].items()}  # the [L, P, ...] views
         pre.append(KVShard(bufs, CFG.layouts, own_p, r, page_major=pm))
     dec = [
-        KVShard.allocate(CFG.layouts, own_d, r, num_layers=CFG.num_layers, page_major=page_major_d)
-        for r in range(cp_d)
+        KVShard.allocate(CFG.layouts, own_d, r, num_layers=CFG.num_layers, page_major=page_major_d) for r in range(cp_d)
     ]
     bootstrap = Bootstrap(dist.HashStore(), namespace="decode-pd")
     sender = PrefillSender(pre, bootstrap, engine=LocalEngine(), timeout_s=20.0)

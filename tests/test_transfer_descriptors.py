@@ -430,7 +430,9 @@ class TestRejects:
         """Every rank publishes its own layout; the planner pairs any two (the oracle checks the bytes)."""
         layouts = _layouts()
         own = PageOwnership(2, 8, "block")  # rank 1 holds pages 4-7: one run into decode's pages 4-7
-        pre = [KVShard.allocate(layouts, own, r, num_layers=2, page_major=r == 1).endpoint("prefill", "p") for r in (0, 1)]
+        pre = [
+            KVShard.allocate(layouts, own, r, num_layers=2, page_major=r == 1).endpoint("prefill", "p") for r in (0, 1)
+        ]
         dec = [KVShard.allocate(layouts, PageOwnership(1, 8), 0, num_layers=2, page_major=True).endpoint("decode", "d")]
         plan = plan_request(np.arange(8), np.arange(8), prefill=pre, decode=dec, options=PlanOptions(staging="off"))
         per_rank = [sp.num_entries for sp in plan.senders]

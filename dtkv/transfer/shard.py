@@ -131,8 +131,7 @@ class KVShard:
         n_local = ownership.num_local_pages(rank)
         dims = (n_local, num_layers) if page_major else (num_layers, n_local)
         buffers = {
-            name: torch.zeros((*dims, *lay.page_shape), dtype=lay.dtype, device=device)
-            for name, lay in layouts.items()
+            name: torch.zeros((*dims, *lay.page_shape), dtype=lay.dtype, device=device) for name, lay in layouts.items()
         }
         if page_major:
             buffers = {name: buf.transpose(0, 1) for name, buf in buffers.items()}
