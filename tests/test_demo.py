@@ -250,7 +250,7 @@ def test_demo_help_names_every_default_and_unit():
     assert [a.option_strings[0] for a in valued] == [
         "--model", "--cp", "--tokens", "--requests", "--chunk", "--page-size", "--kv-dtype", "--dtype", "--split",
         "--decode-steps", "--decode", "--attention", "--device", "--seed", "--timeout", "--transfer-engine",
-        "--decode-cp", "--decode-device", "--turns", "--shared-requests", "--pool-pages",
+        "--decode-cp", "--decode-device", "--page-major", "--turns", "--shared-requests", "--pool-pages",
     ]  # fmt: skip
     for a in valued:
         assert "(default: " in a.help, a.option_strings

@@ -6,7 +6,9 @@ Entry points:
   ``(src, dst, length)`` entries for its owned pages only, to a non-CP decode or a decode with its own
   :class:`dtkv.PageOwnership` of any cp size and ownership scheme, with optional staging and layer groups
   (:class:`PlanOptions`).
-- :class:`KVShard` -- one rank's registered buffers (``KVShard.from_pool(pool)``), staging and metadata rows.
+- :class:`KVShard` -- one rank's registered buffers (``KVShard.from_pool(pool)``), staging and metadata rows;
+  layer-major or page-major (``ShardedKVPool(page_major=True)``: a run of pages is one entry for every layer), either
+  layout on either side.
 - :class:`PrefillSender` / :class:`DecodeReceiver` -- ``send_request`` / ``receive_request`` over a
   :class:`Bootstrap` store, on a :class:`MooncakeEngine` (TCP, P2PHANDSHAKE; sglang's transport), a
   :class:`NixlEngine` (UCX; vLLM's) or the in-process :class:`LocalEngine` (``engine="mooncake" | "nixl" |
