@@ -24,23 +24,27 @@ The warm-up of every scenario is verified: decode hashes its pages in position o
 the prefill side's hash of the same logical pages.
 
 ``--engines mooncake,nixl`` compares the engines on the same bytes instead, in one run (module
-:func:`run_engines`): for each request size (``--sizes`` tokens, fragmented decode pages) three entry shapes, each
-sent with :func:`dtkv.transfer.send_entries` exactly as a prefill rank sends (calls of at most 1024 entries, one in
-flight per peer) from this process to a spawned decode process of the same engine:
+:func:`run_engines`): for each request size (``--sizes`` tokens, fragmented decode pages) and each pool layout of
+``--layouts`` (``layer_major``: ``[num_layers, pages, ...]`` on both sides; ``page_major``: ``[pages, num_layers,
+...]`` on both sides, ``ShardedKVPool(page_major=True)``) three entry shapes, each sent with
+:func:`dtkv.transfer.send_entries` exactly as a prefill rank sends (calls of at most 1024 entries, one in flight per
+peer) from this process to a spawned decode process of the same engine:
 
-- ``per_page``: one entry per page, layer and buffer (no coalescing);
-- ``coalesced``: the entries dtkv's planner emits for it (``plan_request``, staging off, one layer group);
-- ``contiguous``: one entry of the same bytes between two registered regions.
+- ``per_page``: one entry per page and buffer, and per layer where the layout splits a page's layers (layer-major;
+  unit runs through :func:`dtkv.transfer.expand_runs`, no coalescing);
+- ``coalesced``: the entries dtkv's planner emits for it and the layout (``plan_request``, staging off, one layer
+  group): one per run of pages and layer when layer-major, one per run of pages when page-major;
+- ``contiguous``: one entry of the same bytes between two registered regions (timed with each layout's shapes).
 
-Rows (``--jsonl PATH``): ``engine``, ``shape``, ``bytes``, ``entries``, ``gb_s`` (1e9 bytes/s, the median of
-``--reps`` timed repetitions, engines and shapes interleaved), ``vs_contiguous`` (this shape's GB/s over the same
-engine's contiguous GB/s of the same bytes: the median over repetitions of the ratio of the two, timed back to back
-in each repetition, so that the machine's load changes both alike; ``vs_contiguous_of_medians`` is the ratio of the
-medians), ``cpu_ms`` (this process's CPU time per send, every thread: with NIXL within a host, the copies
+Rows (``--jsonl PATH``): ``engine``, ``layout``, ``shape``, ``bytes``, ``entries``, ``gb_s`` (1e9 bytes/s, the
+median of ``--reps`` timed repetitions, engines, layouts and shapes interleaved), ``vs_contiguous`` (this shape's
+GB/s over the same engine's contiguous GB/s of the same bytes: the median over repetitions of the ratio of the two,
+timed back to back in each repetition, so that the machine's load changes both alike; ``vs_contiguous_of_medians`` is
+the ratio of the medians), ``cpu_ms`` (this process's CPU time per send, every thread: with NIXL within a host, the copies
 themselves) and ``vs_contiguous_cpu`` (the same ratio in CPU time: the work, whatever else runs on the machine),
 plus ``tokens``, ``layers``, ``calls``, ``gb_s_best`` and
 ``verified`` (decode's bytes equal the sources', checked on the warm-up of every shape). With ``--planned``, also
-the rows ``planned <scenario>``: dtkv's own send of the largest request through the protocol, default policy
+the rows ``planned <scenario>`` (layer-major pools): dtkv's own send of the largest request through the protocol, default policy
 (coalescing, staging ``auto``, 4 layer groups; the scenario rows above), ``gb_s`` from its median e2e time and
 ``vs_contiguous`` the median of its ratios to the contiguous ceiling timed back to back. ``--nixl-sweep`` measures
 NIXL's knobs instead, one at a time away from the defaults (:data:`SWEEP`: entries per call, descriptors per
@@ -89,7 +93,7 @@ from dtkv.transfer import (
     apply_mooncake_env,
     create_engine,
     create_store,
-    expand_layers,
+    expand_runs,
     plan_request,
     send_entries,
 )
@@ -459,35 +463,48 @@ PROTOCOL_HEADER = (
 
 # ---------------------------------------------------------------------------------------------------- engines
 SHAPES = ("per_page", "coalesced", "contiguous")
+POOL_LAYOUTS = ("layer_major", "page_major")
+"""``--layouts``: the pool layouts of both sides (``ShardedKVPool(page_major=...)``)."""
 
 
-def _engine_target(conn, kind: str, port: int, namespace: str, layers: int, pool_pages: int, nbytes: int) -> None:
-    """Decode side of :func:`run_engines`: one engine of ``kind``, a decode shard and a contiguous region."""
+def _layout_shards(layers: int, pool_pages: int, layouts) -> dict[str, KVShard]:
+    """One single-rank shard per pool layout."""
+    own = PageOwnership(1, pool_pages)
+    return {
+        lay: KVShard.allocate(LAYOUTS, own, 0, num_layers=layers, page_major=lay == "page_major") for lay in layouts
+    }
+
+
+def _engine_target(conn, kind: str, port: int, namespace: str, layers: int, pool_pages: int, nbytes: int,
+                   layouts=("layer_major",)) -> None:  # fmt: skip
+    """Decode side of :func:`run_engines`: one engine of ``kind``, a decode shard per pool layout and a contiguous
+    region."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     engine = create_engine(kind)
-    shard = KVShard.allocate(LAYOUTS, PageOwnership(1, pool_pages), 0, num_layers=layers)
+    shards = _layout_shards(layers, pool_pages, layouts)
     region = torch.zeros(nbytes, dtype=torch.uint8)
-    engine.register(shard.registered_tensors() + [region])
+    engine.register([t for s in shards.values() for t in s.registered_tensors()] + [region])
     record = engine.agent_record()
     if record is not None:  # NIXL: the record travels through the store, as between PD sides
         Bootstrap(create_store(port=port, is_master=False), namespace=namespace).publish_agent(
             "decode", 0, record, deadline=time.monotonic() + 60
         )
-    conn.send((shard.endpoint("decode", engine.session), region.data_ptr()))
+    conn.send(({lay: s.endpoint("decode", engine.session) for lay, s in shards.items()}, region.data_ptr()))
     while True:
         cmd, *args = conn.recv()
         if cmd == "clear":
-            for b in shard.buffers.values():
-                b.zero_()
+            for shard in shards.values():
+                for b in shard.buffers.values():
+                    b.zero_()
             region.zero_()
             conn.send(("ok",))
         elif cmd == "digest":
-            dst, contiguous_bytes = args
+            lay, dst, contiguous_bytes = args
             if contiguous_bytes:
                 conn.send(hashlib.blake2b(region[:contiguous_bytes].numpy().tobytes(), digest_size=16).hexdigest())
             else:
-                conn.send(_digest([shard], shard.ownership, dst))
+                conn.send(_digest([shards[lay]], shards[lay].ownership, dst))
         elif cmd == "exit":
             engine.close()
             return
@@ -500,13 +517,16 @@ def _shape_entries(shape: str, plan_peers, shard_p: KVShard, ep_d, src, dst, con
         return [peer]
     if shape == "contiguous":
         s, d, n = (np.array([x], dtype=np.int64) for x in contig)
-    else:  # one entry per page, layer and buffer: unit runs expanded over the layers
+    else:  # one entry per page and buffer (and layer, where the layout splits a page's layers): unit runs
         ones = np.ones(src.shape[0], dtype=np.int64)
         parts = []
         for spec in ep_d.buffers:
             buf = shard_p.buffers[spec.name]
-            so, do, ln = expand_layers((src, dst, ones), num_layers=shard_p.num_layers, page_bytes=spec.page_bytes,
-                                       src_rows=int(buf.shape[1]), dst_rows=spec.num_local_pages)  # fmt: skip
+            so, do, ln, _ = expand_runs(
+                (src, dst, ones), num_layers=shard_p.num_layers, page_bytes=spec.page_bytes,
+                src_rows=int(buf.shape[1]), dst_rows=spec.num_local_pages, src_page_major=shard_p.page_major,
+                dst_page_major=spec.page_major,
+            )  # fmt: skip
             parts.append((buf.data_ptr() + so, spec.addr + do, ln))
         s, d, n = (np.concatenate(x) for x in zip(*parts))
     return [PeerEntries(decode_rank=0, session=peer.session, src=s, dst=d, length=n, positions=peer.positions,
@@ -526,43 +546,59 @@ def _time_send(engine, entries, *, max_entries: int = 1024, cpu: list | None = N
 
 @dataclass
 class _Side:
-    """One engine's pair for :func:`run_engines`: this process's engine and shard, the decode process."""
+    """One engine's pair for :func:`run_engines`: this process's engine and shards (one per pool layout), the
+    decode process."""
 
     kind: str
     engine: object
-    shard: KVShard
+    shards: dict
+    """pool layout -> this process's shard."""
     region: torch.Tensor
     proc: object
     conn: object
-    ep_d: object
+    eps_d: dict
+    """pool layout -> the decode shard's endpoint."""
     dst_region: int
     record: object = None
     """The decode engine's agent record (NIXL)."""
 
+    @property
+    def shard(self) -> KVShard:
+        """The first layout's shard."""
+        return next(iter(self.shards.values()))
 
-def _start_sides(kinds, store, *, layers: int, pool_pages: int, nbytes: int, g) -> list[_Side]:
+    @property
+    def ep_d(self):
+        """The first layout's decode endpoint."""
+        return next(iter(self.eps_d.values()))
+
+
+def _start_sides(kinds, store, *, layers: int, pool_pages: int, nbytes: int, g,
+                 layouts=("layer_major",)) -> list[_Side]:  # fmt: skip
     ctx = mp.get_context("spawn")
     sides = []
     for kind in kinds:
         namespace = uuid.uuid4().hex
         conn, child = ctx.Pipe()
-        proc = ctx.Process(target=_engine_target, args=(child, kind, store.port, namespace, layers, pool_pages, nbytes),
-                           daemon=True)  # fmt: skip
+        proc = ctx.Process(target=_engine_target, daemon=True,
+                           args=(child, kind, store.port, namespace, layers, pool_pages, nbytes, tuple(layouts)))  # fmt: skip
         proc.start()
         engine = create_engine(kind)
-        shard = KVShard.allocate(LAYOUTS, PageOwnership(1, pool_pages), 0, num_layers=layers)
-        for b in shard.buffers.values():
-            b.view(torch.uint8).copy_(torch.randint(0, 256, b.view(torch.uint8).shape, generator=g, dtype=torch.uint8))
+        shards = _layout_shards(layers, pool_pages, layouts)
+        for shard in shards.values():
+            for b in shard.buffers.values():
+                u8 = b.view(torch.uint8)
+                u8.copy_(torch.randint(0, 256, u8.shape, generator=g, dtype=torch.uint8))
         region = torch.randint(0, 256, (nbytes,), generator=g, dtype=torch.uint8)
-        engine.register(shard.registered_tensors() + [region])
+        engine.register([t for s in shards.values() for t in s.registered_tensors()] + [region])
         if not conn.poll(300):
             raise TimeoutError(f"the {kind} decode process did not start")
-        ep_d, dst_region = conn.recv()
+        eps_d, dst_region = conn.recv()
         record = None
         if kind == "nixl":
             record = Bootstrap(store, namespace=namespace).agent("decode", 0, deadline=time.monotonic() + 60)
             engine.add_peer(record, deadline=time.monotonic() + 60)
-        sides.append(_Side(kind, engine, shard, region, proc, conn, ep_d, dst_region, record))
+        sides.append(_Side(kind, engine, shards, region, proc, conn, eps_d, dst_region, record))
     return sides
 
 
@@ -574,9 +610,13 @@ def _stop_sides(sides: list[_Side]) -> None:
 
 
 def run_engines(args: argparse.Namespace) -> list[dict]:
-    """Every engine of ``--engines`` on the three shapes of every ``--sizes`` request (module docstring)."""
+    """Every engine of ``--engines`` on the three shapes of every ``--sizes`` request and ``--layouts`` pool layout
+    (module docstring)."""
     torch.set_num_threads(1)
     kinds = [k.strip() for k in args.engines.split(",") if k.strip()]
+    layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
+    if not layouts or any(lay not in POOL_LAYOUTS for lay in layouts):
+        raise SystemExit(f"--layouts must list some of {','.join(POOL_LAYOUTS)}, got --layouts {args.layouts}")
     sizes = [int(x) for x in args.sizes.split(",")]
     max_pages = -(-max(sizes) // PAGE_SIZE)
     pool_pages = 2 * max_pages + 64
@@ -584,7 +624,7 @@ def run_engines(args: argparse.Namespace) -> list[dict]:
     store = create_store(port=0, is_master=True)
     g = torch.Generator().manual_seed(0)
     sides = _start_sides(kinds, store, layers=args.layers, pool_pages=pool_pages,
-                         nbytes=max_pages * args.layers * page_bytes, g=g)  # fmt: skip
+                         nbytes=max_pages * args.layers * page_bytes, g=g, layouts=layouts)  # fmt: skip
     rows = []
     try:
         for tokens in sizes:
@@ -594,31 +634,34 @@ def run_engines(args: argparse.Namespace) -> list[dict]:
             dst = _pages(n_req, pool_pages, "fragmented", seed=1)
             work = {}
             for side in sides:
-                ep_p = side.shard.endpoint("prefill", side.engine.session)
-                plan = plan_request(src, dst, prefill=[ep_p], decode=[side.ep_d],
-                                    options=PlanOptions(staging="off", layer_groups=1))  # fmt: skip
-                contig = (side.region.data_ptr(), side.dst_region, nbytes)
-                for shape in SHAPES:
-                    entries = _shape_entries(shape, plan.senders[0].peers, side.shard, side.ep_d, src, dst, contig)
-                    _ask(side.conn, "clear")
-                    _time_send(side.engine, entries)  # warm-up, verified
-                    contiguous = nbytes if shape == "contiguous" else 0
-                    got = _ask(side.conn, "digest", dst, contiguous)
-                    if contiguous:
-                        want = hashlib.blake2b(side.region[:nbytes].numpy().tobytes(), digest_size=16).hexdigest()
-                    else:
-                        want = _digest([side.shard], side.shard.ownership, src)
-                    work[(side.kind, shape)] = [side, entries, got == want, [], 0, []]
-            for rep in range(args.reps):  # engines and shapes interleaved: a slow spell of the machine hits all alike
-                for side in sides:  # one engine's shapes back to back, their order reversed every other repetition
-                    for shape in SHAPES if rep % 2 == 0 else SHAPES[::-1]:
-                        w = work[(side.kind, shape)]
-                        dt, w[4] = _time_send(side.engine, w[1], cpu=w[5])
-                        w[3].append(dt)
-            for (kind, shape), (_side, entries, ok, times, calls, cpu) in work.items():
-                base, base_cpu = work[(kind, "contiguous")][3], work[(kind, "contiguous")][5]
+                for lay in layouts:
+                    shard, ep_d = side.shards[lay], side.eps_d[lay]
+                    ep_p = shard.endpoint("prefill", side.engine.session)
+                    plan = plan_request(src, dst, prefill=[ep_p], decode=[ep_d],
+                                        options=PlanOptions(staging="off", layer_groups=1))  # fmt: skip
+                    contig = (side.region.data_ptr(), side.dst_region, nbytes)
+                    for shape in SHAPES:
+                        entries = _shape_entries(shape, plan.senders[0].peers, shard, ep_d, src, dst, contig)
+                        _ask(side.conn, "clear")
+                        _time_send(side.engine, entries)  # warm-up, verified
+                        contiguous = nbytes if shape == "contiguous" else 0
+                        got = _ask(side.conn, "digest", lay, dst, contiguous)
+                        if contiguous:
+                            want = hashlib.blake2b(side.region[:nbytes].numpy().tobytes(), digest_size=16).hexdigest()
+                        else:
+                            want = _digest([shard], shard.ownership, src)
+                        work[(side.kind, lay, shape)] = [side, entries, got == want, [], 0, []]
+            for rep in range(args.reps):  # engines, layouts and shapes interleaved: a slow spell hits all alike
+                for side in sides:  # one layout's shapes back to back, their order reversed every other repetition
+                    for lay in layouts if rep % 2 == 0 else layouts[::-1]:
+                        for shape in SHAPES if rep % 2 == 0 else SHAPES[::-1]:
+                            w = work[(side.kind, lay, shape)]
+                            dt, w[4] = _time_send(side.engine, w[1], cpu=w[5])
+                            w[3].append(dt)
+            for (kind, lay, shape), (_side, entries, ok, times, calls, cpu) in work.items():
+                base, base_cpu = work[(kind, lay, "contiguous")][3], work[(kind, lay, "contiguous")][5]
                 med = float(np.median(times))
-                rows.append({"engine": kind, "shape": shape, "tokens": tokens, "layers": args.layers,
+                rows.append({"engine": kind, "layout": lay, "shape": shape, "tokens": tokens, "layers": args.layers,
                              "bytes": nbytes, "entries": sum(p.num_entries for p in entries), "calls": calls,
                              "gb_s": nbytes / med / 1e9, "gb_s_best": nbytes / min(times) / 1e9,
                              "vs_contiguous": float(np.median(np.array(base) / np.array(times))),
@@ -636,7 +679,8 @@ def run_engines(args: argparse.Namespace) -> list[dict]:
                                         "layer_groups": 4})  # fmt: skip
             for r in run(sub):
                 nbytes = int(round(r.mib * 2**20))
-                rows.append({"engine": kind, "shape": f"planned {r.scenario}", "tokens": max(sizes),
+                rows.append({"engine": kind, "layout": "layer_major", "shape": f"planned {r.scenario}",
+                             "tokens": max(sizes),
                              "layers": args.layers, "bytes": nbytes, "entries": r.entries, "calls": r.calls,
                              "gb_s": nbytes / (r.e2e_ms_median * 1e-3) / 1e9, "gb_s_best": nbytes / (r.e2e_ms * 1e-3) / 1e9,
                              "vs_contiguous": r.ratio_median, "verified": r.verified})  # fmt: skip
@@ -644,15 +688,15 @@ def run_engines(args: argparse.Namespace) -> list[dict]:
 
 
 ENGINE_HEADER = (
-    "| engine | shape | tokens | MB | entries | calls | GB/s (median) | GB/s (best) | vs contiguous | CPU ms | "
-    "vs contiguous, CPU | bitwise |\n|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|"
+    "| engine | layout | shape | tokens | MB | entries | calls | GB/s (median) | GB/s (best) | vs contiguous | CPU ms | "
+    "vs contiguous, CPU | bitwise |\n|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|"
 )
 
 
 def _engine_row(r: dict) -> str:
     cpu = f"{r['cpu_ms']:.1f} | {r['vs_contiguous_cpu']:.2f}" if "cpu_ms" in r else "- | -"
     return (
-        f"| {r['engine']} | {r['shape']} | {r['tokens']} | {r['bytes'] / 1e6:.1f} | {r['entries']} | {r['calls']} | "
+        f"| {r['engine']} | {r['layout']} | {r['shape']} | {r['tokens']} | {r['bytes'] / 1e6:.1f} | {r['entries']} | {r['calls']} | "
         f"{r['gb_s']:.2f} | {r['gb_s_best']:.2f} | {r['vs_contiguous']:.2f} | {cpu} | "
         f"{'yes' if r['verified'] else 'NO'} |"
     )
@@ -774,6 +818,11 @@ def main() -> None:
         "--engines", default=None, help="compare these engines on raw entry shapes instead, e.g. mooncake,nixl"
     )
     p.add_argument("--sizes", default="4096,32768", help="--engines: request sizes in tokens (default 4096,32768)")
+    p.add_argument(
+        "--layouts",
+        default=",".join(POOL_LAYOUTS),
+        help="--engines: pool layouts of both sides, measured in one run (default layer_major,page_major)",
+    )
     p.add_argument("--jsonl", default=None, help="--engines / --nixl-sweep: write the rows here, one JSON per line")
     p.add_argument("--nixl-sweep", action="store_true", help="measure NIXL's knobs one at a time (SWEEP)")
     p.add_argument(
@@ -825,7 +874,7 @@ def main() -> None:
         return
     if args.engines or args.nixl_sweep:
         print(f"# {datetime.date.today()} | {platform.node()} | {os.cpu_count()} cores | {_versions()} | "
-              f"sizes={args.sizes} layers={args.layers} reps={args.reps} | load {_load()}")  # fmt: skip
+              f"sizes={args.sizes} layouts={args.layouts} layers={args.layers} reps={args.reps} | load {_load()}")  # fmt: skip
         if args.nixl_sweep:
             print(SWEEP_HEADER)
             rows = run_nixl_sweep(args)

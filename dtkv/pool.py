@@ -1,9 +1,11 @@
 """``ShardedKVPool``: per-layer KV pools that store each logical page once, on its owner rank.
 
-One contiguous buffer per named layout, ``[num_layers, num_local_pages, *page_shape]``, holds this rank's
-pages for every layer (one region to register with a transfer engine). Hot paths use the plain local views
-(:meth:`ShardedKVPool.local`); API boundaries can wrap them as DTensors whose global shape is the logical
-pool (:meth:`ShardedKVPool.dtensor`). The page-table format is defined in :mod:`dtkv.page_table`.
+One contiguous buffer per named layout holds this rank's pages for every layer (one region to register with a
+transfer engine): ``[num_layers, num_local_pages, *page_shape]`` (layer-major, the default) or, with
+``page_major=True``, ``[num_local_pages, num_layers, *page_shape]`` (a page's layers next to each other, so that a
+run of pages is one byte range covering every layer: one transfer entry instead of one per layer). Hot paths use
+the plain local views (:meth:`ShardedKVPool.local`); API boundaries can wrap them as DTensors whose global shape is
+the logical pool (:meth:`ShardedKVPool.dtensor`). The page-table format is defined in :mod:`dtkv.page_table`.
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ class ShardedKVPool:
         num_layers: layers stored (>= 1).
         group: the CP process group or 1-D DeviceMesh; ``None`` for a single process (``cp_size`` 1).
         device: where the local buffers live (default CPU).
+        page_major: store each buffer page-major, ``[num_local_pages, num_layers, *page_shape]`` (default
+            layer-major, ``[num_layers, num_local_pages, *page_shape]``); every rank must pass the same value.
+            The views (:meth:`buffer`, :meth:`local`) have the same shapes either way; only their strides differ.
 
     Example:
         >>> pool = ShardedKVPool({"kv": MLALatentLayout(page_size=4)}, PageOwnership(1, 8), num_layers=2)
@@ -67,6 +72,7 @@ class ShardedKVPool:
         num_layers: int,
         group: dist.ProcessGroup | DeviceMesh | None = None,
         device: torch.device | str = "cpu",
+        page_major: bool = False,
     ) -> None:
         self.group, self._mesh = _resolve_group(group)  # the group must be known to fail together
         with agreement(self.group, what="ShardedKVPool") as agreed:
@@ -79,6 +85,9 @@ class ShardedKVPool:
                     raise TypeError(f"layouts[{name!r}] must be a KVLayout, got {type(lay).__name__}")
             if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
                 raise ValueError(f"num_layers must be an int >= 1, got num_layers={num_layers!r}")
+            if not isinstance(page_major, bool):
+                raise TypeError(f"page_major must be a bool, got page_major={page_major!r}")
+            self.page_major = page_major
             self.layouts = dict(layouts)
             self.ownership = ownership
             self.num_layers = num_layers
@@ -97,10 +106,9 @@ class ShardedKVPool:
         self.page_size = page_sizes.pop()
         self.num_local_pages = ownership.num_local_pages(self.rank)  # may be 0: a rank that stores no page
         with agreement(self.group, what="ShardedKVPool buffers"):  # an allocation failure fails every rank
+            dims = (self.num_local_pages, num_layers) if page_major else (num_layers, self.num_local_pages)
             self._buffers = {
-                name: torch.zeros(
-                    (num_layers, self.num_local_pages, *lay.page_shape), dtype=lay.dtype, device=self.device
-                )
+                name: torch.zeros((*dims, *lay.page_shape), dtype=lay.dtype, device=self.device)
                 for name, lay in self.layouts.items()
             }
 
@@ -113,16 +121,33 @@ class ShardedKVPool:
             "scheme": self.ownership.scheme,
             "num_layers": self.num_layers,
             "device_type": self.device.type,
+            "page_major": self.page_major,
             "layouts": {name: lay.describe() for name, lay in sorted(self.layouts.items())},
         }
 
     def buffer(self, name: str) -> torch.Tensor:
-        """All layers of one layout: ``[num_layers, num_local_pages, *page_shape]`` (contiguous)."""
+        """All layers of one layout: ``[num_layers, num_local_pages, *page_shape]``, whatever the storage order.
+
+        Contiguous when layer-major; a strided view of :meth:`storage` when page-major (``buffer(name)[l, j]`` is
+        layer ``l`` of local page ``j`` either way; ``.view`` of the first two dims together does not apply).
+        """
+        self._check_name(name)
+        buf = self._buffers[name]
+        return buf.transpose(0, 1) if self.page_major else buf
+
+    def storage(self, name: str) -> torch.Tensor:
+        """The contiguous tensor behind :meth:`buffer` (what a transfer engine registers):
+        ``[num_layers, num_local_pages, *page_shape]`` when layer-major, ``[num_local_pages, num_layers,
+        *page_shape]`` when page-major."""
         self._check_name(name)
         return self._buffers[name]
 
     def local(self, name: str, layer: int) -> torch.Tensor:
-        """This rank's pages of one layer: ``[num_local_pages, *page_shape]``, local page order."""
+        """This rank's pages of one layer: ``[num_local_pages, *page_shape]``, local page order.
+
+        Pages are ``page_elems`` apart when layer-major and ``num_layers * page_elems`` apart when page-major (each
+        page itself contiguous; the ops take any page stride).
+        """
         self._check_layer(layer)
         return self.buffer(name)[layer]
 
@@ -181,7 +206,7 @@ class ShardedKVPool:
         lays = ", ".join(f"{n}={type(lay).__name__}" for n, lay in sorted(self.layouts.items()))
         return (
             f"ShardedKVPool({lays}, {self.ownership!r}, num_layers={self.num_layers}, rank={self.rank}, "
-            f"num_local_pages={self.num_local_pages})"
+            f"num_local_pages={self.num_local_pages}{', page_major=True' if self.page_major else ''})"
         )
 
 

@@ -35,25 +35,36 @@ def _prompts():
     return [torch.randint(0, CFG.vocab_size, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-def _prefill_rank(rank, world):
-    eng = reference_runtime(CFG, mode="sharded_direct", group=dist.group.WORLD, num_pages=NUM_PAGES_P)
+def _prefill_rank(rank, world, page_major=False):
+    eng = reference_runtime(
+        CFG, mode="sharded_direct", group=dist.group.WORLD, num_pages=NUM_PAGES_P, page_major=page_major
+    )
     for p in _prompts():
         eng.add_request(p)
     eng.prefill(16)
     ps = CFG.page_size
     return {
-        "buffers": {n: eng.pool.buffer(n).clone() for n in CFG.layouts},
+        "buffers": {n: eng.pool.storage(n).clone() for n in CFG.layouts},  # contiguous, in the pool's layout
+        "page_major": eng.pool.page_major,
         "pages": [r.pages[: cdiv(len(r.prompt), ps)] for r in eng.requests],
         "first": [r.output[0] for r in eng.requests],
     }
 
 
-def _transfer(prefill: list[dict], cp_d: int, scheme: str) -> tuple[list[dict], list[list[int]]]:
+def _transfer(
+    prefill: list[dict], cp_d: int, scheme: str, page_major_d: bool = False
+) -> tuple[list[dict], list[list[int]]]:
     """Prefill shards -> decode shards of ``PageOwnership(cp_d, NUM_PAGES_D, scheme)`` over the LocalEngine."""
     own_p = PageOwnership(len(prefill), NUM_PAGES_P)
     own_d = PageOwnership(cp_d, NUM_PAGES_D, scheme)
-    pre = [KVShard(res["buffers"], CFG.layouts, own_p, r) for r, res in enumerate(prefill)]
-    dec = [KVShard.allocate(CFG.layouts, own_d, r, num_layers=CFG.num_layers) for r in range(cp_d)]
+    pre = []
+    for r, res in enumerate(prefill):
+        pm = res["page_major"]
+        bufs = {n: b.transpose(0, 1) if pm else b for n, b in res["buffers"].items()}  # the [L, P, ...] views
+        pre.append(KVShard(bufs, CFG.layouts, own_p, r, page_major=pm))
+    dec = [
+        KVShard.allocate(CFG.layouts, own_d, r, num_layers=CFG.num_layers, page_major=page_major_d) for r in range(cp_d)
+    ]
     bootstrap = Bootstrap(dist.HashStore(), namespace="decode-pd")
     sender = PrefillSender(pre, bootstrap, engine=LocalEngine(), timeout_s=20.0)
     receiver = DecodeReceiver(dec, bootstrap, engine=LocalEngine(), timeout_s=20.0)
@@ -107,11 +118,17 @@ def _reference():
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("cp_d,scheme", [(3, "block"), (4, "interleave")], ids=["cp2-to-cp3-block", "cp2-to-cp4"])
-def test_pd_into_a_decode_group_of_another_cp_then_sharded_decode(ranks2, ranks3, ranks4, cp_d, scheme):
-    prefill = ranks2.run(_prefill_rank)
+@pytest.mark.parametrize(
+    "cp_d,scheme,page_major",
+    [(3, "block", (False, False)), (4, "interleave", (False, False)), (3, "block", (True, True)),
+     (4, "interleave", (True, False))],
+    ids=["cp2-to-cp3-block", "cp2-to-cp4", "cp2-to-cp3-block-page-major", "cp2-page-major-to-cp4-layer-major"],
+)  # fmt: skip
+def test_pd_into_a_decode_group_of_another_cp_then_sharded_decode(ranks2, ranks3, ranks4, cp_d, scheme, page_major):
+    prefill = ranks2.run(_prefill_rank, page_major[0])
     assert prefill[0]["pages"] == prefill[1]["pages"] and prefill[0]["first"] == prefill[1]["first"]
-    shards, dst_pages = _transfer(prefill, cp_d, scheme)
+    assert all(res["page_major"] is page_major[0] for res in prefill)
+    shards, dst_pages = _transfer(prefill, cp_d, scheme, page_major[1])
     decode = ranks3 if cp_d == 3 else ranks4
     results = decode.run(_decode_rank, shards, dst_pages, prefill[0]["first"], scheme)
     want = _reference()

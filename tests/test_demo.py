@@ -65,6 +65,20 @@ def test_demo_pd_hands_requests_to_a_decode_process(transfer_engine):
     assert res["pd_entries"] >= res["pd_min_entries"] > 0 and res["pd_bytes"] > 0
 
 
+@pytest.mark.multirank
+@pytest.mark.parametrize("page_major", ["both", "prefill"])
+def test_demo_pd_with_page_major_pools(transfer_engine, page_major):
+    """``--pd --page-major`` (every pool page-major) and ``--page-major prefill`` (a page-major prefill group into a
+    layer-major decode group): the decode group's KV and tokens equal the prefill group's."""
+    cmd = [sys.executable, "-m", "dtkv.demo", "--pd", "--json", "--tokens", "200", "--chunk", "64", "--kv-dtype",
+           "fp8", "--transfer-engine", transfer_engine, "--page-major", page_major]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout)
+    assert res["parity"] is True and res["pd_parity"] is True and res["pd_kv_equal"] is True
+    assert res["page_major"] == page_major and res["pd_engine"] == transfer_engine
+
+
 def _json_objects(stdout: str) -> list[dict]:
     return [json.loads(line) for line in stdout.splitlines() if line.strip().startswith("{")]
 
@@ -96,6 +110,8 @@ def test_demo_rejects_arguments_that_do_not_fit_the_run():
     assert out.returncode == 2 and "--kv-dtype fp32 and --dtype are for transformers models" in out.stderr
     out = _usage("--decode-cp", "3")
     assert out.returncode == 2 and "--decode-cp is the size of --pd's decode group: add --pd" in out.stderr
+    out = _usage("--page-major", "decode")
+    assert out.returncode == 2 and "--page-major decode is the layout of --pd's decode group: add --pd" in out.stderr
     out = _usage("--model", "no/such/dir")
     assert (
         out.returncode == 2
@@ -234,7 +250,7 @@ def test_demo_help_names_every_default_and_unit():
     assert [a.option_strings[0] for a in valued] == [
         "--model", "--cp", "--tokens", "--requests", "--chunk", "--page-size", "--kv-dtype", "--dtype", "--split",
         "--decode-steps", "--decode", "--attention", "--device", "--seed", "--timeout", "--transfer-engine",
-        "--decode-cp", "--decode-device", "--turns", "--shared-requests", "--pool-pages",
+        "--decode-cp", "--decode-device", "--page-major", "--turns", "--shared-requests", "--pool-pages",
     ]  # fmt: skip
     for a in valued:
         assert "(default: " in a.help, a.option_strings

@@ -34,11 +34,11 @@ def _reference(name: str, layer: int, num_pages: int) -> torch.Tensor:
     return torch.randn((num_pages, *lay.page_shape), generator=g).to(lay.dtype)
 
 
-def _fill_and_gather(rank, world, num_pages, scheme, num_layers):
+def _fill_and_gather(rank, world, num_pages, scheme, num_layers, page_major=False):
     import torch.distributed as dist
 
     own = PageOwnership(world, num_pages, scheme)
-    pool = ShardedKVPool(LAYOUTS, own, num_layers=num_layers, group=dist.group.WORLD)
+    pool = ShardedKVPool(LAYOUTS, own, num_layers=num_layers, group=dist.group.WORLD, page_major=page_major)
     mine = own.local_pages(rank)
     for name in LAYOUTS:
         for layer in range(num_layers):
@@ -70,10 +70,11 @@ def _fill_and_gather(rank, world, num_pages, scheme, num_layers):
 
 
 @pytest.mark.multirank
+@pytest.mark.parametrize("page_major", [False, True], ids=["layer_major", "page_major"])
 @pytest.mark.parametrize("scheme", ["interleave", "block"])
 @pytest.mark.parametrize("num_pages", [1, 7, 13])
-def test_gather_full_is_bit_exact_and_bytes_are_one_cpth(ranks, num_pages, scheme):
-    results = ranks.run(_fill_and_gather, num_pages, scheme, 2)
+def test_gather_full_is_bit_exact_and_bytes_are_one_cpth(ranks, num_pages, scheme, page_major):
+    results = ranks.run(_fill_and_gather, num_pages, scheme, 2, page_major)
     world = len(results)
     one_page_all_layers = 2 * sum(lay.page_bytes for lay in LAYOUTS.values())
     assert sum(r["bytes"] for r in results) == results[0]["replicated"]
@@ -87,7 +88,7 @@ def test_gather_full_is_bit_exact_and_bytes_are_one_cpth(ranks, num_pages, schem
 def _mismatched(rank, world, field):
     import torch.distributed as dist
 
-    num_pages, layouts, scheme, num_layers = 12, dict(LAYOUTS), "interleave", 2
+    num_pages, layouts, scheme, num_layers, page_major = 12, dict(LAYOUTS), "interleave", 2, False
     if rank == world - 1:
         if field == "page_size":
             layouts["index"] = IndexerFp8Layout(page_size=8, head_dim=16)
@@ -97,11 +98,14 @@ def _mismatched(rank, world, field):
             scheme = "block"
         elif field == "num_layers":
             num_layers = 3
-    ShardedKVPool(layouts, PageOwnership(world, num_pages, scheme), num_layers=num_layers, group=dist.group.WORLD)
+        elif field == "page_major":
+            page_major = True
+    own = PageOwnership(world, num_pages, scheme)
+    ShardedKVPool(layouts, own, num_layers=num_layers, group=dist.group.WORLD, page_major=page_major)
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("field", ["page_size", "num_pages", "scheme", "num_layers"])
+@pytest.mark.parametrize("field", ["page_size", "num_pages", "scheme", "num_layers", "page_major"])
 def test_mismatched_config_raises_on_every_rank(ranks, field):
     errors = ranks.run(_mismatched, field, return_exceptions=True)
     assert all(isinstance(e, ConfigMismatchError) for e in errors), errors
@@ -167,13 +171,13 @@ def test_bad_argument_on_one_rank_fails_every_rank_within_seconds(ranks, kind, e
     assert ranks.run(_fill_and_gather, 5, "block", 1)[0]["equal"]  # the group is still usable
 
 
-def _empty_rank_pool(rank, world, num_pages, scheme):
+def _empty_rank_pool(rank, world, num_pages, scheme, page_major=False):
     import torch.distributed as dist
 
     from dtkv import PageAllocator
 
     own = PageOwnership(world, num_pages, scheme)
-    pool = ShardedKVPool(LAYOUTS, own, num_layers=2, group=dist.group.WORLD)
+    pool = ShardedKVPool(LAYOUTS, own, num_layers=2, group=dist.group.WORLD, page_major=page_major)
     mine = own.local_pages(rank)
     for name in LAYOUTS:
         for layer in range(2):
@@ -190,6 +194,7 @@ def _empty_rank_pool(rank, world, num_pages, scheme):
     return {
         "num_local_pages": pool.num_local_pages,
         "shapes": {n: tuple(pool.buffer(n).shape[:2]) for n in LAYOUTS},
+        "storage": {n: tuple(pool.storage(n).shape[:2]) for n in LAYOUTS},
         "bytes": pool.bytes_per_rank(),
         "equal": equal,
         "dt_shape": tuple(pool.dtensor("kv", 1).shape),
@@ -209,14 +214,19 @@ def _empty_rank_pool(rank, world, num_pages, scheme):
     ],
     ids=["cp3-block-4", "cp4-block-5", "cp4-interleave-2", "cp2-block-1"],
 )
-def test_ranks_that_store_no_page_are_a_normal_case(ranks2, ranks3, ranks4, world, num_pages, scheme, empty):
+@pytest.mark.parametrize("page_major", [False, True], ids=["layer_major", "page_major"])
+def test_ranks_that_store_no_page_are_a_normal_case(
+    ranks2, ranks3, ranks4, world, num_pages, scheme, empty, page_major
+):
     group = {2: ranks2, 3: ranks3, 4: ranks4}[world]
     own = PageOwnership(world, num_pages, scheme)
     assert [r for r in range(world) if own.num_local_pages(r) == 0] == empty
-    results = group.run(_empty_rank_pool, num_pages, scheme)
+    results = group.run(_empty_rank_pool, num_pages, scheme, page_major)
     for r, res in enumerate(results):
         assert res["num_local_pages"] == own.num_local_pages(r)
         assert all(shape == (2, own.num_local_pages(r)) for shape in res["shapes"].values())
+        stored = (own.num_local_pages(r), 2) if page_major else (2, own.num_local_pages(r))
+        assert all(shape == stored for shape in res["storage"].values())
         assert res["equal"] and res["dt_shape"] == (num_pages, PAGE, 32)
         assert res["dt_local"] == (own.num_local_pages(r), PAGE, 32)
         assert res["balanced"] == list(range(num_pages))
@@ -255,6 +265,39 @@ def test_single_process_pool_views_and_sizes():
     assert pool.local("kv", 1).data_ptr() == pool.buffer("kv")[1].data_ptr()
     assert pool.bytes_per_rank() == pool.replicated_bytes() == 3 * 5 * sum(lay.page_bytes for lay in LAYOUTS.values())
     assert IndexerFp8Layout().page_bytes == 8448 and MLAFp8Layout().row_bytes == 656
+
+
+@pytest.mark.parametrize("num_layers,num_pages", [(1, 5), (3, 7), (4, 1)])
+def test_page_major_pool_stores_a_pages_layers_next_to_each_other(num_layers, num_pages):
+    lm = ShardedKVPool(LAYOUTS, PageOwnership(1, num_pages), num_layers=num_layers)
+    pm = ShardedKVPool(LAYOUTS, PageOwnership(1, num_pages), num_layers=num_layers, page_major=True)
+    assert not lm.describe()["page_major"] and pm.describe()["page_major"]
+    assert pm.bytes_per_rank() == lm.bytes_per_rank() == pm.replicated_bytes()
+    g = torch.Generator().manual_seed(num_layers)
+    for name, lay in LAYOUTS.items():
+        assert pm.storage(name).shape == (num_pages, num_layers, *lay.page_shape) and pm.storage(name).is_contiguous()
+        assert lm.storage(name).shape == (num_layers, num_pages, *lay.page_shape) and lm.storage(name).is_contiguous()
+        assert pm.buffer(name).shape == lm.buffer(name).shape == (num_layers, num_pages, *lay.page_shape)
+        assert pm.buffer(name).data_ptr() == pm.storage(name).data_ptr()
+        raw = torch.randint(0, 256, lm.buffer(name).view(torch.uint8).shape, generator=g, dtype=torch.uint8)
+        for layer in range(num_layers):  # written through the per-layer views, as the ops write
+            pm.local(name, layer).view(torch.uint8).copy_(raw[layer])
+            lm.local(name, layer).view(torch.uint8).copy_(raw[layer])
+        assert torch.equal(pm.buffer(name).view(torch.uint8), lm.buffer(name).view(torch.uint8))
+        page_bytes, elems = lay.page_bytes, lay.page_bytes // lay.dtype.itemsize
+        flat = pm.storage(name).view(torch.uint8).reshape(-1)
+        for layer in range(num_layers):
+            local = pm.local(name, layer)
+            assert local.stride(0) == num_layers * elems and local[0].is_contiguous()
+            for j in range(num_pages):  # (layer l, page j) at byte (j * num_layers + l) * page_bytes of the storage
+                start = (j * num_layers + layer) * page_bytes
+                assert torch.equal(flat[start : start + page_bytes], raw[layer, j].reshape(-1))
+    assert "page_major=True" in repr(pm) and "page_major" not in repr(lm)
+
+
+def test_page_major_must_be_a_bool():
+    with pytest.raises(TypeError, match=r"page_major must be a bool, got page_major=1"):
+        ShardedKVPool(LAYOUTS, PageOwnership(1, 5), num_layers=2, page_major=1)
 
 
 class TestPoolErrors(TestCase):

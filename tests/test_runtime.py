@@ -108,6 +108,44 @@ def test_ranks_that_disagree_on_the_configuration_fail_together(ranks2):
         assert msg is not None and "field 'batch_invariant' differs (rank 0: False, rank 1: True)" in msg, msg
 
 
+def _two_ranks_disagree_on_the_layout(rank, world):
+    import torch.distributed as dist
+
+    from dtkv import ConfigMismatchError
+
+    try:  # replicated: the pool agrees on nothing across ranks, the runtime's configuration does
+        Runtime(ReferenceAdapter(CFG), num_pages=16, group=dist.group.WORLD, mode="replicated", page_major=rank == 1)
+    except ConfigMismatchError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.multirank
+def test_ranks_that_disagree_on_the_pool_layout_fail_together(ranks2):
+    for msg in ranks2.run(_two_ranks_disagree_on_the_layout):
+        assert msg is not None and "field 'page_major' differs (rank 0: False, rank 1: True)" in msg, msg
+
+
+@pytest.mark.parametrize("decode_mode", ["full", "sharded"])
+def test_a_page_major_pool_gives_the_layer_major_results_bitwise(decode_mode):
+    """The ops write and read a page-major pool through per-layer views with a page stride of ``num_layers`` pages:
+    logits, tokens and stored KV equal the layer-major pool's."""
+    cfg = ModelConfig(page_size=4, num_layers=3)
+    out = {}
+    for page_major in (False, True):
+        rt = Runtime(ReferenceAdapter(cfg), num_pages=24, decode_mode=decode_mode, page_major=page_major)
+        assert rt.pool.page_major is page_major
+        assert rt.pool.storage("kv").shape[:2] == ((24, 3) if page_major else (3, 24))
+        reqs = [rt.add_request(list(range(3, 14))), rt.add_request(list(range(7)))]
+        _, logits = rt.prefill(4, return_logits=True)
+        tokens = rt.decode(3)
+        out[page_major] = (logits, tokens, [rt.kv_bytes(r.rid) for r in reqs])
+        rt.close()
+    (la, ta, ka), (lb, tb, kb) = out[False], out[True]
+    assert ta == tb and all(torch.equal(x, y) for x, y in zip(la, lb))
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(ka, kb) for k in a)
+
+
 def test_prefill_and_decode_report_their_progress():
     rt = Runtime(ReferenceAdapter(CFG), num_pages=32)
     rt.add_request(list(range(10)))

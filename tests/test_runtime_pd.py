@@ -48,7 +48,8 @@ def _runtime(args, group, *, decode: bool):
     from tests._runtime import runtime
 
     world = 1 if group is None else group.size()
-    kw = {"kv_dtype": args["kv_dtype"], "page_size": 4, "num_pages": 24 * max(world, 1)}
+    page_major = args.get("page_major", (False, False))[1 if decode else 0]
+    kw = {"kv_dtype": args["kv_dtype"], "page_size": 4, "num_pages": 24 * max(world, 1), "page_major": page_major}
     if decode:
         kw.update(decode_mode="sharded", scheme=args.get("decode_scheme", "interleave"))
     else:
@@ -154,6 +155,7 @@ def _decode_rank(rank, world, args):
         "still_held": len(rt.transfer_held),
         "free_lost": free_before - rt.allocator.num_free(),
         "pages_in_use": sum(len(r.pages) for r in rt.requests),
+        "page_major": rt.pool.page_major,
         "bytes_per_rank": rt.pool.bytes_per_rank(),
         "replicated_bytes": rt.pool.replicated_bytes(),
     }
@@ -233,6 +235,20 @@ LONG = [pytest.mark.slow, pytest.mark.skipif(os.environ.get("DTKV_TEST_LONG", "0
 def test_n_to_m_handoff_writes_each_page_once_on_its_decode_owner(groups, n, m, transfer_engine):
     prefill, decode = _handoff(groups, n, m, engine=transfer_engine, decode_scheme="block" if m == 3 else "interleave")
     _check_ok(prefill, decode, m)
+
+
+@pytest.mark.parametrize(
+    ("n", "m", "page_major"),
+    [(2, 3, (True, True)), (3, 2, (False, True)), (1, 2, (True, False))],
+    ids=["page-major-both-prefill2-decode3", "layer-major-into-page-major-prefill3-decode2",
+         "page-major-into-layer-major-prefill1-decode2"],
+)  # fmt: skip
+def test_page_major_pools_on_either_side(groups, n, m, page_major, transfer_engine):
+    """Page-major pools (``Runtime(page_major=True)``) on both sides or one: the decode owners hold the prefill's
+    bytes and decode on them."""
+    prefill, decode = _handoff(groups, n, m, engine=transfer_engine, page_major=page_major)
+    _check_ok(prefill, decode, m)
+    assert all(d["page_major"] is page_major[1] for d in decode)
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dtkv.transfer.coalesce import coalesce_entries, expand_layers, page_runs, split_batches
+from dtkv.transfer.coalesce import coalesce_entries, expand_layers, expand_runs, page_runs, split_batches
 from dtkv.transfer.plan import layer_bounds
 
 
@@ -81,6 +81,54 @@ def test_expand_layers_of_no_runs_is_empty():
     src, dst, length = expand_layers((_i64([]), _i64([]), _i64([])), num_layers=4, page_bytes=8, src_rows=3,
                                      dst_rows=3)  # fmt: skip
     assert src.shape == dst.shape == length.shape == (0,)
+
+
+def _side_bytes(logical: np.ndarray, page_major: bool) -> np.ndarray:
+    """The flat bytes of a side holding ``logical`` ``[num_layers, rows, page_bytes]`` in the given layout."""
+    return np.ascontiguousarray(logical.transpose(1, 0, 2) if page_major else logical).ravel()
+
+
+@pytest.mark.parametrize("page_major", [(False, False), (True, True), (True, False), (False, True)],
+                         ids=["lm-lm", "pm-pm", "pm-lm", "lm-pm"])  # fmt: skip
+@pytest.mark.parametrize("num_layers", [1, 2, 5])
+@pytest.mark.parametrize("seed", range(4))
+def test_expand_runs_moves_the_bytes_of_a_per_page_copy(seed, num_layers, page_major):
+    """Copying the ranges byte for byte gives what copying every (layer, page) pair on its own gives."""
+    rng = np.random.default_rng(seed)
+    page_bytes, src_rows, dst_rows = 6, 13, 7  # prime page counts
+    k = int(rng.integers(0, dst_rows + 1))
+    src_idx, dst_idx = rng.permutation(src_rows)[:k], rng.permutation(dst_rows)[:k]
+    src_idx[: k // 2], dst_idx[: k // 2] = np.sort(src_idx[: k // 2]), np.sort(dst_idx[: k // 2])  # some runs
+    runs = page_runs(_i64(src_idx), _i64(dst_idx))
+    src_logical = rng.integers(0, 256, (num_layers, src_rows, page_bytes), dtype=np.uint8)
+    dst_logical = rng.integers(0, 256, (num_layers, dst_rows, page_bytes), dtype=np.uint8)
+    want = dst_logical.copy()
+    for s, d in zip(src_idx.tolist(), dst_idx.tolist()):  # the reference: one page of one layer at a time
+        for layer in range(num_layers):
+            want[layer, d] = src_logical[layer, s]
+    src_flat, dst_flat = _side_bytes(src_logical, page_major[0]), _side_bytes(dst_logical, page_major[1])
+    so, do, ln, layer = expand_runs(
+        runs, num_layers=num_layers, page_bytes=page_bytes, src_rows=src_rows, dst_rows=dst_rows,
+        src_page_major=page_major[0], dst_page_major=page_major[1],
+    )  # fmt: skip
+    assert so.dtype == do.dtype == ln.dtype == layer.dtype == np.int64
+    assert so.shape == do.shape == ln.shape == layer.shape and int(ln.sum()) == k * num_layers * page_bytes
+    written = np.zeros(dst_flat.shape[0], dtype=np.int64)
+    for a, b, n in zip(so.tolist(), do.tolist(), ln.tolist()):
+        dst_flat[b : b + n] = src_flat[a : a + n]
+        written[b : b + n] += 1
+    assert written.max(initial=0) <= 1, "a destination byte is written twice"
+    assert np.array_equal(dst_flat, _side_bytes(want, page_major[1]))
+    num_runs = int(runs[0].shape[0])
+    want_entries = {(False, False): num_runs * num_layers, (True, True): num_runs}.get(page_major, k * num_layers)
+    assert so.shape[0] == want_entries
+    if page_major == (True, True):
+        assert not layer.any()  # every range covers every layer
+    else:  # each range lies in the layer it names
+        for a, n, lay in zip(so.tolist(), ln.tolist(), layer.tolist()):
+            first, last = (a // page_bytes, (a + n - 1) // page_bytes)
+            to_layer = (lambda i: i % num_layers) if page_major[0] else (lambda i: i // src_rows)
+            assert to_layer(first) == to_layer(last) == lay
 
 
 @pytest.mark.parametrize("seed", range(8))

@@ -33,21 +33,21 @@ def _layouts(latent: bool = False):
     return {"kv": mla, "index": IndexerFp8Layout(page_size=PAGE_SIZE, head_dim=16)}
 
 
-def _global_bytes(layouts, num_pages, seed):
+def _global_bytes(layouts, num_pages, seed, num_layers=NUM_LAYERS):
     g = torch.Generator().manual_seed(seed)
     return {
-        n: torch.randint(0, 256, (NUM_LAYERS, num_pages, lay.page_bytes), generator=g, dtype=torch.uint8)
+        n: torch.randint(0, 256, (num_layers, num_pages, lay.page_bytes), generator=g, dtype=torch.uint8)
         for n, lay in layouts.items()
     }
 
 
-def _shards(layouts, ownership, full, **kw):
+def _shards(layouts, ownership, full, num_layers=NUM_LAYERS, **kw):
     shards = []
     for r in range(ownership.cp_size):
-        s = KVShard.allocate(layouts, ownership, r, num_layers=NUM_LAYERS, **kw)
+        s = KVShard.allocate(layouts, ownership, r, num_layers=num_layers, **kw)
         idx = ownership.local_pages(r)
         for n, buf in s.buffers.items():
-            buf.view(torch.uint8).view(NUM_LAYERS, idx.numel(), -1).copy_(full[n][:, idx])
+            buf.view(torch.uint8).view(num_layers, idx.numel(), -1).copy_(full[n][:, idx])
         shards.append(s)
     return shards
 
@@ -58,9 +58,9 @@ def _reassemble(shards, ownership):
         idx = ownership.local_pages(s.rank)
         for n, buf in s.buffers.items():
             t = out.setdefault(
-                n, torch.empty(NUM_LAYERS, ownership.num_pages, s.layouts[n].page_bytes, dtype=torch.uint8)
+                n, torch.empty(s.num_layers, ownership.num_pages, s.layouts[n].page_bytes, dtype=torch.uint8)
             )
-            t[:, idx] = buf.view(torch.uint8).view(NUM_LAYERS, idx.numel(), -1)
+            t[:, idx] = buf.view(torch.uint8).view(s.num_layers, idx.numel(), -1)
     return out
 
 
@@ -107,15 +107,29 @@ def _request(num_tokens, seed):
 
 
 def run_oracle(
-    cp_p, layout_p, decode, num_tokens, staging, *, latent=False, seed=0, staging_bytes=1 << 20, layouts=None, chunks=1
+    cp_p,
+    layout_p,
+    decode,
+    num_tokens,
+    staging,
+    *,
+    latent=False,
+    seed=0,
+    staging_bytes=1 << 20,
+    layouts=None,
+    chunks=1,
+    page_major=(False, False),
+    num_layers=NUM_LAYERS,
 ):
+    """``page_major``: (prefill, decode) pool layouts."""
     layouts = layouts or _layouts(latent)
     own_p = PageOwnership(cp_p, P_PREFILL, layout_p)
     own_d = PageOwnership(decode[0], P_DECODE, decode[1])
-    pre_full = _global_bytes(layouts, P_PREFILL, seed)
-    dec_full = _global_bytes(layouts, P_DECODE, seed + 1)  # garbage that untouched pages must keep
-    pre = _shards(layouts, own_p, pre_full, staging_bytes=staging_bytes)
-    dec = _shards(layouts, own_d, dec_full, staging_bytes=staging_bytes)
+    pre_full = _global_bytes(layouts, P_PREFILL, seed, num_layers)
+    dec_full = _global_bytes(layouts, P_DECODE, seed + 1, num_layers)  # garbage that untouched pages must keep
+    pre = _shards(layouts, own_p, pre_full, num_layers, staging_bytes=staging_bytes, page_major=page_major[0])
+    dec = _shards(layouts, own_d, dec_full, num_layers, staging_bytes=staging_bytes, page_major=page_major[1])
+    assert [s.page_major for s in pre + dec] == [page_major[0]] * len(pre) + [page_major[1]] * len(dec)
     src, dst = _request(num_tokens, seed)
     plan = plan_request(
         src,
@@ -186,19 +200,101 @@ class TestOracle:
         assert plan.staged_bytes < plan.num_bytes
 
 
+SIDES = [(True, True), (True, False), (False, True)]
+SIDE_IDS = ["pm-pm", "pm-lm", "lm-pm"]
+
+
+class TestPageMajorOracle:
+    """Page-major pools on either side or both: decode's bytes equal the reference, whatever the plan's shape."""
+
+    @pytest.mark.parametrize("staging", ["auto", "off", "full"])
+    @pytest.mark.parametrize("decode", DECODES, ids=[f"d{c}{lay[0]}" for c, lay in DECODES])
+    @pytest.mark.parametrize("cp_p", [1, 3])
+    @pytest.mark.parametrize("sides", SIDES, ids=SIDE_IDS)
+    def test_cross_product_vs_reference(self, sides, cp_p, decode, staging):
+        run_oracle(cp_p, "block", decode, 23 * PAGE_SIZE - 1, staging, seed=cp_p, page_major=sides)
+
+    @pytest.mark.parametrize("chunks", [1, 2, 3])
+    @pytest.mark.parametrize("staging", ["auto", "full", "off"])
+    @pytest.mark.parametrize("sides", SIDES, ids=SIDE_IDS)
+    def test_layer_groups_vs_reference(self, sides, staging, chunks):
+        plan = run_oracle(2, "interleave", (3, "block"), 19 * PAGE_SIZE - 2, staging, chunks=chunks, page_major=sides)
+        for sp in plan.senders:
+            for peer in sp.peers:
+                assert peer.group_indptr[-1] == peer.num_entries
+
+    @pytest.mark.parametrize("num_layers", [1, 2, 5])
+    @pytest.mark.parametrize("num_tokens", [0, 1, PAGE_SIZE + 1, P_DECODE * PAGE_SIZE])
+    @pytest.mark.parametrize("sides", SIDES, ids=SIDE_IDS)
+    def test_awkward_sizes(self, sides, num_tokens, num_layers):
+        """One layer (both layouts the same bytes), an empty request, the whole decode pool; decode cp 4 of 29
+        pages in blocks of 8: its last rank holds 5 pages, prefill cp 5 of 37 interleaved."""
+        run_oracle(5, "interleave", (4, "block"), num_tokens, "auto", page_major=sides, num_layers=num_layers)
+
+    @pytest.mark.parametrize("staging", ["full", "off"])
+    def test_odd_page_bytes(self, staging):
+        odd = {
+            "kv": MLAFp8Layout(page_size=1, kv_lora_rank=4, rope_dim=1, quant_block=4),
+            "index": IndexerFp8Layout(page_size=1, head_dim=1),
+        }
+        for sides in SIDES:
+            run_oracle(4, "interleave", (3, "block"), 21, staging, layouts=odd, page_major=sides)
+
+    def test_latent_bf16_layout(self):
+        for sides in SIDES:
+            run_oracle(2, "interleave", (1, "interleave"), 41, "full", latent=True, page_major=sides)
+
+
 class TestEntryCounts:
     """Coalescing reaches the minimum when placement allows it, and staging does when it does not."""
 
-    def _endpoints(self, cp_p, cp_d, *, staging_bytes=0, layout_d="interleave", num_pages=64):
+    def _endpoints(self, cp_p, cp_d, *, staging_bytes=0, layout_d="interleave", num_pages=64, page_major=(0, 0)):
         layouts = _layouts()
         own_p, own_d = PageOwnership(cp_p, num_pages), PageOwnership(cp_d, num_pages, layout_d)
-        pre = [
-            KVShard.allocate(layouts, own_p, r, num_layers=NUM_LAYERS, staging_bytes=staging_bytes) for r in range(cp_p)
-        ]
-        dec = [
-            KVShard.allocate(layouts, own_d, r, num_layers=NUM_LAYERS, staging_bytes=staging_bytes) for r in range(cp_d)
-        ]
+        pm_p, pm_d = bool(page_major[0]), bool(page_major[1])
+        kw = {"num_layers": NUM_LAYERS, "staging_bytes": staging_bytes}
+        pre = [KVShard.allocate(layouts, own_p, r, page_major=pm_p, **kw) for r in range(cp_p)]
+        dec = [KVShard.allocate(layouts, own_d, r, page_major=pm_d, **kw) for r in range(cp_d)]
         return [s.endpoint("prefill", "p") for s in pre], [s.endpoint("decode", "d") for s in dec]
+
+    def test_page_major_sides_one_entry_per_run_and_buffer(self):
+        """Both page-major: a run of pages contiguous on both sides is one entry for every layer."""
+        pages = np.arange(8, 40)  # rank r sends its 16 pages to decode rank r, contiguous on both sides
+        page_bytes = [lay.page_bytes for lay in _layouts().values()]
+        pre, dec = self._endpoints(2, 2, page_major=(1, 1))
+        for groups in (1, 3):  # nothing to stage: one entry per run whatever the layer groups
+            opts = PlanOptions(staging="off", layer_groups=groups)
+            plan = plan_request(pages, pages + 16, prefill=pre, decode=dec, options=opts)
+            assert plan.num_entries == 2 * 2 and plan.min_entries == 2  # ranks x buffers
+            lengths = sorted(int(n) for sp in plan.senders for p in sp.peers for n in p.length)
+            assert lengths == sorted([16 * NUM_LAYERS * b for b in page_bytes] * 2)
+        pre, dec = self._endpoints(1, 1, page_major=(1, 1))
+        src, dst = [0, 1, 2, 5, 6, 9], [10, 11, 12, 3, 4, 20]  # runs 0-2 -> 10-12, 5-6 -> 3-4, 9 -> 20
+        plan = plan_request(src, dst, prefill=pre, decode=dec, options=PlanOptions(staging="off"))
+        assert plan.num_entries == 3 * 2
+        pre, dec = self._endpoints(1, 1)
+        plan = plan_request(src, dst, prefill=pre, decode=dec, options=PlanOptions(staging="off"))
+        assert plan.num_entries == 3 * NUM_LAYERS * 2  # layer-major: one per run, layer and buffer
+
+    @pytest.mark.parametrize("page_major", [(1, 0), (0, 1)], ids=["pm-lm", "lm-pm"])
+    def test_mixed_sides_one_entry_per_page_and_layer_unless_staged(self, page_major):
+        pages = np.arange(8, 40)
+        pre, dec = self._endpoints(2, 2, page_major=page_major)
+        plan = plan_request(pages, pages + 16, prefill=pre, decode=dec, options=PlanOptions(staging="off"))
+        assert plan.num_entries == 32 * NUM_LAYERS * 2  # pages x layers x buffers
+        pre, dec = self._endpoints(2, 2, page_major=page_major, staging_bytes=1 << 20)
+        full = PlanOptions(staging="full", layer_groups=1)
+        plan = plan_request(pages, pages + 16, prefill=pre, decode=dec, options=full)
+        assert plan.num_entries == plan.min_entries == 2  # both sides staged: layer-major regions, one entry a pair
+
+    def test_mixed_sides_of_one_layer_are_runs(self):
+        """With one layer the two layouts are the same bytes: the merged entries are the runs."""
+        layouts = _layouts()
+        own = PageOwnership(1, 16)
+        pre = [KVShard.allocate(layouts, own, 0, num_layers=1, page_major=True).endpoint("prefill", "p")]
+        dec = [KVShard.allocate(layouts, own, 0, num_layers=1).endpoint("decode", "d")]
+        plan = plan_request([0, 1, 2, 5, 6], [3, 4, 5, 9, 10], prefill=pre, decode=dec, options=PlanOptions())
+        assert plan.num_entries == 2 * 2
 
     def test_same_placement_contiguous_pages_one_entry_per_layer_and_buffer(self):
         pre, dec = self._endpoints(2, 2)
@@ -315,6 +411,33 @@ class TestRejects:
         ):
             plan_request([0], [0], prefill=pre, decode=dec)
 
+    def test_rejects_page_bytes_and_local_page_counts_that_do_not_match(self):
+        import dataclasses
+
+        pre, dec = self._eps()
+        kv = dec[0].buffer("kv")
+        bad = [dataclasses.replace(dec[0], buffers=(dec[0].buffer("index"), dataclasses.replace(kv, page_bytes=8)))]
+        with pytest.raises(ValueError, match=r"page_bytes of buffer 'kv' must match on every rank, got \d+ \(prefill 0\) "
+                           r"and 8 \(decode 0\)"):  # fmt: skip
+            plan_request([0], [0], prefill=pre, decode=bad)
+        short = dataclasses.replace(kv, num_local_pages=7)
+        bad = [dataclasses.replace(dec[0], buffers=(dec[0].buffer("index"), short))]
+        with pytest.raises(ValueError, match=r"num_local_pages of buffer 'kv' must be the 8 pages its ownership gives "
+                           r"decode rank 0, got num_local_pages=7"):  # fmt: skip
+            plan_request([0], [0], prefill=pre, decode=bad)
+
+    def test_accepts_layouts_that_differ_between_ranks_and_sides(self):
+        """Every rank publishes its own layout; the planner pairs any two (the oracle checks the bytes)."""
+        layouts = _layouts()
+        own = PageOwnership(2, 8, "block")  # rank 1 holds pages 4-7: one run into decode's pages 4-7
+        pre = [
+            KVShard.allocate(layouts, own, r, num_layers=2, page_major=r == 1).endpoint("prefill", "p") for r in (0, 1)
+        ]
+        dec = [KVShard.allocate(layouts, PageOwnership(1, 8), 0, num_layers=2, page_major=True).endpoint("decode", "d")]
+        plan = plan_request(np.arange(8), np.arange(8), prefill=pre, decode=dec, options=PlanOptions(staging="off"))
+        per_rank = [sp.num_entries for sp in plan.senders]
+        assert per_rank == [4 * 2 * 2, 2]  # layer-major rank 0: pages x layers x buffers; page-major rank 1: buffers
+
     def test_rejects_meta_without_rows(self):
         pre, dec = self._eps()
         with pytest.raises(
@@ -327,6 +450,32 @@ class TestRejects:
     def test_rejects_bad_options(self):
         with pytest.raises(ValueError, match=r"staging must be one of \('auto', 'off', 'full'\), got staging='yes'"):
             PlanOptions(staging="yes")
+
+
+class TestShardLayout:
+    def test_page_major_shard_registers_contiguous_storage(self):
+        layouts = _layouts()
+        s = KVShard.allocate(layouts, PageOwnership(1, 5), 0, num_layers=3, page_major=True, staging_bytes=64)
+        assert s.page_major and "page_major=True" in repr(s)
+        for name, lay in layouts.items():
+            assert s.buffers[name].shape == (3, 5, *lay.page_shape) and not s.buffers[name].is_contiguous()
+            assert s.storage(name).shape == (5, 3, *lay.page_shape) and s.storage(name).is_contiguous()
+        assert all(t.is_contiguous() for t in s.registered_tensors())
+        assert {t.data_ptr() for t in s.registered_tensors()} >= {b.data_ptr() for b in s.buffers.values()}
+        assert all(b.page_major for b in s.endpoint("prefill", "p").buffers)
+
+    def test_rejects_a_buffer_of_the_other_layout(self):
+        layouts = _layouts()
+        own = PageOwnership(1, 5)
+        lm = {n: torch.zeros((3, 5, *lay.page_shape), dtype=lay.dtype) for n, lay in layouts.items()}
+        with pytest.raises(ValueError, match=r"buffers\['kv'\] must be the \[num_layers, num_local_pages, \.\.\.\] view "
+                           r"of a contiguous \[num_local_pages, num_layers, \.\.\.\] tensor"):  # fmt: skip
+            KVShard(lm, layouts, own, 0, page_major=True)
+        pm = {n: b.transpose(0, 1).contiguous().transpose(0, 1) for n, b in lm.items()}
+        with pytest.raises(ValueError, match=r"buffers\['kv'\] must be contiguous"):
+            KVShard(pm, layouts, own, 0)
+        with pytest.raises(TypeError, match=r"page_major must be a bool, got page_major='yes'"):
+            KVShard(lm, layouts, own, 0, page_major="yes")
 
 
 class TestCoalesce:

@@ -49,10 +49,13 @@ def _refusing(pools):
     return LocalEngine(call_timeout_s=2.0, accepts=lambda t: t.data_ptr() not in ptrs)
 
 
-def _sides(cp_p, cp_d, *, stage_p, stage_d, round_pages, timeout_s=10.0, seed=1, p_pages=40, d_pages=45):
+def _sides(
+    cp_p, cp_d, *, stage_p, stage_d, round_pages, timeout_s=10.0, seed=1, p_pages=40, d_pages=45, page_major=(0, 0)
+):
     boot = Bootstrap(dist.HashStore(), namespace=f"handoff-{time.monotonic_ns()}")
-    pre = shards(PageOwnership(cp_p, p_pages), seed=seed, meta_num_rows=1, meta_row_bytes=META_BYTES)
-    dec = shards(PageOwnership(cp_d, d_pages, "block"), seed=seed + 100, meta_num_rows=1, meta_row_bytes=META_BYTES)
+    meta = {"meta_num_rows": 1, "meta_row_bytes": META_BYTES}
+    pre = shards(PageOwnership(cp_p, p_pages), seed=seed, page_major=bool(page_major[0]), **meta)
+    dec = shards(PageOwnership(cp_d, d_pages, "block"), seed=seed + 100, page_major=bool(page_major[1]), **meta)
     eng_p = _refusing(pre) if stage_p else LocalEngine(call_timeout_s=2.0)
     eng_d = _refusing(dec) if stage_d else LocalEngine(call_timeout_s=2.0)
     sender = HandoffSender(pre, boot, engine=eng_p, timeout_s=timeout_s, round_pages=round_pages)
@@ -106,11 +109,23 @@ def _meta_row(receiver) -> bytes:
     return bytes(next(iter(receiver.shards.values())).meta[0].tolist())
 
 
+PAGE_MAJOR = [(0, 0), (1, 1), (1, 0), (0, 1)]
+PAGE_MAJOR_IDS = ["lm-lm", "pm-pm", "pm-lm", "lm-pm"]
+
+
+@pytest.mark.parametrize(
+    "page_major, round_pages",
+    [(pm, rp) for pm in PAGE_MAJOR for rp in ((1, 3, 64) if pm == (0, 0) else (3,))],
+    ids=[f"{i}-r{rp}" for pm, i in zip(PAGE_MAJOR, PAGE_MAJOR_IDS) for rp in ((1, 3, 64) if pm == (0, 0) else (3,))],
+)
 @pytest.mark.parametrize("stage_p, stage_d", [(True, True), (True, False), (False, True), (False, False)])
 @pytest.mark.parametrize("cp_p, cp_d", [(1, 1), (2, 3), (3, 2)])
-@pytest.mark.parametrize("round_pages", [1, 3, 64])
-def test_every_page_arrives_bitwise_through_the_window(stage_p, stage_d, cp_p, cp_d, round_pages):
-    pre, dec, sender, receiver = _sides(cp_p, cp_d, stage_p=stage_p, stage_d=stage_d, round_pages=round_pages)
+def test_every_page_arrives_bitwise_through_the_window(stage_p, stage_d, cp_p, cp_d, round_pages, page_major):
+    """Pools of either layout on either side (page-major: ``[num_local_pages, num_layers, ...]``), staged or not."""
+    pre, dec, sender, receiver = _sides(
+        cp_p, cp_d, stage_p=stage_p, stage_d=stage_d, round_pages=round_pages, page_major=page_major
+    )
+    assert [s.page_major for s in pre + dec] == [bool(page_major[0])] * cp_p + [bool(page_major[1])] * cp_d
     try:
         pre_snap, dec_snap = _snapshot(pre), _snapshot(dec)
         rng = np.random.default_rng(cp_p * 10 + cp_d)

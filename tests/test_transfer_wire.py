@@ -119,9 +119,12 @@ class TestRoundTrip:
         kind, fields = unpack(raw, key=KEY, kinds=record.KIND, secret=secret)
         assert kind == record.KIND and _same(type(record).from_fields(fields), record)
 
-    def test_endpoint_round_trips(self):
-        shard = shards(PageOwnership(3, 17, "block"), staging_bytes=4096, meta_num_rows=2, meta_row_bytes=16)[2]
+    @pytest.mark.parametrize("page_major", [False, True], ids=["layer_major", "page_major"])
+    def test_endpoint_round_trips(self, page_major):
+        own = PageOwnership(3, 17, "block")
+        shard = shards(own, staging_bytes=4096, meta_num_rows=2, meta_row_bytes=16, page_major=page_major)[2]
         ep = shard.endpoint("decode", "127.0.0.1:15000", incarnation=99)
+        assert all(b.page_major is page_major for b in ep.buffers)
         raw = pack(Kind.ENDPOINT, endpoint_fields(ep), key="decode/2", secret=b"k")
         _, fields = unpack(raw, key="decode/2", kinds=Kind.ENDPOINT, secret=b"k")
         assert endpoint_from_fields(fields) == ep
@@ -137,7 +140,7 @@ class TestRejects:
         [
             (lambda b: b[:5], r"value must hold at least a 12-byte header, got 5 bytes"),
             (lambda b: b"PKL!" + b[4:], r"value must start with b'DTKV', got b'PKL!' \(not a dtkv value\)"),
-            (lambda b: b[:4] + bytes([1]) + b[5:], r"value must be of wire version 2, got version 1"),
+            (lambda b: b[:4] + bytes([1]) + b[5:], r"value must be of wire version 3, got version 1"),
             (lambda b: b[:5] + bytes([77]) + b[6:], r"value must be of kind \['REQUEST'\], got kind unknown \(77\)"),
             (
                 lambda b: b[:5] + bytes([int(Kind.START)]) + b[6:],
@@ -256,6 +259,9 @@ class TestRejects:
             (6, "zigzag", r"ownership scheme must be 'interleave' or 'block'"),
             (1, 5, r"rank must be in \[0, 1\], got rank=5"),
             (9, [1], r"buffers must be 1..64 with one value of each field per buffer"),
+            (19, [0], r"buffers must be 1..64 with one value of each field per buffer"),
+            (19, [1, 2], r"page_major must hold values in \[0, 1\], got \[1, 2\]"),
+            (19, [-1, 0], r"page_major must hold values in \[0, 1\], got \[-1, 0\]"),
         ]:
             _, fields = unpack(
                 pack(Kind.ENDPOINT, endpoint_fields(ep), key="k", secret=None),
@@ -263,7 +269,7 @@ class TestRejects:
                 kinds=Kind.ENDPOINT,
                 secret=None,
             )
-            fields[i] = value if i != 9 else np.asarray(value)
+            fields[i] = value if i not in (9, 19) else np.asarray(value)
             with pytest.raises(WireError, match=match):
                 endpoint_from_fields(fields)
 

@@ -113,6 +113,16 @@ def parser(description: str = "", prog: str = "python -m dtkv.demo") -> argparse
         "--device is cuda and there are --decode-cp GPUs, else cpu (default: auto)",
     )
     a(
+        "--page-major",
+        nargs="?",
+        const="both",
+        choices=("both", "prefill", "decode"),
+        default=None,
+        help="store the KV pools page-major (a page's layers next to each other: a PD hand-off moves a run of pages "
+        "in one entry for every layer): alone or 'both', every pool; 'prefill' or 'decode' (with --pd), that "
+        "group's pools only (default: layer-major)",
+    )
+    a(
         "--multi-turn",
         action="store_true",
         help="a conversation and requests sharing its system prompt, with and without the prefix cache",
@@ -215,6 +225,8 @@ def parse(argv: list[str] | None, description: str = "", prog: str = "python -m 
             args,
             f"--decode-device is where --pd's decode group runs: add --pd, got --decode-device {args['decode_device']}",
         )
+    if args["page_major"] == "decode" and not args["pd"]:
+        return args, "--page-major decode is the layout of --pd's decode group: add --pd, got --page-major decode"
     if args["decode_cp"] != 1 and not args["pd"]:
         return args, f"--decode-cp is the size of --pd's decode group: add --pd, got --decode-cp {args['decode_cp']}"
     reference = args["model"] == "reference"

@@ -119,6 +119,7 @@ def _decode_rank(rank: int, world: int, args: dict, prompts: list[list[int]], po
     rt = Runtime(
         model.adapter(), num_pages=pages, group=group,
         mode="sharded" if world > 1 else "single", decode_mode=args["decode"], attention=args["attention"],
+        page_major=args.get("page_major") in ("both", "decode"),
     )  # fmt: skip
     try:
         store = create_store(port=port, is_master=False, timeout_s=args.get("timeout", 300.0))
@@ -143,7 +144,7 @@ def _decode_rank(rank: int, world: int, args: dict, prompts: list[list[int]], po
         return {
             "rank": rank, "outputs": outputs, "kv_digest": digest, "entries": sum(r.num_entries for r in reports),
             "bytes_per_rank": rt.pool.bytes_per_rank(), "replicated_bytes": rt.pool.replicated_bytes(),
-            "mode": rt.mode, "decode_comm_bytes": rt.stats["decode_comm_bytes"],
+            "mode": rt.mode, "decode_comm_bytes": rt.stats["decode_comm_bytes"], "page_major": rt.pool.page_major,
         }  # fmt: skip
     finally:
         rt.close()

@@ -94,6 +94,7 @@ def summary(args: dict, results: list[dict], wall: float, pd: dict | None) -> di
     if pd is not None:
         out.update(pd)
         out["decode_cp"] = args["decode_cp"]
+        out["page_major"] = args.get("page_major") or "none"
     return out
 
 

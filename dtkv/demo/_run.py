@@ -56,6 +56,7 @@ def _serve(
     rt = Runtime(
         model.adapter(), num_pages=pages, group=group,
         mode=mode, split=args["split"], decode_mode=decode_mode, attention=args["attention"],
+        page_major=args.get("page_major") in ("both", "prefill"),
     )  # fmt: skip
     try:
         for p in ps:
@@ -248,6 +249,7 @@ def _multi_turn(rank: int, world: int, args: dict, group, model: DemoModel) -> d
             model.adapter(), num_pages=cached_pages if cache else room, group=group, mode=run_mode,
             split=args["split"], decode_mode=args["decode"] if run_mode != "replicated" else "full",
             prefix_cache=cache, batch_invariant=not model.reference, attention=args["attention"],
+            page_major=args.get("page_major") in ("both", "prefill"),
         )  # fmt: skip
         if run_mode is None:
             mode = rt.mode

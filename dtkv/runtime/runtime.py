@@ -82,6 +82,8 @@ class Runtime:
             (CUDA only), ``False``, ``"emulate"`` (the graph path's buckets and static buffers run eagerly, on any
             device), ``None`` (default: ``True`` on CUDA unless ``batch_invariant``, else ``False``). The resolved
             mode is :attr:`graph_mode`; :attr:`graphs` has the buckets and says why a step ran eager.
+        page_major: store the pool page-major (:class:`dtkv.ShardedKVPool` ``page_major``): a page's layers next
+            to each other, so that a PD hand-off moves a run of pages in one entry for every layer.
 
     Attributes:
         requests: the :class:`Request` objects, in the order they were added (``requests[rid]``).
@@ -116,6 +118,7 @@ class Runtime:
         attention: AttentionName | AttentionBackend = "auto",
         batch_invariant: bool = False,
         cuda_graphs: CudaGraphs = None,
+        page_major: bool = False,
     ) -> None:
         for name in ("spec", "device", "forward", "logits"):
             if not hasattr(adapter, name):
@@ -158,7 +161,7 @@ class Runtime:
         self.alloc_ownership = PageOwnership(self.cp, num_pages, scheme)
         self.pool = ShardedKVPool(
             self.model_spec.layouts, self.ownership, num_layers=self.model_spec.num_layers,
-            group=self.group if sharded else None, device=self.device,
+            group=self.group if sharded else None, device=self.device, page_major=page_major,
         )  # fmt: skip
         self.allocator = PageAllocator(self.alloc_ownership if sharded else self.ownership)
         self.prefix_cache = PrefixCache(self.allocator, self.page_size) if prefix_cache else None
@@ -177,6 +180,7 @@ class Runtime:
                 "mode": mode, "split": split, "scheme": scheme, "decode_mode": decode_mode, "num_pages": num_pages,
                 "prefix_cache": bool(prefix_cache), "batch_invariant": self.batch_invariant,
                 "attention": self.attention.name, "model": adapter.describe(), "cuda_graphs": self.graph_mode,
+                "page_major": self.pool.page_major,
             }  # fmt: skip
             agree(None, cpu_channel(self.group), what="Runtime", value=config)
         self._schedules: dict = {}  # the attention backend's decode schedules of full-view decode steps, by shape

@@ -6,7 +6,9 @@ Entry points:
   ``(src, dst, length)`` entries for its owned pages only, to a non-CP decode or a decode with its own
   :class:`dtkv.PageOwnership` of any cp size and ownership scheme, with optional staging and layer groups
   (:class:`PlanOptions`).
-- :class:`KVShard` -- one rank's registered buffers (``KVShard.from_pool(pool)``), staging and metadata rows.
+- :class:`KVShard` -- one rank's registered buffers (``KVShard.from_pool(pool)``), staging and metadata rows;
+  layer-major or page-major (``ShardedKVPool(page_major=True)``: a run of pages is one entry for every layer), either
+  layout on either side.
 - :class:`PrefillSender` / :class:`DecodeReceiver` -- ``send_request`` / ``receive_request`` over a
   :class:`Bootstrap` store, on a :class:`MooncakeEngine` (TCP, P2PHANDSHAKE; sglang's transport), a
   :class:`NixlEngine` (UCX; vLLM's) or the in-process :class:`LocalEngine` (``engine="mooncake" | "nixl" |
@@ -34,7 +36,7 @@ from dtkv.transfer._create import create_engine
 from dtkv.transfer._nixl import NixlEngine, apply_nixl_env, nixl_available
 from dtkv.transfer._side import TransferSide
 from dtkv.transfer.bootstrap import Bootstrap, create_store
-from dtkv.transfer.coalesce import coalesce_entries, expand_layers, page_runs, split_batches
+from dtkv.transfer.coalesce import coalesce_entries, expand_layers, expand_runs, page_runs, split_batches
 from dtkv.transfer.decode import DecodeReceiver, ReceiveReport
 from dtkv.transfer.descriptors import (
     BufferSpec,
@@ -98,6 +100,7 @@ __all__ = [
     "default_round_pages",
     "disable_staging",
     "expand_layers",
+    "expand_runs",
     "layer_bounds",
     "mooncake_available",
     "needs_host_staging",

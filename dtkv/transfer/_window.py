@@ -78,7 +78,9 @@ class _Window:
 
     @staticmethod
     def _bytes(t: torch.Tensor) -> torch.Tensor:
-        return t.view(torch.uint8).reshape(t.shape[0], t.shape[1], -1)
+        """``[num_layers, pages, page_bytes]`` view of a buffer ``[num_layers, pages, *page_shape]`` of either
+        layout (a view, never a copy: the scatter writes through it)."""
+        return t.view(torch.uint8).view(t.shape[0], t.shape[1], -1)
 
     def _stream(self):
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()

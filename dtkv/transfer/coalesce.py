@@ -1,11 +1,14 @@
-"""Entry coalescing: page runs contiguous on both sides, layer expansion, byte-range merging, batching.
+"""Entry coalescing: page runs contiguous on both sides, byte ranges per pool layout, byte-range merging, batching.
 
 An *entry* is one ``(src address, dst address, length)`` triple handed to the transfer engine; on Mooncake's TCP
 transport each costs tens of microseconds whatever its size, so the planner makes as few as it can:
 
 1. :func:`page_runs` pairs up source and destination page indices and cuts maximal runs contiguous on both sides
    (sorted by source index, which makes the runs maximal for the given pairs).
-2. :func:`expand_layers` turns runs into per-layer byte ranges of ``[num_layers, rows, page_bytes]`` buffers.
+2. :func:`expand_runs` turns runs into byte ranges of the two sides' buffers: per layer between layer-major
+   buffers ``[num_layers, rows, page_bytes]`` (:func:`expand_layers`), one per run covering every layer between
+   page-major buffers ``[rows, num_layers, page_bytes]``, one per page and layer between a layer-major and a
+   page-major buffer.
 3. :func:`coalesce_entries` merges byte ranges contiguous on both sides (across layers and buffers as well).
 4. :func:`split_batches` cuts a peer's entries into calls of at most ``max_entries`` (the 0.3.13 TCP limit).
 
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["coalesce_entries", "expand_layers", "page_runs", "split_batches"]
+__all__ = ["coalesce_entries", "expand_layers", "expand_runs", "page_runs", "split_batches"]
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -65,6 +68,56 @@ def expand_layers(
     dst = ((layer * dst_rows + d0[None, :]) * page_bytes).ravel()
     length = np.broadcast_to(n[None, :] * page_bytes, (num_layers, n.shape[0])).ravel()
     return src, dst, np.ascontiguousarray(length)
+
+
+def expand_runs(
+    runs: tuple[np.ndarray, np.ndarray, np.ndarray],
+    *,
+    num_layers: int,
+    page_bytes: int,
+    src_rows: int,
+    dst_rows: int,
+    src_page_major: bool = False,
+    dst_page_major: bool = False,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Byte ranges of page runs between two buffers of either layout (offsets from each buffer's start).
+
+    Layer ``l``, page ``j`` starts at byte ``(l * rows + j) * page_bytes`` of a layer-major side
+    ``[num_layers, rows, page_bytes]`` and at byte ``(j * num_layers + l) * page_bytes`` of a page-major side
+    ``[rows, num_layers, page_bytes]``. The ranges are those contiguous on both sides by construction:
+
+    - both layer-major: one per run and layer, ``n * page_bytes`` (:func:`expand_layers`);
+    - both page-major: one per run, ``n * num_layers * page_bytes``, covering every layer;
+    - one of each: one per page and layer, ``page_bytes``.
+
+    :func:`coalesce_entries` then merges what continues on both sides anyway (whole rows of a layer-major side,
+    one-layer page-major sides, ...).
+
+    Returns:
+        ``(src_offset, dst_offset, length, layer)``, int64 ``[num_entries]``; ``layer`` is the first layer of each
+        range (0 for a range covering every layer).
+    """
+    s0, d0, n = runs
+    if not src_page_major and not dst_page_major:
+        src, dst, length = expand_layers(
+            runs, num_layers=num_layers, page_bytes=page_bytes, src_rows=src_rows, dst_rows=dst_rows
+        )
+        return src, dst, length, np.repeat(np.arange(num_layers, dtype=np.int64), s0.shape[0])
+    if src_page_major and dst_page_major:
+        span = num_layers * page_bytes
+        return s0 * span, d0 * span, n * span, np.zeros(s0.shape[0], dtype=np.int64)
+    # mixed: every page of every run, then every layer of it
+    k = int(n.sum())
+    within = np.arange(k, dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)
+    s, d = np.repeat(s0, n) + within, np.repeat(d0, n) + within
+    layer = np.arange(num_layers, dtype=np.int64)[:, None]
+
+    def at(pages: np.ndarray, rows: int, page_major: bool) -> np.ndarray:
+        return ((pages[None, :] * num_layers + layer) if page_major else (layer * rows + pages[None, :])) * page_bytes
+
+    src = at(s, src_rows, src_page_major).ravel()
+    dst = at(d, dst_rows, dst_page_major).ravel()
+    return src, dst, np.full(src.shape[0], page_bytes, dtype=np.int64), np.repeat(layer[:, 0], k)
 
 
 def coalesce_entries(

@@ -11,11 +11,16 @@ Vocabulary (per request):
 
 Each position has one source and one destination, so it is sent exactly once, by its prefill owner, to its
 decode owner, for every layer and every buffer (e.g. the MLA ``"kv"`` and the indexer ``"index"`` pools). A
-buffer of ``[num_layers, num_local_pages, *page_shape]`` holds ``(layer l, local page j)`` at byte
-``addr + (l * num_local_pages + j) * page_bytes`` (the :class:`dtkv.ShardedKVPool` layout).
+layer-major buffer ``[num_layers, num_local_pages, *page_shape]`` holds ``(layer l, local page j)`` at byte
+``addr + (l * num_local_pages + j) * page_bytes``; a page-major one ``[num_local_pages, num_layers, *page_shape]``
+(:attr:`BufferSpec.page_major`) at byte ``addr + (j * num_layers + l) * page_bytes`` (the two
+:class:`dtkv.ShardedKVPool` layouts). A run of pages contiguous on both sides costs one entry per layer between
+layer-major buffers, one entry for every layer between page-major buffers, and one per page and layer between a
+layer-major and a page-major buffer (either side may use either layout).
 
 Staging: for a (prefill rank, decode rank, buffer) triple the planner may pack the owned pages, in position
-order, into a registered staging region ``[num_layers, k, *page_shape]`` on the source, the destination, or
+order, into a registered staging region ``[num_layers, k, *page_shape]`` (layer-major whatever the pool's
+layout) on the source, the destination, or
 both, when the entries saved pay for the local copies (:class:`PlanOptions`). With both sides staged a pair of
 ranks needs a single entry, which is the minimum any plan can reach (:attr:`RequestPlan.min_entries`).
 
@@ -53,7 +58,8 @@ __all__ = [
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class BufferSpec:
-    """One registered pool buffer ``[num_layers, num_local_pages, *page_shape]`` of one rank."""
+    """One registered pool buffer of one rank: ``[num_layers, num_local_pages, *page_shape]`` (layer-major) or
+    ``[num_local_pages, num_layers, *page_shape]`` (``page_major``), contiguous."""
 
     name: str
     """Buffer name (``"kv"``, ``"index"``, ...); equal names are paired across the two sides."""
@@ -67,6 +73,9 @@ class BufferSpec:
     """Element size of the buffer's dtype (staging regions start at a multiple of it)."""
     layout_key: str
     """Canonical description of the :class:`dtkv.KVLayout`; must match across every rank of both sides."""
+    page_major: bool = False
+    """Whether a page's layers lie next to each other (``[num_local_pages, num_layers, ...]``); may differ between
+    ranks and sides (the planner pairs any two layouts)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -251,4 +260,15 @@ def check_compatible(prefill: Sequence[RankEndpoint], decode: Sequence[RankEndpo
                 raise ValueError(
                     f"layout of buffer {name!r} must match on every rank, got {ref_bufs[name].layout_key} "
                     f"(prefill 0) and {b.layout_key} ({ep.role} {ep.rank})"
+                )
+            if b.page_bytes != ref_bufs[name].page_bytes:
+                raise ValueError(
+                    f"page_bytes of buffer {name!r} must match on every rank, got {ref_bufs[name].page_bytes} "
+                    f"(prefill 0) and {b.page_bytes} ({ep.role} {ep.rank})"
+                )
+            want = ep.ownership.num_local_pages(ep.rank)
+            if b.num_local_pages != want:
+                raise ValueError(
+                    f"num_local_pages of buffer {name!r} must be the {want} pages its ownership gives "
+                    f"{ep.role} rank {ep.rank}, got num_local_pages={b.num_local_pages}"
                 )

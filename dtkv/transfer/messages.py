@@ -107,6 +107,7 @@ def endpoint_fields(ep: RankEndpoint) -> list:
         ep.meta_addr,
         ep.meta_row_bytes,
         ep.meta_num_rows,
+        [int(b.page_major) for b in bufs],
     ]
 
 
@@ -119,12 +120,15 @@ def endpoint_from_fields(f: list) -> RankEndpoint:
         raise WireError(f"ownership scheme must be 'interleave' or 'block', got {scheme[:20]!r}")
     cp_size = _int("cp_size", cp_size, 1, MAX_RANKS)
     n = len(names)
-    if not 1 <= n <= 64 or not all(len(x) == n for x in (addr, local, page_bytes, elem_bytes, layout_keys)):
+    page_major = f[19]
+    fields = (addr, local, page_bytes, elem_bytes, layout_keys, page_major)
+    if not 1 <= n <= 64 or not all(len(x) == n for x in fields):
         raise WireError(f"buffers must be 1..64 with one value of each field per buffer, got {n} names")
     _arr("buffer addr", addr, 0, MAX_ADDR)
     _arr("num_local_pages", local, 0, MAX_PAGES)
     _arr("page_bytes", page_bytes, 1, 1 << 40)
     _arr("elem_bytes", elem_bytes, 1, 64)
+    _arr("page_major", page_major, 0, 1)
     buffers = tuple(
         BufferSpec(
             name=_text("buffer name", names[i], nonempty=True, limit=128),
@@ -133,6 +137,7 @@ def endpoint_from_fields(f: list) -> RankEndpoint:
             page_bytes=int(page_bytes[i]),
             elem_bytes=int(elem_bytes[i]),
             layout_key=_text("layout_key", layout_keys[i]),
+            page_major=bool(page_major[i]),
         )
         for i in range(n)
     )

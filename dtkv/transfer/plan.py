@@ -19,7 +19,7 @@ import torch
 
 from dtkv._util import cdiv
 from dtkv.ownership import PageOwnership
-from dtkv.transfer.coalesce import coalesce_entries, expand_layers, page_runs
+from dtkv.transfer.coalesce import coalesce_entries, expand_runs, page_runs
 from dtkv.transfer.descriptors import (
     BufferSpec,
     PeerEntries,
@@ -262,7 +262,11 @@ def _check_meta(prefill, decode, opts, src_slot, dst_slot) -> bool | None:
 
 def _choose(s_loc, d_loc, bs, bd, group_of_layer, opts, fits_src, fits_dst):
     """Pick (src staged, dst staged) for one (sender, receiver, buffer) triple; entries relative to bases,
-    with the layer group of each."""
+    with the layer group of each.
+
+    A staging region is layer-major (``[num_layers, k, *page_shape]``) whatever the pool's layout; a range that
+    covers every layer (page-major on both sides, neither staged) is filed under group 0: it needs no staging copy,
+    so its group only orders it."""
     k = int(s_loc.shape[0])
     num_layers = int(group_of_layer.shape[0])
     nbytes = num_layers * k * bs.page_bytes
@@ -278,11 +282,11 @@ def _choose(s_loc, d_loc, bs, bd, group_of_layer, opts, fits_src, fits_dst):
     for m in modes:
         a, a_rows = (staged_idx, k) if m[0] else (s_loc, bs.num_local_pages)
         b, b_rows = (staged_idx, k) if m[1] else (d_loc, bd.num_local_pages)
-        runs = page_runs(a, b)
-        expanded = expand_layers(
-            runs, num_layers=num_layers, page_bytes=bs.page_bytes, src_rows=a_rows, dst_rows=b_rows
-        )
-        rel = coalesce_entries(*expanded, np.repeat(group_of_layer, runs[0].shape[0]))
+        src, dst, length, layer = expand_runs(
+            page_runs(a, b), num_layers=num_layers, page_bytes=bs.page_bytes, src_rows=a_rows, dst_rows=b_rows,
+            src_page_major=bs.page_major and not m[0], dst_page_major=bd.page_major and not m[1],
+        )  # fmt: skip
+        rel = coalesce_entries(src, dst, length, group_of_layer[layer])
         cost = rel[0].shape[0] * opts.entry_cost_s + (m[0] + m[1]) * nbytes / opts.copy_bytes_per_s
         if best is None or cost < best[0]:
             best = (cost, m, rel)

@@ -27,14 +27,17 @@ class KVShard:
     """The buffers of one CP rank that take part in a transfer.
 
     Args:
-        buffers: name -> ``[num_layers, ownership.num_local_pages(rank), *layout.page_shape]`` contiguous tensor of
-            ``layout.dtype`` (CPU: the Mooncake non-cuda build moves host memory only).
+        buffers: name -> ``[num_layers, ownership.num_local_pages(rank), *layout.page_shape]`` tensor of
+            ``layout.dtype`` (CPU: the Mooncake non-cuda build moves host memory only): contiguous, or with
+            ``page_major`` the transposed view of a contiguous ``[num_local_pages, num_layers, *page_shape]`` tensor
+            (what :meth:`dtkv.ShardedKVPool.buffer` returns for a page-major pool).
         layouts: name -> :class:`dtkv.KVLayout` of each buffer.
         ownership: the page map of this side.
         rank: this rank's index in ``ownership``.
         staging_bytes: bytes of a staging buffer to allocate and register (0: no staging on this rank).
         meta_num_rows: metadata slots (uint8 rows) to allocate and register (0: none).
         meta_row_bytes: bytes of a metadata row.
+        page_major: the buffers' storage is page-major (published in :attr:`BufferSpec.page_major`).
 
     Use :meth:`from_pool` to wrap a :class:`dtkv.ShardedKVPool` (zero copy) or :meth:`allocate` for a
     standalone rank (e.g. the ranks of a CP decode simulated in one process).
@@ -50,8 +53,11 @@ class KVShard:
         staging_bytes: int = 0,
         meta_num_rows: int = 0,
         meta_row_bytes: int = 0,
+        page_major: bool = False,
     ) -> None:
         check_ownership(ownership, rank)
+        if not isinstance(page_major, bool):
+            raise TypeError(f"page_major must be a bool, got page_major={page_major!r}")
         check_int("staging_bytes", staging_bytes, min_value=0)
         check_int("meta_num_rows", meta_num_rows, min_value=0)
         check_int("meta_row_bytes", meta_row_bytes, min_value=0)
@@ -76,13 +82,20 @@ class KVShard:
                     f"buffers[{name!r}] must be [num_layers, {n_local}, {', '.join(map(str, lay.page_shape))}] of "
                     f"{lay.dtype}, got shape {list(buf.shape)} of {buf.dtype}"
                 )
-            if not buf.is_contiguous():
+            if page_major and not buf.transpose(0, 1).is_contiguous():
+                raise ValueError(
+                    f"buffers[{name!r}] must be the [num_layers, num_local_pages, ...] view of a contiguous "
+                    "[num_local_pages, num_layers, ...] tensor (page_major=True: one registered region)"
+                )
+            if not page_major and not buf.is_contiguous():
                 raise ValueError(f"buffers[{name!r}] must be contiguous (one registered region)")
             if num_layers is None:
                 num_layers = int(buf.shape[0])
             elif buf.shape[0] != num_layers:
                 raise ValueError(f"buffers must share num_layers, got {num_layers} and {buf.shape[0]} ({name!r})")
         self.buffers = dict(sorted(buffers.items()))
+        """name -> ``[num_layers, num_local_pages, *page_shape]`` (a strided view when page-major)."""
+        self.page_major = page_major
         self.layouts = dict(layouts)
         self.ownership = ownership
         self.rank = rank
@@ -97,7 +110,7 @@ class KVShard:
     def from_pool(cls, pool: ShardedKVPool, **kwargs: int) -> KVShard:
         """Wrap this rank's buffers of a :class:`dtkv.ShardedKVPool` (no copy; ``kwargs`` as the constructor)."""
         buffers = {name: pool.buffer(name) for name in pool.layouts}
-        return cls(buffers, pool.layouts, pool.ownership, pool.rank, **kwargs)
+        return cls(buffers, pool.layouts, pool.ownership, pool.rank, page_major=pool.page_major, **kwargs)
 
     @classmethod
     def allocate(
@@ -108,17 +121,21 @@ class KVShard:
         *,
         num_layers: int,
         device: torch.device | str = "cpu",
+        page_major: bool = False,
         **kwargs: int,
     ) -> KVShard:
-        """Zero-filled buffers for ``rank`` of ``ownership`` (``kwargs`` as the constructor)."""
+        """Zero-filled buffers for ``rank`` of ``ownership``, page-major with ``page_major`` (``kwargs`` as the
+        constructor)."""
         check_int("num_layers", num_layers, min_value=1)
         check_int("rank", rank, min_value=0)
         n_local = ownership.num_local_pages(rank)
+        dims = (n_local, num_layers) if page_major else (num_layers, n_local)
         buffers = {
-            name: torch.zeros((num_layers, n_local, *lay.page_shape), dtype=lay.dtype, device=device)
-            for name, lay in layouts.items()
+            name: torch.zeros((*dims, *lay.page_shape), dtype=lay.dtype, device=device) for name, lay in layouts.items()
         }
-        return cls(buffers, layouts, ownership, rank, **kwargs)
+        if page_major:
+            buffers = {name: buf.transpose(0, 1) for name, buf in buffers.items()}
+        return cls(buffers, layouts, ownership, rank, page_major=page_major, **kwargs)
 
     @property
     def page_size(self) -> int:
@@ -136,6 +153,7 @@ class KVShard:
                 page_bytes=self.layouts[name].page_bytes,
                 elem_bytes=buf.element_size(),
                 layout_key=layout_key(self.layouts[name]),
+                page_major=self.page_major,
             )
             for name, buf in self.buffers.items()
         )
@@ -155,14 +173,22 @@ class KVShard:
         )
 
     def registered_tensors(self) -> list[torch.Tensor]:
-        """Every tensor a transfer engine must register for this rank (pools, staging, metadata rows)."""
-        out = list(self.buffers.values())
+        """Every tensor a transfer engine must register for this rank (pools, staging, metadata rows), each
+        contiguous (a page-major buffer as its ``[num_local_pages, num_layers, ...]`` storage)."""
+        out = [self.storage(name) for name in self.buffers]
         out += [t for t in (self.staging, self.meta) if t is not None]
         return out
 
+    def storage(self, name: str) -> torch.Tensor:
+        """The contiguous tensor behind ``buffers[name]``: itself when layer-major, ``[num_local_pages, num_layers,
+        *page_shape]`` when page-major."""
+        buf = self.buffers[name]
+        return buf.transpose(0, 1) if self.page_major else buf
+
     # ------------------------------------------------------------------------------------------ staging
     def _views(self, copy: StageCopy) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(pool buffer, staging region ``[num_layers, k, ...]``, page index), as int64 words when aligned.
+        """(pool buffer ``[num_layers, num_local_pages, ...]``, staging region ``[num_layers, k, ...]``, page index),
+        as int64 words when aligned (the pool view strided when page-major).
 
         Torch's CPU ``index_copy_`` moves uint8 rows at ~2 GB/s but int64 rows at ~11 GB/s, so whole pages are
         copied as 8-byte words whenever the page size and both addresses allow it.
@@ -176,7 +202,7 @@ class KVShard:
         )
         raw = self.staging[copy.offset : copy.offset + nbytes]
         if page_bytes % 8 == 0 and (raw.data_ptr() | buf.data_ptr()) % 8 == 0:
-            pool = buf.view(torch.uint8).view(self.num_layers, -1, page_bytes).view(torch.int64)
+            pool = buf.view(torch.uint8).view(self.num_layers, buf.shape[1], page_bytes).view(torch.int64)
             region = raw.view(torch.int64).view(self.num_layers, k, page_bytes // 8)
         else:
             pool = buf
@@ -218,5 +244,6 @@ class KVShard:
         names = ", ".join(self.buffers)
         return (
             f"KVShard(rank={self.rank}, {self.ownership!r}, num_layers={self.num_layers}, buffers=[{names}], "
-            f"staging_bytes={0 if self.staging is None else self.staging.numel()})"
+            f"staging_bytes={0 if self.staging is None else self.staging.numel()}"
+            f"{', page_major=True' if self.page_major else ''})"
         )

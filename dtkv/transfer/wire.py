@@ -6,7 +6,8 @@ Nothing read from the store is ever unpickled or evaluated. A value is::
 
 - header, little-endian: magic ``b"DTKV"``, version ``u8`` (:data:`VERSION`), kind ``u8`` (:class:`Kind`),
   flags ``u16`` (bit 0: signed), body length ``u32``; a value of another version is refused, never guessed at
-  (version 2: a claim carries prefill's nonce, and decode's answer to it is a kind of its own);
+  (version 2: a claim carries prefill's nonce, and decode's answer to it is a kind of its own; version 3: an
+  endpoint says each buffer's layout, layer-major or page-major);
 - body: the fields of the kind, in the order of its schema (:data:`SCHEMAS`), each one of
 
   ====  ===================================================================
@@ -44,7 +45,7 @@ import numpy as np
 __all__ = ["MAGIC", "MAX_ITEMS", "SCHEMAS", "VERSION", "Kind", "WireError", "pack", "unpack"]
 
 MAGIC = b"DTKV"
-VERSION = 2
+VERSION = 3
 MAX_ITEMS = 1 << 24
 """Largest array, string or list a value may hold (the reader refuses more before allocating)."""
 
@@ -71,7 +72,7 @@ class Kind(IntEnum):
 
 
 SCHEMAS: dict[Kind, str] = {
-    Kind.ENDPOINT: "sisiiisiSaaaaSiiiii",
+    Kind.ENDPOINT: "sisiiisiSaaaaSiiiiia",
     Kind.REQUEST: "ssaiiiii",
     Kind.SLOT_OPEN: "s",
     Kind.READY: "siii",
