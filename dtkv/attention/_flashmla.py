@@ -33,6 +33,7 @@ import torch
 
 from dtkv.attention._base import AttentionBackend, DecodeSchedule
 from dtkv.attention._fit import B_TOPK, availability, check_fit, flashmla_module
+from dtkv.attention._rows import page_rows
 from dtkv.ops._common import device_ctx
 
 __all__ = ["DEQUANT_PREFILL_READS", "FlashMLAAttention"]
@@ -109,8 +110,9 @@ class FlashMLAAttention(AttentionBackend):
         fm = self._fm
         with device_ctx(q.device):
             if not self.spec.fp8:
+                rows, sel = page_rows(kv, idx)  # a page-major layer: its rows without a copy
                 out, _, lse = fm.flash_mla_sparse_fwd(
-                    q.contiguous(), kv.reshape(-1, 1, c), idx.view(n, 1, w), softmax_scale, d_v=r, use_legacy=True
+                    q.contiguous(), rows.view(-1, 1, c), sel.view(n, 1, w), softmax_scale, d_v=r, use_legacy=True
                 )
             elif not decode and w % (2 * B_TOPK) == 0 and n * w >= DEQUANT_PREFILL_READS * kv.shape[0] * kv.shape[1]:
                 # a prefill chunk reads each row many times over: dequantize the pages once to bf16 and take the

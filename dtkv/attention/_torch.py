@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from dtkv.attention._base import AttentionBackend
+from dtkv.attention._rows import page_rows
 from dtkv.layouts import MLAFp8Layout
 from dtkv.ops.sparse_mla import sparse_mla_torch
 
@@ -24,5 +25,5 @@ class TorchAttention(AttentionBackend):
         if q.shape[0] == 0 or kv.shape[0] == 0:
             return self._empty(q, dt, dt)
         qb = lay.quant_block if isinstance(lay, MLAFp8Layout) else 0
-        rows = kv.reshape(-1, kv.shape[-1])
+        rows, indices = page_rows(kv, indices)
         return sparse_mla_torch(q, rows, indices, softmax_scale, lay.kv_lora_rank, lay.rope_dim, qb, compute_dtype=dt)

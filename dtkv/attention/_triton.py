@@ -6,6 +6,7 @@ import torch
 
 from dtkv import ops
 from dtkv.attention._base import AttentionBackend
+from dtkv.attention._rows import page_rows
 from dtkv.layouts import MLAFp8Layout
 
 __all__ = ["TritonAttention"]
@@ -28,7 +29,7 @@ class TritonAttention(AttentionBackend):
         if q.shape[0] == 0 or kv.shape[0] == 0:
             return self._empty(q, q.dtype, torch.float32)
         qb = lay.quant_block if isinstance(lay, MLAFp8Layout) else 0
-        rows = kv.reshape(-1, kv.shape[-1])
+        rows, indices = page_rows(kv, indices)
         return ops.sparse_mla(
             q, rows, indices, softmax_scale, kv_lora_rank=lay.kv_lora_rank, rope_dim=lay.rope_dim, quant_block=qb,
             backend="triton",
