@@ -18,10 +18,9 @@ are the float32 logits' selection keys). Rows (``phase: "topk"``), one per case 
 
 - ``packed``: the path the runtime ran before: :func:`dtkv.ops.indexer_topk` of the packed keys (``torch.topk`` of
   int64) and the kept columns' slots;
-- ``logits_topk``: :func:`dtkv.ops.logits_topk` of the float32 logits with the slots (the logits are ``-inf``
-  outside each query's range already; ``bitwise``: the packed path's result exactly);
-- ``logits_topk_ranges``: the same with the queries' column ranges passed, as the runtime calls it (the kernel
-  reads only the columns in range);
+- ``logits_topk``: :func:`dtkv.ops.logits_topk` of the float32 logits with the slots, as the runtime calls it
+  (the logits are ``-inf`` outside each query's range already; ``bitwise``: the packed path's result exactly);
+- ``logits_topk_ranges``: the same with the queries' column ranges passed (the kernel path masks a copy first);
 - ``keys_topk``: :func:`dtkv.ops.keys_topk` of the packed keys with the slots (decode's radix select over many
   programs a row, at prefill's rows; ``bitwise``: the packed path's result exactly);
 - ``torch_f32``: ``torch.topk`` of the float32 logits, ``sorted=True`` (a speed reference: its ties are not the

@@ -12,27 +12,24 @@ positions (the extend-step indexer's tie rule, :mod:`dtkv.integrations.transform
 - the result is ``[N, k]`` int64: the ``k`` best candidates (``key_slots[c]`` with ``key_slots``, else ``c``), best
   first, ``-1`` past the row's candidates.
 
-**Kernel path** (``triton``): the packed path reads 8 bytes a logit in each of ``torch.topk``'s radix passes over
-64-bit keys; this one reads 4 bytes a logit in at most five passes, all in one launch, a program a row
-(:func:`_logits_topk_select_kernel`):
+**Kernel path** (``triton``): the packed path reads 8 bytes a logit in each of ``torch.topk``'s 8 radix passes over
+64-bit keys; this one reads 4 bytes a logit in 4 passes and once more:
 
-1. *the threshold*, a radix select over each logit's int32 *order key* (:func:`_order_key`, the rule's order) in
-   four rounds of 8-bit digits (256 bins, ``tl.histogram``): round ``r`` counts the digit ``r`` of the row's
-   candidates that share the digits chosen so far, and chooses the digit where the count from the top reaches the
-   number still needed. Once every candidate with the chosen prefix is needed (the row is *resolved*; at once
-   when the row has at most ``k`` candidates) the later rounds are skipped; otherwise round 3 ends on the exact
-   ``k``-th best key ``t`` and how many of the row's keys at ``t`` belong in (``need``). A resolved row's ``t``
-   is its prefix with the lower bits zero: the candidates above or at it are those it needs;
-2. *one read of the row* writes the candidates above ``t`` and the ``need`` lowest-column candidates at ``t``
-   to ``[N, k]`` scratch rows, in column order: their order
-   keys (int32) and their columns (int32), ``-2**31`` / ``-1`` after them. Column ranges are masked as the row is
-   read (no copy of the logits);
-3. *the order*, a second launch, a program a row (:func:`_logits_topk_order_kernel`): one sort of the row's kept
-   keys as 64-bit ``order key << 32 | (2**31 - 1 - column)`` (best first, ties to the lowest column), the columns
-   mapped to their slots (``k`` up to :data:`ORDER_MAX_K`; past it a stable ``torch.sort`` of the order keys).
+1. *the threshold*: ``torch.topk`` of the float32 rows (values only, unsorted; with ranges, of a copy that is
+   ``-inf`` outside them -- the runtime's indexer logits already are, so it passes none);
+2. *one launch, a program a row* (:func:`_logits_topk_select_kernel`): the smallest kept value under the rule's order
+   (each logit's int32 *order key*, :func:`_order_key`) is the threshold ``t``, and the kept values above it say how
+   many of the row's keys at ``t`` belong in (``need``); one read of the row then writes the candidates above ``t``
+   and the ``need`` lowest-column candidates at ``t`` to ``[N, k]`` scratch rows, in column order: their order keys
+   (int32) and their columns (int32), ``-2**31`` / ``-1`` after them. ``torch.topk`` may break ties of equal
+   values (or of ``-0.0`` and ``+0.0``) its own way: the rule only needs its kept values to hold every candidate
+   above their smallest, which any top-k does;
+3. a stable ``torch.sort`` of the order keys, descending (equal keys stay in column order: best first, ties to
+   the lowest column), the columns gathered in that order, then mapped to their slots.
 
-Launch: :data:`KERNEL_CONFIG`; ``benchmarks/bench_logits_topk.py`` times it against the packed path. At decode's
-few rows a program a row is slower than the packed path, which the runtime's decode keeps.
+Launch: :data:`KERNEL_CONFIG`; ``benchmarks/bench_logits_topk.py`` times it against the packed path (one H100,
+8192 queries x 8K-128K keys: 1.26-1.55x its speed, 2026-12-06). At decode's few rows a program a row is slower
+than the packed path, which the runtime's decode keeps.
 
 Legend: ``N`` queries (rows), ``K`` key columns, ``k`` kept per row.
 """
@@ -43,23 +40,21 @@ import torch
 
 from dtkv._checks import check_int, check_tensor
 
-from ._common import HIST_HAS_MASK, device_ctx, index_arg, masked_histogram, resolve_backend, tl, triton
+from ._common import device_ctx, index_arg, resolve_backend, tl, triton
 from .indexer_logits import indexer_topk
 from .selection_keys import selection_keys
 
 __all__ = ["KERNEL_CONFIG", "logits_topk", "logits_topk_torch"]
 
 _IDX_DTYPES = (torch.int32, torch.int64)
-ORDER_MAX_K = 4096
-"""The largest ``k`` whose rows :func:`_logits_topk_order_kernel` sorts in registers (a larger ``k`` takes a
-stable ``torch.sort`` of the order keys, a gather and the slots' lookup)."""
 _REF_BLOCK_BYTES = 1 << 28
 """The reference's ``[B, K]`` int64 keys per block of rows (bounded whatever ``N``)."""
 
-KERNEL_CONFIG: dict[str, int] = {"block": 1024, "num_warps": 4, "num_stages": 2, "order_warps": 4}
-"""Launches: :func:`_logits_topk_select_kernel`'s ``block`` columns a step of each pass over a row (a power of
-two below ``2**15``), ``num_warps`` and ``num_stages`` (loads of a pass in flight); ``order_warps`` of
-:func:`_logits_topk_order_kernel`. ``bench_logits_topk.py --sweep`` times candidates."""
+KERNEL_CONFIG: dict[str, int] = {"block": 1024, "num_warps": 4, "num_stages": 2}
+"""Launch of :func:`_logits_topk_select_kernel`: ``block`` columns a step of its one pass over a row (and of its
+passes over the kept values; a power of two below ``2**15``), ``num_warps``, ``num_stages`` (loads of the pass in
+flight). On one H100 the default is within 2% of the fastest of ``bench_logits_topk.py --sweep``'s ten launches at
+8192 queries x 32K and 128K keys (2026-12-06)."""
 
 
 # ----------------------------------------------------------------------------------------- torch reference
@@ -104,84 +99,41 @@ def _order_key(s):
     return tl.where(s == float("-inf"), -2147483648, ordered)
 
 
-@triton.jit
-def _row_keys(src, cols, lo, hi):
-    """Order keys of columns ``cols`` of a row, ``-2**31`` (no candidate) outside ``[lo, hi)``."""
-    inside = (cols >= lo) & (cols < hi)
-    return _order_key(tl.load(src + cols, mask=inside, other=float("-inf")))
-
-
-@triton.jit
-def _descend(h, prefix, rem, SHIFT: tl.constexpr):
-    """From a round's histogram ``h`` (256 bins of digit ``[SHIFT, SHIFT + 8)`` of the keys sharing ``prefix``'s
-    bits above it): the prefix with the digit where the count of keys from the top reaches ``rem``, how many keys
-    with that prefix are still needed, and whether that is all of them (int32 1/0)."""
-    b = tl.arange(0, 256)
-    above = tl.sum(h, axis=0) - tl.cumsum(h, axis=0)  # keys in bins above b
-    d = tl.max(tl.where((above < rem) & (above + h >= rem), b, -1), axis=0)
-    rem = rem - tl.sum(tl.where(b == d, above, 0), axis=0)
-    done = (tl.sum(tl.where(b == d, h, 0), axis=0) == rem).to(tl.int32)
-    raw = d
-    if SHIFT == 24:  # the top digit's sign bit is flipped (key order)
-        raw = d ^ 0x80
-    return prefix | (raw << SHIFT), rem, done
-
-
-@triton.jit(do_not_specialize=["num_keys", "k", "l_sn"])
+@triton.jit(do_not_specialize=["num_keys", "k", "kk"])
 def _logits_topk_select_kernel(
     ord_ptr,  # [N, k] int32, contiguous: the kept keys' order keys, column order, -2**31 after them
     col_ptr,  # [N, k] int32, contiguous: their columns, -1 after them
-    logits_ptr,  # [N, K] float32; row stride l_sn, columns contiguous
-    start_ptr,  # [N] int (HAS_RANGE): each row's first candidate column
-    end_ptr,  # [N] int (HAS_RANGE): one past its last
+    logits_ptr,  # [N, K] float32; row stride l_sn, columns contiguous (-inf outside each row's range)
+    kept_ptr,  # [N, kk] float32, contiguous: the values torch.topk kept of each row
     num_keys,  # K (< 2**31)
     k,
+    kk,  # min(k, K)
     l_sn,
-    HAS_RANGE: tl.constexpr,
     BLOCK: tl.constexpr,
     NUM_STAGES: tl.constexpr,
-    HIST_MASK: tl.constexpr,
 ):
-    """Program ``n``: row ``n`` (the module docstring's steps 1-2). Columns, counts and order keys are 32-bit."""
+    """Program ``n``: row ``n`` (the module docstring's step 2). Columns, counts and order keys are 32-bit."""
     row = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BLOCK)
     zero = num_keys * 0
-    lo = zero
-    hi = zero + num_keys
-    if HAS_RANGE:
-        lo = tl.minimum(tl.maximum(tl.load(start_ptr + row).to(tl.int64), 0), num_keys).to(tl.int32)
-        hi = tl.minimum(tl.maximum(tl.load(end_ptr + row).to(tl.int64), 0), num_keys).to(tl.int32)
-    first = (lo // BLOCK) * BLOCK
+    # the threshold: the smallest kept order key; `need`: how many keys at it are kept (kk - those above it)
+    t = zero + 2147483647
+    for c0 in range(0, kk, BLOCK):
+        u = _order_key(tl.load(kept_ptr + row * kk + c0 + j, mask=c0 + j < kk, other=float("inf")))
+        t = tl.minimum(t, tl.min(tl.where(c0 + j < kk, u, 2147483647), axis=0))
+    above = zero
+    for c0 in range(0, kk, BLOCK):
+        u = _order_key(tl.load(kept_ptr + row * kk + c0 + j, mask=c0 + j < kk, other=float("-inf")))
+        above += tl.sum((u > t).to(tl.int32), axis=0)
+    need = kk - above
+    # one read of the row: the keys above t, and the `need` lowest-column keys at t, in column order. One scan a
+    # step counts both kinds (keys above t in the low 16 bits, keys at t in the high ones: BLOCK < 2**15)
     src = logits_ptr + row * l_sn
-    # round 0: the top digit of every candidate
-    hist = tl.zeros([256], dtype=tl.int32)
-    for c0 in tl.range(first, hi, BLOCK, num_stages=NUM_STAGES):
-        u = _row_keys(src, c0 + j, lo, hi)
-        hist += masked_histogram(((u >> 24) & 0xFF) ^ 0x80, 256, u != -2147483648, HIST_MASK)
-    t, rem, done = _descend(hist, zero, zero + k, 24)
-    take_all = tl.sum(hist, axis=0) <= k  # every candidate kept: all above -2**31, none at it
-    t = tl.where(take_all, -2147483648, t)
-    rem = tl.where(take_all, 0, rem)
-    done = tl.where(take_all, 1, done)
-    # rounds 1-3: the next digit of the keys sharing the prefix, until every key with the prefix is needed
-    for r in tl.static_range(1, 4):
-        if done == 0:
-            hist = tl.zeros([256], dtype=tl.int32)
-            for c0 in tl.range(first, hi, BLOCK, num_stages=NUM_STAGES):
-                u = _row_keys(src, c0 + j, lo, hi)
-                same = (u != -2147483648) & ((u >> (32 - 8 * r)) == (t >> (32 - 8 * r)))
-                hist += masked_histogram((u >> (24 - 8 * r)) & 0xFF, 256, same, HIST_MASK)
-            t, rem, done = _descend(hist, t, rem, 24 - 8 * r)
-    # one read of the row: the keys above t, and the `rem` lowest-column keys at t, in column order. A resolved
-    # row's t is its prefix with the lower bits zero: the keys above or at it are those above the prefix and every
-    # one with it (all needed). One scan a step counts both kinds (keys above t in the low 16 bits, keys at t in
-    # the high ones: BLOCK < 2**15)
-    need = rem
     put = zero
     seen = zero  # keys at t before this step
-    for c0 in tl.range(first, hi, BLOCK, num_stages=NUM_STAGES):
+    for c0 in tl.range(0, num_keys, BLOCK, num_stages=NUM_STAGES):
         cols = c0 + j
-        u = _row_keys(src, cols, lo, hi)
+        u = _order_key(tl.load(src + cols, mask=cols < num_keys, other=float("-inf")))
         ok = u != -2147483648
         gt = ok & (u > t)
         at = ok & (u == t)
@@ -202,32 +154,6 @@ def _logits_topk_select_kernel(
         tl.store(col_ptr + row * k + c0 + j, tl.full([BLOCK], -1, tl.int32), mask=pad)
 
 
-@triton.jit(do_not_specialize=["k"])
-def _logits_topk_order_kernel(
-    out_ptr,  # [N, k] int64, contiguous: columns or slots, best first, -1 after the row's candidates
-    ord_ptr,  # [N, k] int32, contiguous: the select kernel's order keys
-    col_ptr,  # [N, k] int32, contiguous: the select kernel's columns
-    slots_ptr,  # [K] int (HAS_SLOTS)
-    k,
-    HAS_SLOTS: tl.constexpr,
-    KP: tl.constexpr,  # a power of two >= k
-):
-    """Program ``n``: row ``n``'s kept keys best first (the module docstring's step 3), as one sort of 64-bit keys
-    ``order key << 32 | (2**31 - 1 - column)`` (a higher order key first, then a lower column)."""
-    row = tl.program_id(0).to(tl.int64)
-    i = tl.arange(0, KP)
-    mine = i < k
-    u = tl.load(ord_ptr + row * k + i, mask=mine, other=-2147483648)
-    c = tl.load(col_ptr + row * k + i, mask=mine, other=-1)
-    key = (u.to(tl.int64) << 32) | (2147483647 - c.to(tl.int64))  # the low word in [1, 2**31]: no carry
-    key = tl.sort(key, descending=True)
-    valid = (key >> 32) != -2147483648  # the padding sorts last
-    col = 2147483647 - (key & 0xFFFFFFFF)
-    if HAS_SLOTS:
-        col = tl.load(slots_ptr + col, mask=mine & valid, other=-1).to(tl.int64)
-    tl.store(out_ptr + row * k + i, tl.where(valid, col, -1), mask=mine)
-
-
 # ----------------------------------------------------------------------------------------- launch
 def _select(logits, start, end, slots, k: int) -> torch.Tensor:
     """The kernel path (module docstring): ``[N, k]`` int64 columns or slots, ``-1`` padded."""
@@ -235,26 +161,23 @@ def _select(logits, start, end, slots, k: int) -> torch.Tensor:
     dev = logits.device
     if num_keys == 0:
         return torch.full((n, k), -1, dtype=torch.int64, device=dev)
+    src = logits
+    if start is not None:  # -inf outside the ranges (a copy: the caller's logits stay as they are)
+        cols = torch.arange(num_keys, device=dev)
+        inside = (cols[None, :] >= start[:, None].to(torch.int64)) & (cols[None, :] < end[:, None].to(torch.int64))
+        src = torch.where(inside, logits, torch.full((), float("-inf"), device=dev))
+    kk = min(k, num_keys)
+    kept = torch.topk(src, kk, dim=1, largest=True, sorted=False).values.contiguous()
     order = torch.empty((n, k), dtype=torch.int32, device=dev)
     cols = torch.empty((n, k), dtype=torch.int32, device=dev)
     block = int(KERNEL_CONFIG["block"])
     if not 0 < block < 2**15 or block & (block - 1):  # the kernel counts two kinds of keys in one int32 scan
         raise ValueError(f"KERNEL_CONFIG['block'] must be a power of two below 2**15, got {block}")
-    has_range = start is not None
     with device_ctx(dev):
         _logits_topk_select_kernel[(n,)](
-            order, cols, logits, start if has_range else order, end if has_range else order, num_keys, k,
-            logits.stride(0), HAS_RANGE=has_range, BLOCK=block, NUM_STAGES=int(KERNEL_CONFIG["num_stages"]),
-            HIST_MASK=HIST_HAS_MASK, num_warps=int(KERNEL_CONFIG["num_warps"]),
+            order, cols, src, kept, num_keys, k, kk, src.stride(0),
+            BLOCK=block, NUM_STAGES=int(KERNEL_CONFIG["num_stages"]), num_warps=int(KERNEL_CONFIG["num_warps"]),
         )  # fmt: skip
-    if k <= ORDER_MAX_K:
-        out = torch.empty((n, k), dtype=torch.int64, device=dev)
-        with device_ctx(dev):
-            _logits_topk_order_kernel[(n,)](
-                out, order, cols, slots if slots is not None else out, k, HAS_SLOTS=slots is not None,
-                KP=triton.next_power_of_2(k), num_warps=int(KERNEL_CONFIG["order_warps"]),
-            )  # fmt: skip
-        return out
     # best first: a stable sort of the 32-bit order keys keeps equal ones in column order (ties to the lowest
     # column); the padding's -2**31 is below every candidate's
     by = torch.sort(order, dim=1, descending=True, stable=True).indices
@@ -331,8 +254,8 @@ def logits_topk(
         logits: float32 ``[N, K]`` (e.g. :func:`dtkv.ops.indexer_logits`'s; ``-inf``: not a candidate).
         k: columns kept per row (``>= 1``; rows with fewer candidates are ``-1`` padded).
         key_start, key_end: int32/int64 ``[N]``, both or neither: row ``n``'s candidates lie in
-            ``[key_start[n], key_end[n])`` (clamped to ``[0, K]``; the kernel path reads only those columns, so
-            ranges also spare it the columns of logits that are ``-inf`` outside them, such as the indexer's).
+            ``[key_start[n], key_end[n])`` (clamped to ``[0, K]``; the kernel path masks a copy of the logits:
+            logits that are ``-inf`` outside the ranges already, such as the indexer's, need none).
         key_slots: int32/int64 ``[K]``: return ``key_slots[c]`` instead of the column ``c``.
         backend: ``"auto"`` (Triton on CUDA, else torch) | ``"torch"`` | ``"triton"``.
 

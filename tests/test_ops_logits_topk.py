@@ -1,8 +1,8 @@
 """``dtkv::logits_topk``: the torch reference against a per-row Python sort of the rule, the kernel (interpreter)
 against the reference on every kind of row (ties at the ``k``-th best, constant rows, ``-inf``, NaN, ``+inf``,
 ``-0.0``, logits spread over 240 octaves, logits near ``-3e38``, ``k + 1`` keys within a part per million of the
-threshold) under launches of 16 to 2048 columns a step (ties at the threshold split across steps), rows the
-radix select resolves in each of its rounds, ranges that are empty, clamped or cover everything, slots, ``k`` past the
+threshold) under launches of 16 to 2048 columns a step (ties at the threshold split across steps), a threshold
+stage that breaks ties its own way, ranges that are empty, clamped or cover everything, slots, ``k`` past the
 columns, strided logits, opcheck, a fullgraph compile with the indexer, the errors, the kernel's address bounds under the interpreter, the
 sm_90 build's rules without a GPU (:func:`check_sm90_build`, on ``tests/test_ops_compile.py``'s one build of
 every kernel) and, on a GPU, the selection of the packed-key path it replaces, bit for bit.
@@ -126,51 +126,28 @@ def test_triton_vs_reference_sizes(monkeypatch, launch, n, num_keys, k):
         _check_triton(monkeypatch, kind, launch, n, num_keys, k)
 
 
-@pytest.mark.parametrize("kind", ["ties", "specials", "sparse", "near_threshold"])
-def test_rows_past_the_in_register_order_take_the_sort(monkeypatch, kind):
-    """A ``k`` past :data:`ORDER_MAX_K` is ordered by ``torch.sort`` instead of the order kernel: the same result."""
+def _ties_to_the_highest_column(x, k, dim=1, largest=True, sorted=True):
+    """A top-k of the values that breaks ties the other way (the highest column first; ``-0.0`` and ``+0.0``
+    by column too): what the kernel path's threshold stage may get from ``torch.topk`` on another device."""
+    assert dim == 1 and largest
+    flipped = torch.flip(x, dims=[1])
+    order = torch.sort(flipped, dim=1, descending=True, stable=True).indices[:, :k]
+    return torch.return_types.topk((torch.gather(flipped, 1, order), x.shape[1] - 1 - order))
+
+
+@pytest.mark.parametrize("kind", ["ties", "specials", "constant", "near_threshold"])
+def test_threshold_stage_may_break_ties_any_way(monkeypatch, kind):
+    """The kernel needs only the kept values' smallest and those above it: a top-k that keeps the highest columns
+    of a tie (and of ``-0.0`` / ``+0.0``) gives the same columns, in the same order."""
     skip_unless("triton", "cpu")
-    g = torch.Generator().manual_seed(len(kind) + 1)
+    monkeypatch.setattr(_mod.torch, "topk", _ties_to_the_highest_column)
+    g = torch.Generator().manual_seed(len(kind))
     x = _logits(kind, 4, 90, 11, g)
-    slots = torch.randperm(90, generator=g) + 3
-    want = _python_topk(x, 11, slots=slots)
-    assert torch.equal(logits_topk(x, 11, key_slots=slots, backend="triton"), want)
-    monkeypatch.setattr(_mod, "ORDER_MAX_K", 8)
-    assert torch.equal(logits_topk(x, 11, key_slots=slots, backend="triton"), want)
-
-
-def _resolved_at(rnd: int, n: int, num_keys: int, k: int, held: int, gen: torch.Generator) -> torch.Tensor:
-    """Rows whose ``k``-th best key's ``8 * (rnd + 1)``-bit prefix holds exactly the ``held`` keys still needed
-    there (the radix select resolves them in round ``rnd``): ``k - held`` keys far above, ``held`` keys with the
-    prefix, the rest with the prefix's last digit lower (the same higher digits: the earlier rounds cannot tell
-    them apart). Every key is a positive float's bits, so its order key is its bits."""
-    low = 24 - 8 * rnd
-    prefix = (0x40A0B0C0 >> low) << low
-    sibling = prefix - (1 << low)  # the prefix's last digit one lower
-    rand = torch.randint(0, 1 << low, (n, num_keys), generator=gen) if low else torch.zeros(n, num_keys)
-    bits = torch.full((n, num_keys), sibling) | rand.to(torch.int64)
-    bits[:, : k - held] = 0x42C80000 + torch.randint(0, 1 << 16, (n, k - held), generator=gen)  # about 100.0
-    bits[:, k - held : k] = prefix | rand[:, k - held : k].to(torch.int64)
-    perm = torch.argsort(torch.rand(n, num_keys, generator=gen), dim=1)  # spread over the row, every step
-    return torch.gather(bits, 1, perm).to(torch.int32).view(torch.float32)
-
-
-@pytest.mark.parametrize("rnd", [0, 1, 2, 3])
-@pytest.mark.parametrize("block", [16, 2048])
-def test_rows_resolved_in_each_round(monkeypatch, rnd, block):
-    """A row resolved in round ``rnd`` (every key with the chosen prefix needed) skips the later rounds and keeps
-    every key with the prefix, compared on the prefix's bits only: the kept keys and their order are the rule's,
-    as are those of rows resolved by having at most ``k`` candidates."""
-    skip_unless("triton", "cpu")
-    monkeypatch.setattr(_mod, "KERNEL_CONFIG", {**_mod.KERNEL_CONFIG, "block": block})
-    g = torch.Generator().manual_seed(rnd * 7 + block)
-    for held in (1, 4, 11):
-        x = _resolved_at(rnd, 5, 97, 12, held, g)
-        assert torch.equal(logits_topk(x, 12, backend="triton"), _python_topk(x, 12)), (rnd, block, held)
-    x[:, 40:] = float("-inf")  # at most k candidates in rows of ranges that end early
-    start, end = torch.tensor([0, 3, 30, 35, 40]), torch.tensor([97, 14, 41, 47, 97])
-    got = logits_topk(x, 12, key_start=start, key_end=end, backend="triton")
-    assert torch.equal(got, _python_topk(x, 12, start, end)), (rnd, block)
+    if kind == "specials":
+        x[:, 30:] = torch.where(torch.rand(4, 60, generator=g) < 0.5, -0.0, 0.0)  # the threshold is a zero
+    for block in (16, 2048):
+        monkeypatch.setattr(_mod, "KERNEL_CONFIG", {**_mod.KERNEL_CONFIG, "block": block})
+        assert torch.equal(logits_topk(x, 11, backend="triton"), _python_topk(x, 11)), (kind, block)
 
 
 def test_ties_go_to_the_lowest_column():
@@ -314,22 +291,15 @@ def test_kernel_stays_in_bounds(monkeypatch):
 
 
 def check_sm90_build(records: list[dict]) -> None:
-    """The kernels in the run's sm_90 build (``tests/test_ops_compile.py`` builds every kernel once, no GPU, and
-    calls this with its records): every launch of both compiles with no local memory (spills: the order kernel
-    sorts 2048 64-bit keys in registers), and the select kernel's default launch
-    (:data:`dtkv.ops.logits_topk.KERNEL_CONFIG`; 121 registers a thread with Triton 3.7) fits at least two programs
+    """The kernel in the run's sm_90 build (``tests/test_ops_compile.py`` builds every kernel once, no GPU, and
+    calls this with its records): every launch compiles with no local memory (spills), the default one
+    (:data:`dtkv.ops.logits_topk.KERNEL_CONFIG`; 61 registers a thread with Triton 3.7) fits at least two programs
     an SM (one's scans overlap another's loads). The forced-int64 builds are left out."""
-    records = [r for r in records if "int64 offsets" not in r["where"]]
-    for name in ("_logits_topk_select_kernel", "_logits_topk_order_kernel"):
-        mine = [r for r in records if r["kernel"] == name]
-        assert mine and all(r["ok"] and r.get("local", 0) == 0 for r in mine), mine
+    records = [r for r in records if r["kernel"] == "_logits_topk_select_kernel" and "int64 offsets" not in r["where"]]
+    assert records and all(r["ok"] and r.get("local", 0) == 0 for r in records), records
     cfg = _mod.KERNEL_CONFIG
     default = [
-        r
-        for r in records
-        if r["kernel"] == "_logits_topk_select_kernel"
-        and r["constexprs"]["BLOCK"] == str(cfg["block"])
-        and r["num_warps"] == cfg["num_warps"]
+        r for r in records if r["constexprs"]["BLOCK"] == str(cfg["block"]) and r["num_warps"] == cfg["num_warps"]
     ]
     assert default and all(2 * r["registers"] * 32 * r["num_warps"] <= 65536 for r in default), default
 

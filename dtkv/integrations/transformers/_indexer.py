@@ -128,9 +128,8 @@ def select_topk(indexer, ctx: StepContext, q_NIJ, w_NI, view_index) -> torch.Ten
             sl = slice(b0, min(n, b0 + block))
             logits = ops.indexer_logits(q8[sl], w8[sl], view_index, plan.key_slots, start[sl], end[sl], layout=lay,
                                         backend=backend)  # fmt: skip
-            # -inf outside each query's range already; the ranges spare the selection's passes those columns
-            out.append(ops.logits_topk(logits, k, key_start=start[sl], key_end=end[sl], key_slots=plan.key_slots,
-                                       backend=backend))  # fmt: skip
+            # -inf outside each query's range already: no ranges to mask
+            out.append(ops.logits_topk(logits, k, key_slots=plan.key_slots, backend=backend))
         return _joined(out, k, q_NIJ.device)
     keys_JK = read_rows(view_index, lay, q_NIJ.dtype, slots=plan.key_slots).transpose(0, 1).float()
     cols = torch.arange(num_keys, device=q_NIJ.device)
