@@ -90,13 +90,14 @@ def test_extend_steps_write_without_a_host_check(monkeypatch, adapter, mode):
     assert torch.equal(out[0][0], out[1][0]) and all(torch.equal(out[0][1][k], out[1][1][k]) for k in out[0][1])
 
 
-def _two_ranks_disagree(rank, world):
+def _two_ranks_disagree(rank, world, field, **kwargs):
+    """A runtime whose ``field`` is ``True`` on rank 1 only: each rank's ConfigMismatchError message (None: none)."""
     import torch.distributed as dist
 
     from dtkv import ConfigMismatchError
 
     try:
-        Runtime(ReferenceAdapter(CFG), num_pages=16, group=dist.group.WORLD, batch_invariant=rank == 1)
+        Runtime(ReferenceAdapter(CFG), num_pages=16, group=dist.group.WORLD, **{field: rank == 1}, **kwargs)
     except ConfigMismatchError as e:
         return str(e)
     return None
@@ -104,25 +105,14 @@ def _two_ranks_disagree(rank, world):
 
 @pytest.mark.multirank
 def test_ranks_that_disagree_on_the_configuration_fail_together(ranks2):
-    for msg in ranks2.run(_two_ranks_disagree):
+    for msg in ranks2.run(_two_ranks_disagree, "batch_invariant"):
         assert msg is not None and "field 'batch_invariant' differs (rank 0: False, rank 1: True)" in msg, msg
-
-
-def _two_ranks_disagree_on_the_layout(rank, world):
-    import torch.distributed as dist
-
-    from dtkv import ConfigMismatchError
-
-    try:  # replicated: the pool agrees on nothing across ranks, the runtime's configuration does
-        Runtime(ReferenceAdapter(CFG), num_pages=16, group=dist.group.WORLD, mode="replicated", page_major=rank == 1)
-    except ConfigMismatchError as e:
-        return str(e)
-    return None
 
 
 @pytest.mark.multirank
 def test_ranks_that_disagree_on_the_pool_layout_fail_together(ranks2):
-    for msg in ranks2.run(_two_ranks_disagree_on_the_layout):
+    # replicated: the pool agrees on nothing across ranks, the runtime's configuration does
+    for msg in ranks2.run(_two_ranks_disagree, "page_major", mode="replicated"):
         assert msg is not None and "field 'page_major' differs (rank 0: False, rank 1: True)" in msg, msg
 
 
