@@ -20,6 +20,8 @@ are the float32 logits' selection keys). Rows (``phase: "topk"``), one per case 
   int64) and the kept columns' slots;
 - ``logits_topk``: :func:`dtkv.ops.logits_topk` of the float32 logits with the slots, as the runtime calls it
   (the logits are ``-inf`` outside each query's range already; ``bitwise``: the packed path's result exactly);
+- ``logits_topk_exact``: the same on the kernel's exact path alone (``GROUP_CONFIG`` set so that no row is grouped:
+  the path before the grouped bound; ``bitwise``);
 - ``logits_topk_ranges``: the same with the queries' column ranges passed (the kernel path masks a copy first);
 - ``keys_topk``: :func:`dtkv.ops.keys_topk` of the packed keys with the slots (decode's radix select over many
   programs a row, at prefill's rows; ``bitwise``: the packed path's result exactly);
@@ -31,7 +33,8 @@ are the float32 logits' selection keys). Rows (``phase: "topk"``), one per case 
 
 Each row: ``tokens``, ``context``, ``ms`` (median of ``--reps`` CUDA-event timings after a warmup), ``gbps`` (the
 top-k's logits read once; the quantization's bytes in and out), ``peak_mem_gb``, ``speedup`` (``logits_topk``: the
-packed path's ms over its own), ``config`` (the kernel's launch). ``--sweep`` times :data:`CANDIDATES` at
+packed path's ms over its own), ``vs_exact`` (``logits_topk``: ``logits_topk_exact``'s ms over its own), ``group``
+(the columns a group of the grouped bound, 0: exact), ``config`` (the kernel's launch and ``GROUP_CONFIG``). ``--sweep`` times :data:`CANDIDATES` at
 :data:`SWEEP_CASES` (rows ``phase: "topk_sweep"``, each checked ``bitwise``).
 
 Writes ``logits_topk_<hw>_<date>.jsonl`` and ``.md`` into ``--out-dir`` and prints a closing ``SUMMARY`` line.
@@ -100,6 +103,18 @@ def _new(c: dict, k: int, backend: str, ranges: bool = False):
     return lambda: logits_topk(c["logits"], k, key_slots=c["slots"], backend=backend, **kw)
 
 
+def _exact(c: dict, k: int, backend: str):
+    def run():
+        before = dict(_mod.GROUP_CONFIG)
+        _mod.GROUP_CONFIG["ratio"] = 2**62  # no row has that many groups
+        try:
+            return logits_topk(c["logits"], k, key_slots=c["slots"], backend=backend)
+        finally:
+            _mod.GROUP_CONFIG.update(before)
+
+    return run
+
+
 def _modes(c: dict, k: int, tokens: int, context: int, visible: int, device: torch.device) -> dict:
     """Mode -> (call, bytes it moves) of one case."""
     heads, dim = c["q"].shape[1:]
@@ -110,6 +125,7 @@ def _modes(c: dict, k: int, tokens: int, context: int, visible: int, device: tor
     args = (c["q"], c["w"], c["pages"], c["slots"], c["start"], c["end"])
     return {
         "packed": (_packed(c, k), 8 * visible),
+        "logits_topk_exact": (_exact(c, k, c["backend"]), 4 * visible),
         "logits_topk": (_new(c, k, c["backend"]), 4 * visible),
         "logits_topk_ranges": (_new(c, k, c["backend"], ranges=True), 4 * visible),
         "keys_topk": (lambda: keys_topk(c["keys"], k, key_slots=c["slots"], backend=c["backend"]), 8 * visible),
@@ -137,11 +153,17 @@ def run_cases(cases, device: torch.device, *, reps: int, smoke: bool, log=print)
             try:
                 ms, peak, out = bil.timed(fn, device, reps)
                 row |= {"ms": ms, "peak_mem_gb": peak, "gbps": nbytes / (ms * 1e6), "ok": True}
-                if mode in ("logits_topk", "logits_topk_ranges", "keys_topk"):
-                    cfg = _keys_mod.KERNEL_CONFIG if mode == "keys_topk" else _mod.KERNEL_CONFIG
-                    row |= {"config": dict(cfg), "bitwise": bool(torch.equal(out, results["packed"]))}
+                if mode in ("logits_topk", "logits_topk_exact", "logits_topk_ranges", "keys_topk"):
+                    if mode == "keys_topk":
+                        cfg = dict(_keys_mod.KERNEL_CONFIG)
+                    else:
+                        cfg = {**_mod.KERNEL_CONFIG, "group": dict(_mod.GROUP_CONFIG)}
+                        row["group"] = 0 if mode == "logits_topk_exact" else _mod.group_size(context, k)
+                    row |= {"config": cfg, "bitwise": bool(torch.equal(out, results["packed"]))}
                     row["ok"] = row["bitwise"]
                     row["speedup"] = rows_ms(rows, tokens, context, "packed") / ms
+                    if mode == "logits_topk":
+                        row["vs_exact"] = rows_ms(rows, tokens, context, "logits_topk_exact") / ms
                 if mode == "quantize":
                     want = out
                 if mode == "quantize_torch" and want is not None:
@@ -195,6 +217,7 @@ def _line(r: dict) -> str:
         return f"{head}  error: {r['error']}"
     extra = "".join(f" {key}={r[key]}" for key in ("bitwise",) if key in r)
     speed = f" x{r['speedup']:.2f}" if "speedup" in r else ""
+    speed += f" x{r['vs_exact']:.2f} vs exact (groups of {r['group']})" if "vs_exact" in r else ""
     cfg = f" {json.dumps(r['config'])}" if r["phase"] == "topk_sweep" else ""
     return f"{head} {r['ms']:10.3f} ms {r.get('gbps', 0):9.1f} GB/s{speed}{extra}{cfg}"
 
@@ -222,7 +245,8 @@ def markdown(rows: list[dict], command: str) -> str:
 def summary(rows: list[dict]) -> str:
     new = [r for r in rows if r["phase"] == "topk" and r.get("mode") == "logits_topk"]
     bad = [r for r in rows if not r.get("ok")]
-    parts = [f"{r['tokens']}x{r['context']}: {r['ms']:.2f} ms (x{r['speedup']:.2f})" for r in new if "ms" in r]
+    parts = [f"{r['tokens']}x{r['context']}: {r['ms']:.2f} ms (x{r['speedup']:.2f}, x{r['vs_exact']:.2f} the exact path)"
+             for r in new if "ms" in r]  # fmt: skip
     return f"SUMMARY logits_topk vs the packed path: {'; '.join(parts) or 'nothing ran'}; {len(bad)} failed"
 
 

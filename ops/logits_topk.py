@@ -31,6 +31,25 @@ Launch: :data:`KERNEL_CONFIG`; ``benchmarks/bench_logits_topk.py`` times it agai
 8192 queries x 8K-128K keys: 1.26-1.55x its speed, 2026-12-06). At decode's few rows a program a row is slower
 than the packed path, which the runtime's decode keeps.
 
+**Rows of many keys** (the grouped bound; ``K >= 2 * ratio * k``, :data:`GROUP_CONFIG`, :func:`group_size`): step
+1's ``torch.topk`` over the whole row is most of the path's time. Cut the row into groups of ``G`` columns instead:
+
+1. one launch (:func:`_group_max_kernel`) writes each group's largest order key, ``[N, K / G]`` int32;
+2. ``torch.topk`` of those finds the ``k``-th largest group maximum, the row's *bound*: ``k`` groups hold a key at
+   or above it, so the row's ``k`` best (and every key tied with the ``k``-th) are at or above it too;
+3. one launch, a program a row (:func:`_candidates_kernel`), lists the groups whose maximum reaches the bound (a
+   scan of ``K / G`` keys) and copies only their candidates at or above it, in column order, to ``[N, cap * k]``
+   rows (values and columns; ``-inf`` / ``-1`` after them) -- about ``1.1 k`` of them a row when the logits are not
+   clustered;
+4. a row with more than ``cap * k`` candidates at its bound (many exact ties; high logits in runs of
+   neighbouring columns) *overflows*: one launch, a program a row (:func:`_overflow_rows_kernel`, whose other
+   programs return at once) finds its exact ``k``-th best key by a radix select over the whole row (four rounds of
+   8-bit digits) and writes its ``k`` best, in column order, over its candidates' row;
+5. steps 1-3 above over those rows (their columns are in order: ties still go to the lowest column), the
+   positions mapped back to columns.
+
+No host read, no data-dependent shape: the result is the exact path's, bit for bit, whichever rows overflow.
+
 Legend: ``N`` queries (rows), ``K`` key columns, ``k`` kept per row.
 """
 
@@ -40,11 +59,11 @@ import torch
 
 from dtkv._checks import check_int, check_tensor
 
-from ._common import device_ctx, index_arg, resolve_backend, tl, triton
+from ._common import HIST_HAS_MASK, device_ctx, index_arg, masked_histogram, resolve_backend, tl, triton
 from .indexer_logits import indexer_topk
 from .selection_keys import selection_keys
 
-__all__ = ["KERNEL_CONFIG", "logits_topk", "logits_topk_torch"]
+__all__ = ["GROUP_CONFIG", "KERNEL_CONFIG", "group_size", "logits_topk", "logits_topk_torch"]
 
 _IDX_DTYPES = (torch.int32, torch.int64)
 _REF_BLOCK_BYTES = 1 << 28
@@ -55,6 +74,12 @@ KERNEL_CONFIG: dict[str, int] = {"block": 1024, "num_warps": 4, "num_stages": 2}
 passes over the kept values; a power of two below ``2**15``), ``num_warps``, ``num_stages`` (loads of the pass in
 flight). On one H100 the default is within 2% of the fastest of ``bench_logits_topk.py --sweep``'s ten launches at
 8192 queries x 32K and 128K keys (2026-12-06)."""
+
+GROUP_CONFIG: dict[str, int] = {"ratio": 4, "max_group": 32, "cap": 2, "group_block": 1024, "scan_block": 1024}
+"""The grouped bound (module docstring, *rows of many keys*): a row of ``K`` columns is cut into groups of ``G``
+columns, ``G`` the largest power of two up to ``max_group`` with ``K // G >= ratio * k`` (none below 2: the exact
+path); ``cap * k`` candidates a row at most (rows past it take the exact path); ``group_block`` groups a step of
+the group scan, ``scan_block`` columns a step of the candidates' scan (powers of two)."""
 
 
 # ----------------------------------------------------------------------------------------- torch reference
@@ -154,6 +179,166 @@ def _logits_topk_select_kernel(
         tl.store(col_ptr + row * k + c0 + j, tl.full([BLOCK], -1, tl.int32), mask=pad)
 
 
+@triton.jit(do_not_specialize=["num_keys", "num_groups", "l_sn"])
+def _group_max_kernel(
+    gmax_ptr,  # [N, num_groups] int32, contiguous: each group's largest order key (-2**31: no candidate)
+    logits_ptr,  # [N, K] float32; row stride l_sn, columns contiguous
+    num_keys,
+    num_groups,  # cdiv(K, G)
+    l_sn,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+):
+    """Program ``(n, b)``: groups ``b * BLOCK_G ...`` of row ``n``, ``G`` columns each."""
+    row = tl.program_id(0).to(tl.int64)
+    grp = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+    cols = grp[:, None] * G + tl.arange(0, G)[None, :]
+    u = _order_key(tl.load(logits_ptr + row * l_sn + cols, mask=cols < num_keys, other=float("-inf")))
+    tl.store(gmax_ptr + row * num_groups + grp, tl.max(u, axis=1), mask=grp < num_groups)
+
+
+@triton.jit(do_not_specialize=["num_keys", "num_groups", "cap", "l_sn"])
+def _candidates_kernel(
+    val_ptr,  # [N, cap] float32, contiguous: the candidates at or above the bound, column order, -inf after them
+    col_ptr,  # [N, cap] int32, contiguous: their columns, -1 after them
+    count_ptr,  # [N] int32: how many candidates the row has at or above the bound (cap + 1: more than cap)
+    gid_ptr,  # [N, cap] int32 scratch: the groups the row keeps, in order
+    logits_ptr,  # [N, K] float32; row stride l_sn, columns contiguous
+    gmax_ptr,  # [N, num_groups] int32 (_group_max_kernel)
+    bound_ptr,  # [N] int32: the row's bound, an order key
+    num_keys,
+    num_groups,
+    cap,
+    l_sn,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # groups a step of the candidates' scan (BLOCK_S * G columns)
+):
+    """Program ``n``: the candidates of row ``n`` at or above its bound (the module docstring's grouped step 3):
+    a scan of the group maxima lists the groups that can hold one, then only those groups' columns are read."""
+    row = tl.program_id(0).to(tl.int64)
+    zero = num_keys * 0
+    t = tl.load(bound_ptr + row)
+    # the groups with a candidate at or above t, in order (each holds one: more than cap of them overflow)
+    jg = tl.arange(0, BLOCK_G)
+    kept = zero
+    for g0 in range(0, num_groups, BLOCK_G):
+        grp = g0 + jg
+        m = tl.load(gmax_ptr + row * num_groups + grp, mask=grp < num_groups, other=-2147483648)
+        s = ((m >= t) & (m != -2147483648)).to(tl.int32)
+        pos = kept + tl.cumsum(s, axis=0) - s
+        tl.store(gid_ptr + row * cap + pos, grp, mask=(s != 0) & (pos < cap))
+        kept += tl.sum(s, axis=0)
+    listed = tl.where(kept > cap, 0, kept)  # past cap the row overflows: the exact path takes it
+    # their candidates at or above t, in column order
+    js = tl.arange(0, BLOCK_S)
+    jc = tl.arange(0, G)
+    put = zero
+    for s0 in range(0, listed, BLOCK_S):
+        live = s0 + js < listed
+        grp = tl.load(gid_ptr + row * cap + s0 + js, mask=live, other=0)
+        cols = grp[:, None] * G + jc[None, :]
+        ok = live[:, None] & (cols < num_keys)
+        x = tl.load(logits_ptr + row * l_sn + cols, mask=ok, other=float("-inf"))
+        u = _order_key(x)
+        c = tl.reshape(((u >= t) & (u != -2147483648) & ok).to(tl.int32), [BLOCK_S * G])
+        xs = tl.reshape(x, [BLOCK_S * G])
+        cs = tl.reshape(cols, [BLOCK_S * G])
+        pos = put + tl.cumsum(c, axis=0) - c
+        take = (c != 0) & (pos < cap)
+        tl.store(val_ptr + row * cap + pos, xs, mask=take)
+        tl.store(col_ptr + row * cap + pos, cs, mask=take)
+        put += tl.sum(c, axis=0)
+    tl.store(count_ptr + row, tl.where(kept > cap, cap + 1, tl.minimum(put, cap + 1)))
+    jp = tl.arange(0, BLOCK_G)
+    for c0 in range(0, cap, BLOCK_G):  # the rest of the row: padding
+        pad = (c0 + jp < cap) & (c0 + jp >= put)
+        tl.store(val_ptr + row * cap + c0 + jp, tl.full([BLOCK_G], float("-inf"), tl.float32), mask=pad)
+        tl.store(col_ptr + row * cap + c0 + jp, tl.full([BLOCK_G], -1, tl.int32), mask=pad)
+
+
+@triton.jit
+def _descend(h, prefix, rem, SHIFT: tl.constexpr):
+    """From a round's histogram ``h`` (256 bins of digit ``[SHIFT, SHIFT + 8)`` of the keys sharing ``prefix``'s
+    bits above it): the prefix with the digit where the count of keys from the top reaches ``rem``, how many keys
+    with that prefix are still needed, and whether that is all of them (int32 1/0)."""
+    b = tl.arange(0, 256)
+    above = tl.sum(h, axis=0) - tl.cumsum(h, axis=0)  # keys in bins above b
+    d = tl.max(tl.where((above < rem) & (above + h >= rem), b, -1), axis=0)
+    rem = rem - tl.sum(tl.where(b == d, above, 0), axis=0)
+    done = (tl.sum(tl.where(b == d, h, 0), axis=0) == rem).to(tl.int32)
+    raw = d
+    if SHIFT == 24:  # the top digit's sign bit is flipped (key order)
+        raw = d ^ 0x80
+    return prefix | (raw << SHIFT), rem, done
+
+
+@triton.jit(do_not_specialize=["num_keys", "k", "cap", "l_sn"])
+def _overflow_rows_kernel(
+    val_ptr,  # [N, cap] float32, contiguous (_candidates_kernel's): an overflowing row's k best, column order
+    col_ptr,  # [N, cap] int32, contiguous: their columns, -1 after them
+    count_ptr,  # [N] int32 (_candidates_kernel's): past cap, the row overflowed
+    logits_ptr,  # [N, K] float32; row stride l_sn, columns contiguous
+    num_keys,
+    k,
+    cap,
+    l_sn,
+    BLOCK: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    HIST_MASK: tl.constexpr,
+):
+    """Program ``n``: nothing, unless row ``n`` overflowed; then its exact ``k`` best, in column order, over its
+    candidates' row (the module docstring's grouped step 4): a radix select of the ``k``-th best order key ``t`` in
+    four rounds of 8-bit digits (``tl.histogram``; a row is resolved once every key with the chosen prefix is
+    needed), then one read of the row that writes the keys above ``t`` and the lowest-column ones at ``t``."""
+    row = tl.program_id(0).to(tl.int64)
+    if tl.load(count_ptr + row) > cap:
+        j = tl.arange(0, BLOCK)
+        zero = num_keys * 0
+        src = logits_ptr + row * l_sn
+        # round 0: the top digit of every candidate
+        hist = tl.zeros([256], dtype=tl.int32)
+        for c0 in tl.range(0, num_keys, BLOCK, num_stages=NUM_STAGES):
+            u = _order_key(tl.load(src + c0 + j, mask=c0 + j < num_keys, other=float("-inf")))
+            hist += masked_histogram(((u >> 24) & 0xFF) ^ 0x80, 256, u != -2147483648, HIST_MASK)
+        t, rem, done = _descend(hist, zero, zero + k, 24)
+        # rounds 1-3: the next digit of the keys sharing the prefix, until every key with the prefix is needed
+        for r in tl.static_range(1, 4):
+            if done == 0:
+                hist = tl.zeros([256], dtype=tl.int32)
+                for c0 in tl.range(0, num_keys, BLOCK, num_stages=NUM_STAGES):
+                    u = _order_key(tl.load(src + c0 + j, mask=c0 + j < num_keys, other=float("-inf")))
+                    same = (u != -2147483648) & ((u >> (32 - 8 * r)) == (t >> (32 - 8 * r)))
+                    hist += masked_histogram((u >> (24 - 8 * r)) & 0xFF, 256, same, HIST_MASK)
+                t, rem, done = _descend(hist, t, rem, 24 - 8 * r)
+        # the keys above t and the `rem` lowest-column keys at t (a resolved row's t is its prefix with the lower
+        # bits zero: every key at or above it is needed), as _logits_topk_select_kernel writes them
+        need = rem
+        put = zero
+        seen = zero
+        for c0 in tl.range(0, num_keys, BLOCK, num_stages=NUM_STAGES):
+            cols = c0 + j
+            x = tl.load(src + cols, mask=cols < num_keys, other=float("-inf"))
+            u = _order_key(x)
+            ok = u != -2147483648
+            gt = ok & (u > t)
+            at = ok & (u == t)
+            both = gt.to(tl.int32) + (at.to(tl.int32) << 16)
+            before = tl.cumsum(both, axis=0) - both
+            at_before = seen + (before >> 16)
+            pos = row * cap + put + (before & 0xFFFF) + tl.minimum(at_before, need) - tl.minimum(seen, need)
+            take = gt | (at & (at_before < need))
+            tl.store(val_ptr + pos, x, mask=take)
+            tl.store(col_ptr + pos, cols, mask=take)
+            total = tl.sum(both, axis=0)
+            put += (total & 0xFFFF) + tl.minimum(seen + (total >> 16), need) - tl.minimum(seen, need)
+            seen += total >> 16
+        for c0 in range(0, cap, BLOCK):  # the rest of the row: padding
+            pad = (c0 + j < cap) & (c0 + j >= put)
+            tl.store(val_ptr + row * cap + c0 + j, tl.full([BLOCK], float("-inf"), tl.float32), mask=pad)
+            tl.store(col_ptr + row * cap + c0 + j, tl.full([BLOCK], -1, tl.int32), mask=pad)
+
+
 # ----------------------------------------------------------------------------------------- launch
 def _select(logits, start, end, slots, k: int) -> torch.Tensor:
     """The kernel path (module docstring): ``[N, k]`` int64 columns or slots, ``-1`` padded."""
@@ -166,6 +351,33 @@ def _select(logits, start, end, slots, k: int) -> torch.Tensor:
         cols = torch.arange(num_keys, device=dev)
         inside = (cols[None, :] >= start[:, None].to(torch.int64)) & (cols[None, :] < end[:, None].to(torch.int64))
         src = torch.where(inside, logits, torch.full((), float("-inf"), device=dev))
+    group = group_size(num_keys, k)
+    best = _select_grouped(src, k, group) if group else _select_exact(src, k)
+    if slots is None:
+        return best
+    # the slots after the kernel: a load of them inside it took 148 registers a thread against 63 (sm_90), a third
+    # of the programs an SM, and the pass is latency-bound
+    return torch.where(best >= 0, slots.to(torch.int64)[best.clamp(0, num_keys - 1)], best)
+
+
+def group_size(num_keys: int, k: int) -> int:
+    """The grouped bound's columns a group for rows of ``num_keys`` columns (:data:`GROUP_CONFIG`), ``0`` where the
+    rows take the exact path."""
+    ratio, most = int(GROUP_CONFIG["ratio"]), int(GROUP_CONFIG["max_group"])
+    for name, v in (("ratio", ratio), ("cap", int(GROUP_CONFIG["cap"]))):
+        if v < 1:  # the bound needs k groups; the candidates' rows hold the k best
+            raise ValueError(f"GROUP_CONFIG['{name}'] must be >= 1, got {v}")
+    g = 1
+    while 2 * g <= most and num_keys // (2 * g) >= ratio * k:
+        g *= 2
+    return g if g >= 2 else 0
+
+
+def _select_exact(src: torch.Tensor, k: int) -> torch.Tensor:
+    """Steps 1-3 (module docstring) over ``src`` ``[N, K]`` (``-inf`` outside the candidates): ``[N, k]`` int64
+    columns, best first, ``-1`` padded."""
+    n, num_keys = src.shape
+    dev = src.device
     kk = min(k, num_keys)
     kept = torch.topk(src, kk, dim=1, largest=True, sorted=False).values.contiguous()
     order = torch.empty((n, k), dtype=torch.int32, device=dev)
@@ -181,12 +393,43 @@ def _select(logits, start, end, slots, k: int) -> torch.Tensor:
     # best first: a stable sort of the 32-bit order keys keeps equal ones in column order (ties to the lowest
     # column); the padding's -2**31 is below every candidate's
     by = torch.sort(order, dim=1, descending=True, stable=True).indices
-    best = torch.gather(cols, 1, by).to(torch.int64)
-    if slots is None:
-        return best
-    # the slots after the kernel: a load of them inside it took 148 registers a thread against 63 (sm_90), a third
-    # of the programs an SM, and the pass is latency-bound
-    return torch.where(best >= 0, slots.to(torch.int64)[best.clamp(0, num_keys - 1)], best)
+    return torch.gather(cols, 1, by).to(torch.int64)
+
+
+def _select_grouped(src: torch.Tensor, k: int, group: int) -> torch.Tensor:
+    """The grouped bound (module docstring, *rows of many keys*) over ``src`` ``[N, K]``: ``[N, k]`` int64 columns,
+    best first, ``-1`` padded."""
+    n, num_keys = src.shape
+    dev = src.device
+    cap = int(GROUP_CONFIG["cap"]) * k
+    scan_block, group_block = int(GROUP_CONFIG["scan_block"]), int(GROUP_CONFIG["group_block"])
+    for name, v, low in (("scan_block", scan_block, group), ("group_block", group_block, 1)):
+        if v < low or v & (v - 1):  # a scan step holds whole groups
+            raise ValueError(f"GROUP_CONFIG['{name}'] must be a power of two >= {low}, got {v}")
+    num_groups = -(-num_keys // group)
+    gmax = torch.empty((n, num_groups), dtype=torch.int32, device=dev)
+    vals = torch.empty((n, cap), dtype=torch.float32, device=dev)
+    cols = torch.empty((n, cap), dtype=torch.int32, device=dev)
+    gids = torch.empty((n, cap), dtype=torch.int32, device=dev)
+    count = torch.empty((n,), dtype=torch.int32, device=dev)
+    tile = max(1, 4096 // group)  # groups a program of the group maxima: 4096 columns
+    with device_ctx(dev):
+        _group_max_kernel[(n, -(-num_groups // tile))](
+            gmax, src, num_keys, num_groups, src.stride(0), G=group, BLOCK_G=tile, num_warps=4,
+        )  # fmt: skip
+        # the bound: the k-th largest group maximum (k groups hold a key at or above it, so the row's k best are)
+        bound = torch.topk(gmax, k, dim=1, largest=True, sorted=False).values.amin(dim=1).contiguous()
+        _candidates_kernel[(n,)](
+            vals, cols, count, gids, src, gmax, bound, num_keys, num_groups, cap, src.stride(0),
+            G=group, BLOCK_G=group_block, BLOCK_S=scan_block // group, num_warps=4,
+        )  # fmt: skip
+        _overflow_rows_kernel[(n,)](
+            vals, cols, count, src, num_keys, k, cap, src.stride(0), BLOCK=int(KERNEL_CONFIG["block"]),
+            NUM_STAGES=int(KERNEL_CONFIG["num_stages"]), HIST_MASK=HIST_HAS_MASK, num_warps=4,
+        )  # fmt: skip
+    # the candidates keep column order: the exact path over them breaks ties to the lowest column as over the row
+    at = _select_exact(vals, k)
+    return torch.where(at >= 0, torch.gather(cols, 1, at.clamp(0, cap - 1)).to(torch.int64), at)
 
 
 def _check(logits, key_start, key_end, key_slots, k) -> None:
@@ -248,7 +491,7 @@ def logits_topk(
     docstring).
 
     Run phase: no host synchronization, no data-dependent shapes (the kernel path: ``torch.topk``, one launch,
-    ``torch.sort``).
+    ``torch.sort``; on rows of many keys the grouped bound's launches first, module docstring).
 
     Args:
         logits: float32 ``[N, K]`` (e.g. :func:`dtkv.ops.indexer_logits`'s; ``-inf``: not a candidate).

@@ -73,17 +73,23 @@ LONG_TAIL: dict[str, str] = {
     "tests/test_integration_transformers.py::test_cp_prefill_and_decode_match_the_models_own_forward[glm5-zigzag-fp8-1-4-scheme]": "4 ranks at page size 1; [glm5-zigzag-bf16-64-3-prefetch] keeps GLM-5 quick",
     "tests/test_attention_models.py::test_transformers_absorbed_triton_vs_expanded_torch[glm5-bf16]": "interpreted sparse MLA for GLM-5; [deepseek-v32-bf16] stays quick",
     "tests/test_transfer_nixl.py::test_a_successful_start_and_transfer_print_nothing[WARN]": "a NIXL engine in a subprocess at another log level; [default] stays quick",
-    "tests/test_ops_logits_topk.py::test_triton_vs_reference_sizes[tiles16-3-300-31]": "the interpreted kernel at more sizes; [default-*] and the small sizes stay quick",
-    "tests/test_ops_logits_topk.py::test_triton_vs_reference_sizes[tiles16-2-1031-64]": "as above",
+    **{
+        f"tests/test_ops_logits_topk.py::test_triton_vs_reference_sizes[tiles16-{size}-{path}]": (
+            "the interpreted kernel at more sizes; [default-*] and the small sizes stay quick"
+        )
+        for size in ("3-300-31", "2-1031-64", "3-4099-5")
+        for path in ("exact", "grouped")
+    },
 }
 LONG_TAIL.update(
     {
-        f"tests/test_ops_logits_topk.py::test_triton_vs_reference[{launch}-{kind}]": (
+        f"tests/test_ops_logits_topk.py::test_triton_vs_reference[{launch}-{kind}-{path}]": (
             "another launch of the interpreted kernel on another input kind; every kind stays quick on the "
-            "default launch and on 16 columns a step, and every launch on ties and specials"
+            "default launch and on 16 columns a step, and every launch on ties and specials (both paths each)"
         )
         for launch in ("tiles32_warps4", "tiles128")
         for kind in ("normal", "constant", "sparse", "spread", "very_negative", "near_threshold")
+        for path in ("exact", "grouped")
     }
 )
 LONG_TAIL.update(

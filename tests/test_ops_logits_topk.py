@@ -12,6 +12,7 @@ No tolerances: the results are columns and slots, compared exactly.
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 import sys
@@ -34,6 +35,11 @@ LAUNCHES = {
     "tiles32_warps4": {"block": 32, "num_warps": 4},
     "tiles128": {"block": 128, "num_warps": 4},
 }
+PATHS = {
+    "exact": {"ratio": 10**9},  # no row has that many groups: steps 1-3 over the whole row
+    "grouped": {"ratio": 1, "scan_block": 32, "group_block": 16},  # groups at these sizes; scans of several steps
+}
+"""Settings of :data:`dtkv.ops.logits_topk.GROUP_CONFIG` that pick each path of the kernel."""
 KINDS = ("normal", "ties", "constant", "sparse", "specials", "spread", "very_negative", "near_threshold")
 
 
@@ -97,8 +103,9 @@ def test_reference_is_the_rule(kind):
     assert torch.equal(logits_topk_torch(x, 9, start, end, slots), _python_topk(x, 9, start, end, slots))
 
 
-def _check_triton(monkeypatch, kind, launch, n, num_keys, k):
+def _check_triton(monkeypatch, kind, launch, n, num_keys, k, path="exact"):
     monkeypatch.setattr(_mod, "KERNEL_CONFIG", {**_mod.KERNEL_CONFIG, **LAUNCHES[launch]})
+    monkeypatch.setattr(_mod, "GROUP_CONFIG", {**_mod.GROUP_CONFIG, **PATHS[path]})
     g = torch.Generator().manual_seed(n * num_keys + k + len(kind))
     x = _logits(kind, n, num_keys, k, g)
     start, end = _ranges(n, num_keys, g, dtype=torch.int32 if k % 2 else torch.int64)
@@ -109,21 +116,75 @@ def _check_triton(monkeypatch, kind, launch, n, num_keys, k):
         assert torch.equal(got, want), (kind, launch, list(kw), got, want)
 
 
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("launch", list(LAUNCHES))
-def test_triton_vs_reference(monkeypatch, kind, launch):
-    """Every kind of row under every launch, 5 rows of 97 columns, ``k = 12``."""
+def test_triton_vs_reference(monkeypatch, kind, launch, path):
+    """Every kind of row under every launch and both paths, 5 rows of 97 columns, ``k = 12``."""
     skip_unless("triton", "cpu")
-    _check_triton(monkeypatch, kind, launch, 5, 97, 12)
+    _check_triton(monkeypatch, kind, launch, 5, 97, 12, path)
 
 
-@pytest.mark.parametrize(("n", "num_keys", "k"), [(3, 1, 1), (4, 7, 16), (3, 300, 31), (2, 1031, 64)])
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize(("n", "num_keys", "k"), [(3, 1, 1), (4, 7, 16), (3, 300, 31), (2, 1031, 64), (3, 4099, 5)])
 @pytest.mark.parametrize("launch", ["default", "tiles16"])
-def test_triton_vs_reference_sizes(monkeypatch, launch, n, num_keys, k):
-    """One column, ``k`` past the columns, several tiles, a thousand columns: ties and spread rows."""
+def test_triton_vs_reference_sizes(monkeypatch, launch, n, num_keys, k, path):
+    """One column, ``k`` past the columns, several tiles, a thousand columns, groups of 32 and a partial last one:
+    ties and spread rows."""
     skip_unless("triton", "cpu")
     for kind in ("ties", "spread", "near_threshold"):
-        _check_triton(monkeypatch, kind, launch, n, num_keys, k)
+        _check_triton(monkeypatch, kind, launch, n, num_keys, k, path)
+
+
+def test_group_size():
+    """The largest power of two up to ``max_group`` that leaves ``ratio * k`` groups; none below 2."""
+    assert [_mod.group_size(num_keys, 2048) for num_keys in (8192, 16383, 16384, 32768, 131072, 1 << 20)] == [
+        0, 0, 2, 4, 16, 32,
+    ]  # fmt: skip
+    assert _mod.group_size(97, 12) == 2 and _mod.group_size(0, 1) == 0
+
+
+class _NoLaunch:
+    """A kernel whose launches do nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def test_rows_past_the_cap_take_the_radix_select(monkeypatch):
+    """Rows with at most ``cap * k`` candidates at their bound are selected from those candidates alone (right with
+    the overflow kernel's launches dropped); a row of equal logits (every column a candidate) overflows, and only
+    the overflow kernel makes it right. The exact path runs once, over the ``[N, cap * k]`` candidates."""
+    skip_unless("triton", "cpu")
+    monkeypatch.setattr(_mod, "GROUP_CONFIG", {**_mod.GROUP_CONFIG, "scan_block": 32, "group_block": 16})
+    assert _mod.group_size(401, 10) == 8  # 50 groups, the bound the 10th largest of their maxima
+    calls = []
+    exact = _mod._select_exact
+    monkeypatch.setattr(_mod, "_select_exact", lambda src, k: calls.append(tuple(src.shape)) or exact(src, k))
+    g = torch.Generator().manual_seed(12)
+    x = _logits("normal", 4, 401, 10, g)
+    x[2] = 0.5  # 401 candidates at the bound
+    want = _python_topk(x, 10)
+    assert torch.equal(logits_topk(x, 10, backend="triton"), want)
+    assert calls == [(4, 2 * 10)], calls
+    monkeypatch.setattr(_mod, "_overflow_rows_kernel", _NoLaunch())
+    got = logits_topk(x, 10, backend="triton")
+    assert [torch.equal(got[i], want[i]) for i in range(4)] == [True, True, False, True]
+
+
+def test_group_config_is_checked(monkeypatch):
+    x = torch.zeros(2, 200)
+    base = dict(_mod.GROUP_CONFIG)
+    for bad, match in (
+        ({"ratio": 0}, r"GROUP_CONFIG\['ratio'\] must be >= 1, got 0"),
+        ({"cap": 0}, r"GROUP_CONFIG\['cap'\] must be >= 1, got 0"),
+        ({"ratio": 1, "scan_block": 24}, r"GROUP_CONFIG\['scan_block'\] must be a power of two >= 32, got 24"),
+        ({"ratio": 1, "scan_block": 16}, r"GROUP_CONFIG\['scan_block'\] must be a power of two >= 32, got 16"),
+        ({"ratio": 1, "group_block": 6}, r"GROUP_CONFIG\['group_block'\] must be a power of two >= 1, got 6"),
+    ):
+        monkeypatch.setattr(_mod, "GROUP_CONFIG", {**base, **bad})
+        with pytest.raises(ValueError, match=match):
+            _mod._select(x, None, None, None, 4)
 
 
 def _ties_to_the_highest_column(x, k, dim=1, largest=True, sorted=True):
@@ -279,22 +340,27 @@ def test_kernel_stays_in_bounds(monkeypatch):
         kw = {"key_start": bands.put("start", start, poison=0), "key_end": bands.put("end", end, poison=70),
               "key_slots": bands.put("slots", torch.arange(70) * 5, poison=0)}  # fmt: skip
         want = logits_topk(*args, 8, backend="torch", **kw)
-        for name, launch in LAUNCHES.items():
+        for (name, launch), path in itertools.product(LAUNCHES.items(), PATHS):
             monkeypatch.setattr(_mod, "KERNEL_CONFIG", {**_mod.KERNEL_CONFIG, **launch})
+            monkeypatch.setattr(_mod, "GROUP_CONFIG", {**_mod.GROUP_CONFIG, **PATHS[path]})
             with address_check():
                 got = logits_topk(*args, 8, backend="triton", **kw)
             if not torch.equal(got, want):
-                problems.append(f"{kind} {name}: differs from the torch backend")
+                problems.append(f"{kind} {name} {path}: differs from the torch backend")
             if bands.changed():
-                problems.append(f"{kind} {name}: bands written next to {bands.changed()}")
+                problems.append(f"{kind} {name} {path}: bands written next to {bands.changed()}")
     assert problems == []
 
 
 def check_sm90_build(records: list[dict]) -> None:
-    """The kernel in the run's sm_90 build (``tests/test_ops_compile.py`` builds every kernel once, no GPU, and
-    calls this with its records): every launch compiles with no local memory (spills), the default one
+    """The kernels in the run's sm_90 build (``tests/test_ops_compile.py`` builds every kernel once, no GPU, and
+    calls this with its records): every launch compiles with no local memory (spills), the select kernel's default one
     (:data:`dtkv.ops.logits_topk.KERNEL_CONFIG`; 61 registers a thread with Triton 3.7) fits at least two programs
     an SM (one's scans overlap another's loads). The forced-int64 builds are left out."""
+    grouped = [
+        r for r in records if r["kernel"] in ("_group_max_kernel", "_candidates_kernel", "_overflow_rows_kernel")
+    ]
+    assert all(r["ok"] and r.get("local", 0) == 0 for r in grouped), grouped
     records = [r for r in records if r["kernel"] == "_logits_topk_select_kernel" and "int64 offsets" not in r["where"]]
     assert records and all(r["ok"] and r.get("local", 0) == 0 for r in records), records
     cfg = _mod.KERNEL_CONFIG
