@@ -158,7 +158,8 @@ def run_cases(cases, device: torch.device, *, reps: int, smoke: bool, log=print)
                         cfg = dict(_keys_mod.KERNEL_CONFIG)
                     else:
                         cfg = {**_mod.KERNEL_CONFIG, "group": dict(_mod.GROUP_CONFIG)}
-                        row["group"] = 0 if mode == "logits_topk_exact" else _mod.group_size(context, k)
+                        grouped = mode == "logits_topk" and c["backend"] == "triton"
+                        row["group"] = _mod.group_size(context, k) if grouped else 0
                     row |= {"config": cfg, "bitwise": bool(torch.equal(out, results["packed"]))}
                     row["ok"] = row["bitwise"]
                     row["speedup"] = rows_ms(rows, tokens, context, "packed") / ms

@@ -13,6 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 MODES = [
     "packed",
+    "logits_topk_exact",
     "logits_topk",
     "logits_topk_ranges",
     "keys_topk",
@@ -35,7 +36,12 @@ def test_smoke_rows(tmp_path):
     for r in rows:
         assert r["ok"] and r["ms"] > 0 and {"context", "k", "visible_keys", "gbps", "peak_mem_gb"} <= set(r), r
     assert all(
-        r["bitwise"] for r in rows if r["mode"] in ("logits_topk", "logits_topk_ranges", "keys_topk", "quantize_torch")
+        r["bitwise"]
+        for r in rows
+        if r["mode"] in ("logits_topk", "logits_topk_exact", "logits_topk_ranges", "keys_topk", "quantize_torch")
     )
+    new = [r for r in rows if r["mode"] == "logits_topk"]
+    assert all(r["vs_exact"] > 0 and r["group"] == 0 for r in new), new  # the torch backend: no groups
+    assert all(r["group"] == 0 for r in rows if r["mode"] == "logits_topk_exact")
     assert "SUMMARY logits_topk vs the packed path" in res.stdout and "; 0 failed" in res.stdout
     assert (tmp_path / jsonl.name.replace(".jsonl", ".md")).exists()
