@@ -159,7 +159,7 @@ def run_cases(cases, device: torch.device, *, reps: int, smoke: bool, log=print)
                     else:
                         cfg = {**_mod.KERNEL_CONFIG, "group": dict(_mod.GROUP_CONFIG)}
                         grouped = mode == "logits_topk" and c["backend"] == "triton"
-                        row["group"] = _mod.group_size(context, k) if grouped else 0
+                        row["group"] = _mod.group_size(context, k, rows=tokens) if grouped else 0
                     row |= {"config": cfg, "bitwise": bool(torch.equal(out, results["packed"]))}
                     row["ok"] = row["bitwise"]
                     row["speedup"] = rows_ms(rows, tokens, context, "packed") / ms

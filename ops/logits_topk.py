@@ -31,7 +31,8 @@ Launch: :data:`KERNEL_CONFIG`; ``benchmarks/bench_logits_topk.py`` times it agai
 8192 queries x 8K-128K keys: 1.26-1.55x its speed, 2026-12-06). At decode's few rows a program a row is slower
 than the packed path, which the runtime's decode keeps.
 
-**Rows of many keys** (the grouped bound; ``K >= 2 * ratio * k``, :data:`GROUP_CONFIG`, :func:`group_size`): step
+**Rows of many keys** (the grouped bound; ``K >= 2 * ratio * k`` and ``N >= min_rows``, :data:`GROUP_CONFIG`,
+:func:`group_size`): step
 1's ``torch.topk`` over the whole row is most of the path's time. Cut the row into groups of ``G`` columns instead:
 
 1. one launch (:func:`_group_max_kernel`) writes each group's largest order key, ``[N, K / G]`` int32;
@@ -75,11 +76,14 @@ passes over the kept values; a power of two below ``2**15``), ``num_warps``, ``n
 flight). On one H100 the default is within 2% of the fastest of ``bench_logits_topk.py --sweep``'s ten launches at
 8192 queries x 32K and 128K keys (2026-12-06)."""
 
-GROUP_CONFIG: dict[str, int] = {"ratio": 4, "max_group": 32, "cap": 2, "group_block": 1024, "scan_block": 1024}
+GROUP_CONFIG: dict[str, int] = {
+    "ratio": 4, "max_group": 32, "cap": 2, "min_rows": 128, "group_block": 1024, "scan_block": 1024,
+}  # fmt: skip
 """The grouped bound (module docstring, *rows of many keys*): a row of ``K`` columns is cut into groups of ``G``
-columns, ``G`` the largest power of two up to ``max_group`` with ``K // G >= ratio * k`` (none below 2: the exact
-path); ``cap * k`` candidates a row at most (rows past it take the exact path); ``group_block`` groups a step of
-the group scan, ``scan_block`` columns a step of the candidates' scan (powers of two)."""
+columns, ``G`` the largest power of two up to ``max_group`` with ``K // G >= ratio * k`` (none below 2, or fewer
+than ``min_rows`` rows: the exact path, faster at decode's few rows); ``cap * k`` candidates a row at most (rows
+past it overflow); ``group_block`` groups a step of the group scan, ``scan_block`` columns a step of the
+candidates' scan (powers of two)."""
 
 
 # ----------------------------------------------------------------------------------------- torch reference
@@ -351,7 +355,7 @@ def _select(logits, start, end, slots, k: int) -> torch.Tensor:
         cols = torch.arange(num_keys, device=dev)
         inside = (cols[None, :] >= start[:, None].to(torch.int64)) & (cols[None, :] < end[:, None].to(torch.int64))
         src = torch.where(inside, logits, torch.full((), float("-inf"), device=dev))
-    group = group_size(num_keys, k)
+    group = group_size(num_keys, k, rows=n)
     best = _select_grouped(src, k, group) if group else _select_exact(src, k)
     if slots is None:
         return best
@@ -360,13 +364,15 @@ def _select(logits, start, end, slots, k: int) -> torch.Tensor:
     return torch.where(best >= 0, slots.to(torch.int64)[best.clamp(0, num_keys - 1)], best)
 
 
-def group_size(num_keys: int, k: int) -> int:
-    """The grouped bound's columns a group for rows of ``num_keys`` columns (:data:`GROUP_CONFIG`), ``0`` where the
-    rows take the exact path."""
+def group_size(num_keys: int, k: int, *, rows: int | None = None) -> int:
+    """The grouped bound's columns a group for ``rows`` rows (``None``: enough) of ``num_keys`` columns
+    (:data:`GROUP_CONFIG`), ``0`` where the rows take the exact path."""
     ratio, most = int(GROUP_CONFIG["ratio"]), int(GROUP_CONFIG["max_group"])
     for name, v in (("ratio", ratio), ("cap", int(GROUP_CONFIG["cap"]))):
         if v < 1:  # the bound needs k groups; the candidates' rows hold the k best
             raise ValueError(f"GROUP_CONFIG['{name}'] must be >= 1, got {v}")
+    if rows is not None and rows < int(GROUP_CONFIG["min_rows"]):
+        return 0
     g = 1
     while 2 * g <= most and num_keys // (2 * g) >= ratio * k:
         g *= 2

@@ -37,7 +37,7 @@ LAUNCHES = {
 }
 PATHS = {
     "exact": {"ratio": 10**9},  # no row has that many groups: steps 1-3 over the whole row
-    "grouped": {"ratio": 1, "scan_block": 32, "group_block": 16},  # groups at these sizes; scans of several steps
+    "grouped": {"ratio": 1, "min_rows": 1, "scan_block": 32, "group_block": 16},  # groups here; scans of steps
 }
 """Settings of :data:`dtkv.ops.logits_topk.GROUP_CONFIG` that pick each path of the kernel."""
 KINDS = ("normal", "ties", "constant", "sparse", "specials", "spread", "very_negative", "near_threshold")
@@ -142,6 +142,7 @@ def test_group_size():
         0, 0, 2, 4, 16, 32,
     ]  # fmt: skip
     assert _mod.group_size(97, 12) == 2 and _mod.group_size(0, 1) == 0
+    assert _mod.group_size(131072, 2048, rows=128) == 16 and _mod.group_size(131072, 2048, rows=127) == 0
 
 
 class _NoLaunch:
@@ -156,8 +157,8 @@ def test_rows_past_the_cap_take_the_radix_select(monkeypatch):
     the overflow kernel's launches dropped); a row of equal logits (every column a candidate) overflows, and only
     the overflow kernel makes it right. The exact path runs once, over the ``[N, cap * k]`` candidates."""
     skip_unless("triton", "cpu")
-    monkeypatch.setattr(_mod, "GROUP_CONFIG", {**_mod.GROUP_CONFIG, "scan_block": 32, "group_block": 16})
-    assert _mod.group_size(401, 10) == 8  # 50 groups, the bound the 10th largest of their maxima
+    monkeypatch.setattr(_mod, "GROUP_CONFIG", {**_mod.GROUP_CONFIG, "min_rows": 1, "scan_block": 32, "group_block": 16})
+    assert _mod.group_size(401, 10, rows=4) == 8  # 50 groups, the bound the 10th largest of their maxima
     calls = []
     exact = _mod._select_exact
     monkeypatch.setattr(_mod, "_select_exact", lambda src, k: calls.append(tuple(src.shape)) or exact(src, k))
@@ -174,7 +175,7 @@ def test_rows_past_the_cap_take_the_radix_select(monkeypatch):
 
 def test_group_config_is_checked(monkeypatch):
     x = torch.zeros(2, 200)
-    base = dict(_mod.GROUP_CONFIG)
+    base = {**_mod.GROUP_CONFIG, "min_rows": 1}
     for bad, match in (
         ({"ratio": 0}, r"GROUP_CONFIG\['ratio'\] must be >= 1, got 0"),
         ({"cap": 0}, r"GROUP_CONFIG\['cap'\] must be >= 1, got 0"),
@@ -371,10 +372,14 @@ def check_sm90_build(records: list[dict]) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("grouped", [False, True])
 @pytest.mark.parametrize("kind", ["normal", "ties", "near_threshold", "spread"])
-def test_cuda_kernel_vs_reference_at_deepseek_dims(kind):
+def test_cuda_kernel_vs_reference_at_deepseek_dims(monkeypatch, kind, grouped):
     """On a GPU, ``k = 2048`` over causal rows of a 32K key table (the last chunk of a 32K prompt, every 97th query
-    of it): the reference's columns and slots exactly."""
+    of it), on both paths (groups of 4; ties and runs of close values overflow): the reference's columns and slots
+    exactly."""
+    monkeypatch.setattr(_mod, "GROUP_CONFIG", {**_mod.GROUP_CONFIG, **({"min_rows": 1} if grouped else PATHS["exact"])})
+    assert _mod.group_size(32768, 2048, rows=85) == (4 if grouped else 0)
     g = torch.Generator().manual_seed(11)
     n, num_keys = 85, 32768
     x = _logits(kind, n, num_keys, 2048, g).cuda()
