@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -519,12 +520,17 @@ def test_dtkv_demo_names_itself_in_help_and_usage_errors():
 @pytest.mark.slow  # the demo's default sizes: 20-60 s each on 2 cores
 @pytest.mark.parametrize("model", ["deepseek-v32", "glm5"])
 def test_default_transformers_runs_say_where_their_worst_difference_comes_from(model):
-    """The default run's worst logit difference (1.0e-1 / 1.7e-1 on one machine, above the grid's 1.3e-4) is
-    attributed, and the docs show what the run prints: one process (cp=1) has the same worst value at the same
-    position and the sharded logits equal its own, so it is the reference's rounding, not the sharding.
+    """The default run's worst logit difference (above the grid's 1.3e-4 where a near tie flips) is attributed on
+    every machine: one process (cp=1) has the same worst value at the same position and the sharded logits are
+    within the tolerance of its own, so it is the reference's rounding, not the sharding.
 
-    Whether a near tie flips depends on the machine's float summation: where none does, the worst stays within the
-    tolerance, the reason says so, nothing is attributed, and the docs name that case too."""
+    Which near tie flips, and so the worst value and its position, depends on the machine's float summation (its
+    BLAS kernels): 1.0e-1 / 1.7e-1 on the machine docs/transformers.md's table was measured on, 6.4e-1 (request 1
+    position 461) / 7.3e-2 (request 0 position 313) on an Intel Xeon, within the tolerance (no flip) for GLM-5 on
+    an AMD EPYC. So the table row's numbers are asserted only where this machine reproduces the documented run
+    (the same worst value and position); elsewhere the row must exist and the docs must say that the numbers are
+    one machine's. Where no near tie flips, the worst stays within the tolerance, the reason says so, nothing is
+    attributed, and the docs name that case too."""
     pytest.importorskip("transformers", reason="the hf extra (transformers==5.17.0)")
     out = _demo("--model", model, "--json", timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -537,6 +543,20 @@ def test_default_transformers_runs_say_where_their_worst_difference_comes_from(m
         return
     assert c["ok"] and c["one_process_where"] == c["where"] and c["one_process_worst"] == pytest.approx(c["worst"])
     assert c["sharded_vs_one_process"] <= c["tolerance"] and "not the sharding" in c["reason"], c["reason"]
-    row = next(ln for ln in docs.splitlines() if ln.startswith(f"| `--model {model}` |"))
-    assert f"{c['worst']:.1e} ({c['where']})" in row, (row, c["worst"], c["where"])
-    assert f"{100 * (1 - c['within_tolerance']):.1f}%" in row
+    row = next((ln for ln in docs.splitlines() if ln.startswith(f"| `--model {model}` |")), None)
+    assert row is not None, f"docs/transformers.md has no table row for --model {model}"
+    cells = [cell.strip() for cell in row.strip().strip("|").split("|")]
+    documented = re.fullmatch(r"(\S+) \((request \d+ position \d+)\)", cells[1])
+    assert len(cells) == 5 and documented, row
+    if documented.groups() == (f"{c['worst']:.1e}", c["where"]):  # this machine reproduces the documented run
+        assert cells[2] == f"{100 * (1 - c['within_tolerance']):.1f}%", (row, c["within_tolerance"])
+        assert cells[3] == "the same value at the same position", row
+        agree = "bitwise equal" if c["sharded_vs_one_process"] == 0 else f"within {c['sharded_vs_one_process']:.1e}"
+        assert cells[4] == agree, (row, c["sharded_vs_one_process"])
+    else:  # another machine's float summation flips another near tie: the docs must say the numbers are one machine's
+        explains = "Which near ties flip depends on the machine's float summation"
+        assert explains in docs, (
+            row,
+            f"{c['worst']:.1e} ({c['where']})",
+            "docs must say the numbers are one machine's",
+        )

@@ -7,17 +7,31 @@ as the pools store them (``layouts``). So what is compared is dtkv's split, writ
 storage, not the KV format's precision. Criteria, for every prompt position and every decode step:
 
 - greedy tokens equal the reference's, on every rank;
-- at least ``MIN_WITHIN`` (97%) of positions have max ``|logit - reference|`` within ``TOL``, and none exceeds
-  ``MAX_DIFF``. ``TOL`` is float32 summation-order noise (CP computes matmuls and the sparse attention over
-  other row and key counts than the full forward), amplified by the stored format: fp32 KV 1e-5 (measured
-  <= 1e-6), fp8 1e-4 (measured <= 3e-6: keys are quantized from rows equal up to that noise, which almost never
-  moves an e4m3 rounding), bf16 2e-3 (measured <= 1.3e-4: the noise moves the bf16 rounding of an occasional
-  latent element). Why not 100%: the model is discontinuous (MoE top-2 routing, index top-k), and noise flips a
-  near-tie at an isolated position. With an earlier prompt set, DeepSeek-V3.2's layer-2 router scored experts
-  0.4713171 and 0.4713162 (gap 9e-7) at one position; bf16 KV moved that position by 0.19, and 99.3% of positions
-  stayed within 1e-4. With ``PROMPTS`` every position of the 72-run grid is within ``TOL``.
+- no position's max ``|logit - reference|`` exceeds ``MAX_DIFF``, and every position is within ``TOL`` of the
+  reference or *explained*: the same prompts served by one process (cp=1, the same runtime, KV dtype, split and
+  page size: :func:`one_process_run`) give logits within ``TOL`` of the CP run's there, so the difference is the
+  reference's own rounding, not the sharding -- the attribution ``python -m dtkv.demo`` prints
+  (:func:`dtkv.demo._verdict.one_process_note`), applied at every position instead of the worst one;
+- at least the demo verdict's fraction of positions is within ``TOL`` (:data:`dtkv.demo._verdict.MIN_WITHIN`:
+  97% for fp32 and bf16 KV, 90% for fp8 KV, whose rounding adds a discontinuity of its own). The attribution
+  is what catches a sharding bug (at any position, by its own ``TOL``); this floor guards against a drift that
+  one process shares, which the attribution cannot see.
 
-Measured on this machine (2 cores, torch 2.13 CPU): identical per-position differences for every cp size,
+``TOL`` is float32 summation-order noise (CP computes matmuls and the sparse attention over other row and key
+counts than the full forward), amplified by the stored format: fp32 KV 1e-5 (measured <= 1e-6), fp8 1e-4
+(measured <= 3e-6: keys are quantized from rows equal up to that noise, which almost never moves an e4m3
+rounding), bf16 2e-3 (measured <= 1.3e-4: the noise moves the bf16 rounding of an occasional latent element). Why
+positions may exceed it: the model is discontinuous (MoE top-2 routing, index top-k), and noise flips a near-tie
+at an isolated position. With an earlier prompt set, DeepSeek-V3.2's layer-2 router scored experts 0.4713171 and
+0.4713162 (gap 9e-7) at one position; bf16 KV moved that position by 0.19, and 99.3% of positions stayed within
+1e-4. Which near ties flip depends on the machine's float summation (its BLAS kernels), so a fixed fraction is
+not a portable criterion: with ``PROMPTS`` every position of the 72-run grid is within ``TOL`` on the machine
+below, while on an Intel Xeon (2 cores, torch 2.13 CPU) GLM-5 with shared indexer layers and fp8 KV has 8 of 224
+positions (CP prefill + decode, up to 7.5e-4) and 9 of 227 (sharded decode, ``tests/test_runtime_transformers.py``,
+up to 8.8e-4) outside ``TOL`` -- and one process has the same differences there, its logits within 1.2e-6 of the CP
+run's at every position. The one-process run costs about a second and runs only when some position is outside ``TOL``.
+
+Measured on the grid's machine (2 cores, torch 2.13 CPU): identical per-position differences for every cp size,
 split and page size of a (model, KV dtype) pair; prefill + decode took 0.4-2.8 s per run
 (``benchmarks/results/hf_parity_cpu_2026-11-30.md``).
 """
@@ -32,6 +46,8 @@ import torch
 
 pytest.importorskip("transformers", reason="the hf extra (transformers==5.17.0)")
 
+from dtkv.demo._verdict import MIN_WITHIN as VERDICT_MIN_WITHIN  # noqa: E402
+from dtkv.demo._verdict import TOLERANCE as VERDICT_TOLERANCE  # noqa: E402
 from dtkv.integrations.transformers import (  # noqa: E402
     TransformersAdapter,
     geometry_of,
@@ -47,8 +63,10 @@ PROMPT_LENS = (150, 61, 7)  # three chunks, one chunk, a short request that fall
 CHUNK = 64
 DECODE_STEPS = 2
 TOL = {"fp32": 1e-5, "fp8": 1e-4, "bf16": 2e-3}
-MIN_WITHIN = 0.97
+MIN_WITHIN = 0.97  # a bfloat16 model in one process (test_bfloat16_model_matches_its_own_forward_within_an_ulp)
+FLOOR = {kv: VERDICT_MIN_WITHIN[("float32", kv)] for kv in TOL}  # the demo verdict's fraction within TOL
 MAX_DIFF = 1.0
+assert all(VERDICT_TOLERANCE[("float32", kv)] == tol for kv, tol in TOL.items())  # the demo judges the same
 
 
 def prompts(vocab: int = 256) -> list[list[int]]:
@@ -96,6 +114,10 @@ def cp_run(
         "stats": dict(rt.stats),
         "mode": rt.mode,
         "seconds": seconds,
+        "run": {  # what one_process_run serves again in one process (cp=1)
+            "args": (name, split, kv_dtype, page_size),
+            "options": {"prefetch": prefetch, "extra_pages": extra_pages, "scheme": scheme, "overrides": overrides},
+        },
     }
 
 
@@ -104,6 +126,52 @@ def reference(name: str, kv_dtype: str | None, tokens: tuple[int, ...], override
     lm = model(name, overrides)
     layouts = None if kv_dtype is None else kv_layouts(geometry_of(lm), kv_dtype, 1)  # rounding ignores page size
     return reference_logits(lm, tokens, layouts=layouts)
+
+
+def position_logits(res: dict) -> torch.Tensor:
+    """A run's logits ``[positions, vocab]`` in :func:`position_diffs`' order (prompt positions, then decode steps,
+    request by request)."""
+    return torch.cat(
+        [torch.cat([rows] + [step[i : i + 1] for step in res["decode_logits"]]) for i, rows in enumerate(res["logits"])]
+    )
+
+
+def one_process_run(res: dict) -> dict:
+    """The run of :func:`cp_run` that gave ``res`` (rank 0's), served again by one process (cp=1, no group)."""
+    return cp_run(0, 1, *res["run"]["args"], **res["run"]["options"])
+
+
+def reference_parity(name: str, kv_dtype: str, res: dict, one_process, overrides: tuple = ()) -> dict:
+    """The reference criteria of the module docstring, measured: per-position diffs against the reference and their
+    attribution to one process. ``one_process``: a callable giving the same prompts served by one process (cp=1),
+    called only when some position is outside ``TOL``; ``None`` when ``res`` is one process itself (its differences
+    are the reference's rounding by definition: there is no sharding to blame)."""
+    diffs, tokens_equal = position_diffs(name, kv_dtype, res, overrides)
+    tol = TOL[kv_dtype]
+    off = diffs > tol
+    explained = torch.zeros_like(off) if one_process is not None else off
+    vs_one_process = None
+    if bool(off.any()) and one_process is not None:
+        vs = (position_logits(res) - position_logits(one_process())).abs().amax(-1)
+        explained, vs_one_process = off & (vs <= tol), float(vs.max())
+    return {
+        "max": float(diffs.max()),
+        "within": int((~off).sum()) / off.numel(),  # exact, as the demo's verdict counts
+        "tokens_equal": tokens_equal,
+        "outside_tol": int(off.sum()),
+        "explained_by_one_process": int(explained.sum()),
+        "unexplained": [int(i) for i in (off & ~explained).nonzero().flatten()],  # positions, for the message
+        "one_process_max_vs_run": vs_one_process,  # None: not measured (every position within TOL, or cp=1)
+        "floor": FLOOR[kv_dtype],
+    }
+
+
+def check_reference_parity(p: dict) -> None:
+    """The module docstring's criteria against the model's own forward, on :func:`reference_parity`'s measurement."""
+    assert p["tokens_equal"], p
+    assert p["max"] <= MAX_DIFF, p
+    assert not p["unexplained"], p  # outside TOL and not what one process computes: the sharding changed it
+    assert p["within"] >= p["floor"], p
 
 
 def position_diffs(name: str, kv_dtype: str | None, res: dict, overrides: tuple = ()) -> tuple[torch.Tensor, bool]:
@@ -122,11 +190,10 @@ def position_diffs(name: str, kv_dtype: str | None, res: dict, overrides: tuple 
 def summarize(results: list[dict], name: str, kv_dtype: str, overrides: tuple = ()) -> dict:
     """What the parity criteria read: per-position diffs against the reference, tokens, bytes, stats."""
     r0 = results[0]
-    diffs, tokens_equal = position_diffs(name, kv_dtype, r0, overrides)  # every rank holds the same logits
+    one = None if len(results) == 1 else functools.partial(one_process_run, r0)
+    parity = reference_parity(name, kv_dtype, r0, one, overrides)  # every rank holds the same logits
     return {
-        "max": float(diffs.max()),
-        "within": float((diffs <= TOL[kv_dtype]).float().mean()),
-        "tokens_equal": tokens_equal,
+        **parity,
         "ranks_agree": all(r["outputs"] == r0["outputs"] for r in results),
         "logits_agree": all(
             all(torch.equal(a, b) for a, b in zip(r["logits"], r0["logits"])) for r in results
@@ -144,8 +211,7 @@ def summarize(results: list[dict], name: str, kv_dtype: str, overrides: tuple = 
 def check_parity(summary: dict, split: str, page_size: int) -> None:
     s, world = summary, len(summary["bytes_per_rank"])
     assert s["ranks_agree"] and s["logits_agree"], s  # every rank holds the same tokens and logits
-    assert s["tokens_equal"], s
-    assert s["within"] >= MIN_WITHIN and s["max"] <= MAX_DIFF, s
+    check_reference_parity(s)
     # KV bytes per rank are 1/cp of the replicated pool, up to a page per layer; together exactly the pool
     assert all(b <= s["replicated_bytes"] / world + s["slack_bytes"] for b in s["bytes_per_rank"]), s
     assert sum(s["bytes_per_rank"]) == s["replicated_bytes"], s
