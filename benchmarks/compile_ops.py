@@ -316,18 +316,19 @@ def _extra(op: str) -> list[tuple[str, Callable[[], object]]]:
     elif op == "logits_topk":
         from dtkv.ops.logits_topk import logits_topk
 
-        for k, idx, ranged, slotted in (
-            (2048, torch.int64, True, True),
-            (16, i32, False, False),
-            (100, i32, True, False),
+        for k, idx, ranged, slotted, rows in (
+            (2048, torch.int64, True, True, 3),
+            (16, i32, False, False, 3),
+            (16, i32, False, False, 128),  # the grouped bound (GROUP_CONFIG's min_rows)
+            (100, i32, True, False, 3),
         ):
 
-            def topk(k=k, idx=idx, ranged=ranged, slotted=slotted):
-                rng = dict(key_start=z(3, dtype=idx), key_end=torch.full((3,), 300, dtype=idx)) if ranged else {}
+            def topk(k=k, idx=idx, ranged=ranged, slotted=slotted, rows=rows):
+                rng = dict(key_start=z(rows, dtype=idx), key_end=torch.full((rows,), 300, dtype=idx)) if ranged else {}
                 slots = torch.arange(300, dtype=idx) if slotted else None
-                return logits_topk(z(3, 300), k, key_slots=slots, backend="triton", **rng)
+                return logits_topk(z(rows, 300), k, key_slots=slots, backend="triton", **rng)
 
-            out.append((f"k {k}, {idx} indices, range={ranged}, slots={slotted}", topk))
+            out.append((f"{rows} rows, k {k}, {idx} indices, range={ranged}, slots={slotted}", topk))
     elif op == "keys_topk":
         from dtkv.ops.keys_topk import keys_topk
 
