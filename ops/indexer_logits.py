@@ -162,6 +162,39 @@ def _store_tile(out_ptr, rows, cols, s, vis, row_ok, col_ok, out_sn, PACKED: tl.
         tl.store(ptrs, tl.where(vis, s, float("-inf")), mask=m)
 
 
+@triton.jit
+def _split_operand(q_ptr, w_ptr, rq, num_queries, q_sn, q_si, w_sn, NH: tl.constexpr, NHP: tl.constexpr,
+                   J: tl.constexpr, JP: tl.constexpr):  # fmt: skip
+    """Query ``rq``'s ``[NHP, JP]`` e4m3 operand and ``[NHP]`` head weights (zeros past ``num_queries``, padding
+    heads and dims): one dot's operand of ``variant="split"``."""
+    rq = rq.to(tl.int64)
+    rh = tl.arange(0, NHP)
+    cj = tl.arange(0, JP)
+    ok = (rh < NH) & (rq < num_queries)
+    ptrs = (q_ptr + rq * q_sn + rh[:, None] * q_si + cj[None, :]).to(tl.pointer_type(tl.float8e4nv))
+    q = tl.load(ptrs, mask=ok[:, None] & (cj < J)[None, :], other=0.0)
+    w = tl.load(w_ptr + rq * w_sn + rh, mask=ok, other=0.0)
+    return q, w
+
+
+@triton.jit
+def _split_row(out_ptr, kf, q, w, scale, rq, cols, ok, col_ok, start_ptr, end_ptr, num_queries, num_keys, out_sn,
+               PACKED: tl.constexpr):  # fmt: skip
+    """``variant="split"``: query ``rq``'s logits of one key tile, ``[BK, JP] x [JP, NHP]`` and the head sum along
+    the dot's N (one row of the accumulator's layout: no reshape), stored as its row of the output."""
+    acc = tl.dot(kf, tl.trans(q))  # [BK, NHP] fp32
+    s = tl.sum(tl.maximum(acc, 0.0) * w[None, :], axis=1) * scale  # [BK]
+    r_ok = rq < num_queries
+    lo = tl.maximum(tl.load(start_ptr + rq, mask=r_ok, other=0).to(tl.int64), 0)
+    hi = tl.minimum(tl.load(end_ptr + rq, mask=r_ok, other=0).to(tl.int64), num_keys)
+    vis = (cols >= lo) & (cols < hi) & ok
+    ptrs = out_ptr + rq.to(tl.int64) * out_sn + cols
+    if PACKED:
+        tl.store(ptrs, pack_selection_key(s, cols, vis), mask=col_ok & r_ok)
+    else:
+        tl.store(ptrs, tl.where(vis, s, float("-inf")), mask=col_ok & r_ok)
+
+
 @triton.jit(do_not_specialize=["num_queries", "num_keys", "num_slots", "tiles_per_prog"])
 def _indexer_logits_kernel(
     out_ptr,  # [N, K] float32 (int64 with PACKED); row stride out_sn
@@ -189,6 +222,7 @@ def _indexer_logits_kernel(
     BQ: tl.constexpr,
     BK: tl.constexpr,
     KEYS_M: tl.constexpr,
+    SPLIT: tl.constexpr,
     PACKED: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
@@ -215,15 +249,23 @@ def _indexer_logits_kernel(
         _store_tile(out_ptr, rows, c + ck, nothing, unseen, row_ok, c + ck < num_keys, out_sn, PACKED)
     for c in range(t_hi, c1, BK):
         _store_tile(out_ptr, rows, c + ck, nothing, unseen, row_ok, c + ck < num_keys, out_sn, PACKED)
-    # the block's queries x heads, row r = query r // NHP, head r % NHP (padding heads: zero codes and weights)
-    r = tl.arange(0, BQ * NHP)
-    rq = (qb * BQ + r // NHP).to(tl.int64)
-    rh = r % NHP
     cj = tl.arange(0, JP)
-    r_ok = (rq < num_queries) & (rh < NH)
-    q_ptrs = (q_ptr + rq[:, None] * q_sn + rh[:, None] * q_si + cj[None, :]).to(tl.pointer_type(tl.float8e4nv))
-    qf = tl.load(q_ptrs, mask=r_ok[:, None] & (cj < J)[None, :], other=0.0)  # [BQ * NHP, JP]
-    wv = tl.load(w_ptr + rq * w_sn + rh, mask=r_ok, other=0.0)  # [BQ * NHP] fp32
+    if SPLIT:  # a dot per query (BQ of 1, 2 or 4), all on the same key tile
+        q0, w0 = _split_operand(q_ptr, w_ptr, qb * BQ, num_queries, q_sn, q_si, w_sn, NH, NHP, J, JP)
+        if BQ >= 2:
+            q1, w1 = _split_operand(q_ptr, w_ptr, qb * BQ + 1, num_queries, q_sn, q_si, w_sn, NH, NHP, J, JP)
+        if BQ >= 4:
+            q2, w2 = _split_operand(q_ptr, w_ptr, qb * BQ + 2, num_queries, q_sn, q_si, w_sn, NH, NHP, J, JP)
+            q3, w3 = _split_operand(q_ptr, w_ptr, qb * BQ + 3, num_queries, q_sn, q_si, w_sn, NH, NHP, J, JP)
+    else:
+        # the block's queries x heads, row r = query r // NHP, head r % NHP (padding heads: zero codes and weights)
+        r = tl.arange(0, BQ * NHP)
+        rq = (qb * BQ + r // NHP).to(tl.int64)
+        rh = r % NHP
+        r_ok = (rq < num_queries) & (rh < NH)
+        q_ptrs = (q_ptr + rq[:, None] * q_sn + rh[:, None] * q_si + cj[None, :]).to(tl.pointer_type(tl.float8e4nv))
+        qf = tl.load(q_ptrs, mask=r_ok[:, None] & (cj < J)[None, :], other=0.0)  # [BQ * NHP, JP]
+        wv = tl.load(w_ptr + rq * w_sn + rh, mask=r_ok, other=0.0)  # [BQ * NHP] fp32
     for c in tl.range(t_lo, t_hi, BK, num_stages=NUM_STAGES):
         cols = c + ck
         col_ok = cols < num_keys
@@ -237,7 +279,19 @@ def _indexer_logits_kernel(
         kf = tl.load(k_ptrs, mask=ok[:, None] & (cj < J)[None, :], other=0.0)  # [BK, JP]
         s_ptrs = (pages_ptr + base + S * J + 4 * off).to(tl.pointer_type(tl.float32))
         scale = tl.load(s_ptrs, mask=ok, other=0.0)  # [BK]
-        if KEYS_M:
+        if SPLIT:
+            q_row = qb * BQ
+            _split_row(out_ptr, kf, q0, w0, scale, q_row, cols, ok, col_ok, start_ptr, end_ptr, num_queries,
+                       num_keys, out_sn, PACKED)  # fmt: skip
+            if BQ >= 2:
+                _split_row(out_ptr, kf, q1, w1, scale, q_row + 1, cols, ok, col_ok, start_ptr, end_ptr, num_queries,
+                           num_keys, out_sn, PACKED)  # fmt: skip
+            if BQ >= 4:
+                _split_row(out_ptr, kf, q2, w2, scale, q_row + 2, cols, ok, col_ok, start_ptr, end_ptr, num_queries,
+                           num_keys, out_sn, PACKED)  # fmt: skip
+                _split_row(out_ptr, kf, q3, w3, scale, q_row + 3, cols, ok, col_ok, start_ptr, end_ptr, num_queries,
+                           num_keys, out_sn, PACKED)  # fmt: skip
+        elif KEYS_M:
             acc = tl.dot(kf, tl.trans(qf))  # [BK, BQ * NHP] fp32
             s = tl.maximum(acc, 0.0) * wv[None, :]
             s = tl.trans(tl.sum(tl.reshape(s, (BK, BQ, NHP)), axis=2) * scale[:, None])  # [BQ, BK]
@@ -245,12 +299,13 @@ def _indexer_logits_kernel(
             acc = tl.dot(qf, tl.trans(kf))  # [BQ * NHP, BK] fp32
             s = tl.maximum(acc, 0.0) * wv[:, None]
             s = tl.sum(tl.reshape(s, (BQ, NHP, BK)), axis=1) * scale[None, :]  # [BQ, BK]
-        vis = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None]) & ok[None, :]
-        _store_tile(out_ptr, rows, cols, s, vis, row_ok, col_ok, out_sn, PACKED)
+        if not SPLIT:
+            vis = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None]) & ok[None, :]
+            _store_tile(out_ptr, rows, cols, s, vis, row_ok, col_ok, out_sn, PACKED)
 
 
 # ----------------------------------------------------------------------------------------- launch
-_VARIANTS = ("keys", "queries")
+_VARIANTS = ("keys", "queries", "split")
 
 
 def launch_grid(num_queries: int, num_keys: int, cfg: dict, device: torch.device) -> tuple[int, int, int]:
@@ -280,6 +335,8 @@ def _launch(out, q, w, pages, slots, start, end, page_size: int, packed: bool) -
     cfg = _tuned.launch_config("indexer_logits", n, q.device)
     if cfg["variant"] not in _VARIANTS:
         raise ValueError(f"indexer_logits variant must be one of {_VARIANTS}, got variant={cfg['variant']!r}")
+    if cfg["variant"] == "split" and int(cfg["block_q"]) not in (1, 2, 4):
+        raise ValueError(f"indexer_logits variant 'split' takes block_q 1, 2 or 4, got block_q={cfg['block_q']}")
     slots_sn = 0
     if slots.ndim == 2:  # a key table per query: one query a block
         cfg = {**cfg, "block_q": 1}
@@ -294,7 +351,8 @@ def _launch(out, q, w, pages, slots, start, end, page_size: int, packed: bool) -
             n, slots.shape[-1], pages.shape[0] * page_size, pages.stride(0), q.stride(0), q.stride(1), w.stride(0),
             out.stride(0), slots_sn, per,
             S=page_size, NH=heads, NHP=pow2_at_least(heads, 16), J=hd, JP=pow2_at_least(hd, 32),
-            BQ=int(cfg["block_q"]), BK=int(cfg["block_k"]), KEYS_M=cfg["variant"] == "keys", PACKED=packed,
+            BQ=int(cfg["block_q"]), BK=int(cfg["block_k"]), KEYS_M=cfg["variant"] != "queries",
+            SPLIT=cfg["variant"] == "split", PACKED=packed,
             NUM_STAGES=int(cfg["num_stages"]), num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
             maxnreg=int(cfg["maxnreg"]) or None,
         )  # fmt: skip

@@ -37,6 +37,9 @@ LAUNCHES = {
     "keys_q8_k128": {"block_q": 8, "block_k": 128},
     "queries_q2_k16": {"variant": "queries", "block_k": 16},
     "queries_q1_k64": {"variant": "queries", "block_q": 1, "num_stages": 2},
+    "split_q1_k16": {"variant": "split", "block_q": 1, "block_k": 16},
+    "split_q2_k32": {"variant": "split", "block_q": 2, "block_k": 32},
+    "split_q4_k64": {"variant": "split", "block_q": 4, "block_k": 64, "num_warps": 8},
 }
 GEOMS = [(1, 2, 32, 4, 5, 1), (5, 3, 48, 5, 7, 29), (7, 16, 64, 16, 9, 130), (3, 64, 128, 64, 3, 150)]
 """``(queries, heads, dims, page size, pages, key columns)``: one key; padded heads and dims with an odd page size;
@@ -367,6 +370,19 @@ def test_triton_refuses_misaligned_scales_and_auto_falls_back():
     with pytest.raises(NotImplementedError, match="multiples of 4.*use backend='torch'"):
         indexer_logits(*args, layout=odd, backend="triton")
     assert indexer_logits(*args, layout=odd).shape == (2, 5)
+
+
+def test_launch_rejects_unknown_variants_and_split_blocks():
+    """A launch configuration the kernel cannot take raises before anything launches, naming the key and value."""
+    skip_unless("triton", "cpu")
+    lay, q, w, pages, slots, start, end = _case(3, 2, 32, 4, 5, 9, seed=3)
+    call = lambda: indexer_logits(q, w, pages, slots, start, end, layout=lay, backend="triton")  # noqa: E731
+    with _tuned.override("indexer_logits", variant="rows"):
+        with pytest.raises(ValueError, match=re.escape("variant must be one of ('keys', 'queries', 'split')")):
+            call()
+    with _tuned.override("indexer_logits", variant="split", block_q=3):
+        with pytest.raises(ValueError, match="variant 'split' takes block_q 1, 2 or 4, got block_q=3"):
+            call()
 
 
 def test_launch_grid_splits_keys_only_when_the_blocks_do_not_fill_the_gpu(monkeypatch):
