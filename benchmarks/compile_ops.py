@@ -301,6 +301,10 @@ def _extra(op: str) -> list[tuple[str, Callable[[], object]]]:
                     )  # fmt: skip
 
                 out.append((f"{n}x{heads}x{hd}, page {ps}, {cols} keys, {idx}, stride +{pad}, packed={packed}", call))
+        lay = IndexerFp8Layout(page_size=64, head_dim=128)
+        out.append(("3x64x128, page 64, 200 keys, group maxima of 16", lambda: indexer_logits(
+            z(3, 64, 128).to(f8), z(3, 64), z(4, lay.page_shape[0], dtype=u8), torch.arange(200), z(3, dtype=i64),
+            torch.full((3,), 200), layout=lay, group=16, backend="triton")))  # fmt: skip
     elif op == "sparse_indices":
         locs = torch.arange(-1, 99).view(4, 25)
         out.append(("page map", lambda: sparse_indices(locs, num_slots=640, page_map=torch.arange(10), page_size=64,
@@ -367,7 +371,12 @@ PATHS: dict[str, list[dict]] = {
     "pack_owned_pages": [{"rows": 2, "parts": 1}, {"parts": 4, "chunk_w": 2048}],
     "pack_layer_pages": [{"rows": 2, "parts": 1}, {"parts": 4, "chunk_w": 2048}],
     "remap": [{"map16": "always", "idx_cg": 1}, {"map16": "never", "block": 4096, "num_warps": 16}],
-    "indexer_logits": [{"variant": "queries"}, {"block_q": 1, "block_k": 128}, {"block_q": 4, "num_warps": 8}],
+    "indexer_logits": [
+        {"variant": "queries"},
+        {"block_q": 1, "block_k": 128},
+        {"block_q": 4, "num_warps": 8},
+        {"variant": "split", "block_q": 2, "block_k": 128, "num_warps": 8},
+    ],
 }
 """Configurations (over DEFAULTS) that reach every kernel and variant of each op (``--configs paths``)."""
 

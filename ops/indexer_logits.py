@@ -62,7 +62,7 @@ from . import _tuned
 from ._common import device_ctx, index_arg, pow2_at_least, resolve_backend, tl, triton
 from ._common import num_sms as _num_sms  # a module attribute: tests size the grid through it
 from .quantize_indexer_queries import quantize_indexer_queries
-from .selection_keys import INVALID_KEY, MAX_POSITION, pack_selection_key, selection_keys
+from .selection_keys import INVALID_KEY, MAX_POSITION, group_order_maxima, order_key, pack_selection_key, selection_keys
 
 __all__ = [
     "INVALID_KEY",
@@ -74,6 +74,8 @@ __all__ = [
 ]
 
 _IDX_DTYPES = (torch.int32, torch.int64)
+MAX_GROUP = 128
+"""Largest ``group`` of the maxima (a key tile holds whole groups: a launch's ``block_k`` grows to ``group``)."""
 _REF_BLOCK_BYTES = 1 << 28
 """The reference's ``[B, I, K]`` float32 products per block of queries (bounded whatever ``N``)."""
 
@@ -152,14 +154,25 @@ def indexer_logits_flops(key_start: torch.Tensor, key_end: torch.Tensor, *, head
 
 # ----------------------------------------------------------------------------------------- Triton kernel
 @triton.jit
-def _store_tile(out_ptr, rows, cols, s, vis, row_ok, col_ok, out_sn, PACKED: tl.constexpr):
-    """Store a ``[BQ, BK]`` tile of logits (``-inf`` where not ``vis``) or of their packed selection keys."""
+def _store_tile(out_ptr, gmax_ptr, rows, cols, s, vis, row_ok, col_ok, out_sn, num_groups, PACKED: tl.constexpr,
+                GROUP: tl.constexpr):  # fmt: skip
+    """Store a ``[BQ, BK]`` tile of logits (``-inf`` where not ``vis``) or of their packed selection keys; with
+    ``GROUP`` also the largest order key of each of its groups (the tile starts on a group: ``GROUP`` divides
+    ``BK``)."""
     ptrs = out_ptr + rows.to(tl.int64)[:, None] * out_sn + cols[None, :]
     m = row_ok[:, None] & col_ok[None, :]
     if PACKED:
         tl.store(ptrs, pack_selection_key(s, cols[None, :], vis), mask=m)
     else:
-        tl.store(ptrs, tl.where(vis, s, float("-inf")), mask=m)
+        x = tl.where(vis, s, float("-inf"))
+        tl.store(ptrs, x, mask=m)
+        if GROUP > 0:
+            bq: tl.constexpr = x.shape[0]
+            bk: tl.constexpr = x.shape[1]
+            u = tl.max(tl.reshape(order_key(x), (bq, bk // GROUP, GROUP)), axis=2)  # [BQ, BK / GROUP]
+            grp = tl.min(cols, axis=0) // GROUP + tl.arange(0, bk // GROUP)
+            g_ptrs = gmax_ptr + rows.to(tl.int64)[:, None] * num_groups + grp[None, :]
+            tl.store(g_ptrs, u, mask=row_ok[:, None] & (grp < num_groups)[None, :])
 
 
 @triton.jit
@@ -178,8 +191,8 @@ def _split_operand(q_ptr, w_ptr, rq, num_queries, q_sn, q_si, w_sn, NH: tl.const
 
 
 @triton.jit
-def _split_row(out_ptr, kf, q, w, scale, rq, cols, ok, col_ok, start_ptr, end_ptr, num_queries, num_keys, out_sn,
-               PACKED: tl.constexpr):  # fmt: skip
+def _split_row(out_ptr, gmax_ptr, kf, q, w, scale, rq, cols, ok, col_ok, start_ptr, end_ptr, num_queries, num_keys,
+               out_sn, num_groups, PACKED: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
     """``variant="split"``: query ``rq``'s logits of one key tile, ``[BK, JP] x [JP, NHP]`` and the head sum along
     the dot's N (one row of the accumulator's layout: no reshape), stored as its row of the output."""
     acc = tl.dot(kf, tl.trans(q))  # [BK, NHP] fp32
@@ -192,12 +205,19 @@ def _split_row(out_ptr, kf, q, w, scale, rq, cols, ok, col_ok, start_ptr, end_pt
     if PACKED:
         tl.store(ptrs, pack_selection_key(s, cols, vis), mask=col_ok & r_ok)
     else:
-        tl.store(ptrs, tl.where(vis, s, float("-inf")), mask=col_ok & r_ok)
+        x = tl.where(vis, s, float("-inf"))
+        tl.store(ptrs, x, mask=col_ok & r_ok)
+        if GROUP > 0:
+            bk: tl.constexpr = x.shape[0]
+            u = tl.max(tl.reshape(order_key(x), (bk // GROUP, GROUP)), axis=1)  # [BK / GROUP]
+            grp = tl.min(cols, axis=0) // GROUP + tl.arange(0, bk // GROUP)
+            tl.store(gmax_ptr + rq.to(tl.int64) * num_groups + grp, u, mask=r_ok & (grp < num_groups))
 
 
-@triton.jit(do_not_specialize=["num_queries", "num_keys", "num_slots", "tiles_per_prog"])
+@triton.jit(do_not_specialize=["num_queries", "num_keys", "num_slots", "tiles_per_prog", "num_groups"])
 def _indexer_logits_kernel(
     out_ptr,  # [N, K] float32 (int64 with PACKED); row stride out_sn
+    gmax_ptr,  # with GROUP: [N, num_groups] int32, contiguous: each group's largest order key
     q_ptr,  # [N, I, J] e4m3 codes as uint8; strides (q_sn, q_si, 1)
     w_ptr,  # [N, I] float32; strides (w_sn, 1)
     pages_ptr,  # uint8 [P, S*(J+4)]; page stride page_stride (bytes), pages contiguous
@@ -214,6 +234,7 @@ def _indexer_logits_kernel(
     out_sn,
     slots_sn,
     tiles_per_prog,
+    num_groups,  # cdiv(K, GROUP) (GROUP 0: unused)
     S: tl.constexpr,
     NH: tl.constexpr,
     NHP: tl.constexpr,
@@ -224,6 +245,7 @@ def _indexer_logits_kernel(
     KEYS_M: tl.constexpr,
     SPLIT: tl.constexpr,
     PACKED: tl.constexpr,
+    GROUP: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
     """Program ``(b, c)``: query block ``cdiv(N, BQ) - 1 - b`` over the key tiles ``[c * tiles_per_prog, +
@@ -246,9 +268,11 @@ def _indexer_logits_kernel(
     nothing = tl.zeros((BQ, BK), dtype=tl.float32)
     unseen = tl.zeros((BQ, BK), dtype=tl.int1)
     for c in range(c0, t_lo, BK):  # tiles before and after the block's visible columns: stored only
-        _store_tile(out_ptr, rows, c + ck, nothing, unseen, row_ok, c + ck < num_keys, out_sn, PACKED)
+        _store_tile(out_ptr, gmax_ptr, rows, c + ck, nothing, unseen, row_ok, c + ck < num_keys, out_sn, num_groups,
+                    PACKED, GROUP)  # fmt: skip
     for c in range(t_hi, c1, BK):
-        _store_tile(out_ptr, rows, c + ck, nothing, unseen, row_ok, c + ck < num_keys, out_sn, PACKED)
+        _store_tile(out_ptr, gmax_ptr, rows, c + ck, nothing, unseen, row_ok, c + ck < num_keys, out_sn, num_groups,
+                    PACKED, GROUP)  # fmt: skip
     cj = tl.arange(0, JP)
     if SPLIT:  # a dot per query (BQ of 1, 2 or 4), all on the same key tile
         q0, w0 = _split_operand(q_ptr, w_ptr, qb * BQ, num_queries, q_sn, q_si, w_sn, NH, NHP, J, JP)
@@ -281,16 +305,16 @@ def _indexer_logits_kernel(
         scale = tl.load(s_ptrs, mask=ok, other=0.0)  # [BK]
         if SPLIT:
             q_row = qb * BQ
-            _split_row(out_ptr, kf, q0, w0, scale, q_row, cols, ok, col_ok, start_ptr, end_ptr, num_queries,
-                       num_keys, out_sn, PACKED)  # fmt: skip
+            _split_row(out_ptr, gmax_ptr, kf, q0, w0, scale, q_row, cols, ok, col_ok, start_ptr, end_ptr, num_queries,
+                       num_keys, out_sn, num_groups, PACKED, GROUP)  # fmt: skip
             if BQ >= 2:
-                _split_row(out_ptr, kf, q1, w1, scale, q_row + 1, cols, ok, col_ok, start_ptr, end_ptr, num_queries,
-                           num_keys, out_sn, PACKED)  # fmt: skip
+                _split_row(out_ptr, gmax_ptr, kf, q1, w1, scale, q_row + 1, cols, ok, col_ok, start_ptr, end_ptr,
+                           num_queries, num_keys, out_sn, num_groups, PACKED, GROUP)  # fmt: skip
             if BQ >= 4:
-                _split_row(out_ptr, kf, q2, w2, scale, q_row + 2, cols, ok, col_ok, start_ptr, end_ptr, num_queries,
-                           num_keys, out_sn, PACKED)  # fmt: skip
-                _split_row(out_ptr, kf, q3, w3, scale, q_row + 3, cols, ok, col_ok, start_ptr, end_ptr, num_queries,
-                           num_keys, out_sn, PACKED)  # fmt: skip
+                _split_row(out_ptr, gmax_ptr, kf, q2, w2, scale, q_row + 2, cols, ok, col_ok, start_ptr, end_ptr,
+                           num_queries, num_keys, out_sn, num_groups, PACKED, GROUP)  # fmt: skip
+                _split_row(out_ptr, gmax_ptr, kf, q3, w3, scale, q_row + 3, cols, ok, col_ok, start_ptr, end_ptr,
+                           num_queries, num_keys, out_sn, num_groups, PACKED, GROUP)  # fmt: skip
         elif KEYS_M:
             acc = tl.dot(kf, tl.trans(qf))  # [BK, BQ * NHP] fp32
             s = tl.maximum(acc, 0.0) * wv[None, :]
@@ -301,7 +325,7 @@ def _indexer_logits_kernel(
             s = tl.sum(tl.reshape(s, (BQ, NHP, BK)), axis=1) * scale[None, :]  # [BQ, BK]
         if not SPLIT:
             vis = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None]) & ok[None, :]
-            _store_tile(out_ptr, rows, cols, s, vis, row_ok, col_ok, out_sn, PACKED)
+            _store_tile(out_ptr, gmax_ptr, rows, cols, s, vis, row_ok, col_ok, out_sn, num_groups, PACKED, GROUP)
 
 
 # ----------------------------------------------------------------------------------------- launch
@@ -330,9 +354,11 @@ def _triton_takes(pages: torch.Tensor, page_size: int, head_dim: int) -> str:
     return ""
 
 
-def _launch(out, q, w, pages, slots, start, end, page_size: int, packed: bool) -> None:
+def _launch(out, gmax, q, w, pages, slots, start, end, page_size: int, packed: bool, group: int) -> None:
     n, heads, hd = q.shape
     cfg = _tuned.launch_config("indexer_logits", n, q.device)
+    if group > int(cfg["block_k"]):  # a tile holds whole groups (both powers of two)
+        cfg = {**cfg, "block_k": group}
     if cfg["variant"] not in _VARIANTS:
         raise ValueError(f"indexer_logits variant must be one of {_VARIANTS}, got variant={cfg['variant']!r}")
     if cfg["variant"] == "split" and int(cfg["block_q"]) not in (1, 2, 4):
@@ -347,20 +373,24 @@ def _launch(out, q, w, pages, slots, start, end, page_size: int, packed: bool) -
     w = w if w.stride(1) == 1 else w.contiguous()
     with device_ctx(q.device):
         _indexer_logits_kernel[(blocks, splits)](
-            out, q, w, pages, slots, start, end,
+            out, gmax, q, w, pages, slots, start, end,
             n, slots.shape[-1], pages.shape[0] * page_size, pages.stride(0), q.stride(0), q.stride(1), w.stride(0),
-            out.stride(0), slots_sn, per,
+            out.stride(0), slots_sn, per, gmax.shape[1],
             S=page_size, NH=heads, NHP=pow2_at_least(heads, 16), J=hd, JP=pow2_at_least(hd, 32),
             BQ=int(cfg["block_q"]), BK=int(cfg["block_k"]), KEYS_M=cfg["variant"] != "queries",
-            SPLIT=cfg["variant"] == "split", PACKED=packed,
+            SPLIT=cfg["variant"] == "split", PACKED=packed, GROUP=group,
             NUM_STAGES=int(cfg["num_stages"]), num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
             maxnreg=int(cfg["maxnreg"]) or None,
         )  # fmt: skip
 
 
-def _check(q, w, pages, key_slots, key_start, key_end, page_size) -> None:
+def _check(q, w, pages, key_slots, key_start, key_end, page_size, packed=False, group=0) -> None:
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got page_size={page_size}")
+    if group < 0 or group == 1 or group & (group - 1) or group > MAX_GROUP:
+        raise ValueError(f"group must be 0 (none) or a power of two in [2, {MAX_GROUP}], got group={group}")
+    if group and packed:
+        raise ValueError(f"group must be 0 with packed=True (the maxima come with float32 logits), got group={group}")
     check_tensor("q", q, dtype=torch.uint8, ndim=3)  # e4m3 codes (the wrapper's float8_e4m3fn, viewed)
     n, heads, hd = q.shape
     dev = q.device
@@ -391,25 +421,32 @@ def _indexer_logits_op(
     key_end: torch.Tensor,
     page_size: int,
     packed: bool,
+    group: int,
     backend: str,
-) -> torch.Tensor:
-    _check(q, w, pages, key_slots, key_start, key_end, page_size)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _check(q, w, pages, key_slots, key_start, key_end, page_size, packed, group)
     slots, start, end = index_arg(key_slots), index_arg(key_start), index_arg(key_end)
+    n, num_keys = q.shape[0], slots.shape[-1]
     if backend != "triton":
-        return indexer_logits_torch(q, w, pages, slots, start, end, page_size, packed)
+        out = indexer_logits_torch(q, w, pages, slots, start, end, page_size, packed)
+        gmax = group_order_maxima(out, group) if group else out.new_empty((n, 0), dtype=torch.int32)
+        return out, gmax
     why = _triton_takes(pages, page_size, q.shape[2])
     if why:
         raise NotImplementedError(f"backend='triton' for indexer_logits cannot run: {why}; use backend='torch'")
-    out = torch.empty((q.shape[0], slots.shape[-1]), dtype=torch.int64 if packed else torch.float32, device=q.device)
+    out = torch.empty((n, num_keys), dtype=torch.int64 if packed else torch.float32, device=q.device)
+    gmax = torch.empty((n, cdiv(num_keys, group) if group else 0), dtype=torch.int32, device=q.device)
     if out.numel():
-        _launch(out, q, w, pages, slots, start, end, page_size, packed)
-    return out
+        _launch(out, gmax, q, w, pages, slots, start, end, page_size, packed, group)
+    return out, gmax
 
 
 @_indexer_logits_op.register_fake
-def _fake_indexer_logits(q, w, pages, key_slots, key_start, key_end, page_size, packed, backend):
-    _check(q, w, pages, key_slots, key_start, key_end, page_size)
-    return q.new_empty((q.shape[0], key_slots.shape[-1]), dtype=torch.int64 if packed else torch.float32)
+def _fake_indexer_logits(q, w, pages, key_slots, key_start, key_end, page_size, packed, group, backend):
+    _check(q, w, pages, key_slots, key_start, key_end, page_size, packed, group)
+    n, num_keys = q.shape[0], key_slots.shape[-1]
+    out = q.new_empty((n, num_keys), dtype=torch.int64 if packed else torch.float32)
+    return out, q.new_empty((n, cdiv(num_keys, group) if group else 0), dtype=torch.int32)
 
 
 # ----------------------------------------------------------------------------------------- public wrapper
@@ -423,8 +460,9 @@ def indexer_logits(
     *,
     layout: IndexerFp8Layout,
     packed: bool = False,
+    group: int = 0,
     backend: str = "auto",
-) -> torch.Tensor:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Indexer logits of each query over its visible key columns (see the module docstring).
 
     Run phase: no host synchronization, no data-dependent shapes (CUDA-graph safe).
@@ -441,15 +479,21 @@ def indexer_logits(
             (clamped to ``[0, K]``; empty when ``key_end <= key_start``).
         layout: the pages' layout.
         packed: return int64 selection keys instead of float32 logits.
+        group: ``0``, or a power of two in ``[2, MAX_GROUP]``: also return each group of ``group`` consecutive
+            columns' largest order key (:func:`dtkv.ops.selection_keys.group_order_maxima` of the logits), what
+            :func:`dtkv.ops.logits_topk`'s grouped bound reads first (its ``group_max``): written by the kernel's
+            epilogue, no second pass over ``[N, K]`` (float32 logits only).
         backend: ``"auto"`` (Triton on CUDA where the kernel takes the pages, else torch) | ``"torch"`` |
             ``"triton"``.
 
     Returns:
         float32 ``[N, K]`` logits, ``-inf`` where not visible; with ``packed``, int64 ``[N, K]`` selection keys,
-        :data:`INVALID_KEY` where not visible.
+        :data:`INVALID_KEY` where not visible. With ``group``: ``(logits, maxima)``, ``maxima`` int32
+        ``[N, cdiv(K, group)]`` (:data:`dtkv.ops.selection_keys.NO_ORDER_KEY` for a group with no visible key).
 
     Raises:
-        TypeError / ValueError: bad dtypes or shapes, naming the argument.
+        TypeError / ValueError: bad dtypes or shapes, naming the argument; ``group`` not a power of two in
+            ``[2, MAX_GROUP]`` (nor 0), or given with ``packed``.
         NotImplementedError: ``backend="triton"`` with pages whose scales are not 4-byte aligned.
     """
     if not isinstance(layout, IndexerFp8Layout):
@@ -461,4 +505,7 @@ def indexer_logits(
     if be == "triton" and backend == "auto" and _triton_takes(pages, layout.page_size, layout.head_dim):
         be = "torch"
     codes = q.view(torch.uint8)  # the op takes the codes as bytes (float8 tensors have few CPU kernels)
-    return torch.ops.dtkv.indexer_logits(codes, w, pages, key_slots, key_start, key_end, layout.page_size, packed, be)
+    out, gmax = torch.ops.dtkv.indexer_logits(
+        codes, w, pages, key_slots, key_start, key_end, layout.page_size, packed, group, be
+    )
+    return (out, gmax) if group else out

@@ -18,12 +18,12 @@ positions (the extend-step indexer's tie rule, :mod:`dtkv.integrations.transform
 1. *the threshold*: ``torch.topk`` of the float32 rows (values only, unsorted; with ranges, of a copy that is
    ``-inf`` outside them -- the runtime's indexer logits already are, so it passes none);
 2. *one launch, a program a row* (:func:`_logits_topk_select_kernel`): the smallest kept value under the rule's order
-   (each logit's int32 *order key*, :func:`_order_key`) is the threshold ``t``, and the kept values above it say how
-   many of the row's keys at ``t`` belong in (``need``); one read of the row then writes the candidates above ``t``
-   and the ``need`` lowest-column candidates at ``t`` to ``[N, k]`` scratch rows, in column order: their order keys
-   (int32) and their columns (int32), ``-2**31`` / ``-1`` after them. ``torch.topk`` may break ties of equal
-   values (or of ``-0.0`` and ``+0.0``) its own way: the rule only needs its kept values to hold every candidate
-   above their smallest, which any top-k does;
+   (each logit's int32 *order key*, :func:`dtkv.ops.selection_keys.order_keys`) is the threshold ``t``, and the
+   kept values above it say how many of the row's keys at ``t`` belong in (``need``); one read of the row then
+   writes the candidates above ``t`` and the ``need`` lowest-column candidates at ``t`` to ``[N, k]`` scratch rows,
+   in column order: their order keys (int32) and their columns (int32), ``-2**31`` / ``-1`` after them.
+   ``torch.topk`` may break ties of equal values (or of ``-0.0`` and ``+0.0``) its own way: the rule only needs its
+   kept values to hold every candidate above their smallest, which any top-k does;
 3. a stable ``torch.sort`` of the order keys, descending (equal keys stay in column order: best first, ties to
    the lowest column), the columns gathered in that order, then mapped to their slots.
 
@@ -62,7 +62,7 @@ from dtkv._checks import check_int, check_tensor
 
 from ._common import HIST_HAS_MASK, device_ctx, index_arg, masked_histogram, resolve_backend, tl, triton
 from .indexer_logits import indexer_topk
-from .selection_keys import selection_keys
+from .selection_keys import order_key, selection_keys
 
 __all__ = ["GROUP_CONFIG", "KERNEL_CONFIG", "group_size", "logits_topk", "logits_topk_torch"]
 
@@ -117,17 +117,6 @@ def logits_topk_torch(
 
 
 # ----------------------------------------------------------------------------------------- Triton kernel
-@triton.jit
-def _order_key(s):
-    """float32 logits -> int32 order keys: ``ord32`` of :func:`dtkv.ops.selection_keys.pack_selection_key` (``-0.0``
-    as ``+0.0``, every NaN one NaN above ``+inf``), ``-2**31`` for ``-inf`` (no candidate is that low)."""
-    s = tl.where(s == 0.0, 0.0, s)
-    s = tl.where(s != s, float("nan"), s)
-    bits = s.to(tl.int32, bitcast=True)
-    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    return tl.where(s == float("-inf"), -2147483648, ordered)
-
-
 @triton.jit(do_not_specialize=["num_keys", "k", "kk"])
 def _logits_topk_select_kernel(
     ord_ptr,  # [N, k] int32, contiguous: the kept keys' order keys, column order, -2**31 after them
@@ -148,11 +137,11 @@ def _logits_topk_select_kernel(
     # the threshold: the smallest kept order key; `need`: how many keys at it are kept (kk - those above it)
     t = zero + 2147483647
     for c0 in range(0, kk, BLOCK):
-        u = _order_key(tl.load(kept_ptr + row * kk + c0 + j, mask=c0 + j < kk, other=float("inf")))
+        u = order_key(tl.load(kept_ptr + row * kk + c0 + j, mask=c0 + j < kk, other=float("inf")))
         t = tl.minimum(t, tl.min(tl.where(c0 + j < kk, u, 2147483647), axis=0))
     above = zero
     for c0 in range(0, kk, BLOCK):
-        u = _order_key(tl.load(kept_ptr + row * kk + c0 + j, mask=c0 + j < kk, other=float("-inf")))
+        u = order_key(tl.load(kept_ptr + row * kk + c0 + j, mask=c0 + j < kk, other=float("-inf")))
         above += tl.sum((u > t).to(tl.int32), axis=0)
     need = kk - above
     # one read of the row: the keys above t, and the `need` lowest-column keys at t, in column order. One scan a
@@ -162,7 +151,7 @@ def _logits_topk_select_kernel(
     seen = zero  # keys at t before this step
     for c0 in tl.range(0, num_keys, BLOCK, num_stages=NUM_STAGES):
         cols = c0 + j
-        u = _order_key(tl.load(src + cols, mask=cols < num_keys, other=float("-inf")))
+        u = order_key(tl.load(src + cols, mask=cols < num_keys, other=float("-inf")))
         ok = u != -2147483648
         gt = ok & (u > t)
         at = ok & (u == t)
@@ -197,7 +186,7 @@ def _group_max_kernel(
     row = tl.program_id(0).to(tl.int64)
     grp = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
     cols = grp[:, None] * G + tl.arange(0, G)[None, :]
-    u = _order_key(tl.load(logits_ptr + row * l_sn + cols, mask=cols < num_keys, other=float("-inf")))
+    u = order_key(tl.load(logits_ptr + row * l_sn + cols, mask=cols < num_keys, other=float("-inf")))
     tl.store(gmax_ptr + row * num_groups + grp, tl.max(u, axis=1), mask=grp < num_groups)
 
 
@@ -244,7 +233,7 @@ def _candidates_kernel(
         cols = grp[:, None] * G + jc[None, :]
         ok = live[:, None] & (cols < num_keys)
         x = tl.load(logits_ptr + row * l_sn + cols, mask=ok, other=float("-inf"))
-        u = _order_key(x)
+        u = order_key(x)
         c = tl.reshape(((u >= t) & (u != -2147483648) & ok).to(tl.int32), [BLOCK_S * G])
         xs = tl.reshape(x, [BLOCK_S * G])
         cs = tl.reshape(cols, [BLOCK_S * G])
@@ -303,7 +292,7 @@ def _overflow_rows_kernel(
         # round 0: the top digit of every candidate
         hist = tl.zeros([256], dtype=tl.int32)
         for c0 in tl.range(0, num_keys, BLOCK, num_stages=NUM_STAGES):
-            u = _order_key(tl.load(src + c0 + j, mask=c0 + j < num_keys, other=float("-inf")))
+            u = order_key(tl.load(src + c0 + j, mask=c0 + j < num_keys, other=float("-inf")))
             hist += masked_histogram(((u >> 24) & 0xFF) ^ 0x80, 256, u != -2147483648, HIST_MASK)
         t, rem, done = _descend(hist, zero, zero + k, 24)
         # rounds 1-3: the next digit of the keys sharing the prefix, until every key with the prefix is needed
@@ -311,7 +300,7 @@ def _overflow_rows_kernel(
             if done == 0:
                 hist = tl.zeros([256], dtype=tl.int32)
                 for c0 in tl.range(0, num_keys, BLOCK, num_stages=NUM_STAGES):
-                    u = _order_key(tl.load(src + c0 + j, mask=c0 + j < num_keys, other=float("-inf")))
+                    u = order_key(tl.load(src + c0 + j, mask=c0 + j < num_keys, other=float("-inf")))
                     same = (u != -2147483648) & ((u >> (32 - 8 * r)) == (t >> (32 - 8 * r)))
                     hist += masked_histogram((u >> (24 - 8 * r)) & 0xFF, 256, same, HIST_MASK)
                 t, rem, done = _descend(hist, t, rem, 24 - 8 * r)
@@ -323,7 +312,7 @@ def _overflow_rows_kernel(
         for c0 in tl.range(0, num_keys, BLOCK, num_stages=NUM_STAGES):
             cols = c0 + j
             x = tl.load(src + cols, mask=cols < num_keys, other=float("-inf"))
-            u = _order_key(x)
+            u = order_key(x)
             ok = u != -2147483648
             gt = ok & (u > t)
             at = ok & (u == t)
@@ -344,7 +333,7 @@ def _overflow_rows_kernel(
 
 
 # ----------------------------------------------------------------------------------------- launch
-def _select(logits, start, end, slots, k: int) -> torch.Tensor:
+def _select(logits, start, end, slots, k: int, gmax=None) -> torch.Tensor:
     """The kernel path (module docstring): ``[N, k]`` int64 columns or slots, ``-1`` padded."""
     n, num_keys = logits.shape
     dev = logits.device
@@ -356,7 +345,7 @@ def _select(logits, start, end, slots, k: int) -> torch.Tensor:
         inside = (cols[None, :] >= start[:, None].to(torch.int64)) & (cols[None, :] < end[:, None].to(torch.int64))
         src = torch.where(inside, logits, torch.full((), float("-inf"), device=dev))
     group = group_size(num_keys, k, rows=n)
-    best = _select_grouped(src, k, group) if group else _select_exact(src, k)
+    best = _select_grouped(src, k, group, gmax) if group else _select_exact(src, k)
     if slots is None:
         return best
     # the slots after the kernel: a load of them inside it took 148 registers a thread against 63 (sm_90), a third
@@ -402,9 +391,9 @@ def _select_exact(src: torch.Tensor, k: int) -> torch.Tensor:
     return torch.gather(cols, 1, by).to(torch.int64)
 
 
-def _select_grouped(src: torch.Tensor, k: int, group: int) -> torch.Tensor:
+def _select_grouped(src: torch.Tensor, k: int, group: int, gmax: torch.Tensor | None = None) -> torch.Tensor:
     """The grouped bound (module docstring, *rows of many keys*) over ``src`` ``[N, K]``: ``[N, k]`` int64 columns,
-    best first, ``-1`` padded."""
+    best first, ``-1`` padded; ``gmax``: the group maxima of step 1 where the caller has them."""
     n, num_keys = src.shape
     dev = src.device
     cap = int(GROUP_CONFIG["cap"]) * k
@@ -413,16 +402,21 @@ def _select_grouped(src: torch.Tensor, k: int, group: int) -> torch.Tensor:
         if v < low or v & (v - 1):  # a scan step holds whole groups
             raise ValueError(f"GROUP_CONFIG['{name}'] must be a power of two >= {low}, got {v}")
     num_groups = -(-num_keys // group)
-    gmax = torch.empty((n, num_groups), dtype=torch.int32, device=dev)
+    given = gmax is not None
+    if gmax is None:
+        gmax = torch.empty((n, num_groups), dtype=torch.int32, device=dev)
+    elif gmax.stride(1) != 1 or gmax.stride(0) != num_groups:
+        gmax = gmax.contiguous()
     vals = torch.empty((n, cap), dtype=torch.float32, device=dev)
     cols = torch.empty((n, cap), dtype=torch.int32, device=dev)
     gids = torch.empty((n, cap), dtype=torch.int32, device=dev)
     count = torch.empty((n,), dtype=torch.int32, device=dev)
     tile = max(1, 4096 // group)  # groups a program of the group maxima: 4096 columns
     with device_ctx(dev):
-        _group_max_kernel[(n, -(-num_groups // tile))](
-            gmax, src, num_keys, num_groups, src.stride(0), G=group, BLOCK_G=tile, num_warps=4,
-        )  # fmt: skip
+        if not given:
+            _group_max_kernel[(n, -(-num_groups // tile))](
+                gmax, src, num_keys, num_groups, src.stride(0), G=group, BLOCK_G=tile, num_warps=4,
+            )  # fmt: skip
         # the bound: the k-th largest group maximum (k groups hold a key at or above it, so the row's k best are)
         bound = torch.topk(gmax, k, dim=1, largest=True, sorted=False).values.amin(dim=1).contiguous()
         _candidates_kernel[(n,)](
@@ -438,7 +432,7 @@ def _select_grouped(src: torch.Tensor, k: int, group: int) -> torch.Tensor:
     return torch.where(at >= 0, torch.gather(cols, 1, at.clamp(0, cap - 1)).to(torch.int64), at)
 
 
-def _check(logits, key_start, key_end, key_slots, k) -> None:
+def _check(logits, key_start, key_end, key_slots, k, group_max=None) -> None:
     check_int("k", k, min_value=1)
     check_tensor("logits", logits, dtype=torch.float32, ndim=2)
     n, num_keys = logits.shape
@@ -453,6 +447,16 @@ def _check(logits, key_start, key_end, key_slots, k) -> None:
         check_tensor("key_end", key_end, dtype=_IDX_DTYPES, shape=(n,), device=dev)
     if key_slots is not None:
         check_tensor("key_slots", key_slots, dtype=_IDX_DTYPES, shape=(num_keys,), device=dev)
+    if group_max is not None:
+        if key_start is not None:  # the maxima must be of the logits the selection sees
+            raise ValueError("group_max takes logits that are -inf outside each row's candidates: pass no key_start")
+        group = group_size(num_keys, k, rows=n)
+        if not group:
+            raise ValueError(
+                f"group_max is the grouped bound's first step, but {n} rows of {num_keys} columns (k={k}) take the "
+                "exact path (group_size() is 0): pass none"
+            )
+        check_tensor("group_max", group_max, dtype=torch.int32, shape=(n, -(-num_keys // group)), device=dev)
 
 
 # ----------------------------------------------------------------------------------------- registered op
@@ -462,10 +466,11 @@ def _logits_topk_op(
     key_start: torch.Tensor | None,
     key_end: torch.Tensor | None,
     key_slots: torch.Tensor | None,
+    group_max: torch.Tensor | None,
     k: int,
     backend: str,
 ) -> torch.Tensor:
-    _check(logits, key_start, key_end, key_slots, k)
+    _check(logits, key_start, key_end, key_slots, k, group_max)
     start = None if key_start is None else index_arg(key_start)
     end = None if key_end is None else index_arg(key_end)
     slots = None if key_slots is None else index_arg(key_slots)
@@ -474,12 +479,12 @@ def _logits_topk_op(
     if logits.shape[0] == 0:
         return torch.empty((0, k), dtype=torch.int64, device=logits.device)
     src = logits if logits.stride(1) == 1 or logits.shape[1] <= 1 else logits.contiguous()
-    return _select(src, start, end, slots, k)
+    return _select(src, start, end, slots, k, group_max)
 
 
 @_logits_topk_op.register_fake
-def _fake_logits_topk(logits, key_start, key_end, key_slots, k, backend):
-    _check(logits, key_start, key_end, key_slots, k)
+def _fake_logits_topk(logits, key_start, key_end, key_slots, group_max, k, backend):
+    _check(logits, key_start, key_end, key_slots, k, group_max)
     return logits.new_empty((logits.shape[0], k), dtype=torch.int64)
 
 
@@ -491,6 +496,7 @@ def logits_topk(
     key_start: torch.Tensor | None = None,
     key_end: torch.Tensor | None = None,
     key_slots: torch.Tensor | None = None,
+    group_max: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """The ``k`` best candidates of each row of ``logits``, best first, ties to the lowest column (module
@@ -506,6 +512,11 @@ def logits_topk(
             ``[key_start[n], key_end[n])`` (clamped to ``[0, K]``; the kernel path masks a copy of the logits:
             logits that are ``-inf`` outside the ranges already, such as the indexer's, need none).
         key_slots: int32/int64 ``[K]``: return ``key_slots[c]`` instead of the column ``c``.
+        group_max: int32 ``[N, cdiv(K, G)]``, ``G = group_size(K, k, rows=N)`` (rows that take the grouped bound):
+            the logits' group maxima (:func:`dtkv.ops.selection_keys.group_order_maxima`), as
+            :func:`dtkv.ops.indexer_logits` writes them with ``group=G``; the kernel path then skips its own pass
+            that computes them. Without ``key_start`` (the logits must be ``-inf`` outside the candidates). The
+            ``torch`` backend checks and ignores it.
         backend: ``"auto"`` (Triton on CUDA, else torch) | ``"torch"`` | ``"triton"``.
 
     Returns:
@@ -514,4 +525,5 @@ def logits_topk(
     Raises:
         TypeError / ValueError: bad dtypes, shapes or ``k``, naming the argument.
     """
-    return torch.ops.dtkv.logits_topk(logits, key_start, key_end, key_slots, k, resolve_backend(backend, logits.device))
+    be = resolve_backend(backend, logits.device)
+    return torch.ops.dtkv.logits_topk(logits, key_start, key_end, key_slots, group_max, k, be)

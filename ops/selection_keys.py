@@ -26,13 +26,27 @@ import torch
 
 from ._common import tl, triton
 
-__all__ = ["INVALID_KEY", "MAX_POSITION", "key_positions", "pack_selection_key", "selection_keys", "unpack_keys"]
+__all__ = [
+    "INVALID_KEY",
+    "MAX_POSITION",
+    "NO_ORDER_KEY",
+    "group_order_maxima",
+    "key_positions",
+    "order_key",
+    "order_keys",
+    "pack_selection_key",
+    "selection_keys",
+    "unpack_keys",
+]
 
 INVALID_KEY = -(2**63)
 """The key of a padding candidate: below every real key (a real key is at least ``ord32(-inf) * 2**32``)."""
 
 MAX_POSITION = 2**32 - 2
 """Largest position a key can carry."""
+
+NO_ORDER_KEY = -(2**31)
+"""The int32 order key of a ``-inf`` score (:func:`order_keys`): below every candidate's."""
 
 _LOW32 = 2**32 - 1
 _MAG31 = 0x7FFFFFFF
@@ -60,6 +74,27 @@ def selection_keys(scores: torch.Tensor, positions: torch.Tensor, valid: torch.T
     return torch.where(keep, keys, torch.full_like(keys, INVALID_KEY))
 
 
+def order_keys(scores: torch.Tensor) -> torch.Tensor:
+    """int32 ``ord32`` of float32 scores (a key's upper half: ``-0.0`` as ``+0.0``, every NaN one NaN above
+    ``+inf``), :data:`NO_ORDER_KEY` for ``-inf``: integers that order like the selection rule orders the scores."""
+    s = scores.to(torch.float32)
+    s = torch.where(s == 0, torch.zeros_like(s), s)
+    s = torch.where(torch.isnan(s), torch.full_like(s, float("nan")), s)
+    bits = s.contiguous().view(torch.int32)
+    ordered = torch.where(bits < 0, torch.bitwise_xor(bits, _MAG31), bits)
+    return torch.where(s == float("-inf"), torch.full_like(ordered, NO_ORDER_KEY), ordered)
+
+
+def group_order_maxima(scores: torch.Tensor, group: int) -> torch.Tensor:
+    """The largest :func:`order_keys` of each group of ``group`` consecutive columns of ``scores`` ``[N, K]``:
+    int32 ``[N, cdiv(K, group)]`` (a partial last group takes the columns it has)."""
+    n, num_keys = scores.shape
+    num_groups = -(-num_keys // group)
+    u = torch.full((n, num_groups * group), NO_ORDER_KEY, dtype=torch.int32, device=scores.device)
+    u[:, :num_keys] = order_keys(scores)
+    return u.view(n, num_groups, group).amax(dim=2)
+
+
 def unpack_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inverse of :func:`selection_keys`: ``(scores float32, positions int64, valid bool)``, each ``keys.shape``.
 
@@ -78,6 +113,16 @@ def key_positions(keys: torch.Tensor) -> torch.Tensor:
     """The position each int64 key carries, without the validity mask of :func:`unpack_keys` (one op, no
     branch): a padding key's (:data:`INVALID_KEY`) is ``MAX_POSITION + 1``, past every real position."""
     return _LOW32 - torch.bitwise_and(keys, _LOW32)
+
+
+@triton.jit
+def order_key(s):
+    """:func:`order_keys` of a tile inside a kernel: float32 ``s`` -> int32, :data:`NO_ORDER_KEY` for ``-inf``."""
+    s = tl.where(s == 0.0, 0.0, s)
+    s = tl.where(s != s, float("nan"), s)
+    bits = s.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return tl.where(s == float("-inf"), -2147483648, ordered)
 
 
 @triton.jit

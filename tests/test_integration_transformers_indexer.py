@@ -18,6 +18,7 @@ on its row count, which the blocks change). Logit tolerances are those of ``test
 
 from __future__ import annotations
 
+import sys
 import traceback
 
 import pytest
@@ -155,24 +156,35 @@ def test_fp8_queries_round_as_the_reference_rounds_them():
 
 
 @needs_interpreter
+@pytest.mark.parametrize("path", ["exact", "grouped"])
 @pytest.mark.parametrize("name", ["deepseek-v32", "glm5"])
-def test_fp8_kernel_selects_what_the_torch_fp8_math_selects(name, monkeypatch):
+def test_fp8_kernel_selects_what_the_torch_fp8_math_selects(name, path, monkeypatch):
     """fp8 KV: the Triton backend's kernel (interpreter; several query blocks) against the torch backend's fp8
     formula (:func:`indexer_precision` ``"fp8"``): the same view slots. Their logits differ by float32 rounding
-    (the kernel applies the key scale after the head sum), far below these random keys' gaps."""
+    (the kernel applies the key scale after the head sum), far below these random keys' gaps. On the ``grouped``
+    path (the selection's grouped bound, settings that take it at these few rows) the indexer's epilogue writes
+    the group maxima and the selection's own launch for them never runs."""
+    topk_mod = sys.modules["dtkv.ops.logits_topk"]
+    if path == "grouped":
+        grouped = {"ratio": 1, "min_rows": 1, "scan_block": 32, "group_block": 16}
+        monkeypatch.setattr(topk_mod, "GROUP_CONFIG", {**topk_mod.GROUP_CONFIG, **grouped})
+        monkeypatch.setattr(topk_mod, "_group_max_kernel", None)  # not launched: the indexer wrote the maxima
     rt, ctx, indexer, iq, iw, view = _layer_inputs(name, "fp8", attention="triton")
     assert A.uses_fp8_indexer(ctx.attention.name, ctx.layouts["index"])
     monkeypatch.setattr(X, "FP8_BLOCK_BYTES", 4 * 5 * ctx.plan.key_slots.shape[0])  # blocks of 5 queries (float32)
     calls = []
     real = X.ops.indexer_logits
-    monkeypatch.setattr(X.ops, "indexer_logits", lambda *a, **k: calls.append(k["backend"]) or real(*a, **k))
+    monkeypatch.setattr(
+        X.ops, "indexer_logits", lambda *a, **k: calls.append((k["backend"], k["group"])) or real(*a, **k)
+    )
     with torch.no_grad():
         got = A.select_topk(indexer, ctx, iq, iw, view)
         rt.attention = ctx.attention = type("TorchName", (), {"name": "torch"})()
         with A.indexer_precision("fp8"):
             want = A.select_topk(indexer, ctx, iq, iw, view)
     rt.close()
-    assert calls == ["triton"] * -(-iq.shape[0] // 5)  # the kernel ran, one call a block; not on torch
+    assert [b for b, _ in calls] == ["triton"] * -(-iq.shape[0] // 5)  # the kernel ran, one call a block; not on torch
+    assert all((grp > 0) == (path == "grouped") for _, grp in calls), calls
     assert torch.equal(got, want)
 
 

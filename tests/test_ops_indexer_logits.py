@@ -127,6 +127,44 @@ def test_triton_vs_reference(monkeypatch, launch, geom, sms):
     assert torch.equal(packed, selection_keys(got, cols, torch.isfinite(got)))
 
 
+def _group_maxima(logits: torch.Tensor, group: int) -> torch.Tensor:
+    """Each group's largest order key, from the int64 selection keys' upper halves (one python loop over groups)."""
+    upper = torch.bitwise_right_shift(selection_keys(logits, torch.zeros_like(logits, dtype=torch.int64)), 32)
+    cols = logits.shape[1]
+    return torch.stack([upper[:, c : c + group].amax(dim=1) for c in range(0, cols, group)], 1).to(torch.int32)
+
+
+@pytest.mark.parametrize("sms", [132, 1], ids=["blocks_only", "key_split"])
+@pytest.mark.parametrize("group", [2, 8, 32])
+@pytest.mark.parametrize("launch", ["default", "keys_q1_k16", "queries_q2_k16", "split_q2_k32", "torch"])
+@pytest.mark.parametrize("geom", GEOMS[1:3], ids=lambda g: "n{}_i{}_j{}_s{}_p{}_k{}".format(*g))
+def test_group_maxima_are_the_largest_order_key_of_each_group(monkeypatch, geom, launch, group, sms):
+    """``group``: the kernel's epilogue writes each group's largest order key (a partial last group, groups wider
+    than the launch's tiles, tiles outside a query's range and the key split included), the logits unchanged."""
+    skip_unless("torch" if launch == "torch" else "triton", "cpu")
+    monkeypatch.setattr(_mod, "_num_sms", lambda device: sms)
+    lay, q, w, pages, slots, start, end = _case(*geom, seed=11 * sum(geom))
+    backend = "torch" if launch == "torch" else "triton"
+    with _tuned.override("indexer_logits", **LAUNCHES.get(launch, {})):
+        got, gmax = indexer_logits(q, w, pages, slots, start, end, layout=lay, group=group, backend=backend)
+    want = indexer_logits(q, w, pages, slots, start, end, layout=lay, backend="torch")
+    _close(got, want)
+    assert gmax.dtype == torch.int32 and gmax.shape == (q.shape[0], -(-slots.shape[0] // group))
+    assert torch.equal(gmax, _group_maxima(got, group))
+    assert (gmax > -(2**31)).any() and (group > 8 or (gmax == -(2**31)).any())  # groups with visible keys, and not
+
+
+def test_group_maxima_settings_are_checked():
+    lay, q, w, pages, slots, start, end = _case(3, 2, 32, 4, 5, 9, seed=3)
+    for group in (1, 3, 256, -2):
+        with pytest.raises(
+            ValueError, match=re.escape(f"group must be 0 (none) or a power of two in [2, 128], got group={group}")
+        ):
+            indexer_logits(q, w, pages, slots, start, end, layout=lay, group=group, backend="torch")
+    with pytest.raises(ValueError, match=re.escape("group must be 0 with packed=True (the maxima come with float32")):
+        indexer_logits(q, w, pages, slots, start, end, layout=lay, group=4, packed=True, backend="torch")
+
+
 def _per_query_tables(n, cols, num_slots, seed):
     """``[n, cols]`` key tables, each row its own slots (invalid ones included), as full-view decode's requests."""
     g = torch.Generator().manual_seed(seed)
@@ -296,8 +334,9 @@ def test_opcheck(backend, packed, table):
     lay, q, w, pages, slots, start, end = _case(3, 2, 32, 4, 5, 20, seed=5)
     if table == "per_query":
         slots = _per_query_tables(3, 20, pages.shape[0] * lay.page_size, seed=5)
-    args = (q.view(torch.uint8), w, pages, slots, start, end, lay.page_size, packed, backend)
-    torch.library.opcheck(torch.ops.dtkv.indexer_logits.default, args)
+    for group in (0,) if packed else (0, 4):
+        args = (q.view(torch.uint8), w, pages, slots, start, end, lay.page_size, packed, group, backend)
+        torch.library.opcheck(torch.ops.dtkv.indexer_logits.default, args)
 
 
 def test_compiles_fullgraph_with_the_top_k():
@@ -439,6 +478,8 @@ def check_sm90_build(records: list[dict]) -> None:
     assert records and all(r["ok"] and r.get("local", 0) == 0 for r in records), records
     deepseek = [r for r in records if r["constexprs"]["NH"] == "64" and r["constexprs"]["J"] == "128"]
     assert deepseek and all(r["wgmma"] > 0 for r in deepseek)
+    assert any(r["constexprs"]["GROUP"] != "0" for r in deepseek)  # the group maxima's epilogue
+    assert any(r["constexprs"]["SPLIT"] == "True" for r in deepseek)  # a dot per query
     default = _tuned.DEFAULTS["indexer_logits"]
     first = next(r for r in deepseek if r["constexprs"]["BQ"] == str(default["block_q"])
                  and r["constexprs"]["KEYS_M"] == "True" and r["num_warps"] == default["num_warps"])  # fmt: skip

@@ -173,6 +173,47 @@ def test_rows_past_the_cap_take_the_radix_select(monkeypatch):
     assert [torch.equal(got[i], want[i]) for i in range(4)] == [True, True, False, True]
 
 
+@pytest.mark.parametrize("kind", ["normal", "ties", "sparse", "specials"])
+def test_given_group_maxima_replace_the_first_launch(monkeypatch, kind):
+    """``group_max`` (the indexer's epilogue writes it): the same selection with the group-maxima launch dropped;
+    wrong maxima give another selection (the kernel reads them)."""
+    skip_unless("triton", "cpu")
+    from dtkv.ops.selection_keys import group_order_maxima
+
+    monkeypatch.setattr(_mod, "GROUP_CONFIG", {**_mod.GROUP_CONFIG, **PATHS["grouped"]})
+    g = torch.Generator().manual_seed(21)
+    x = _logits(kind, 5, 211, 9, g)
+    group = _mod.group_size(211, 9, rows=5)
+    assert group == 16
+    want = _python_topk(x, 9)
+    gmax = group_order_maxima(x, group)
+    monkeypatch.setattr(_mod, "_group_max_kernel", _NoLaunch())
+    assert torch.equal(logits_topk(x, 9, group_max=gmax, backend="triton"), want)
+    assert torch.equal(logits_topk(x, 9, group_max=gmax, backend="torch"), want)
+    low = torch.full_like(gmax, -(2**31))  # no group reaches a bound: no candidates listed
+    assert not torch.equal(logits_topk(x, 9, group_max=low, backend="triton"), want)
+
+
+def test_group_maxima_are_checked(monkeypatch):
+    monkeypatch.setattr(_mod, "GROUP_CONFIG", {**_mod.GROUP_CONFIG, **PATHS["grouped"]})
+    x = torch.zeros(3, 100)
+    ok = torch.zeros(3, 4, dtype=torch.int32)  # 100 columns, k=3: groups of 32
+    assert _mod.group_size(100, 3, rows=3) == 32 and logits_topk(x, 3, group_max=ok, backend="torch").shape == (3, 3)
+    with pytest.raises(ValueError, match=re.escape("group_max must have shape [3, 4], got group_max.shape=[3, 8]")):
+        logits_topk(x, 3, group_max=torch.zeros(3, 8, dtype=torch.int32), backend="torch")
+    with pytest.raises(
+        TypeError, match=re.escape("group_max must have dtype torch.int32, got group_max.dtype=torch.int64")
+    ):
+        logits_topk(x, 3, group_max=ok.long(), backend="torch")
+    with pytest.raises(
+        ValueError, match=re.escape("group_max takes logits that are -inf outside each row's candidates")
+    ):
+        logits_topk(x, 3, key_start=torch.zeros(3, dtype=torch.int64), key_end=torch.ones(3, dtype=torch.int64),
+                    group_max=ok, backend="torch")  # fmt: skip
+    with pytest.raises(ValueError, match=re.escape("3 rows of 100 columns (k=60) take the exact path")):
+        logits_topk(x, 60, group_max=ok, backend="torch")
+
+
 def test_group_config_is_checked(monkeypatch):
     x = torch.zeros(2, 200)
     base = {**_mod.GROUP_CONFIG, "min_rows": 1}
@@ -259,13 +300,16 @@ def test_strided_and_empty_inputs(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_opcheck(backend):
+def test_opcheck(monkeypatch, backend):
     skip_unless(backend, "cpu")
     g = torch.Generator().manual_seed(6)
     x = _logits("ties", 3, 29, 4, g)
     start, end = _ranges(3, 29, g)
-    for args in ((x, None, None, None, 4, backend), (x, start, end, torch.arange(29) * 2, 40, backend)):
+    for args in ((x, None, None, None, None, 4, backend), (x, start, end, torch.arange(29) * 2, None, 40, backend)):
         torch.library.opcheck(torch.ops.dtkv.logits_topk.default, args)
+    monkeypatch.setattr(_mod, "GROUP_CONFIG", {**_mod.GROUP_CONFIG, **PATHS["grouped"]})
+    gmax = torch.zeros(3, 8, dtype=torch.int32)  # 29 columns, k=4: groups of 4
+    torch.library.opcheck(torch.ops.dtkv.logits_topk.default, (x, None, None, None, gmax, 4, backend))
 
 
 def test_compiles_fullgraph_with_the_indexer():

@@ -23,6 +23,7 @@ from dtkv import ops
 from dtkv.decode import selection_keys
 from dtkv.kvio import read_rows, round_trip
 from dtkv.layouts import IndexerFp8Layout
+from dtkv.ops.logits_topk import group_size
 from dtkv.runtime import StepContext
 
 __all__ = [
@@ -97,7 +98,8 @@ def select_topk(indexer, ctx: StepContext, q_NIJ, w_NI, view_index) -> torch.Ten
     Query ``n`` sees the key-table entries ``[plan.key_start[n], plan.key_end[n])``: its request's entries up to
     its position. The fp8 indexer (:func:`uses_fp8_indexer`) on the ``triton`` and ``flashmla`` backends runs
     :func:`dtkv.ops.quantize_indexer_queries` once and :func:`dtkv.ops.indexer_logits` (float32 logits, ``-inf``
-    where not visible, blocks of queries within :data:`FP8_BLOCK_BYTES`), then :func:`dtkv.ops.logits_topk` (the
+    where not visible, blocks of queries within :data:`FP8_BLOCK_BYTES`; on rows of many keys also the group maxima
+    of :func:`dtkv.ops.logits_topk`'s grouped bound, from its epilogue), then :func:`dtkv.ops.logits_topk` (the
     selection of the packed keys' ``torch.topk``, bit for bit, at half the bytes); otherwise the model's formula
     ``relu(q . k * softmax_scale)`` summed with the head weights in float32 does (on :func:`fp8_indexer_queries`
     for the fp8 indexer on ``torch``; blocks within :data:`TORCH_BLOCK_BYTES`), then selection keys and
@@ -126,10 +128,13 @@ def select_topk(indexer, ctx: StepContext, q_NIJ, w_NI, view_index) -> torch.Ten
         out = []
         for b0 in range(0, n, block):
             sl = slice(b0, min(n, b0 + block))
-            logits = ops.indexer_logits(q8[sl], w8[sl], view_index, plan.key_slots, start[sl], end[sl], layout=lay,
-                                        backend=backend)  # fmt: skip
+            # rows of many keys: the indexer's epilogue writes the selection's group maxima too
+            group = group_size(num_keys, k, rows=sl.stop - b0)
+            got = ops.indexer_logits(q8[sl], w8[sl], view_index, plan.key_slots, start[sl], end[sl], layout=lay,
+                                     group=group, backend=backend)  # fmt: skip
+            logits, gmax = got if group else (got, None)
             # -inf outside each query's range already: no ranges to mask
-            out.append(ops.logits_topk(logits, k, key_slots=plan.key_slots, backend=backend))
+            out.append(ops.logits_topk(logits, k, key_slots=plan.key_slots, group_max=gmax, backend=backend))
         return _joined(out, k, q_NIJ.device)
     keys_JK = read_rows(view_index, lay, q_NIJ.dtype, slots=plan.key_slots).transpose(0, 1).float()
     cols = torch.arange(num_keys, device=q_NIJ.device)
