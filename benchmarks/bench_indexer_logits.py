@@ -78,6 +78,8 @@ def _cands() -> list[dict]:
             out.append({"variant": "keys", "block_q": bq, "block_k": bk, "num_warps": warps, "num_stages": stages})
     for bq, bk, warps in ((1, 64, 4), (2, 64, 4), (1, 128, 4), (2, 128, 8)):
         out.append({"variant": "queries", "block_q": bq, "block_k": bk, "num_warps": warps, "num_stages": 3})
+    for bq, bk, warps in ((1, 128, 4), (2, 64, 4), (2, 128, 4), (2, 128, 8), (4, 64, 8), (4, 128, 8)):
+        out.append({"variant": "split", "block_q": bq, "block_k": bk, "num_warps": warps, "num_stages": 2})
     out += [{"ctas_per_sm": c} for c in (2, 4, 6)]  # the key split of few queries
     return out
 
@@ -85,7 +87,8 @@ def _cands() -> list[dict]:
 CANDIDATES: list[dict] = _cands()
 """Launches the sweep times (each completed from ``ops/_tuned.py``'s DEFAULTS): the keys-on-M arrangement over
 queries per program x keys per tile x warps x pipeline stages (the default is 2 x 64 x 4 x 3: 161 registers, 3
-programs per SM), the queries-on-M arrangement, and the key split's grid target for decode-sized calls."""
+programs per SM), the queries-on-M arrangement, a dot per query (``split``), and the key split's grid target for
+decode-sized calls."""
 SMOKE_CANDIDATES = [{"block_q": 1}, {"variant": "queries", "block_k": 32}]
 
 
