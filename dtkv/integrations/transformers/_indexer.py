@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import cast
 
 import torch
 
@@ -132,7 +133,7 @@ def select_topk(indexer, ctx: StepContext, q_NIJ, w_NI, view_index) -> torch.Ten
             group = group_size(num_keys, k, rows=sl.stop - b0)
             got = ops.indexer_logits(q8[sl], w8[sl], view_index, plan.key_slots, start[sl], end[sl], layout=lay,
                                      group=group, backend=backend)  # fmt: skip
-            logits, gmax = got if group else (got, None)
+            logits, gmax = cast(tuple[torch.Tensor, torch.Tensor], got) if group else (cast(torch.Tensor, got), None)
             # -inf outside each query's range already: no ranges to mask
             out.append(ops.logits_topk(logits, k, key_slots=plan.key_slots, group_max=gmax, backend=backend))
         return _joined(out, k, q_NIJ.device)
