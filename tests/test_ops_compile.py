@@ -142,10 +142,13 @@ def test_the_ops_build_rules_refuse_what_breaks_them():
     from tests import test_ops_indexer_logits, test_ops_logits_topk
 
     def logits(**kw):
+        const = {"NH": "64", "J": "128", "BQ": "2", "KEYS_M": "True", "SPLIT": "False", "GROUP": "0"}
+        const.update(kw.pop("constexprs", {}))
         rec = {"kernel": "_indexer_logits_kernel", "where": "indexer_logits defaults | case", "ok": True, "local": 0,
-               "wgmma": 4, "registers": 160, "smem": 40000, "num_warps": 4,
-               "constexprs": {"NH": "64", "J": "128", "BQ": "2", "KEYS_M": "True"}}  # fmt: skip
+               "wgmma": 4, "registers": 160, "smem": 40000, "num_warps": 4, "constexprs": const}  # fmt: skip
         return {**rec, **kw}
+
+    paths = [logits(constexprs={"GROUP": "16"}), logits(constexprs={"SPLIT": "True"})]  # the epilogue's maxima, split
 
     cfg = test_ops_logits_topk._mod.KERNEL_CONFIG
 
@@ -154,11 +157,14 @@ def test_the_ops_build_rules_refuse_what_breaks_them():
                 "local": 0, "registers": 60, "num_warps": cfg["num_warps"], "constexprs": {"BLOCK": str(cfg["block"])},
                 **kw}  # fmt: skip
 
-    test_ops_indexer_logits.check_sm90_build([logits(), logits(where="x | int64 offsets", local=8)])
+    test_ops_indexer_logits.check_sm90_build([logits(), logits(where="x | int64 offsets", local=8), *paths])
     test_ops_logits_topk.check_sm90_build([topk(), topk(where="x | int64 offsets", registers=200)])
     for bad in (logits(local=16), logits(wgmma=0), logits(registers=200), logits(ok=False)):
         with pytest.raises(AssertionError):
-            test_ops_indexer_logits.check_sm90_build([bad])
+            test_ops_indexer_logits.check_sm90_build([bad, *paths])
+    for built in paths:  # a build without the maxima's epilogue, or without the split dots, proves nothing of them
+        with pytest.raises(AssertionError):
+            test_ops_indexer_logits.check_sm90_build([logits(), built])
     too_many = 65536 // (64 * cfg["num_warps"]) + 1  # registers a thread: fewer than two programs an SM
     for bad in (topk(local=16), topk(registers=too_many), topk(num_warps=2 * cfg["num_warps"])):
         with pytest.raises(AssertionError):
