@@ -183,7 +183,7 @@ def _split_operand(q_ptr, w_ptr, rq, num_queries, q_sn, q_si, w_sn, NH: tl.const
     rq = rq.to(tl.int64)
     rh = tl.arange(0, NHP)
     cj = tl.arange(0, JP)
-    ok = (rh < NH) & (rq < num_queries)
+    ok = (rh < NH) & (rq + rh * 0 < num_queries)  # vector comparisons only: the interpreter's masks must be bool
     ptrs = (q_ptr + rq * q_sn + rh[:, None] * q_si + cj[None, :]).to(tl.pointer_type(tl.float8e4nv))
     q = tl.load(ptrs, mask=ok[:, None] & (cj < J)[None, :], other=0.0)
     w = tl.load(w_ptr + rq * w_sn + rh, mask=ok, other=0.0)
@@ -197,10 +197,11 @@ def _split_row(out_ptr, gmax_ptr, kf, q, w, scale, rq, cols, ok, col_ok, start_p
     the dot's N (one row of the accumulator's layout: no reshape), stored as its row of the output."""
     acc = tl.dot(kf, tl.trans(q))  # [BK, NHP] fp32
     s = tl.sum(tl.maximum(acc, 0.0) * w[None, :], axis=1) * scale  # [BK]
-    r_ok = rq < num_queries
-    lo = tl.maximum(tl.load(start_ptr + rq, mask=r_ok, other=0).to(tl.int64), 0)
-    hi = tl.minimum(tl.load(end_ptr + rq, mask=r_ok, other=0).to(tl.int64), num_keys)
-    vis = (cols >= lo) & (cols < hi) & ok
+    r_ok = rq + cols * 0 < num_queries  # [BK]: vector comparisons only (the interpreter's masks must be bool)
+    at = tl.minimum(rq, num_queries - 1)  # a row past N (the last block's padding) reads row N - 1, stores nothing
+    lo = tl.maximum(tl.load(start_ptr + at).to(tl.int64), 0)
+    hi = tl.minimum(tl.load(end_ptr + at).to(tl.int64), num_keys)
+    vis = (cols >= lo) & (cols < hi) & ok & r_ok
     ptrs = out_ptr + rq.to(tl.int64) * out_sn + cols
     if PACKED:
         tl.store(ptrs, pack_selection_key(s, cols, vis), mask=col_ok & r_ok)
@@ -211,7 +212,9 @@ def _split_row(out_ptr, gmax_ptr, kf, q, w, scale, rq, cols, ok, col_ok, start_p
             bk: tl.constexpr = x.shape[0]
             u = tl.max(tl.reshape(order_key(x), (bk // GROUP, GROUP)), axis=1)  # [BK / GROUP]
             grp = tl.min(cols, axis=0) // GROUP + tl.arange(0, bk // GROUP)
-            tl.store(gmax_ptr + rq.to(tl.int64) * num_groups + grp, u, mask=r_ok & (grp < num_groups))
+            tl.store(
+                gmax_ptr + rq.to(tl.int64) * num_groups + grp, u, mask=(rq + grp * 0 < num_queries) & (grp < num_groups)
+            )
 
 
 @triton.jit(do_not_specialize=["num_queries", "num_keys", "num_slots", "tiles_per_prog", "num_groups"])
