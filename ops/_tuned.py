@@ -28,7 +28,8 @@ Ops (``op`` key: its ``size``; its configuration keys):
   2-byte copy of ``page_map`` when its int32 form exceeds 128 KiB, so that it stays in L1), ``idx_cg`` (1: the
   indices bypass L1).
 - ``indexer_logits``: queries of the call; ``variant`` (``"keys"``: keys on the dot's M dimension, the head sum
-  along N in registers; ``"queries"``: queries x heads on M), ``block_q`` (queries per program), ``block_k`` (key
+  along N in registers; ``"split"``: the same with one dot per query of the block, ``block_q`` 1, 2 or 4;
+  ``"queries"``: queries x heads on M), ``block_q`` (queries per program), ``block_k`` (key
   columns per tile), ``num_warps``, ``num_stages``, ``ctas_per_sm`` (the grid's target: a call whose query blocks
   are fewer splits its key range over programs), ``maxnreg`` (register cap per thread, 0: the compiler's choice).
   Its table is written by ``python benchmarks/bench_indexer_logits.py --sweep --write-table``.

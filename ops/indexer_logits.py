@@ -29,10 +29,14 @@ its queries sees are not computed (only stored: ``-inf``). Per tile: the key cod
 rows, ``cp.async``, pipelined), one fp8 ``tl.dot`` (Hopper ``wgmma``) of all the block's queries and heads, then
 relu, head weights, the head sum, the key scale, the visibility mask and the store. ``variant="keys"`` puts the
 keys on the dot's M dimension and ``block_q * heads`` on N (the head sum is a reduction along N, in registers and
-lane shuffles: DeepGEMM's ``fp8_mqa_logits`` arrangement); ``variant="queries"`` puts queries x heads on M and keys
-on N (the head sum crosses warps). Programs start with the query blocks that see the most keys (the last rows of a
-causal chunk); the key range of a block is split over programs only when the blocks alone do not fill the GPU. With
-a key table per query a block is one query (``block_q`` 1: the keys of the dot are that query's).
+lane shuffles: DeepGEMM's ``fp8_mqa_logits`` arrangement); ``variant="split"`` keeps the keys on M but runs one dot
+per query of the block (``block_q`` 1, 2 or 4) on the same key tile, each head sum along one accumulator row (no
+reshape across queries); ``variant="queries"`` puts queries x heads on M and keys on N (the head sum crosses
+warps). With ``group`` the epilogue also writes each group's largest order key (the maxima
+:func:`dtkv.ops.logits_topk`'s grouped bound reads first). Programs start with the query blocks that see the most
+keys (the last rows of a causal chunk); the key range of a block is split over programs only when the blocks alone
+do not fill the GPU. With a key table per query a block is one query (``block_q`` 1: the keys of the dot are that
+query's).
 
 **Launch.** ``ops/_tuned.py`` op ``"indexer_logits"``, size = queries per call: ``variant``, ``block_q``,
 ``block_k``, ``num_warps``, ``num_stages``, ``ctas_per_sm`` (grid target for the key split), ``maxnreg``.
