@@ -597,6 +597,55 @@ time.sleep(600)
 """
 
 
+_DIES_AT_FINISH = """
+import sys, time
+import numpy as np
+from dtkv import PageOwnership
+from dtkv.transfer import Bootstrap, DecodeReceiver, LocalEngine, TransferError, create_store
+from tests._transfer import shards
+
+where, nth = sys.argv[2], int(sys.argv[3])
+boot = Bootstrap(create_store(port=int(sys.argv[1]), is_master=False, timeout_s=30), namespace="die")
+rx = DecodeReceiver(shards(PageOwnership(1, 8), staging_bytes=1 << 16)[0], boot, engine=LocalEngine(), timeout_s=5)
+rx.connect(30)
+
+
+class DiesAtFinish:  # the store calls of this process, which stops for good before or after its nth finish add
+    def __init__(self, inner):
+        self.inner = inner
+        self.seen = 0
+
+    def __getattr__(self, name):
+        fn = getattr(self.inner, name)
+        if name != "add":
+            return fn
+
+        def add(key, amount):
+            if "/finished" not in key or amount == 0:
+                return fn(key, amount)
+            self.seen += 1
+            if self.seen == nth and where == "before":
+                print("DYING", key, flush=True)
+                time.sleep(600)  # killed here
+            out = fn(key, amount)
+            if self.seen == nth:
+                print("DYING", key, flush=True)
+                time.sleep(600)
+            return out
+
+        return add
+
+
+boot.store = DiesAtFinish(boot.store)
+try:
+    rx.receive_request("late", np.array([0, 1]), timeout_s=0.2)  # prefill never sends: decode gives it up
+except TransferError:
+    pass
+rx.reclaim(timeout_s=5)  # the abort set the closed prefill slots' bits (1st add), the release decode's own (2nd)
+time.sleep(600)
+"""
+
+
 class TestDeathMidCleanup:
     def test_a_rank_killed_while_it_deletes_an_attempt_leaves_the_deletion_to_its_restart(self):
         """The rank whose finish completes an attempt's count deletes its keys, one call each; killed in the middle
@@ -632,6 +681,53 @@ class TestDeathMidCleanup:
             successor.bootstrap.flush(5)
             assert [k for k in client.list_keys() if "/req/late/" in k] == [], "the restart left the deletion undone"
             successor.close()
+            sender.close()
+            boot.flush(5)
+            assert client.num_keys() == empty, client.list_keys()
+        finally:
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+            host.close()
+
+    @pytest.mark.parametrize(("where", "nth"), [("before", 1), ("after", 1), ("before", 2)])
+    def test_a_rank_killed_around_its_finish_leaves_the_attempt_to_its_restart(self, where, nth):
+        """Decode gives a request up that prefill never claimed: its abort closes both prefill slots and sets their
+        bits (the 1st add), its release sets its own (the 2nd, which completes the attempt and deletes it). Killed
+        just before or after one of those adds, the rank leaves the attempt listed open, and its restart sets
+        exactly the bits that are missing: the store's key count returns to where it was. Before, a rank un-listed
+        the attempt before its add (killed in between: the attempt's keys stayed for good, the soak's leftover
+        keys), and a restart re-counted nothing for the slots its dead incarnation had closed."""
+        import os
+        import subprocess
+        import sys
+        from pathlib import Path
+
+        root = Path(__file__).resolve().parent.parent
+        host = StoreHost()
+        proc = None
+        try:
+            client = host.client()
+            empty = client.num_keys()
+            boot = Bootstrap(host.client(), namespace="die")
+            sender = PrefillSender(shards(PageOwnership(2, 8), staging_bytes=1 << 16), boot, engine=LocalEngine(),
+                                   timeout_s=5)  # fmt: skip
+            boot.flush(5)
+            baseline = client.num_keys()
+            env = {**os.environ, "PYTHONPATH": str(root)}
+            proc = subprocess.Popen([sys.executable, "-c", _DIES_AT_FINISH, str(host.port), where, str(nth)],
+                                    stdout=subprocess.PIPE, text=True, env=env, cwd=str(root))  # fmt: skip
+            _, line = run_bounded(proc.stdout.readline, limit_s=60)
+            assert isinstance(line, str) and line.startswith("DYING req/late/"), line
+            proc.kill()
+            proc.wait(10)
+            left = [k for k in client.list_keys() if "/req/late/" in k]
+            assert left, "the killed rank finished the attempt after all"
+            successor = DecodeReceiver(shards(PageOwnership(1, 8), staging_bytes=1 << 16)[0], Bootstrap(host.client(),
+                                       namespace="die"), engine=LocalEngine(), timeout_s=5)  # fmt: skip
+            successor.bootstrap.flush(5)
+            assert [k for k in client.list_keys() if "/req/late/" in k] == [], "the restart left the attempt behind"
+            successor.close()
+            assert client.num_keys() == baseline, client.list_keys()
             sender.close()
             boot.flush(5)
             assert client.num_keys() == empty, client.list_keys()

@@ -22,7 +22,7 @@ from dtkv.transfer import (
     send_entries,
 )
 from dtkv.transfer.descriptors import PeerEntries
-from dtkv.transfer.protocol import Backoff
+from dtkv.transfer.protocol import WORD_BITS, AttemptKeys, Backoff, peek_counter
 
 LAYERS = 2
 LAYOUTS = {
@@ -402,3 +402,81 @@ class TestPostValidation:
             r.post_request(rid, dst)
         sender.send_request(rid, np.arange(10))
         assert all(r.wait_request(rid).staged for r in receivers)
+
+
+class TestFinishBits:
+    """``AttemptKeys.finish``: each party's bit once, several counter words past 62 parties, and the restart's
+    reads (``unfinished``, ``deleting``) never creating a key, checked against a plain set of finished parties."""
+
+    @staticmethod
+    def _attempt(store, num_prefill, num_decode):
+        keys = AttemptKeys("r", "0123456789abcdef", num_prefill, num_decode)
+        keys.create(store)
+        for k in keys.all()[: -keys.num_words]:
+            store.set(k, b"x")
+        return keys
+
+    @pytest.mark.parametrize(("num_prefill", "num_decode"), [(1, 1), (2, 3), (61, 1), (62, 1), (40, 47), (64, 64)])
+    def test_deletes_once_every_party_finished_in_any_order(self, num_prefill, num_decode):
+        store = dist.HashStore()
+        keys = self._attempt(store, num_prefill, num_decode)
+        assert keys.num_words == -(-(num_prefill + num_decode) // WORD_BITS)
+        parties = list(range(num_prefill + num_decode))
+        order = np.random.default_rng(num_prefill * 100 + num_decode).permutation(parties).tolist()
+        done: set[int] = set()
+        while order:  # batches of 1-3 parties, as a side hosting several ranks finishes them
+            batch, order = order[:3], order[3:]
+            assert sorted(keys.unfinished(store, parties)) == sorted(set(parties) - done)
+            assert not keys.deleting(store)
+            deleted = keys.finish(store, batch)
+            done |= set(batch)
+            assert deleted == (done == set(parties))
+        assert store.num_keys() == 0
+
+    def test_a_missing_word_means_nothing_to_finish(self):
+        store = dist.HashStore()
+        keys = AttemptKeys("r", "0123456789abcdef", 2, 1)
+        assert keys.unfinished(store, [0, 1, 2]) == []  # deleted (or never created): an add would create it
+        assert not keys.deleting(store)
+        assert store.num_keys() == 0
+
+    def test_deleting_while_words_go(self):
+        store = dist.HashStore()
+        keys = self._attempt(store, 70, 60)  # three words
+        for w in range(keys.num_words):
+            store.add(keys.finished(w), keys.full_word(w))
+        assert keys.deleting(store)
+        store.delete_key(keys.finished(2))  # the deletion deletes the words last to first
+        assert keys.deleting(store)
+        store.delete_key(keys.finished(1))
+        assert keys.deleting(store)
+        store.delete_key(keys.finished(0))
+        assert not keys.deleting(store) and keys.unfinished(store, range(130)) == []
+
+    def test_a_word_short_of_one_party_is_not_deleting(self):
+        store = dist.HashStore()
+        keys = self._attempt(store, 70, 60)
+        keys.finish(store, [p for p in range(130) if p != 100])
+        assert not keys.deleting(store)
+        assert keys.unfinished(store, range(130)) == [100]
+
+    def test_party_numbers(self):
+        keys = AttemptKeys("r", "0123456789abcdef", 3, 2)
+        assert [keys.party("prefill", r) for r in range(3)] + [keys.party("decode", d) for d in range(2)] == [
+            0,
+            1,
+            2,
+            3,
+            4,
+        ]
+        for role, rank in [("prefill", 3), ("decode", 2), ("decode", -1), ("other", 0)]:
+            with pytest.raises(ValueError, match=r"role and rank must name one of the attempt's 3 prefill and 2"):
+                keys.party(role, rank)
+
+    def test_peek_never_creates(self):
+        store = dist.HashStore()
+        assert peek_counter(store, "k") is None and store.num_keys() == 0
+        store.add("k", 7)
+        assert peek_counter(store, "k") == 7
+        store.set("v", b"not a counter")
+        assert peek_counter(store, "v") is None

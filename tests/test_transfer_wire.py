@@ -72,7 +72,7 @@ def _records():
             plan_entries=9,
             min_entries=2,
         ),
-        OpenList(attempts=(("a", EPOCH, 2, 1), ("b", "fedcba9876543210", 4, 4))),
+        OpenList(by=("decode-00000000000000ab",), attempts=(("a", EPOCH, 2, 1), ("b", "fedcba9876543210", 4, 4))),
         AgentRecord(
             name="dtkv-17-00ff00ff00ff",
             generation=3,
@@ -140,7 +140,7 @@ class TestRejects:
         [
             (lambda b: b[:5], r"value must hold at least a 12-byte header, got 5 bytes"),
             (lambda b: b"PKL!" + b[4:], r"value must start with b'DTKV', got b'PKL!' \(not a dtkv value\)"),
-            (lambda b: b[:4] + bytes([1]) + b[5:], r"value must be of wire version 3, got version 1"),
+            (lambda b: b[:4] + bytes([1]) + b[5:], r"value must be of wire version 4, got version 1"),
             (lambda b: b[:5] + bytes([77]) + b[6:], r"value must be of kind \['REQUEST'\], got kind unknown \(77\)"),
             (
                 lambda b: b[:5] + bytes([int(Kind.START)]) + b[6:],
@@ -214,7 +214,10 @@ class TestRejects:
                 r"nonce must be 32 hex digits",
             ),
             (SendStart(rank=0, positions=np.array([0]), layer_bounds=np.array([0, 0])), r"layer_bounds must rise"),
-            (OpenList(attempts=(("a", EPOCH, 0, 1),)), r"num_prefill must hold values in \[1, 65536\]"),
+            (
+                OpenList(by=("decode-00000000000000ab",), attempts=(("a", EPOCH, 0, 1),)),
+                r"num_prefill must hold values in \[1, 65536\]",
+            ),
             (_agent(region_addr=np.array([64, 32])), r"regions must be ascending and disjoint"),
             (_agent(region_bytes=np.array([40, 8])), r"regions must be ascending and disjoint"),  # [32, 72) > 64
             (_agent(region_device=np.array([-2, 0])), r"region_device must hold values in \[-1, 1024\]"),

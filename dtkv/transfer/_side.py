@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Literal
 
 import torch.distributed as dist
@@ -65,6 +65,8 @@ class TransferSide:
         self.prefill: list[RankEndpoint] | None = None
         self.decode: list[RankEndpoint] | None = None
         self._open: dict[tuple[str, str], AttemptKeys] = {}
+        self._adopted: dict[tuple[str, str], frozenset[str]] = {}
+        """Attempts adopted from dead incarnations, still held: the dead uids their listings named."""
         self._open_lock = threading.Lock()
         self._closed = False
         self._own_engine = engine is None or isinstance(engine, str)
@@ -157,11 +159,16 @@ class TransferSide:
                 self._open[(keys.request_id, keys.epoch)] = keys
             else:
                 self._open.pop((keys.request_id, keys.epoch), None)
+                self._adopted.pop((keys.request_id, keys.epoch), None)
 
     def _open_list(self) -> OpenList:
         with self._open_lock:
             held = list(self._open.values())
-        return OpenList(attempts=tuple((k.request_id, k.epoch, k.num_prefill, k.num_decode) for k in held))
+            dead = {u for k, uids in self._adopted.items() if k in self._open for u in uids}
+        return OpenList(
+            by=(self.uid, *sorted(dead)),
+            attempts=tuple((k.request_id, k.epoch, k.num_prefill, k.num_decode) for k in held),
+        )
 
     def _write_open(self, store: dist.Store) -> None:
         """(On the store worker.) Record this side's open attempts under every hosted rank's ``open`` key."""
@@ -175,7 +182,7 @@ class TransferSide:
 
     def _adopt(self, deadline: float) -> None:
         """Finish the attempts a dead earlier incarnation of the hosted ranks left open."""
-        seen: dict[tuple[str, str], tuple[AttemptKeys, list[int]]] = {}
+        seen: dict[tuple[str, str], tuple[AttemptKeys, list[int], set[str]]] = {}
         for rank in self.shards:
             key = open_key(self.role, rank)
             listing = self.bootstrap.try_get(key, OpenList, deadline=deadline, peer=f"{self.role} rank {rank}")
@@ -183,8 +190,14 @@ class TransferSide:
                 continue
             for rid, epoch, num_p, num_d in listing.attempts:
                 keys = AttemptKeys(rid, epoch, num_p, num_d)
-                seen.setdefault((rid, epoch), (keys, []))[1].append(rank)
-        for keys, ranks in seen.values():
+                entry = seen.setdefault((rid, epoch), (keys, [], set()))
+                entry[1].append(rank)
+                entry[2].update(listing.by)
+        for keys, _, dead in seen.values():  # held (and listed as this incarnation's) until finished: a restart
+            self._hold(keys, True)  # dying meanwhile leaves them to the next one
+            with self._open_lock:
+                self._adopted[(keys.request_id, keys.epoch)] = frozenset(dead)
+        for keys, ranks, dead in seen.values():
             logger.warning(
                 "%s ranks %s restarted: finishing request %r (attempt %s) they left open",
                 self.role,
@@ -192,25 +205,31 @@ class TransferSide:
                 keys.request_id,
                 keys.epoch,
             )
-            self.bootstrap.post(lambda s, k=keys, r=ranks: self._adopt_one(s, k, r), what="adopt")
+            self.bootstrap.post(lambda s, k=keys, r=ranks, u=dead: self._adopt_one(s, k, r, u), what="adopt")
         if seen:
             self.bootstrap.post(self._write_open, what="open attempts")
 
-    def _adopt_one(self, store: dist.Store, keys: AttemptKeys, ranks: list[int]) -> None:
-        """(On the store worker.) One attempt a dead incarnation of ``ranks`` left open: complete its deletion if
-        that was under way (:meth:`dtkv.transfer.protocol.AttemptKeys.deleting`), else finish it for them."""
+    def _adopt_one(self, store: dist.Store, keys: AttemptKeys, ranks: list[int], dead: set[str]) -> None:
+        """(On the store worker.) One attempt a dead incarnation (``dead``: its uids) of ``ranks`` left open:
+        complete its deletion if that was under way (:meth:`dtkv.transfer.protocol.AttemptKeys.deleting`), else
+        finish it for them."""
         if keys.deleting(store):
             keys.delete(store)
+            self._hold(keys, False)
+            self._write_open(store)
         else:
-            self._finish_dead(store, keys, ranks)
+            self._finish_dead(store, keys, ranks, dead)
 
-    def _finish_dead(self, store: dist.Store, keys: AttemptKeys, ranks: list[int]) -> None:
-        """(On the store worker.) Finish ``keys`` for ``ranks`` of a dead incarnation of this side."""
+    def _finish_dead(self, store: dist.Store, keys: AttemptKeys, ranks: list[int], dead: set[str]) -> None:
+        """(On the store worker.) Finish ``keys`` for ``ranks`` of a dead incarnation of this side: set the bits it
+        had not set (:meth:`dtkv.transfer.protocol.AttemptKeys.unfinished`)."""
         raise NotImplementedError
 
-    def _finish(self, store: dist.Store, keys: AttemptKeys, weight: int) -> None:
-        """(On the store worker.) Add ``weight`` to ``keys``' finish count, after this side's last write to the
-        attempt. The add that completes the count deletes the attempt's keys; this side lists the attempt among
+    def _finish(self, store: dist.Store, keys: AttemptKeys, parties: Iterable[int], *, unlist: bool = True) -> None:
+        """(On the store worker.) Set the bits of ``parties`` in ``keys``' counter words, after this side's last
+        write to the attempt for them; then (``unlist``) drop the attempt from this side's open ones. In that
+        order: a rank killed in between leaves the attempt listed, and its restart sets only the bits that are
+        not set. The add that completes the words deletes the attempt's keys; this side lists the attempt among
         its open ones while it does, so that a restart of a rank that dies in between completes the deletion
         (:meth:`_adopt_one`) rather than leave the rest of the keys behind."""
 
@@ -218,7 +237,9 @@ class TransferSide:
             self._hold(keys, True)
             self._write_open(store)
 
-        if keys.finish(store, weight, before_delete=reopen):
+        if keys.finish(store, parties, before_delete=reopen):
+            unlist = True
+        if unlist:
             self._hold(keys, False)
             self._write_open(store)
 

@@ -237,6 +237,7 @@ class DecodeReceiver(ReceiveLoop, TransferSide):
         def job(s: dist.Store) -> None:
             self._hold(keys, True)  # listed open before any of its keys exists: a restart finishes what a death
             self._write_open(s)  # between the two would otherwise leave behind
+            keys.create(s)  # the counter words before any slot (AttemptKeys.deleting relies on them)
             for k, raw in raws[:-1]:
                 s.set(k, raw)
             s.set(*raws[-1])  # last: prefill finds every slot once it sees the request
@@ -379,14 +380,13 @@ class DecodeReceiver(ReceiveLoop, TransferSide):
         self._pending.pop(att.request_id, None)
         att.closed = True
         self._release_staging(att)
-        keys, weight = att.keys, len(att.bound)
+        keys = att.keys
+        parties = [keys.party("decode", d) for d in att.bound]
 
         def job(s: dist.Store) -> None:
             if self.posts:
                 self._drop_request_key(s, keys)
-            self._hold(keys, False)
-            self._write_open(s)
-            self._finish(s, keys, weight)
+            self._finish(s, keys, parties)  # the bits first, then un-listed: a death in between is adopted
 
         self.bootstrap.post(job, what=f"finish {keys.prefix}")
 
@@ -437,7 +437,7 @@ class DecodeReceiver(ReceiveLoop, TransferSide):
         """(On the store worker.) Close every OPEN slot of ``keys`` except decode ``parties``' and finish those
         slots; add ABORT to every claimed prefill rank's progress, and to every rank whose claim this receiver
         answered (``answered``: it may send whatever its slot holds now). Returns ``(claimed, when)``."""
-        closed = 0
+        closed: list[int] = []
         claimed: dict[int, tuple[Claim, bool]] = {}
         aborted = Aborted(epoch=keys.epoch, by=self.uid)
         slots = [("prefill", r) for r in range(keys.num_prefill)]
@@ -447,7 +447,7 @@ class DecodeReceiver(ReceiveLoop, TransferSide):
             mine = self.bootstrap.encode(slot, aborted)
             raw = s.compare_set(slot, self.bootstrap.encode(slot, SlotOpen(epoch=keys.epoch)), mine)
             if raw == mine:
-                closed += 1
+                closed.append(keys.party(role, rank))
                 continue
             if role == "prefill" and s.check([slot]):
                 msg = self.bootstrap.decode(slot, raw, SlotOpen, Claim, Aborted)
@@ -460,7 +460,7 @@ class DecodeReceiver(ReceiveLoop, TransferSide):
         if self.posts and 0 in parties:
             self._drop_request_key(s, keys)
         if closed:
-            self._finish(s, keys, closed)
+            self._finish(s, keys, closed, unlist=False)
         return claimed, when
 
     def _drop_request_key(self, s: dist.Store, keys: AttemptKeys) -> None:
@@ -495,13 +495,10 @@ class DecodeReceiver(ReceiveLoop, TransferSide):
         self._released.append((att.request_id, att.dst))
 
         def job(s: dist.Store) -> None:
-            keys, weight = att.keys, len(att.bound)  # read here: after every bind and abort of the attempt
+            keys = att.keys  # read here: after every bind and abort of the attempt
             if keys is None:
                 return
-            self._hold(keys, False)
-            self._write_open(s)
-            if weight:
-                self._finish(s, keys, weight)
+            self._finish(s, keys, [keys.party("decode", d) for d in att.bound])  # the bits, then un-listed
 
         self.bootstrap.post(job, what=f"finish {att.request_id!r}")
 
@@ -535,8 +532,9 @@ class DecodeReceiver(ReceiveLoop, TransferSide):
         for att in list(self._quarantine.attempts):
             self._release(att)
 
-    def _finish_dead(self, s: dist.Store, keys: AttemptKeys, ranks: list[int]) -> None:
-        """(On the store worker.) A dead incarnation of decode ``ranks`` held ``keys``: give it up and finish it."""
+    def _finish_dead(self, s: dist.Store, keys: AttemptKeys, ranks: list[int], dead: set[str]) -> None:
+        """(On the store worker.) A dead incarnation (uids ``dead``) of decode ``ranks`` held ``keys``: give it up
+        and finish it: the bits of the hosted slots it bound and of the slots it closed that are not set yet."""
         held = set()
         for d in ranks:
             slot = keys.slot("decode", d)
@@ -545,5 +543,13 @@ class DecodeReceiver(ReceiveLoop, TransferSide):
             ):
                 held.add(d)
         self._abort(s, keys, held)
-        if held:
-            self._finish(s, keys, len(held))
+        parties = [keys.party("decode", d) for d in sorted(held)]
+        slots = [("prefill", r) for r in range(keys.num_prefill)] + [("decode", d) for d in range(keys.num_decode)]
+        for role, rank in slots:
+            slot = keys.slot(role, rank)
+            if not s.check([slot]):
+                continue
+            msg = self.bootstrap.decode(slot, s.get(slot), SlotOpen, Ready, Claim, Aborted)
+            if isinstance(msg, Aborted) and msg.by in dead:
+                parties.append(keys.party(role, rank))
+        self._finish(s, keys, keys.unfinished(s, parties))

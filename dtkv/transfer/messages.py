@@ -436,27 +436,33 @@ class SendOutcome:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OpenList:
-    """The attempts a rank holds open: ``(request_id, epoch, num_prefill, num_decode)`` each."""
+    """The attempts a rank holds open: ``(request_id, epoch, num_prefill, num_decode)`` each, and ``by``: the uid
+    of the incarnation that holds them, then those of the dead ones whose attempts it adopted and still holds (a
+    restart finishes the slots an ``ABORTED`` of one of these uids closed)."""
 
     KIND = Kind.OPEN_LIST
+    by: tuple[str, ...]
     attempts: tuple[tuple[str, str, int, int], ...] = ()
 
     def to_fields(self) -> list:
         a = self.attempts
-        return [[x[0] for x in a], [x[1] for x in a], [x[2] for x in a], [x[3] for x in a]]
+        return [list(self.by), [x[0] for x in a], [x[1] for x in a], [x[2] for x in a], [x[3] for x in a]]
 
     @classmethod
     def from_fields(cls, f: list) -> OpenList:
-        rids, epochs, num_p, num_d = f
+        by, rids, epochs, num_p, num_d = f
         if not len(rids) == len(epochs) == num_p.shape[0] == num_d.shape[0]:
             raise WireError("open attempts must have a request id, epoch and party counts each")
+        if not by:
+            raise WireError("an open list must name the incarnation that holds it, got no uid")
         _arr("num_prefill", num_p, 1, MAX_RANKS)
         _arr("num_decode", num_d, 1, MAX_RANKS)
         return cls(
+            by=tuple(_text("by", u, nonempty=True, limit=64) for u in by),
             attempts=tuple(
                 (_text("request_id", r, nonempty=True, limit=256), _epoch(e), int(p), int(d))
                 for r, e, p, d in zip(rids, epochs, num_p, num_d)
-            )
+            ),
         )
 
 

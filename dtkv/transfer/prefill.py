@@ -320,11 +320,8 @@ class PrefillSender(ClaimSteps, TransferSide):
                 if s.check([keys.slot("prefill", r)]) and s.get(keys.slot("prefill", r)) == att.claims[r]
             ]
 
-        def finish(s: dist.Store, ranks: list[int]) -> None:
-            self._hold(keys, False)
-            self._write_open(s)
-            if ranks:
-                self._finish(s, keys, len(ranks))
+        def finish(s: dist.Store, ranks: list[int]) -> None:  # the bits first, then un-listed
+            self._finish(s, keys, [keys.party("prefill", r) for r in ranks])
 
         ok = all(o.ok for o in outcomes.values())
 
@@ -408,8 +405,9 @@ class PrefillSender(ClaimSteps, TransferSide):
         for f in calls:
             f.add_done_callback(one)
 
-    def _finish_dead(self, s: dist.Store, keys: AttemptKeys, ranks: list[int]) -> None:
-        """(On the store worker.) A dead incarnation claimed these ranks' slots: report its failure, finish."""
+    def _finish_dead(self, s: dist.Store, keys: AttemptKeys, ranks: list[int], dead: set[str]) -> None:
+        """(On the store worker.) A dead incarnation claimed these ranks' slots: report its failure, set the bits
+        it had not set."""
         mine = []
         for r in ranks:
             slot = keys.slot("prefill", r)
@@ -424,8 +422,7 @@ class PrefillSender(ClaimSteps, TransferSide):
                 raw = self.bootstrap.encode(keys.done(r), SendOutcome(rank=r, ok=False, error="prefill rank restarted"))
                 s.set(keys.done(r), raw)
             s.add(keys.progress(r), (0 if progress.done else DONE) + (0 if progress.drained else DRAINED))
-        if mine:
-            self._finish(s, keys, len(mine))
+        self._finish(s, keys, keys.unfinished(s, [keys.party("prefill", r) for r in mine]))
 
 
 def _as_u8(data: bytes) -> torch.Tensor:

@@ -23,8 +23,9 @@ key                            value                                         wri
 ``E/start/{r}``                :class:`SendStart`                            prefill rank r
 ``E/done/{r}``                 :class:`SendOutcome`                          prefill rank r
 ``E/progress/{r}``             counter (:class:`SendProgress`)               prefill rank r; decode adds ABORT
-``E/finished``                 counter of the parties done with ``E``        every rank; the one reaching
-                                                                             ``P + D`` deletes ``E/*``
+``E/finished/{w}``             bits of the parties done with ``E``           decode rank 0 creates them at 0;
+                               (:data:`WORD_BITS` a word)                    every rank sets its bit; the one
+                                                                             completing them deletes ``E/*``
 =============================  ============================================  ======================================
 
 **Attempts.** Decode rank 0 opens an attempt of a request under a fresh random *epoch*: it creates every slot of
@@ -69,17 +70,21 @@ for its claimed senders; if none did, the pages are released once the abort ran.
 quarantined and :meth:`dtkv.transfer.DecodeReceiver.reclaim` does not list them. A bind that had not started when
 its caller gave up does nothing.
 
-**Cleanup.** Each party adds its number of ranks to ``E/finished`` after its last write to ``E`` (decode: after
-its quarantine ended); the add that reaches ``P + D`` deletes every key of ``E`` (``E/finished`` last), listing
-``E`` among its rank's open attempts while it does; decode rank 0 deletes ``req/{request_id}`` when its own wait
-ends. Store calls of one process run in order on one worker thread, so a call that timed out during a store stall
-still lands, in order, when the store answers again; the key count returns to its baseline. A party lists an
-attempt in ``{role}/{rank}/open`` before it writes any key of it (decode rank 0 before its slots, a bind or a claim
-before its compare-and-set; un-listed if that took nothing), so a rank that dies leaves every attempt it wrote to
-listed there; its restart finishes them
-(:meth:`dtkv.transfer.TransferSide.__init__`): an attempt whose ``E/finished`` stands at ``P + D`` was being
-deleted when the rank died, and the restart completes the deletion (a process killed between two of its deletes
-left the rest of ``E``'s keys in the store for good before).
+**Cleanup.** Each party sets its bit in ``E/finished/{w}`` (prefill rank ``r`` is party ``r``, decode rank ``d``
+party ``P + d``; one ``add`` of ``2**(party % 62)`` to word ``party // 62``) after its last write to ``E`` (decode:
+after its quarantine ended), and only then drops ``E`` from its open attempts; the add that completes every word
+deletes every key of ``E`` (the words last), listing ``E`` among its rank's open attempts while it does; decode
+rank 0 deletes ``req/{request_id}`` when its own wait ends. The party that closes another's slot sets that
+party's bit. Store calls of one process run in order on one worker thread, so a call that timed out during a
+store stall still lands, in order, when the store answers again; the key count returns to its baseline. A party
+lists an attempt in ``{role}/{rank}/open`` (with its incarnation) before it writes any key of it (decode rank 0
+before the words and slots, a bind or a claim before its compare-and-set; un-listed if that took nothing), so a
+rank that dies leaves every attempt it wrote to listed there; its restart finishes them
+(:meth:`dtkv.transfer.TransferSide.__init__`): an attempt whose word 0 is complete and whose other words are
+complete or gone was being deleted when the rank died, and the restart completes the deletion; otherwise it sets
+the dead rank's bits that are not set yet, and those of the slots the dead incarnation closed (their ``ABORTED``
+names it). Bits, not a count: a rank killed between its add and its un-listing would be counted twice by its
+restart, one killed between its un-listing and its add never (its attempt's keys left in the store for good).
 
 **Deadlines.** Every wait is bounded by :func:`deadline_after` and polls with :class:`Backoff`; every store call
 is bounded by the remaining time (:meth:`dtkv.transfer.Bootstrap.call`).
@@ -90,7 +95,7 @@ from __future__ import annotations
 import re
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -106,6 +111,7 @@ __all__ = [
     "HOT_POLL_S",
     "MAX_POLL_S",
     "STARTED",
+    "WORD_BITS",
     "AttemptKeys",
     "Backoff",
     "SendProgress",
@@ -116,6 +122,7 @@ __all__ = [
     "new_epoch",
     "new_nonce",
     "open_key",
+    "peek_counter",
     "request_key",
     "time_left",
 ]
@@ -138,6 +145,9 @@ GRACE_MARGIN_S = 1.0
 _EPOCH = re.compile(r"[0-9a-f]{16}")
 _NONCE = re.compile(r"[0-9a-f]{32}")
 _FIELD = (1 << 20) - 1
+
+WORD_BITS = 62
+"""Parties per counter word of an attempt's ``finished`` bits (a store counter is an int64)."""
 
 
 def deadline_after(timeout_s: float) -> float:
@@ -322,48 +332,120 @@ class AttemptKeys:
     def claimed(self) -> str:
         return f"{self.prefix}/claimed"
 
-    @property
-    def finished(self) -> str:
-        return f"{self.prefix}/finished"
+    def finished(self, word: int) -> str:
+        """Counter word ``word`` of the parties done with the attempt (:meth:`finish`)."""
+        return f"{self.prefix}/finished/{word}"
 
     @property
     def num_parties(self) -> int:
-        """``P + D``: what ``finished`` reaches once every rank is done with the attempt."""
+        """``P + D``: the ranks that each finish the attempt once."""
         return self.num_prefill + self.num_decode
 
+    @property
+    def num_words(self) -> int:
+        """Counter words of ``finished``: :data:`WORD_BITS` parties each."""
+        return -(-self.num_parties // WORD_BITS)
+
+    def party(self, role: str, rank: int) -> int:
+        """The party number of ``role`` rank ``rank``: prefill ``r`` is ``r``, decode ``d`` is ``P + d``."""
+        if role == "prefill" and 0 <= rank < self.num_prefill:
+            return rank
+        if role == "decode" and 0 <= rank < self.num_decode:
+            return self.num_prefill + rank
+        raise ValueError(
+            f"role and rank must name one of the attempt's {self.num_prefill} prefill and {self.num_decode} decode "
+            f"ranks, got {role!r} rank {rank!r}"
+        )
+
+    def full_word(self, word: int) -> int:
+        """The value of counter word ``word`` once each of its parties finished."""
+        return (1 << min(WORD_BITS, self.num_parties - word * WORD_BITS)) - 1
+
     def all(self) -> list[str]:
-        """Every key of the attempt (``req/{request_id}`` excluded: decode rank 0 owns it)."""
+        """Every key of the attempt (``req/{request_id}`` excluded: decode rank 0 owns it), in deletion order:
+        the counter words last, word 0 the very last."""
         keys = [self.slot("decode", d) for d in range(self.num_decode)]
         for r in range(self.num_prefill):
             keys += [self.slot("prefill", r), self.start(r), self.done(r), self.progress(r)]
             keys += [self.answer(r, d) for d in range(self.num_decode)]
-        return [*keys, self.claimed, self.finished]
+        return [*keys, self.claimed, *(self.finished(w) for w in reversed(range(self.num_words)))]
 
-    def finish(self, store, weight: int, before_delete: Callable[[], object] | None = None) -> bool:
-        """Add ``weight`` parties to ``finished`` (runs on the store worker); the last one deletes every key,
-        calling ``before_delete()`` first (:meth:`dtkv.transfer.TransferSide._finish` lists the attempt open again
-        meanwhile, so that a restart finishes a deletion its rank died in).
+    def create(self, store) -> None:
+        """Create the counter words at 0 (decode rank 0, before any slot): a missing word then means a deletion
+        under way, which :meth:`deleting` relies on."""
+        for w in range(self.num_words):
+            store.add(self.finished(w), 0)
+
+    def finish(self, store, parties: Iterable[int], before_delete: Callable[[], object] | None = None) -> bool:
+        """Set the bits of ``parties`` (:meth:`party`) in the counter words (runs on the store worker); the call
+        that completes every word deletes every key, calling ``before_delete()`` first
+        (:meth:`dtkv.transfer.TransferSide._finish` lists the attempt open again meanwhile, so that a restart
+        finishes a deletion its rank died in). Each party's bit is added once, by the rank or, for a rank that
+        died, by its restart where the bit is not set yet (:meth:`unfinished`): a count could not tell whether a
+        rank killed right after its add had added.
 
         Returns whether this call deleted the attempt.
         """
-        if store.add(self.finished, weight) < self.num_parties:
+        words: dict[int, int] = {}
+        for p in parties:
+            words[p // WORD_BITS] = words.get(p // WORD_BITS, 0) | 1 << (p % WORD_BITS)
+        if not words:
             return False
+        complete = True
+        for w, bits in sorted(words.items()):
+            complete &= store.add(self.finished(w), bits) == self.full_word(w)
+        if not complete:
+            return False
+        for w in range(self.num_words):  # another word's last party may be finishing now: one of us sees both
+            if w not in words and peek_counter(store, self.finished(w)) != self.full_word(w):
+                return False
         if before_delete is not None:
             before_delete()
         self.delete(store)
         return True
 
+    def unfinished(self, store, parties: Iterable[int]) -> list[int]:
+        """Those of ``parties`` whose bit is not set; none where their counter word is gone (the attempt was
+        deleted: an add would create the key again)."""
+        values: dict[int, int | None] = {}
+        out = []
+        for p in parties:
+            w = p // WORD_BITS
+            if w not in values:
+                values[w] = peek_counter(store, self.finished(w))
+            if values[w] is not None and not values[w] >> (p % WORD_BITS) & 1:
+                out.append(p)
+        return out
+
     def delete(self, store) -> None:
-        """Delete every key of the attempt, ``finished`` last: while it stands at ``P + D`` (:meth:`deleting`) a
-        deletion began and may not have ended. Deleting a deleted key does nothing, so a deletion can be redone."""
+        """Delete every key of the attempt, the counter words last: while word 0 is complete and every other word
+        complete or gone (:meth:`deleting`), a deletion began and may not have ended. Deleting a deleted key does
+        nothing, so a deletion can be redone."""
         for key in self.all():
             store.delete_key(key)
 
     def deleting(self, store) -> bool:
-        """Whether the attempt's deletion began and may not have ended: ``finished`` stands at ``P + D``."""
-        if not store.check([self.finished]):
+        """Whether the attempt's deletion began and may not have ended (see :meth:`delete`)."""
+        if peek_counter(store, self.finished(0)) != self.full_word(0):
             return False
-        try:
-            return int(store.get(self.finished)) >= self.num_parties
-        except ValueError:  # not a counter: not ours to judge
-            return False
+        for w in range(1, self.num_words):
+            value = peek_counter(store, self.finished(w))
+            if value is not None and value != self.full_word(w):
+                return False
+        return True
+
+
+_ABSENT = b"\x00absent"
+
+
+def peek_counter(store, key: str) -> int | None:
+    """The counter at ``key``, or ``None`` where the key is missing or not a counter. Never creates the key
+    (a compare-and-set with an expected value no counter holds: the store answers the value it has, or, for a
+    missing key, the expected value back)."""
+    raw = store.compare_set(key, _ABSENT, _ABSENT)
+    if raw == _ABSENT:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        return None

@@ -7,7 +7,8 @@ Nothing read from the store is ever unpickled or evaluated. A value is::
 - header, little-endian: magic ``b"DTKV"``, version ``u8`` (:data:`VERSION`), kind ``u8`` (:class:`Kind`),
   flags ``u16`` (bit 0: signed), body length ``u32``; a value of another version is refused, never guessed at
   (version 2: a claim carries prefill's nonce, and decode's answer to it is a kind of its own; version 3: an
-  endpoint says each buffer's layout, layer-major or page-major);
+  endpoint says each buffer's layout, layer-major or page-major; version 4: a rank's open attempts name its
+  incarnation, and an attempt's parties finish it with bits, not a count);
 - body: the fields of the kind, in the order of its schema (:data:`SCHEMAS`), each one of
 
   ====  ===================================================================
@@ -45,7 +46,7 @@ import numpy as np
 __all__ = ["MAGIC", "MAX_ITEMS", "SCHEMAS", "VERSION", "Kind", "WireError", "pack", "unpack"]
 
 MAGIC = b"DTKV"
-VERSION = 3
+VERSION = 4
 MAX_ITEMS = 1 << 24
 """Largest array, string or list a value may hold (the reader refuses more before allocating)."""
 
@@ -80,7 +81,7 @@ SCHEMAS: dict[Kind, str] = {
     Kind.ABORTED: "ss",
     Kind.START: "iaaaSaaa",
     Kind.OUTCOME: "iisiiiii",
-    Kind.OPEN_LIST: "SSaa",
+    Kind.OPEN_LIST: "SSSaa",
     Kind.ANSWER: "siisii",
     Kind.AGENT: "sibaaa",
 }
