@@ -9,6 +9,7 @@ group (the next ``run`` respawns it), so a broken collective fails the test inst
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import tempfile
@@ -69,12 +70,14 @@ class RankGroup:
         self.timeout_s = timeout_s
         self._procs: list[mp.Process] = []
         self._conns: list[Any] = []
+        self._init_file: str | None = None
 
     def _start(self) -> None:
         ctx = _context()
         fd, init_file = tempfile.mkstemp(prefix="dtkv_store_")
         os.close(fd)
         os.unlink(init_file)
+        self._init_file = init_file
         for r in range(self.world_size):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_worker, args=(r, self.world_size, init_file, child), daemon=True)
@@ -127,3 +130,7 @@ class RankGroup:
             if p.is_alive():
                 p.kill()
         self._procs, self._conns = [], []
+        if self._init_file is not None:  # the FileStore's file: a killed rank never deletes it
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._init_file)
+            self._init_file = None
