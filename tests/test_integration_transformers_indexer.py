@@ -155,19 +155,36 @@ def test_fp8_queries_round_as_the_reference_rounds_them():
     assert torch.equal(got, round_trip(q.float(), IndexerFp8Layout(page_size=1, head_dim=32)))
 
 
+class _Recorded:
+    """A Triton kernel whose launches are recorded (``kernel[grid](...)``)."""
+
+    def __init__(self, kernel, launches: list) -> None:
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        self.launches.append(grid)
+        return self.kernel[grid]
+
+
 @needs_interpreter
-@pytest.mark.parametrize("path", ["exact", "grouped"])
+@pytest.mark.parametrize("path", ["exact", "grouped", "fused"])
 @pytest.mark.parametrize("name", ["deepseek-v32", "glm5"])
 def test_fp8_kernel_selects_what_the_torch_fp8_math_selects(name, path, monkeypatch):
     """fp8 KV: the Triton backend's kernel (interpreter; several query blocks) against the torch backend's fp8
     formula (:func:`indexer_precision` ``"fp8"``): the same view slots. Their logits differ by float32 rounding
     (the kernel applies the key scale after the head sum), far below these random keys' gaps. On the ``grouped``
-    path (the selection's grouped bound, settings that take it at these few rows) the indexer's epilogue writes
-    the group maxima and the selection's own launch for them never runs."""
+    path (the selection's grouped bound, settings that take it at these few rows) the selection computes the group
+    maxima itself (the default); on the ``fused`` path (:data:`FUSED_GROUP_MAXIMA`) the indexer's epilogue writes
+    them and the selection's own launch for them never runs."""
     topk_mod = sys.modules["dtkv.ops.logits_topk"]
-    if path == "grouped":
+    maxima = []
+    if path != "exact":
         grouped = {"ratio": 1, "min_rows": 1, "scan_block": 32, "group_block": 16}
         monkeypatch.setattr(topk_mod, "GROUP_CONFIG", {**topk_mod.GROUP_CONFIG, **grouped})
+        real_kernel = topk_mod._group_max_kernel
+        monkeypatch.setattr(topk_mod, "_group_max_kernel", _Recorded(real_kernel, maxima))
+    if path == "fused":
+        monkeypatch.setattr(X, "FUSED_GROUP_MAXIMA", True)
         monkeypatch.setattr(topk_mod, "_group_max_kernel", None)  # not launched: the indexer wrote the maxima
     rt, ctx, indexer, iq, iw, view = _layer_inputs(name, "fp8", attention="triton")
     assert A.uses_fp8_indexer(ctx.attention.name, ctx.layouts["index"])
@@ -184,7 +201,8 @@ def test_fp8_kernel_selects_what_the_torch_fp8_math_selects(name, path, monkeypa
             want = A.select_topk(indexer, ctx, iq, iw, view)
     rt.close()
     assert [b for b, _ in calls] == ["triton"] * -(-iq.shape[0] // 5)  # the kernel ran, one call a block; not on torch
-    assert all((grp > 0) == (path == "grouped") for _, grp in calls), calls
+    assert all((grp > 0) == (path == "fused") for _, grp in calls), calls
+    assert bool(maxima) == (path == "grouped"), maxima
     assert torch.equal(got, want)
 
 

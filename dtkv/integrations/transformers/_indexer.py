@@ -29,6 +29,7 @@ from dtkv.runtime import StepContext
 
 __all__ = [
     "FP8_BLOCK_BYTES",
+    "FUSED_GROUP_MAXIMA",
     "INDEXER_PRECISIONS",
     "TORCH_BLOCK_BYTES",
     "fp8_indexer_queries",
@@ -45,6 +46,13 @@ TORCH_BLOCK_BYTES = 1 << 28
 
 FP8_BLOCK_BYTES = 1 << 31
 """The fp8 indexer's ``[B, K]`` float32 logits per block of queries (the kernel keeps nothing else per key)."""
+
+FUSED_GROUP_MAXIMA = False
+"""Whether the extend selection has the indexer's epilogue write the grouped bound's group maxima
+(``indexer_logits(..., group=G)``, then ``logits_topk(..., group_max=)``) instead of ``logits_topk``'s own pass
+over the logits. Off: on one H100 the epilogue cost more than the pass it saves (8192 queries x 128K keys: 39.2
+against 37.2 ms for the indexer and the selection; the runtime's 128K prefill 48.2K against 51.9K tok/s,
+``benchmarks/results/runtime_fused_maxima_h100x1_2026-12-07.md``)."""
 
 _PRECISION: list[str] = []
 
@@ -99,12 +107,12 @@ def select_topk(indexer, ctx: StepContext, q_NIJ, w_NI, view_index) -> torch.Ten
     Query ``n`` sees the key-table entries ``[plan.key_start[n], plan.key_end[n])``: its request's entries up to
     its position. The fp8 indexer (:func:`uses_fp8_indexer`) on the ``triton`` and ``flashmla`` backends runs
     :func:`dtkv.ops.quantize_indexer_queries` once and :func:`dtkv.ops.indexer_logits` (float32 logits, ``-inf``
-    where not visible, blocks of queries within :data:`FP8_BLOCK_BYTES`; on rows of many keys also the group maxima
-    of :func:`dtkv.ops.logits_topk`'s grouped bound, from its epilogue), then :func:`dtkv.ops.logits_topk` (the
-    selection of the packed keys' ``torch.topk``, bit for bit, at half the bytes); otherwise the model's formula
-    ``relu(q . k * softmax_scale)`` summed with the head weights in float32 does (on :func:`fp8_indexer_queries`
-    for the fp8 indexer on ``torch``; blocks within :data:`TORCH_BLOCK_BYTES`), then selection keys and
-    :func:`dtkv.ops.indexer_topk`.
+    where not visible, blocks of queries within :data:`FP8_BLOCK_BYTES`; with :data:`FUSED_GROUP_MAXIMA`, on rows
+    of many keys also the group maxima of :func:`dtkv.ops.logits_topk`'s grouped bound, from its epilogue), then
+    :func:`dtkv.ops.logits_topk` (the selection of the packed keys' ``torch.topk``, bit for bit, at half the
+    bytes); otherwise the model's formula ``relu(q . k * softmax_scale)`` summed with the head weights in float32
+    does (on :func:`fp8_indexer_queries` for the fp8 indexer on ``torch``; blocks within
+    :data:`TORCH_BLOCK_BYTES`), then selection keys and :func:`dtkv.ops.indexer_topk`.
 
     Args:
         indexer: the layer's indexer module (``softmax_scale``, ``index_topk``).
@@ -129,8 +137,8 @@ def select_topk(indexer, ctx: StepContext, q_NIJ, w_NI, view_index) -> torch.Ten
         out = []
         for b0 in range(0, n, block):
             sl = slice(b0, min(n, b0 + block))
-            # rows of many keys: the indexer's epilogue writes the selection's group maxima too
-            group = group_size(num_keys, k, rows=sl.stop - b0)
+            # FUSED_GROUP_MAXIMA: the indexer's epilogue writes the grouped bound's maxima too
+            group = group_size(num_keys, k, rows=sl.stop - b0) if FUSED_GROUP_MAXIMA else 0
             got = ops.indexer_logits(q8[sl], w8[sl], view_index, plan.key_slots, start[sl], end[sl], layout=lay,
                                      group=group, backend=backend)  # fmt: skip
             logits, gmax = cast(tuple[torch.Tensor, torch.Tensor], got) if group else (cast(torch.Tensor, got), None)
