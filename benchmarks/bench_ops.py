@@ -18,6 +18,8 @@ Scenario per token count ``n`` (page size 64, pages scattered over a pool twice 
 - ``pack_layer_pages``: the same send list out of a layer's fp8 and indexer pools (41 984 + 8 448 B per row) in one
   launch; baseline two ``index_select``.
 - ``remap``: int32 top-k ``[n, 64]``; baseline the torch reference.
+- ``dequantize_mla_rows``: ``n`` fp8 rows (656 B, pages of 64) -> bf16 ``[n, 576]``; baseline the torch path
+  (a float32 copy of the codes, the scaled product, the rope copy).
 
 Each row's ``target`` is the issue's: >= 90% of a plain copy of the same bytes measured in the same run, except the
 row-interleaved owner filter (every tile keeps some rows): >= 75%. Before timing, every scenario's Triton result on
@@ -389,6 +391,36 @@ def quant_mla_scenario(n: int, dev: torch.device) -> Scenario:
     )  # fmt: skip
 
 
+def dequant_mla_scenario(n: int, dev: torch.device) -> Scenario:
+    """A view of ``ceil(n / 64)`` fp8 pages (quantized rows: finite, so both backends' bytes compare) to bf16
+    rows; baseline the torch path the FlashMLA seam took before the op (a float32 copy of the codes, the scaled
+    product written into the rows, the rope copied)."""
+    pages = -(-n // PS)
+    sets = []
+    for _ in range(num_sets(pages * PS * (FP8.row_bytes + 2 * FP8.row_dim), dev)):
+        kv = torch.randn(pages * PS, FP8.row_dim, device=dev, dtype=torch.bfloat16)
+        sets.append(_qm.quantize_mla_fp8_torch(kv, 512, 64, 128).view(pages, PS, FP8.row_bytes))
+
+    def ours(rows, be: str = ""):
+        return torch.ops.dtkv.dequantize_mla_rows(rows, 512, 64, 128, torch.bfloat16, be or _backend(dev))
+
+    def base(rows):
+        r = rows.reshape(-1, FP8.row_bytes)
+        out = torch.empty((r.shape[0], FP8.row_dim), dtype=torch.bfloat16, device=dev)
+        codes = r[:, :512].view(torch.float8_e4m3fn).view(-1, 4, 128)
+        torch.mul(codes.float(), r[:, 512:528].view(torch.float32)[..., None], out=out[:, :512].view(-1, 4, 128))
+        out[:, 512:].copy_(r[:, FP8.rope_offset :].view(torch.bfloat16))
+        return out
+
+    return Scenario(
+        op="dequantize_mla_rows fp8 -> bf16", tuned_op="dequantize_mla_rows", tokens=pages * PS, size=pages * PS,
+        bytes_moved=pages * PS * (FP8.row_bytes + 2 * FP8.row_dim), target=0.90,
+        baseline="torch: float32 codes, scaled product, rope copy", calls=[lambda a=a: ours(a) for a in sets],
+        base_calls=[lambda a=a: base(a) for a in sets],
+        verify=_verify_out(lambda i, be: ours(sets[i], be=be), len(sets), dev),
+    )  # fmt: skip
+
+
 def quant_indexer_scenario(n: int, dev: torch.device) -> Scenario:
     hd = IDX.head_dim
     sets = []
@@ -503,6 +535,7 @@ SCENARIOS: dict[str, list[Callable[[int, torch.device], Scenario]]] = {
     "pack_owned_pages": [pack_scenario],
     "pack_layer_pages": [pack_layer_scenario],
     "remap": [remap_scenario],
+    "dequantize_mla_rows": [dequant_mla_scenario],
 }
 """The table's scenarios per ``ops/_tuned.py`` op, in table order."""
 

@@ -132,6 +132,8 @@ CANDIDATES: dict[str, list[dict]] = {
         {"block": 4096, "num_warps": 16, "map16": "always", "idx_cg": 0},
         {"block": 1024, "num_warps": 4, "map16": "always", "idx_cg": 1},
     ],
+    # fp8 rows (656 bytes) to bf16 rows (1152 bytes): [block_r, 4, 128] tiles of codes, 16 to 64 values a thread
+    "dequantize_mla_rows": _grid(block_r=[2, 4, 8, 16], num_warps=[2, 4, 8]),
 }
 ORDER = [
     "write_owned",
@@ -141,6 +143,7 @@ ORDER = [
     "pack_owned_pages",
     "quantize_write_indexer_fp8",
     "pack_layer_pages",
+    "dequantize_mla_rows",
 ]
 """Sweep order: the rows furthest from their targets first (a budget cut leaves the others as they are)."""
 

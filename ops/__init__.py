@@ -13,6 +13,8 @@ Entry points (each takes ``backend="auto" | "torch" | "triton"``):
 - :func:`quantize_write_mla_fp8`, :func:`quantize_write_indexer_fp8` -- fused fp8 quantize-and-write, owner
   filter or ``direct=True`` likewise; references :func:`quantize_mla_fp8`, :func:`dequantize_mla_fp8`,
   :func:`quantize_indexer_fp8`, :func:`dequantize_indexer_pages`.
+- :func:`dequantize_mla_rows` -- fp8 MLA rows decoded to bf16 or float32 rows in one pass
+  (``dtkv::dequantize_mla_rows``: what a bf16 attention kernel reads of an fp8 pool).
 - :func:`quantize_write_mla_indexer_fp8` -- both of a decode step's new-row writes of a layer (fp8 MLA row, fp8
   indexer key; owner filter) in one launch (``dtkv::quantize_write_mla_indexer_fp8``).
 - :func:`plan_pack` (plan) + :func:`pack_owned_pages` (run) -- owner-major all-gather send buffers
@@ -45,6 +47,7 @@ logical pool are skipped unvalidated and raise validated, whatever their width.
 from __future__ import annotations
 
 from dtkv.ops._common import HAS_TRITON, OwnershipSpec, ownership_spec
+from dtkv.ops.dequantize_mla_rows import dequantize_mla_rows
 from dtkv.ops.direct_write import direct_write
 from dtkv.ops.indexer_logits import indexer_logits, indexer_topk
 from dtkv.ops.indexer_scores import indexer_scores
@@ -71,6 +74,7 @@ __all__ = [
     "PackPlan",
     "dequantize_indexer_pages",
     "dequantize_mla_fp8",
+    "dequantize_mla_rows",
     "direct_write",
     "gathered_page_table",
     "indexer_logits",
