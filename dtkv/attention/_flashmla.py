@@ -34,6 +34,7 @@ import torch
 from dtkv.attention._base import AttentionBackend, DecodeSchedule
 from dtkv.attention._fit import B_TOPK, availability, check_fit, flashmla_module
 from dtkv.attention._rows import page_rows
+from dtkv.ops import dequantize_mla_rows
 from dtkv.ops._common import device_ctx
 
 __all__ = ["DEQUANT_PREFILL_READS", "FlashMLAAttention"]
@@ -46,19 +47,10 @@ view); a few queries over a long view read less than the dequantization writes."
 
 
 def _bf16_rows(kv: torch.Tensor, layout) -> torch.Tensor:
-    """fp8 pages ``uint8 [P, S, row_bytes]`` (:class:`dtkv.MLAFp8Layout`) as bf16 rows ``[P * S, 1, R + E]``:
-    each 128-value block's e4m3 codes times its float32 scale (computed in float32, rounded once to bf16), then the
-    bf16 rope part as stored (the dequantization of :func:`dtkv.ops.dequantize_mla_fp8`, in bf16)."""
-    r = kv.reshape(-1, layout.row_bytes)
-    if r.stride(0) % 4 or r.storage_offset() % 4:  # the scales' float32 view needs 4-byte rows
-        r = r.clone()
-    n, big, nb = r.shape[0], layout.kv_lora_rank, layout.num_scales
-    out = torch.empty((n, 1, big + layout.rope_dim), dtype=torch.bfloat16, device=kv.device)
-    codes = r[:, :big].view(torch.float8_e4m3fn).view(n, nb, big // nb)
-    scales = r[:, big : big + 4 * nb].view(torch.float32)
-    torch.mul(codes.float(), scales[..., None], out=out[:, 0, :big].view(n, nb, big // nb))
-    out[:, 0, big:].copy_(r[:, layout.rope_offset :].view(torch.bfloat16))
-    return out
+    """fp8 pages ``uint8 [P, S, row_bytes]`` (:class:`dtkv.MLAFp8Layout`, any page stride) as bf16 rows
+    ``[P * S, 1, R + E]``: each 128-value block's e4m3 codes times its float32 scale (computed in float32, rounded
+    once to bf16), then the bf16 rope part as stored, in one pass (:func:`dtkv.ops.dequantize_mla_rows`)."""
+    return dequantize_mla_rows(kv, layout, dtype=torch.bfloat16).unsqueeze(1)
 
 
 class FlashMLAAttention(AttentionBackend):
