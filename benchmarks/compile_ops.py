@@ -371,6 +371,8 @@ PATHS: dict[str, list[dict]] = {
     "pack_owned_pages": [{"rows": 2, "parts": 1}, {"parts": 4, "chunk_w": 2048}],
     "pack_layer_pages": [{"rows": 2, "parts": 1}, {"parts": 4, "chunk_w": 2048}],
     "remap": [{"map16": "always", "idx_cg": 1}, {"map16": "never", "block": 4096, "num_warps": 16}],
+    "dequantize_mla_rows": [{"block_r": 1, "num_warps": 1}, {"block_r": 16, "num_warps": 8}],
+    "rope_interleave_into": [{"block_r": 1, "num_warps": 1}, {"block_r": 64, "num_warps": 8}],
     "indexer_logits": [
         {"variant": "queries"},
         {"block_q": 1, "block_k": 128},
