@@ -20,6 +20,8 @@ Scenario per token count ``n`` (page size 64, pages scattered over a pool twice 
 - ``remap``: int32 top-k ``[n, 64]``; baseline the torch reference.
 - ``dequantize_mla_rows``: ``n`` fp8 rows (656 B, pages of 64) -> bf16 ``[n, 576]``; baseline the torch path
   (a float32 copy of the codes, the scaled product, the rope copy).
+- ``rope_interleave_into``: ``n`` tokens x 128 heads of 64 rope dims into a bf16 query buffer; baseline the
+  model's interleaved rope, then a copy.
 
 Each row's ``target`` is the issue's: >= 90% of a plain copy of the same bytes measured in the same run, except the
 row-interleaved owner filter (every tile keeps some rows): >= 75%. Before timing, every scenario's Triton result on
@@ -421,6 +423,37 @@ def dequant_mla_scenario(n: int, dev: torch.device) -> Scenario:
     )  # fmt: skip
 
 
+def rope_scenario(n: int, dev: torch.device) -> Scenario:
+    """``n`` tokens' rope queries (128 heads x 64 dims, a head-major view of a ``[n, 128, 192]`` projection) into
+    the rope columns of an ``[n, 128, 576]`` bf16 query buffer; baseline the eager path (the model's interleaved
+    rope, then a copy into the buffer)."""
+    heads, e = 128, 64
+    sets = []
+    for _ in range(num_sets(n * heads * (192 + 576) * 2, dev)):
+        proj = torch.randn(n, heads, 192, device=dev, dtype=torch.bfloat16)
+        ang = torch.rand(n, e // 2, device=dev) * n
+        emb = torch.cat([ang, ang], -1)
+        buf = torch.empty(n, heads, 576, device=dev, dtype=torch.bfloat16)
+        sets.append((buf, proj.transpose(0, 1)[..., 128:], emb.cos().bfloat16(), emb.sin().bfloat16()))
+
+    def ours(buf, x, cos, sin, be: str = ""):
+        torch.ops.dtkv.rope_interleave_into(buf[..., 512:], x, cos, sin, be or _backend(dev))
+        return buf[..., 512:]
+
+    def base(buf, x, cos, sin):
+        c, s = cos[None, :, : e // 2], sin[None, :, : e // 2]
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        buf[..., 512:].copy_(torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).transpose(0, 1))
+
+    return Scenario(
+        op="rope_interleave_into bf16 128x64", tuned_op="rope_interleave_into", tokens=n, size=n * heads,
+        bytes_moved=n * heads * e * 2 * 2 + n * e * 2 * 2, target=0.90,
+        baseline="the model's rope (six elementwise ops, a cat), then a copy",
+        calls=[lambda a=a: ours(*a) for a in sets], base_calls=[lambda a=a: base(*a) for a in sets],
+        verify=_verify_out(lambda i, be: ours(*sets[i], be=be), len(sets), dev),
+    )  # fmt: skip
+
+
 def quant_indexer_scenario(n: int, dev: torch.device) -> Scenario:
     hd = IDX.head_dim
     sets = []
@@ -536,6 +569,7 @@ SCENARIOS: dict[str, list[Callable[[int, torch.device], Scenario]]] = {
     "pack_layer_pages": [pack_layer_scenario],
     "remap": [remap_scenario],
     "dequantize_mla_rows": [dequant_mla_scenario],
+    "rope_interleave_into": [rope_scenario],
 }
 """The table's scenarios per ``ops/_tuned.py`` op, in table order."""
 

@@ -134,6 +134,8 @@ CANDIDATES: dict[str, list[dict]] = {
     ],
     # fp8 rows (656 bytes) to bf16 rows (1152 bytes): [block_r, 4, 128] tiles of codes, 16 to 64 values a thread
     "dequantize_mla_rows": _grid(block_r=[2, 4, 8, 16], num_warps=[2, 4, 8]),
+    # 64-dim bf16 rope rows (128 bytes read, 128 written): 8 to 64 rows a program
+    "rope_interleave_into": _grid(block_r=[8, 16, 32, 64], num_warps=[2, 4, 8]),
 }
 ORDER = [
     "write_owned",
@@ -144,6 +146,7 @@ ORDER = [
     "quantize_write_indexer_fp8",
     "pack_layer_pages",
     "dequantize_mla_rows",
+    "rope_interleave_into",
 ]
 """Sweep order: the rows furthest from their targets first (a budget cut leaves the others as they are)."""
 

@@ -31,6 +31,8 @@ Entry points (each takes ``backend="auto" | "torch" | "triton"``):
   few rows), the slots of the kept columns (``dtkv::keys_topk``).
 - :func:`logits_topk` -- that top-k straight from the float32 logits and their column ranges, bit for bit, in one
   kernel (``dtkv::logits_topk``; the slots of the kept columns).
+- :func:`rope_interleave_into` -- the MLA query's interleaved rope written into an attention query buffer
+  (``dtkv::rope_interleave_into``).
 - :func:`remap` -- logical indices to gathered-buffer coordinates (``dtkv::remap``).
 - :func:`sparse_indices` -- logical token locations to a sparse-attention kernel's int32 token slots (remap,
   bound, pad: ``dtkv::sparse_indices``); :func:`sparse_mla` -- MLA attention over selected rows (``dtkv::sparse_mla``).
@@ -64,6 +66,7 @@ from dtkv.ops.quantize_write_indexer_fp8 import (
 from dtkv.ops.quantize_write_mla_fp8 import dequantize_mla_fp8, quantize_mla_fp8, quantize_write_mla_fp8
 from dtkv.ops.quantize_write_mla_indexer_fp8 import quantize_write_mla_indexer_fp8
 from dtkv.ops.remap import remap
+from dtkv.ops.rope_interleave_into import rope_interleave_into
 from dtkv.ops.sparse_indices import sparse_indices
 from dtkv.ops.sparse_mla import sparse_mla
 from dtkv.ops.write_owned import write_owned
@@ -94,6 +97,7 @@ __all__ = [
     "quantize_write_mla_fp8",
     "quantize_write_mla_indexer_fp8",
     "remap",
+    "rope_interleave_into",
     "sparse_indices",
     "sparse_mla",
     "write_owned",

@@ -23,6 +23,7 @@ Ops (``op`` key: its ``size``; its configuration keys):
 - ``direct_write`` (``direct=True``, or cp = 1): rows; ``layout``, ``block_r``, ``chunk_w``, ``num_warps``.
 - ``quantize_write_mla_fp8``, ``quantize_write_indexer_fp8``: rows; ``block_r``, ``num_warps``.
 - ``dequantize_mla_rows``: rows; ``block_r``, ``num_warps``.
+- ``rope_interleave_into``: (token, head) rows; ``block_r``, ``num_warps``.
 - ``pack_owned_pages``, ``pack_layer_pages``: send rows; ``rows`` (pages per program), ``parts`` (programs per
   page), ``chunk_w``, ``num_warps``.
 - ``remap``: indices (``numel``); ``block``, ``num_warps``, ``map16`` (``"never"``, ``"always"`` or ``"large"``: a
@@ -67,6 +68,8 @@ DEFAULTS: dict[str, Config] = {
     "quantize_write_indexer_fp8": {"block_r": 16, "num_warps": 2},
     # dequantize: 8 rows x 4 scale blocks x 128 codes a program (32 values a thread at 4 warps); not timed yet
     "dequantize_mla_rows": {"block_r": 8, "num_warps": 4},
+    # rope into the query buffer: 32 (token, head) rows of 64 dims a program (16 values a thread); not timed yet
+    "rope_interleave_into": {"block_r": 32, "num_warps": 4},
     # pack: two programs per 41 984-byte page (halves of 2624 words in chunks 2048 + 512 + 64), 8 warps: about 10
     # words per thread, 36 registers (full occupancy), every load of a half in flight at once; compiled for sm_90
     # offline (benchmarks/compile_ops.py). Closest to main's pack kernel (two 4096-word blocks per page, 4 warps),

@@ -59,7 +59,7 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
             "_quantize_write_indexer_fp8_kernel", "_pack_layer_pages_kernel", "_remap_kernel", "_map16_kernel",
             "_logits_topk_select_kernel", "_quantize_indexer_queries_kernel", "_keys_topk_hist_kernel",
             "_keys_topk_select_kernel", "_keys_topk_rank_kernel", "_group_max_kernel", "_candidates_kernel",
-            "_overflow_rows_kernel", "_dequantize_mla_rows_kernel"}  # fmt: skip
+            "_overflow_rows_kernel", "_dequantize_mla_rows_kernel", "_rope_interleave_kernel"}  # fmt: skip
     assert want <= kernels, sorted(want - kernels)
     assert all(r["ok"] for r in records)
     constants = [r["constexprs"] for r in records if r["kernel"] == "_pack_layer_pages_kernel"]

@@ -294,7 +294,7 @@ def _tune_ops():
 @pytest.mark.parametrize(
     "op",
     ["write_owned", "direct_write", "quantize_write_mla_fp8", "quantize_write_indexer_fp8", "pack_owned_pages",
-     "pack_layer_pages", "remap", "dequantize_mla_rows"],
+     "pack_layer_pages", "remap", "dequantize_mla_rows", "rope_interleave_into"],
 )  # fmt: skip
 def test_every_tune_candidate_matches_torch(op):
     """What the GPU sweep does first, on 20 tokens (a partial page, so the owner filter's rows interleave): every
