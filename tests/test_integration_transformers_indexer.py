@@ -346,8 +346,7 @@ def test_fast_path_selects_from_float_logits_and_copies_no_queries(monkeypatch):
     """A step on the FlashMLA path (a CPU stand-in of ``flash_mla``, ``tests/fake_flash_mla.py``; the ops on their
     torch backend) with fp8 KV, a bf16 model at FlashMLA's dims: the top-k runs one ``dtkv::logits_topk`` of the
     indexer's float32 logits a block (no int64 keys over the key table), and the absorbed attention concatenates
-    nothing and copies only the rope part of the queries (the latent query and the value heads are written in
-    place)."""
+    and copies nothing (the latent query, the rotated rope query and the value heads are written in place)."""
     import dtkv.attention._flashmla as fm
     import dtkv.attention._resolve as res
     import tests.fake_flash_mla as fake
@@ -375,4 +374,7 @@ def test_fast_path_selects_from_float_logits_and_copies_no_queries(monkeypatch):
     assert not {"cat", "clone", "contiguous"} & {op for op, _ in attn_ops}
     heads, rope = lm.config.num_attention_heads, lm.config.qk_rope_head_dim
     copies = [(op, shapes[0]) for op, shapes in attn_ops if op in ("copy_", "_to_copy")]
-    assert copies == [("copy_", ((n, heads, rope), torch.bfloat16))] * layers, copies  # the rope part, once a layer
+    assert copies == [], copies  # the rope part is written rotated into the query buffer, once a layer:
+    assert [op for op, _ in attn_ops].count("rope_interleave_into") == layers, attn_ops
+    query = ("empty", [((n, heads, lm.config.kv_lora_rank + rope), torch.bfloat16)])
+    assert attn_ops.count(query) == layers, attn_ops

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import torch
 
+from dtkv import ops
 from dtkv.decode import DecodeQueries
 from dtkv.integrations.transformers._family import FAMILIES
 from dtkv.integrations.transformers._indexer import (
@@ -63,6 +64,7 @@ from dtkv.integrations.transformers._indexer import (
     uses_fp8_indexer,
 )
 from dtkv.kvio import read_rows
+from dtkv.ops.rope_interleave_into import IN_DTYPES as ROPE_DTYPES
 from dtkv.runtime import StepContext
 
 __all__ = [
@@ -73,6 +75,7 @@ __all__ = [
     "check_unbound",
     "dsa_attention",
     "fp8_indexer_queries",
+    "fuses_query_rope",
     "indexer_precision",
     "install",
     "projections",
@@ -118,7 +121,15 @@ def _indexer_rows(indexer, hidden_1ND, q_resid_1NQ, cos, sin, rope, k_lin=None, 
 
 
 def projections(
-    attn, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mla_rope, indexer_rope, fused=None
+    attn,
+    hidden_states: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    mla_rope,
+    indexer_rope,
+    fused=None,
+    *,
+    rope_query: bool = True,
 ):
     """One layer's rows before any cache access, as the transformers forward computes them (tensors only: what the
     adapter compiles for decode steps, one graph for every layer of a class).
@@ -130,11 +141,14 @@ def projections(
             tensor (:meth:`AbsorbedWeights.input_weight`: ``q_a_proj``, ``kv_a_proj_with_mqa``, then the
             indexer's ``wk`` and ``weights_proj`` where they share its dtype), run as one GEMM and split: the same
             products, one launch and one pass over ``hidden_states`` instead of up to four.
+        rope_query: ``False`` leaves ``q_rot`` unrotated (the caller writes its rope where it is read:
+            :func:`dtkv.ops.rope_interleave_into`); the key's rope is applied either way.
 
     Returns:
         ``(q_pass [1, H, N, nope], q_rot [1, H, N, E], latent [N, R + E], index)``: the query halves (``q_rot``
-        rotated), the latent row to store (``[kv_a_layernorm(kv), rope(k_rot)]``), and ``index`` the indexer's
-        ``(query [N, I, J], key [N, J], head weights [N, I] float32)`` or ``None`` for a layer without an indexer.
+        rotated unless ``rope_query`` is ``False``), the latent row to store (``[kv_a_layernorm(kv),
+        rope(k_rot)]``), and ``index`` the indexer's ``(query [N, I, J], key [N, J], head weights [N, I]
+        float32)`` or ``None`` for a layer without an indexer.
     """
     n = hidden_states.shape[1]
     h, r, e = attn.num_heads, attn.kv_lora_rank, attn.qk_rope_head_dim
@@ -150,7 +164,10 @@ def projections(
     q_pass, q_rot = torch.split(q, [attn.qk_nope_head_dim, e], dim=-1)
     kv_pass, k_rot = torch.split(kv_lin, [r, e], dim=-1)
     k_pass = attn.kv_a_layernorm(kv_pass)  # [1, N, R]
-    q_rot, k_rot = mla_rope(q_rot, k_rot.view(1, 1, n, e), cos, sin)
+    if rope_query:
+        q_rot, k_rot = mla_rope(q_rot, k_rot.view(1, 1, n, e), cos, sin)
+    else:  # the key alone (the function rotates two tensors: the key's one head twice, 128 bytes a token)
+        k_rot = mla_rope(k_rot.view(1, 1, n, e), k_rot.view(1, 1, n, e), cos, sin)[1]
     latent = torch.cat((k_pass[0], k_rot[0, 0]), dim=-1)
     index = None
     if attn.indexer is not None:
@@ -258,10 +275,11 @@ def _backend_dtype(backend, attn, absorbed: AbsorbedWeights | None = None) -> to
     return torch.promote_types(backend.cast_queries(torch.zeros((), dtype=torch.float32)).dtype, weight)
 
 
-def _extend_attention(attn, ctx, hidden_states, q_pass, q_rot, index, prev_topk, absorbed=None):
+def _extend_attention(attn, ctx, hidden_states, q_pass, q_rot, index, prev_topk, absorbed=None, rope=None):
     """Prefill / full-view decode: the model's own top-k and the attention over the step's full views (expanded on
     the ``torch`` backend, absorbed on the others); ``q_pass`` ``[H, N, nope]``, ``q_rot`` ``[H, N, E]``, ``index``
-    the indexer's rows (:func:`projections`)."""
+    the indexer's rows (:func:`projections`); ``rope``: ``(cos, sin)`` ``[N, E]`` where ``q_rot`` is still to be
+    rotated (absorbed backends only: :func:`_absorbed_attention` writes it rotated into its query buffer)."""
     layer, n = attn.layer_idx, hidden_states.shape[1]
     h, r, e = attn.num_heads, attn.kv_lora_rank, attn.qk_rope_head_dim
     indexer = attn.indexer
@@ -279,8 +297,11 @@ def _extend_attention(attn, ctx, hidden_states, q_pass, q_rot, index, prev_topk,
     if n == 0:  # no local rows (e.g. decode steps on other ranks): the collectives above were all this rank owed
         return attn.o_proj(hidden_states.new_zeros((1, 0, h * attn.v_head_dim))), topk_NK
     if ctx.attention is not None and ctx.attention.name != "torch":
-        out = _absorbed_attention(attn, ctx.attention, q_pass, q_rot, views["kv"], topk_NK, absorbed, ctx=ctx)
+        out = _absorbed_attention(attn, ctx.attention, q_pass, q_rot, views["kv"], topk_NK, absorbed, ctx=ctx,
+                                  rope=rope)  # fmt: skip
         return attn.o_proj(out.to(hidden_states.dtype).view(1, n, h * attn.v_head_dim)), topk_NK
+    if rope is not None:
+        raise ValueError("rope must be None on the torch backend (projections rotate the query there)")
     query_HNC = torch.cat((q_pass, q_rot), dim=-1)
     latent_VC = read_rows(views["kv"], ctx.layouts["kv"], hidden_states.dtype)
     sel = latent_VC[topk_NK.clamp(min=0)].reshape(1, 1, n * k, r + e)  # [1, 1, N*k, R + E]
@@ -297,7 +318,9 @@ def _extend_attention(attn, ctx, hidden_states, q_pass, q_rot, index, prev_topk,
     return attn.o_proj(out.reshape(1, n, h * attn.v_head_dim)), topk_NK
 
 
-def _absorbed_attention(attn, backend, q_pass, q_rot, kv_view, topk_NK, absorbed=None, ctx=None) -> torch.Tensor:
+def _absorbed_attention(
+    attn, backend, q_pass, q_rot, kv_view, topk_NK, absorbed=None, ctx=None, rope=None
+) -> torch.Tensor:
     """MLA in the absorbed form through a :mod:`dtkv.attention` kernel: ``[N, H, v_head_dim]``, contiguous.
 
     The latent query is ``q_nope @ W_UK`` (``[N, H, R]``, then the rope query: ``[N, H, R + E]``), the kernel attends
@@ -312,7 +335,9 @@ def _absorbed_attention(attn, backend, q_pass, q_rot, kv_view, topk_NK, absorbed
 
     Args:
         q_pass: ``[H, N, nope]`` (any strides with a contiguous last dim: a view of ``q_b_proj``'s output).
-        q_rot: ``[H, N, E]`` the rotated rope query.
+        q_rot: ``[H, N, E]`` the rotated rope query, or the unrotated one with ``rope``.
+        rope: ``None``, or ``(cos, sin)`` ``[N, E]``: ``q_rot`` is rotated as it is written into the query buffer
+            (:func:`dtkv.ops.rope_interleave_into`, the model's interleaved MLA rope, its bits).
     """
     h, n, nope = q_pass.shape
     r, e = attn.kv_lora_rank, q_rot.shape[-1]
@@ -320,7 +345,10 @@ def _absorbed_attention(attn, backend, q_pass, q_rot, kv_view, topk_NK, absorbed
     w_uk, w_uv_t = _factors(attn, absorbed, dtype)
     q = torch.empty((n, h, r + e), dtype=dtype, device=q_pass.device)
     torch.bmm(q_pass.to(dtype), w_uk, out=q[..., :r].transpose(0, 1))  # [H, N, nope] @ [H, nope, R]
-    q[..., r:].copy_(q_rot.transpose(0, 1))
+    if rope is None:
+        q[..., r:].copy_(q_rot.transpose(0, 1))
+    else:
+        ops.rope_interleave_into(q[..., r:], q_rot, *rope)
     idx = backend.indices(topk_NK, kv_view)
     if ctx is not None and ctx.decoding:
         schedule = ctx.decode_schedule(idx.shape[0], idx.shape[1])
@@ -403,12 +431,30 @@ def dsa_attention(
     cos, sin = position_embeddings
     # decode steps (a few rows: the GEMMs read their weights) run the input projections as one GEMM
     fused = absorbed.input_weight() if absorbed is not None and ctx.decoding else None
+    # extend steps on an absorbed backend rotate the query where they write it into the kernel's query buffer
+    late = not ctx.decoding and not ctx.sharded_decode and fuses_query_rope(ctx, hidden_states, cos, mla_rope)
+    kwargs = {"rope_query": False} if late else {}
     q_pass, q_rot, latent, index = (project or projections)(attn, hidden_states, cos, sin, mla_rope, indexer_rope,
-                                                            fused)  # fmt: skip
+                                                            fused, **kwargs)  # fmt: skip
     ctx.write("kv", attn.layer_idx, latent)  # the latent row [N, R + E]
     if ctx.sharded_decode:
         return _decode_attention(attn, ctx, hidden_states, q_pass, q_rot, index, prev_topk, absorbed)
-    return _extend_attention(attn, ctx, hidden_states, q_pass[0], q_rot[0], index, prev_topk, absorbed)
+    rope = (cos[0], sin[0]) if late else None
+    return _extend_attention(attn, ctx, hidden_states, q_pass[0], q_rot[0], index, prev_topk, absorbed, rope)
+
+
+def fuses_query_rope(ctx: StepContext, hidden_states: torch.Tensor, cos: torch.Tensor, mla_rope) -> bool:
+    """Whether an extend step writes the MLA query's rope straight into the absorbed kernel's query buffer
+    (:func:`dtkv.ops.rope_interleave_into`) instead of rotating it in :func:`projections` and copying it: an
+    absorbed backend (not ``torch``), the family's MLA rope the interleaved one the op computes, bf16 or float32
+    rows with angles of their dtype."""
+    return (
+        ctx.attention is not None
+        and ctx.attention.name != "torch"
+        and getattr(mla_rope, "__name__", "") == "apply_rotary_pos_emb_interleave"
+        and hidden_states.dtype in ROPE_DTYPES
+        and cos.dtype == hidden_states.dtype
+    )
 
 
 def check_unbound(model: torch.nn.Module) -> None:
