@@ -102,14 +102,39 @@ def spawn(args: dict, watch=None) -> list[dict]:
         if failed and len(got) < world:
             got.append({"rank": -1, "error": f"the decode group failed, so the prefill ranks were stopped: {failed}"})
             break
-    for p in procs:
+    killed = set()
+    for r, p in enumerate(procs):
         p.join(timeout=0 if any(g["rank"] == -1 for g in got) else 10)
         if p.is_alive():
+            killed.add(r)
             p.kill()
             p.join(timeout=10)
     if len(got) < world and not any(g["rank"] == -1 for g in got):
-        got.append({"rank": -1, "error": f"only {len(got)} of {world} ranks reported within {args['timeout']} s"})
+        reported = {g["rank"] for g in got}
+        late = time.time() >= deadline
+        got += [{"rank": r, "error": silent_rank(r, None if r in killed else procs[r].exitcode, args["timeout"], late)}
+                for r in range(world) if r not in reported]  # fmt: skip
     return sorted(got, key=lambda r: r["rank"])
+
+
+def silent_rank(rank: int, exitcode: int | None, timeout_s: float, late: bool) -> str:
+    """Why rank ``rank`` gave no result: ``exitcode`` is its process's (``None``: still running when the parent
+    gave up on it and killed it, ``late``: at the ``--timeout`` deadline, else after another rank died; negative:
+    the signal that ended it)."""
+    import signal
+
+    if exitcode is None:
+        if late:
+            return f"rank {rank} did not report within the {timeout_s:g} s --timeout (killed)"
+        return f"rank {rank} was stopped: another rank died without reporting"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        cause = " (e.g. the kernel's out-of-memory killer)" if exitcode == -signal.SIGKILL else ""
+        return f"rank {rank} died of {name}{cause} without reporting; the other ranks' errors follow from it"
+    return f"rank {rank} exited with code {exitcode} without reporting; the other ranks' errors follow from it"
 
 
 def json_all_gather(obj: object, group) -> list:
