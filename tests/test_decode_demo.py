@@ -12,6 +12,7 @@ import pytest
 
 from dtkv.decode import sharded_decode_comm_bytes
 from dtkv.model import ModelConfig
+from tests._failure import failure_text
 
 
 @pytest.mark.multirank
@@ -19,7 +20,7 @@ def test_demo_decode_sharded_json_reports_parity_with_full_view_decode():
     cmd = [sys.executable, "-m", "dtkv.demo", "--json", "--decode", "sharded", "--kv-dtype", "fp8"]
     cmd += ["--tokens", "300", "--chunk", "128", "--decode-steps", "5"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, failure_text(out)
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["parity"] is True and res["decode"] == "sharded"
     assert res["decode_logits_max_rel"] <= 1e-9

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests._failure import failure_text
 from tests._torchrun import loopback_env, torchrun
 
 
@@ -22,7 +23,7 @@ def test_default_demo_json_reports_parity_and_one_cpth_bytes():
     out = subprocess.run(
         [sys.executable, "-m", "dtkv.demo", "--json"], capture_output=True, text=True, timeout=240, check=False
     )
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, failure_text(out)
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["parity"] is True and res["cp"] == 2 and res["tokens"] == 1536 and res["chunks"] >= 3
     assert res["kv_bytes_per_rank"] * res["cp"] == res["kv_bytes_replicated"]
@@ -59,7 +60,7 @@ def test_demo_pd_hands_requests_to_a_decode_process(transfer_engine):
         transfer_engine,
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False)
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, failure_text(out)
     assert len(out.stdout.strip().splitlines()) == 1, out.stdout  # no engine log line on stdout
     res = json.loads(out.stdout)
     assert res["parity"] is True and res["pd_parity"] is True and res["pd_engine"] == transfer_engine
@@ -74,7 +75,7 @@ def test_demo_pd_with_page_major_pools(transfer_engine, page_major):
     cmd = [sys.executable, "-m", "dtkv.demo", "--pd", "--json", "--tokens", "200", "--chunk", "64", "--kv-dtype",
            "fp8", "--transfer-engine", transfer_engine, "--page-major", page_major]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False)
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, failure_text(out)
     res = json.loads(out.stdout)
     assert res["parity"] is True and res["pd_parity"] is True and res["pd_kv_equal"] is True
     assert res["page_major"] == page_major and res["pd_engine"] == transfer_engine
@@ -96,7 +97,7 @@ def test_torchrun_demo_runs_one_job_on_torchruns_group_and_prints_one_json_objec
     out = subprocess.run(
         _torchrun(2, "--json"), capture_output=True, text=True, timeout=600, check=False, env=loopback_env()
     )
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, failure_text(out)
     objs = _json_objects(out.stdout)
     assert len(objs) == 1 and len(out.stdout.strip().splitlines()) == 1, out.stdout
     res = objs[0]
@@ -127,7 +128,7 @@ def test_demo_runs_a_transformers_model_and_reports_parity_with_its_own_forward(
     cmd = [sys.executable, "-m", "dtkv.demo", "--model", "glm5", "--cp", "3", "--tokens", "200", "--chunk", "64",
            "--kv-dtype", "fp8", "--split", "round_robin", "--page-size", "1", "--json"]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, failure_text(out)
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["parity"] is True and res["tokens_equal"] is True and res["cp"] == 3
     assert res["max_abs_logit_diff"] <= res["tolerance"] == 1e-4 and res["within_tolerance"] == 1.0
@@ -147,7 +148,7 @@ def test_torchrun_demo_of_a_transformers_model_hands_off_to_decode(transfer_engi
     out = subprocess.run(
         _torchrun(2, *args), capture_output=True, text=True, timeout=600, check=False, env=loopback_env()
     )
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, failure_text(out)
     objs = _json_objects(out.stdout)
     assert len(objs) == 1, out.stdout
     res = objs[0]
@@ -165,7 +166,7 @@ def test_torchrun_demo_of_a_transformers_model_with_the_prefix_cache_and_sharded
     out = subprocess.run(
         _torchrun(3, *args), capture_output=True, text=True, timeout=900, check=False, env=loopback_env()
     )
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, failure_text(out)
     objs = _json_objects(out.stdout)
     assert len(objs) == 1, out.stdout
     res = objs[0]
@@ -267,7 +268,7 @@ def test_demo_table_rows_add_up_and_progress_goes_to_stderr():
     lines go to stderr."""
     cmd = [sys.executable, "-m", "dtkv.demo", "--tokens", "256", "--chunk", "64"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, failure_text(out)
     lines = out.stdout.splitlines()
     row = next(ln for ln in lines if "prefill KV rows" in ln)
     nums = [int(t) for t in row.replace("=", " ").split() if t.isdigit()]
@@ -294,7 +295,7 @@ def test_demo_loads_a_checkpoint_directory(tmp_path):
     cmd = [sys.executable, "-m", "dtkv.demo", "--json", "--model", str(tmp_path / "ckpt"), "--tokens", "96",
            "--chunk", "32", "--decode", "sharded", "--kv-dtype", "fp8"]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, failure_text(out)
     res = json.loads(out.stdout)
     assert res["parity"] is True and res["model"] == str(tmp_path / "ckpt") and res["model_dtype"] == "float32"
     assert (
@@ -324,7 +325,7 @@ def test_demo_default_sizes_of_the_transformers_modes(name):
         pytest.importorskip("mooncake.engine", reason="the Mooncake transfer engine (non-cuda wheel + libibverbs1)")
     out = subprocess.run([sys.executable, "-m", "dtkv.demo", "--json", *MUST_SHOW[name]], capture_output=True,
                          text=True, timeout=900, check=False)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, failure_text(out)
     res = json.loads(out.stdout)
     assert res["parity"] is True, res["checks"]
     if "multi-turn" in name:
@@ -344,7 +345,7 @@ def test_demo_pd_into_a_sharded_decode_group_of_another_size(transfer_engine):
     cmd = [sys.executable, "-m", "dtkv.demo", "--json", "--pd", "--decode-cp", "3", "--decode", "sharded",
            "--tokens", "200", "--chunk", "64", "--kv-dtype", "fp8", "--transfer-engine", transfer_engine]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, failure_text(out)
     res = json.loads(out.stdout)
     assert res["parity"] is True and res["pd_parity"] is True and set(res["checks"]) == {"prefill", "decode", "pd"}
     # each side labels its ranks (both count from 0), and each of the 5 processes logs its backend once
@@ -533,7 +534,7 @@ def test_default_transformers_runs_say_where_their_worst_difference_comes_from(m
     attributed, and the docs name that case too."""
     pytest.importorskip("transformers", reason="the hf extra (transformers==5.17.0)")
     out = _demo("--model", model, "--json", timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, failure_text(out)
     c = json.loads(out.stdout)["checks"]["prefill_decode"]
     docs = (Path(__file__).resolve().parent.parent / "docs" / "transformers.md").read_text()
     if c["worst"] <= c["tolerance"]:  # no near tie flipped on this machine

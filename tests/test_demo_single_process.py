@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 
+from tests._failure import failure_text
 from tests._runtime import runtime
 
 MODELS = ["reference", "deepseek-v32", "glm5"]
@@ -54,7 +55,7 @@ def test_one_process_runs_every_model_in_every_mode(model, mode):
 def test_demo_cli_at_cp_1_reports_parity():
     out = subprocess.run([sys.executable, "-m", "dtkv.demo", "--cp", "1", "--json", "--tokens", "200", "--chunk", "64"],
                          capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert out.returncode == 0, failure_text(out)
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["parity"] is True and res["cp"] == 1 and "error" not in res, res
 
@@ -65,7 +66,7 @@ def test_demo_cli_at_cp_1_hands_off_to_a_decode_process():
     pytest.importorskip("mooncake.engine", reason="the Mooncake transfer engine (non-cuda wheel + libibverbs1)")
     out = subprocess.run([sys.executable, "-m", "dtkv.demo", "--cp", "1", "--pd", "--json", "--tokens", "200",
                           "--chunk", "64"], capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert out.returncode == 0, failure_text(out)
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["parity"] is True and res["pd_parity"] is True and res["cp"] == 1, res
 

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from tests._failure import failure_text
+
 
 @pytest.mark.multirank
 @pytest.mark.slow  # > 10 s on 2 cores: outside the quick subset (-m 'not slow')
@@ -16,7 +18,7 @@ def test_multi_turn_demo_json_reports_parity_hit_rate_and_tokens_saved():
     cmd = [sys.executable, "-m", "dtkv.demo", "--multi-turn", "--json", "--tokens", "96", "--chunk", "32"]
     cmd += ["--page-size", "4", "--turns", "3", "--shared-requests", "2", "--kv-dtype", "fp8"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, failure_text(out)
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["parity"] is True and res["tokens_equal"] and res["logits_equal"] and res["kv_equal"]
     assert res["requests"] == 5 and res["cp"] == 2 and res["mode"] == "sharded_direct"
@@ -46,7 +48,7 @@ def test_multi_turn_demo_with_sharded_decode_and_an_evicting_pool():
     cmd = [sys.executable, "-m", "dtkv.demo", "--multi-turn", "--json", "--tokens", "96", "--chunk", "32"]
     cmd += ["--page-size", "4", "--turns", "3", "--shared-requests", "3", "--decode", "sharded", "--pool-pages", "20"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, failure_text(out)
     res = json.loads(out.stdout)
     assert res["parity"] is True and res["evicted_pages"] > 0 and res["decode"] == "sharded"
     assert res["tokens_equal"] and res["kv_equal"] and set(res["checks"]) == {"prefix_cache", "prefill_decode"}

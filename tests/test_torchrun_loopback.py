@@ -10,6 +10,7 @@ import subprocess
 
 import pytest
 
+from tests._failure import failure_text
 from tests._torchrun import loopback_env, torchrun
 
 _WORKER = """
@@ -30,7 +31,7 @@ def test_a_torchrun_job_of_a_test_rendezvouses_on_loopback(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("GLOO_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT")}
     out = subprocess.run(torchrun(2, str(script)), capture_output=True, text=True, timeout=180, check=False,
                          env=loopback_env(env))  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, failure_text(out)
     # the ranks share one stdout pipe: read the lines by pattern, so two lines that met mid-line still count
     lines = sorted(re.findall(r"rank \d+ master \S+ gloo \S+ sum \d+", out.stdout))
     assert lines == ["rank 0 master 127.0.0.1 gloo lo sum 2", "rank 1 master 127.0.0.1 gloo lo sum 2"], out.stdout
