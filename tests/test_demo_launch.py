@@ -19,14 +19,28 @@ pytestmark = pytest.mark.skipif("fork" not in mp.get_all_start_methods(), reason
 
 
 def _spawn(monkeypatch, behave, world: int = 2, timeout: float = 60.0) -> list[dict]:
+    files = []
+
     def rank_main(rank, world, args, init_file=None):
+        with open(init_file, "a"):  # what the ranks' FileStore creates
+            pass
         behave(rank)
         return {"rank": rank, "outputs": []}
+
+    real_mkstemp = _launch.tempfile.mkstemp
+
+    def mkstemp(**kw):
+        fd, path = real_mkstemp(**kw)
+        files.append(path)
+        return fd, path
 
     monkeypatch.setattr(_launch, "process_context", lambda args: mp.get_context("fork"))
     monkeypatch.setattr(_launch, "_rank_main", rank_main)
     monkeypatch.setattr(_launch, "setup_cli_logging", lambda **kw: None)
-    return _launch.spawn({"cp": world, "timeout": timeout, "pd": False})
+    monkeypatch.setattr(_launch.tempfile, "mkstemp", mkstemp)
+    got = _launch.spawn({"cp": world, "timeout": timeout, "pd": False})
+    assert len(files) == 1 and not os.path.exists(files[0]), "the ranks' store file outlived them"
+    return got
 
 
 def _die_of(sig):
@@ -81,3 +95,17 @@ def test_a_rank_past_the_deadline_is_killed_and_said_so(monkeypatch):
     got = _spawn(monkeypatch, behave, timeout=1.5)
     assert "error" not in got[0]
     assert got[1]["error"] == "rank 1 did not report within the 1.5 s --timeout (killed)"
+
+
+def test_the_decode_group_deletes_its_ranks_store_file(tmp_path):
+    """``--pd``'s decode group (:class:`dtkv.demo._pd.DecodeGroup`): its ranks' ``FileStore`` file goes once its
+    result is in, also when a rank left no answer."""
+    import queue
+
+    from dtkv.demo._pd import DecodeGroup
+
+    path = tmp_path / "store"
+    path.write_bytes(b"")
+    group = DecodeGroup(processes=[], results=queue.Queue(), store=None, rank_args={}, size=1, init_file=str(path))
+    assert group.result(timeout_s=0.1) == [{"rank": -1, "error": "the decode group did not answer within 0.1 s"}]
+    assert not path.exists()

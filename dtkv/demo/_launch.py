@@ -10,6 +10,7 @@ The ranks, and ``--pd``'s decode ranks (:mod:`dtkv.demo._pd`), start from
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue as queue_mod
@@ -19,7 +20,7 @@ import time
 from dtkv._log import phase, progress, setup_cli_logging
 from dtkv.demo._procs import process_context, rank_threads
 
-__all__ = ["join_torchrun", "json_all_gather", "rank_error", "spawn"]
+__all__ = ["join_torchrun", "json_all_gather", "rank_error", "remove_store_file", "silent_rank", "spawn"]
 
 
 def _rank_main(rank: int, world: int, args: dict, init_file: str | None = None) -> dict:
@@ -109,12 +110,20 @@ def spawn(args: dict, watch=None) -> list[dict]:
             killed.add(r)
             p.kill()
             p.join(timeout=10)
+    remove_store_file(init_file)
     if len(got) < world and not any(g["rank"] == -1 for g in got):
         reported = {g["rank"] for g in got}
         late = time.time() >= deadline
         got += [{"rank": r, "error": silent_rank(r, None if r in killed else procs[r].exitcode, args["timeout"], late)}
                 for r in range(world) if r not in reported]  # fmt: skip
     return sorted(got, key=lambda r: r["rank"])
+
+
+def remove_store_file(path: str) -> None:
+    """Delete a ``FileStore``'s file once its ranks are gone: the store deletes it when every rank closes it, which
+    a rank that died or was killed never does (a file left in the temporary directory for each such run)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 def silent_rank(rank: int, exitcode: int | None, timeout_s: float, late: bool) -> str:

@@ -26,6 +26,7 @@ from typing import Any
 
 from dtkv._log import progress, setup_cli_logging
 from dtkv.demo import _verdict as verdict
+from dtkv.demo._launch import remove_store_file
 from dtkv.demo._procs import process_context, rank_threads
 
 __all__ = ["DecodeGroup", "handoff_shard", "send_from_rank", "start_decode_group", "transfer_timeout"]
@@ -201,6 +202,8 @@ class DecodeGroup:
     """Extra demo arguments for the prefill ranks (``pd_port``, ``pd_namespace``)."""
     size: int = 1
     answers: list = field(default_factory=list)
+    init_file: str | None = None
+    """The ranks' ``FileStore`` file, deleted once they are gone (:meth:`result`)."""
 
     def failure(self) -> str | None:
         """What failed in the decode group so far (non-blocking: the answers in, the processes' exit codes), or
@@ -229,6 +232,9 @@ class DecodeGroup:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+                p.join(timeout=10)
+        if self.init_file is not None:
+            remove_store_file(self.init_file)
         if len(self.answers) < self.size:
             self.answers.append({"rank": -1, "error": f"the decode group did not answer within {timeout_s} s"})
         return sorted(self.answers, key=lambda r: r["rank"])
@@ -297,5 +303,5 @@ def start_decode_group(args: dict, prompts: list[list[int]]) -> DecodeGroup:
     progress("decode group: %d rank(s) started", world)
     return DecodeGroup(
         processes=procs, results=results, store=store, size=world,
-        rank_args={"pd_port": store.port, "pd_namespace": namespace},
+        rank_args={"pd_port": store.port, "pd_namespace": namespace}, init_file=init_file,
     )  # fmt: skip
