@@ -94,7 +94,7 @@ def test_a_rank_past_the_deadline_is_killed_and_said_so(monkeypatch):
 
     got = _spawn(monkeypatch, behave, timeout=1.5)
     assert "error" not in got[0]
-    assert got[1]["error"] == "rank 1 did not report within the 1.5 s --timeout (killed)"
+    assert got[1]["error"] == "rank 1 did not report within 1.5 s (killed)"
 
 
 def test_the_decode_group_deletes_its_ranks_store_file(tmp_path):
@@ -109,3 +109,23 @@ def test_the_decode_group_deletes_its_ranks_store_file(tmp_path):
     group = DecodeGroup(processes=[], results=queue.Queue(), store=None, rank_args={}, size=1, init_file=str(path))
     assert group.result(timeout_s=0.1) == [{"rank": -1, "error": "the decode group did not answer within 0.1 s"}]
     assert not path.exists()
+
+
+def _kill_self() -> None:
+    faulthandler.disable()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_decode_rank_that_dies_is_named_with_its_signal(tmp_path):
+    """:meth:`dtkv.demo._pd.DecodeGroup.result`: a decode rank that died without answering is named with its
+    signal (was: "the decode group did not answer within T s", at once)."""
+    from dtkv.demo._pd import DecodeGroup
+
+    ctx = mp.get_context("fork")
+    proc = ctx.Process(target=_kill_self, daemon=True)
+    proc.start()
+    group = DecodeGroup(processes=[proc], results=ctx.Queue(), store=None, rank_args={}, size=1)
+    t0 = time.monotonic()
+    got = group.result(timeout_s=60)
+    assert time.monotonic() - t0 < 15
+    assert len(got) == 1 and got[0]["rank"] == 0 and got[0]["error"].startswith("rank 0 died of SIGKILL"), got

@@ -20,7 +20,7 @@ import time
 from dtkv._log import phase, progress, setup_cli_logging
 from dtkv.demo._procs import process_context, rank_threads
 
-__all__ = ["join_torchrun", "json_all_gather", "rank_error", "remove_store_file", "silent_rank", "spawn"]
+__all__ = ["join_torchrun", "json_all_gather", "drain", "rank_error", "remove_store_file", "silent_rank", "spawn"]
 
 
 def _rank_main(rank: int, world: int, args: dict, init_file: str | None = None) -> dict:
@@ -111,12 +111,24 @@ def spawn(args: dict, watch=None) -> list[dict]:
             p.kill()
             p.join(timeout=10)
     remove_store_file(init_file)
+    got += drain(results, world - len(got))  # what a rank put while the others were joined
     if len(got) < world and not any(g["rank"] == -1 for g in got):
         reported = {g["rank"] for g in got}
         late = time.time() >= deadline
         got += [{"rank": r, "error": silent_rank(r, None if r in killed else procs[r].exitcode, args["timeout"], late)}
                 for r in range(world) if r not in reported]  # fmt: skip
     return sorted(got, key=lambda r: r["rank"])
+
+
+def drain(results, most: int) -> list[dict]:
+    """Up to ``most`` results already in the queue ``results`` (no waiting)."""
+    out: list[dict] = []
+    while len(out) < most:
+        try:
+            out.append(results.get_nowait())
+        except queue_mod.Empty:
+            break
+    return out
 
 
 def remove_store_file(path: str) -> None:
@@ -128,13 +140,14 @@ def remove_store_file(path: str) -> None:
 
 def silent_rank(rank: int, exitcode: int | None, timeout_s: float, late: bool) -> str:
     """Why rank ``rank`` gave no result: ``exitcode`` is its process's (``None``: still running when the parent
-    gave up on it and killed it, ``late``: at the ``--timeout`` deadline, else after another rank died; negative:
+    gave up on it and killed it, ``late``: at the deadline ``timeout_s`` after the start, else after another rank
+    died; negative:
     the signal that ended it)."""
     import signal
 
     if exitcode is None:
         if late:
-            return f"rank {rank} did not report within the {timeout_s:g} s --timeout (killed)"
+            return f"rank {rank} did not report within {timeout_s:g} s (killed)"
         return f"rank {rank} was stopped: another rank died without reporting"
     if exitcode < 0:
         try:

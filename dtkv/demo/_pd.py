@@ -26,7 +26,7 @@ from typing import Any
 
 from dtkv._log import progress, setup_cli_logging
 from dtkv.demo import _verdict as verdict
-from dtkv.demo._launch import remove_store_file
+from dtkv.demo._launch import drain, remove_store_file, silent_rank
 from dtkv.demo._procs import process_context, rank_threads
 
 __all__ = ["DecodeGroup", "handoff_shard", "send_from_rank", "start_decode_group", "transfer_timeout"]
@@ -228,14 +228,23 @@ class DecodeGroup:
             except queue_mod.Empty:
                 if any(p.exitcode not in (None, 0) for p in self.processes):
                     break
-        for p in self.processes:
+        killed = set()
+        for r, p in enumerate(self.processes):
             p.join(timeout=10)
             if p.is_alive():
+                killed.add(r)
                 p.kill()
                 p.join(timeout=10)
         if self.init_file is not None:
             remove_store_file(self.init_file)
-        if len(self.answers) < self.size:
+        self.answers += drain(self.results, self.size - len(self.answers))
+        answered = {g["rank"] for g in self.answers}
+        late = time.monotonic() >= deadline
+        for r, p in enumerate(self.processes):
+            if r not in answered:
+                code = None if r in killed else p.exitcode
+                self.answers.append({"rank": r, "error": silent_rank(r, code, timeout_s, late)})
+        if len(self.answers) < self.size:  # no process to name
             self.answers.append({"rank": -1, "error": f"the decode group did not answer within {timeout_s} s"})
         return sorted(self.answers, key=lambda r: r["rank"])
 
