@@ -10,7 +10,6 @@ The ranks, and ``--pd``'s decode ranks (:mod:`dtkv.demo._pd`), start from
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import queue as queue_mod
@@ -18,9 +17,9 @@ import tempfile
 import time
 
 from dtkv._log import phase, progress, setup_cli_logging
-from dtkv.demo._procs import process_context, rank_threads
+from dtkv.demo._procs import drain, process_context, rank_threads, remove_store_file, silent_rank
 
-__all__ = ["join_torchrun", "json_all_gather", "drain", "rank_error", "remove_store_file", "silent_rank", "spawn"]
+__all__ = ["join_torchrun", "json_all_gather", "rank_error", "spawn"]
 
 
 def _rank_main(rank: int, world: int, args: dict, init_file: str | None = None) -> dict:
@@ -118,45 +117,6 @@ def spawn(args: dict, watch=None) -> list[dict]:
         got += [{"rank": r, "error": silent_rank(r, None if r in killed else procs[r].exitcode, args["timeout"], late)}
                 for r in range(world) if r not in reported]  # fmt: skip
     return sorted(got, key=lambda r: r["rank"])
-
-
-def drain(results, most: int) -> list[dict]:
-    """Up to ``most`` results already in the queue ``results`` (no waiting)."""
-    out: list[dict] = []
-    while len(out) < most:
-        try:
-            out.append(results.get_nowait())
-        except queue_mod.Empty:
-            break
-    return out
-
-
-def remove_store_file(path: str) -> None:
-    """Delete a ``FileStore``'s file once its ranks are gone: the store deletes it when every rank closes it, which
-    a rank that died or was killed never does (a file left in the temporary directory for each such run)."""
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-
-
-def silent_rank(rank: int, exitcode: int | None, timeout_s: float, late: bool) -> str:
-    """Why rank ``rank`` gave no result: ``exitcode`` is its process's (``None``: still running when the parent
-    gave up on it and killed it, ``late``: at the deadline ``timeout_s`` after the start, else after another rank
-    died; negative:
-    the signal that ended it)."""
-    import signal
-
-    if exitcode is None:
-        if late:
-            return f"rank {rank} did not report within {timeout_s:g} s (killed)"
-        return f"rank {rank} was stopped: another rank died without reporting"
-    if exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = f"signal {-exitcode}"
-        cause = " (e.g. the kernel's out-of-memory killer)" if exitcode == -signal.SIGKILL else ""
-        return f"rank {rank} died of {name}{cause} without reporting; the other ranks' errors follow from it"
-    return f"rank {rank} exited with code {exitcode} without reporting; the other ranks' errors follow from it"
 
 
 def json_all_gather(obj: object, group) -> list:

@@ -26,8 +26,7 @@ from typing import Any
 
 from dtkv._log import progress, setup_cli_logging
 from dtkv.demo import _verdict as verdict
-from dtkv.demo._launch import drain, remove_store_file, silent_rank
-from dtkv.demo._procs import process_context, rank_threads
+from dtkv.demo._procs import drain, process_context, rank_threads, remove_store_file, silent_rank
 
 __all__ = ["DecodeGroup", "handoff_shard", "send_from_rank", "start_decode_group", "transfer_timeout"]
 
