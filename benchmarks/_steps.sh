@@ -1,4 +1,5 @@
-# Sourced by the GPU run scripts (gpu_decode.sh, gpu_flashmla.sh, h200x2.sh), after they set STEP_DIR:
+# Sourced by the GPU run scripts (gpu_decode.sh, gpu_flashmla.sh, h200x2.sh, scripts/gpu_*.sh), after they set
+# STEP_DIR:
 #   step NAME SECONDS CMD...   run CMD with a deadline, log to $STEP_DIR/NAME.log, record the exit status and the
 #                              time taken in $STEP_DIR/steps.txt (and print that line)
 step() {

@@ -20,12 +20,8 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
   python -c "from dtkv.attention import available_backends; print(available_backends('cuda'))";
   git log -1 --format='commit %H %s' 2>/dev/null; } > "$OUT/env.txt" 2>&1
 : > "$OUT/steps.txt"
-step() {  # step NAME SECONDS CMD...: run with a deadline, log to $OUT/NAME.log, record the exit status
-  local name=$1 secs=$2; shift 2
-  local t0=$(date +%s)
-  timeout "$secs" "$@" > "$OUT/$name.log" 2>&1
-  echo "$name rc=$? ${secs}s-limit took=$(( $(date +%s) - t0 ))s" | tee -a "$OUT/steps.txt"
-}
+STEP_DIR=$OUT
+source benchmarks/_steps.sh   # step NAME SECONDS CMD...: run with a deadline, log to $OUT/NAME.log, record the exit status
 phase=${1:-all}
 case $phase in all|tests|graph|eager) ;; *) echo "usage: gpu_decode_graphs.sh [all|tests|graph|eager]"; exit 2;; esac
 run() { [ "$phase" = all ] || [ "$phase" = "$1" ]; }

@@ -20,12 +20,8 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
   python -c "import flash_mla; print('flash_mla', flash_mla.__version__, 'legacy', flash_mla.has_legacy())";
   git log -1 --format='commit %H %s' 2>/dev/null; } > "$OUT/env.txt" 2>&1
 : > "$OUT/steps.txt"
-step() {  # step NAME SECONDS CMD...: run with a deadline, log to $OUT/NAME.log, record the exit status
-  local name=$1 secs=$2; shift 2
-  local t0=$(date +%s)
-  timeout "$secs" "$@" > "$OUT/$name.log" 2>&1
-  echo "$name rc=$? ${secs}s-limit took=$(( $(date +%s) - t0 ))s" | tee -a "$OUT/steps.txt"
-}
+STEP_DIR=$OUT
+source benchmarks/_steps.sh   # step NAME SECONDS CMD...: run with a deadline, log to $OUT/NAME.log, record the exit status
 step cuda_tests 120 python -m pytest -q -rs -p no:cacheprovider \
   tests/test_ops_logits_topk.py tests/test_ops_quantize_indexer_queries.py tests/test_runtime_prefill_cuda.py \
   tests/test_ops_indexer_logits.py -k "cuda or prefill_cuda or synchronize"
